@@ -1,0 +1,428 @@
+"""What every script of the ladder shares: the command line, the three tasks
+(datasets + model + loss), the data download rule, and small I/O helpers.
+
+The distributed training logic itself (process groups, DDP, samplers,
+reductions, snapshots) is *not* here: it lives in each script, so that
+`diff singlegpu.py multigpu_spawn.py` shows it.
+
+Tasks (``--dataset``):
+  synthetic  seeded regression, 20 features -> 1 target, MLP or linear model,
+             MSE loss. No download; the default everywhere.
+  mnist      torchvision MNIST, the 2-conv/2-fc CNN with dropout, cross-entropy.
+  cifar10    torchvision CIFAR10 with crop+flip augmentation, torchvision
+             resnet18 (default) or resnet50, cross-entropy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Subset
+
+# Model choices per dataset; the first one is the default.
+MODELS = {
+    "synthetic": ("mlp", "linear"),
+    "mnist": ("cnn",),
+    "cifar10": ("resnet18", "resnet50"),
+}
+
+SYNTHETIC_FEATURES = 20
+SYNTHETIC_TRAIN_SAMPLES = 2048
+SYNTHETIC_TEST_SAMPLES = 512
+SYNTHETIC_NOISE_STD = 0.1
+
+# Per-channel mean/std of the training images, the values the torchvision
+# references use (MNIST: pytorch/examples mnist/main.py; CIFAR-10: the
+# widely used kuangliu/pytorch-cifar numbers, as in the seed tutorials).
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
+
+
+class ConfigError(Exception):
+    """A mistake in the user's input or environment (bad flag, missing data,
+    incompatible snapshot). The scripts print it as one line and exit non-zero,
+    without a traceback."""
+
+
+def exit_on_config_error(fn: Callable) -> Callable:
+    """Decorator for a script's ``main``: a ConfigError becomes one line on
+    stderr (``error: ...``) and exit status 2, without a traceback.
+
+    Under a process group only rank 0 prints, since such errors are raised on
+    every rank alike (see ``prepare_data``); the other ranks exit quietly.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as exc:
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------
+
+def _positive(kind: type) -> Callable[[str], object]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}")
+        if not value > 0:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser(description: Optional[str]) -> argparse.ArgumentParser:
+    """The flags every script shares, in the same order everywhere.
+
+    Each script adds its own (``--checkpoint_path``, ``--world_size``,
+    ``--snapshot_path``) after these. Invalid values (zero or negative epochs,
+    batch size, lr, save interval; unknown dataset) are refused by argparse with
+    one line on stderr and exit status 2.
+    """
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--total_epochs", type=_positive(int), default=10,
+                        help="epochs to train (default: 10)")
+    parser.add_argument("--save_every", type=_positive(int), default=5,
+                        help="save every N epochs; the last epoch is always saved (default: 5)")
+    parser.add_argument("--batch_size", type=_positive(int), default=32,
+                        help="samples per step *per process*; the global batch size is "
+                             "batch_size x world_size (default: 32)")
+    parser.add_argument("--lr", type=_positive(float), default=0.05,
+                        help="SGD learning rate, momentum 0.9 (default: 0.05)")
+    parser.add_argument("--dataset", choices=tuple(MODELS), default="synthetic",
+                        help="task to train (default: synthetic, needs no download)")
+    parser.add_argument("--model", default=None,
+                        help="model for the dataset: synthetic {mlp,linear}, mnist {cnn}, "
+                             "cifar10 {resnet18,resnet50} (default: the first)")
+    parser.add_argument("--data_dir", default=os.environ.get("DATA_DIR", "data"),
+                        help="dataset root, as torchvision expects it "
+                             "(default: $DATA_DIR or ./data)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for data split, model init, shuffling (default: 0)")
+    parser.add_argument("--num_workers", type=_non_negative_int, default=0,
+                        help="DataLoader worker processes per training process (default: 0)")
+    parser.add_argument("--metrics_path", default=None,
+                        help="also write each epoch's summary as one JSON object per line here")
+    return parser
+
+
+def resolve_model(dataset: str, model: Optional[str]) -> str:
+    """Return the model name for ``dataset``: ``model`` or the dataset's default.
+
+    Raises ConfigError when the model does not exist for that dataset.
+    """
+    choices = MODELS[dataset]
+    if model is None:
+        return choices[0]
+    if model not in choices:
+        raise ConfigError(f"--model {model} is not available for --dataset {dataset}; "
+                          f"choose one of {', '.join(choices)}")
+    return model
+
+
+# --------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------
+
+class MnistCNN(nn.Module):
+    """The 2-conv/2-fc CNN with dropout of pytorch/examples mnist/main.py.
+
+    Input: float32 (N, 1, 28, 28) normalized images. Output: float32 (N, 10)
+    logits (not log-probabilities: pair it with ``F.cross_entropy``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)
+
+
+def build_model(dataset: str, model: str) -> nn.Module:
+    """A freshly initialized model (from the global torch RNG) for the task.
+
+    synthetic: float32 (N, 20) -> (N, 1). mnist: (N, 1, 28, 28) -> (N, 10)
+    logits. cifar10: (N, 3, 32, 32) -> (N, 10) logits.
+    """
+    if dataset == "synthetic":
+        if model == "linear":
+            return nn.Linear(SYNTHETIC_FEATURES, 1)
+        return nn.Sequential(nn.Linear(SYNTHETIC_FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
+    if dataset == "mnist":
+        return MnistCNN()
+    import torchvision
+
+    return getattr(torchvision.models, model)(weights=None, num_classes=10)
+
+
+# --------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------
+
+class SyntheticRegression(Dataset):
+    """y = x @ w + b + noise, drawn from a private ``torch.Generator``.
+
+    The global RNG is never touched, so every rank that builds it with the same
+    ``seed`` and ``split`` holds identical tensors. Train and test splits share
+    w and b (the relation to learn) but have independent x and noise.
+    w ~ N(0, 1/20) makes Var(y) about 1, so the MSE of a zero predictor is ~1
+    and the best achievable is the noise variance, 0.01.
+
+    Items: (x float32 (20,), y float32 (1,)).
+    """
+
+    def __init__(self, seed: int, split: str) -> None:
+        relation = torch.Generator().manual_seed(seed)
+        w = torch.randn(SYNTHETIC_FEATURES, 1, generator=relation) / SYNTHETIC_FEATURES ** 0.5
+        b = torch.randn(1, generator=relation)
+        n = SYNTHETIC_TRAIN_SAMPLES if split == "train" else SYNTHETIC_TEST_SAMPLES
+        g = torch.Generator().manual_seed(seed + (1 if split == "train" else 2))
+        self.x = torch.randn(n, SYNTHETIC_FEATURES, generator=g)
+        self.y = self.x @ w + b + SYNTHETIC_NOISE_STD * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+def _torchvision_class(dataset: str):
+    from torchvision import datasets
+
+    return {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[dataset]
+
+
+def expected_files(dataset: str, data_dir: str) -> tuple[str, list[str]]:
+    """(folder, file names) that torchvision reads for ``dataset`` under ``data_dir``."""
+    cls = _torchvision_class(dataset)
+    if dataset == "mnist":
+        folder = os.path.join(data_dir, "MNIST", "raw")
+        names = [os.path.splitext(name)[0] for name, _md5 in cls.resources]
+    else:
+        folder = os.path.join(data_dir, cls.base_folder)
+        names = [name for name, _md5 in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    return folder, names
+
+
+def _fetch(dataset: str, data_dir: str, download: bool) -> str:
+    """Make sure the files are there; return '' on success, else a one-line error."""
+    if dataset == "synthetic":
+        return ""
+    cls = _torchvision_class(dataset)
+    try:
+        for train in (True, False):
+            cls(data_dir, train=train, download=download)
+        return ""
+    except Exception as exc:  # torchvision raises RuntimeError/URLError/OSError
+        folder, names = expected_files(dataset, data_dir)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (f"{dataset} not found in {os.path.abspath(folder)} (expected "
+                f"{', '.join(names)}; {'download failed: ' if download else ''}{reason}). "
+                f"Pre-stage it on a machine with network: python -c \"from torchvision import "
+                f"datasets; datasets.{cls.__name__}('{data_dir}', download=True)\" and copy "
+                f"the folder here, or point --data_dir at an existing copy")
+
+
+def prepare_data(dataset: str, data_dir: str, download: bool) -> None:
+    """Make sure the dataset's files are in ``data_dir``.
+
+    Processes called with ``download=True`` fetch missing files; the others
+    only check. When a process group is initialized this is a collective
+    (every rank must call it): the all-gather of error messages doubles as the
+    barrier at which non-downloading ranks wait for the downloaders, and it
+    makes *every* rank raise when any rank failed, instead of leaving the
+    others hanging at the next collective.
+
+    Raises ConfigError with a one-line message naming the folder, the files
+    expected and how to pre-stage them.
+    """
+    error = _fetch(dataset, data_dir, download=True) if download else ""
+    error = _first_error(error)  # the barrier: non-downloaders wait here
+    if not error:  # then the others check what the downloaders left
+        error = _first_error("" if download else _fetch(dataset, data_dir, download=False))
+    if error:
+        raise ConfigError(error)
+
+
+def _first_error(error: str) -> str:
+    """The first non-empty error of any rank ('' if none); collective under a process group."""
+    if dist.is_available() and dist.is_initialized():
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), "")
+    return error
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded (train, val) split of range(n): the same on every rank.
+
+    Uses a private generator, so the global RNG is untouched.
+    """
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = int(n * val_fraction)
+    return perm[n_val:], perm[:n_val]
+
+
+@dataclass
+class Task:
+    """Everything a script needs to train one dataset.
+
+    loss_fn(output, target, reduction=...) is ``F.mse_loss`` (targets float32
+    (N, 1)) or ``F.cross_entropy`` (targets int64 (N,), outputs logits).
+    """
+
+    train_set: Dataset
+    val_set: Dataset
+    test_set: Dataset
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+
+
+def load_task(dataset: str, model: Optional[str], data_dir: str, seed: int,
+              val_fraction: float = 0.1) -> Task:
+    """Build datasets and model for ``dataset``.
+
+    The validation set is a seeded ``val_fraction`` of the official train split
+    (same on every rank); the test set is the official test split. For
+    CIFAR-10 the validation images come from a second view of the train split
+    with the *eval* transform, so augmentation never leaks into validation.
+    Files must already be present (see ``prepare_data``).
+
+    Raises ConfigError for an unknown model or missing files.
+    """
+    model_name = resolve_model(dataset, model)
+    if dataset == "synthetic":
+        full, test = SyntheticRegression(seed, "train"), SyntheticRegression(seed, "test")
+        train_idx, val_idx = split_indices(len(full), val_fraction, seed)
+        return Task(Subset(full, train_idx), Subset(full, val_idx), test,
+                    build_model(dataset, model_name), F.mse_loss)
+
+    from torchvision import transforms
+
+    cls = _torchvision_class(dataset)
+    if dataset == "mnist":
+        train_tf = eval_tf = transforms.Compose(
+            [transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
+    else:
+        normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+        train_tf = transforms.Compose(
+            [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] + normalize)
+        eval_tf = transforms.Compose(normalize)
+    try:
+        train_view = cls(data_dir, train=True, transform=train_tf)
+        eval_view = cls(data_dir, train=True, transform=eval_tf)
+        test = cls(data_dir, train=False, transform=eval_tf)
+    except RuntimeError as exc:
+        raise ConfigError(_fetch(dataset, data_dir, download=False) or str(exc)) from None
+    train_idx, val_idx = split_indices(len(train_view), val_fraction, seed)
+    return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test,
+                build_model(dataset, model_name), F.cross_entropy)
+
+
+def check_steps(train_data) -> None:
+    """Raise ConfigError when a training DataLoader (drop_last=True) yields no batch."""
+    if len(train_data) == 0:
+        raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
+                          f"samples, fewer than --batch_size {train_data.batch_size}: "
+                          f"no full batch to train on; lower --batch_size")
+
+
+def get_device(index: int) -> torch.device:
+    """``cuda:index`` when CUDA is available, else the CPU (every index)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
+    """Print one fixed-format line and append ``record`` as JSON to ``metrics_path``.
+
+    Epoch records print as
+      ``epoch 3/10 | train_loss 0.012345 | val_loss 0.012345 | val_acc 0.9512 |
+      samples/s 12345.6 | epoch_s 0.52``  (val_acc only for classification);
+    the final test record as ``test | loss 0.012345 | acc 0.9600``.
+    Units: samples/s is global training samples per second over the training
+    part of the epoch; epoch_s is that part's wall-clock seconds.
+    """
+    if "epoch" in record:
+        parts = [f"epoch {record['epoch']}/{record['total_epochs']}",
+                 f"train_loss {record['train_loss']:.6f}", f"val_loss {record['val_loss']:.6f}"]
+        if record.get("val_accuracy") is not None:
+            parts.append(f"val_acc {record['val_accuracy']:.4f}")
+        parts += [f"samples/s {record['samples_per_s']:.1f}", f"epoch_s {record['epoch_seconds']:.2f}"]
+    else:
+        parts = ["test", f"loss {record['test_loss']:.6f}"]
+        if record.get("test_accuracy") is not None:
+            parts.append(f"acc {record['test_accuracy']:.4f}")
+    print(" | ".join(parts), flush=True)
+    if metrics_path:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def atomic_save(obj: object, path: str) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename.
+
+    A crash at any moment leaves either the old file or the new one, never a
+    torn file (POSIX rename is atomic within a filesystem).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
