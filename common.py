@@ -79,7 +79,9 @@ def exit_on_config_error(fn: Callable) -> Callable:
 # Command line
 # --------------------------------------------------------------------------
 
-def _positive(kind: type) -> Callable[[str], object]:
+def positive(kind: type) -> Callable[[str], object]:
+    """argparse type: a ``kind`` (int or float) > 0, else a one-line usage error."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -113,14 +115,14 @@ def build_parser(description: Optional[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--total_epochs", type=_positive(int), default=10,
+    parser.add_argument("--total_epochs", type=positive(int), default=10,
                         help="epochs to train (default: 10)")
-    parser.add_argument("--save_every", type=_positive(int), default=5,
+    parser.add_argument("--save_every", type=positive(int), default=5,
                         help="save every N epochs; the last epoch is always saved (default: 5)")
-    parser.add_argument("--batch_size", type=_positive(int), default=32,
+    parser.add_argument("--batch_size", type=positive(int), default=32,
                         help="samples per step *per process*; the global batch size is "
                              "batch_size x world_size (default: 32)")
-    parser.add_argument("--lr", type=_positive(float), default=0.05,
+    parser.add_argument("--lr", type=positive(float), default=0.05,
                         help="SGD learning rate, momentum 0.9 (default: 0.05)")
     parser.add_argument("--dataset", choices=tuple(MODELS), default="synthetic",
                         help="task to train (default: synthetic, needs no download)")
@@ -259,7 +261,8 @@ def _fetch(dataset: str, data_dir: str, download: bool) -> str:
         return ""
     except Exception as exc:  # torchvision raises RuntimeError/URLError/OSError
         folder, names = expected_files(dataset, data_dir)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = lines[-1] if lines else type(exc).__name__  # torchvision's last line says why
         return (f"{dataset} not found in {os.path.abspath(folder)} (expected "
                 f"{', '.join(names)}; {'download failed: ' if download else ''}{reason}). "
                 f"Pre-stage it on a machine with network: python -c \"from torchvision import "

@@ -133,7 +133,6 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         generator=torch.Generator().manual_seed(seed) if train else None,
         drop_last=train,
         num_workers=num_workers,
-        persistent_workers=num_workers > 0,
         pin_memory=torch.cuda.is_available(),
     )
 

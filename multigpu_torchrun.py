@@ -1,0 +1,280 @@
+"""Data-parallel training on one machine under torchrun, with snapshots.
+
+Launch:
+    torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py      # one process per GPU
+    torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py        # CPU: choose a number
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 multigpu_torchrun.py
+
+Adds over multigpu_spawn.py: torchrun starts the processes and hands each its
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no port of ours to collide),
+and may restart them all after a failure. To make a restart worth it, the
+script saves a snapshot (model, optimizer, next epoch, every rank's RNG
+state, the run's settings) and resumes from it automatically: the resumed
+run continues exactly where the snapshot was taken.
+"""
+
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import destroy_process_group, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+import common
+
+
+def ddp_setup() -> tuple[int, torch.device]:
+    """Join the process group torchrun prepared; return (rank, this rank's device).
+
+    torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT; init_process_group reads them (init_method "env://").
+    Raises ConfigError when the script was not started by torchrun.
+    """
+    if "RANK" not in os.environ:
+        raise common.ConfigError("start this script with torchrun, e.g. torchrun --standalone "
+                                 "--nproc_per_node=gpu multigpu_torchrun.py (or =2 on CPU)")
+    rank = int(os.environ["RANK"])
+    # One node: RANK equals LOCAL_RANK, so rank i drives GPU i. multinode.py separates them.
+    device = common.get_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
+        backend = "nccl"
+    else:
+        backend = "gloo"  # torchrun sets OMP_NUM_THREADS=1 when it starts several
+    init_process_group(backend=backend)
+    return rank, device
+
+
+class Trainer:
+    """Runs the epochs, evaluates, logs one summary line per epoch, saves
+    snapshots and resumes from ``snapshot_path`` when it exists.
+
+    Batches from ``train_data``/``val_data`` are (source, targets) pairs with
+    the shapes of ``common.Task``; ``loss_fn(output, targets, reduction=...)``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_data: DataLoader,
+        val_data: DataLoader,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor],
+        device: torch.device,
+        rank: int,
+        save_every: int,
+        snapshot_path: str,
+        metrics_path: Optional[str],
+        config: dict,
+    ) -> None:
+        self.device = device
+        self.rank = rank
+        self.model = model.to(device)
+        self.train_data = train_data
+        self.val_data = val_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.metrics_path = metrics_path
+        self.config = config
+        self.epochs_run = 0
+        if os.path.exists(snapshot_path):
+            self._load_snapshot(snapshot_path)
+        # DDP broadcasts rank 0's weights to all ranks here, then averages the
+        # gradients across ranks during every backward().
+        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int, max_epochs: int) -> dict:
+        self.model.train()
+        # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
+        self.train_data.sampler.set_epoch(epoch)
+        # Running sums stay on the device: a .item() per step would make the
+        # CPU wait for the GPU at every step.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        start = time.perf_counter()
+        for source, targets in tqdm(self.train_data, desc=f"epoch {epoch + 1}/{max_epochs}",
+                                    leave=False, disable=self.rank != 0):
+            source = source.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            loss = self._run_batch(source, targets)
+            totals[0] += loss * len(targets)
+            totals[1] += len(targets)
+        dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
+        loss_sum, samples = totals.tolist()  # waits for the device, so the time is honest
+        seconds = time.perf_counter() - start
+        return {"train_loss": loss_sum / samples, "samples_per_s": samples / seconds,
+                "epoch_seconds": seconds}
+
+    def _rng_state(self) -> dict:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+    def _load_snapshot(self, snapshot_path: str) -> None:
+        try:
+            # weights_only=True unpickles tensors and plain containers only, never
+            # arbitrary objects: a crafted file cannot run code here.
+            snapshot = torch.load(snapshot_path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise common.ConfigError(
+                f"cannot read snapshot {snapshot_path} ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'}); "
+                f"move it away to start afresh, or pass another --snapshot_path") from None
+        changed = [f"{key} {snapshot['config'].get(key)} -> {self.config[key]}"
+                   for key in ("dataset", "model", "world_size", "batch_size")
+                   if snapshot["config"].get(key) != self.config[key]]
+        if changed:
+            raise common.ConfigError(
+                f"snapshot {snapshot_path} comes from a different run ({', '.join(changed)}); "
+                f"resume with its settings, or pass another --snapshot_path")
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self.epochs_run = snapshot["epochs_run"]
+        state = snapshot["rng_states"][self.rank]
+        torch.set_rng_state(state["cpu"])
+        if state["cuda"] is not None:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+        if self.rank == 0:
+            print(f"resuming from snapshot {snapshot_path} after epoch {self.epochs_run}", flush=True)
+
+    def _save_snapshot(self, epoch: int) -> None:
+        # Collective: every rank's RNG state travels to rank 0, so that a resumed
+        # run draws the same dropout masks and augmentations on every rank.
+        rng_states = [None] * dist.get_world_size()
+        dist.all_gather_object(rng_states, self._rng_state())
+        if self.rank != 0:
+            return
+        snapshot = {
+            "model": self.model.module.state_dict(),  # .module: loadable without DDP
+            "optimizer": self.optimizer.state_dict(),
+            "epochs_run": epoch + 1,
+            "rng_states": rng_states,
+            "config": self.config,
+        }
+        common.atomic_save(snapshot, self.snapshot_path)  # temp file + rename: never torn
+        print(f"epoch {epoch + 1} | snapshot saved at {self.snapshot_path}", flush=True)
+
+    def train(self, max_epochs: int) -> None:
+        for epoch in range(self.epochs_run, max_epochs):
+            record = {"epoch": epoch + 1, "total_epochs": max_epochs}
+            record.update(self._run_epoch(epoch, max_epochs))
+            record["val_loss"], record["val_accuracy"] = evaluate(
+                self.model.module, self.val_data, self.loss_fn, self.device)
+            if self.rank == 0:  # every rank holds the same numbers; one prints them
+                common.log_metrics(record, self.metrics_path)
+            # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
+            # saves after the first epoch and can skip the last one.
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self._save_snapshot(epoch)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: DataLoader, loss_fn: Callable[..., torch.Tensor],
+             device: torch.device) -> tuple[float, Optional[float]]:
+    """Mean loss and accuracy over every sample of the whole evaluation set.
+
+    Collective: every rank calls it with its own shard (see prepare_dataloader),
+    and the sums are all-reduced, so every rank returns the same exact values.
+    The loss is weighted by samples (sum of per-sample losses / sample count),
+    not a mean of batch means, which would over-weight a short last batch.
+    Pass the plain module (``ddp_model.module``): shards may differ by one
+    batch, and DDP's forward may broadcast buffers, a collective that would
+    then wait forever for the ranks that have already finished.
+    Returns (loss, accuracy); accuracy is None for regression.
+    """
+    # DDP broadcasts buffers (BatchNorm running stats) from rank 0 before each
+    # training forward, so after the last step each rank holds its own. Use
+    # rank 0's everywhere, so the result is that of the model rank 0 saves.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    for source, targets in data:
+        source = source.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        output = model(source)
+        totals[0] += loss_fn(output, targets, reduction="sum")
+        if loss_fn is F.cross_entropy:
+            totals[1] += (output.argmax(dim=1) == targets).sum()
+        totals[2] += len(targets)
+    model.train()
+    dist.all_reduce(totals)
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, (correct / samples if loss_fn is F.cross_entropy else None)
+
+
+def load_train_objs(args) -> tuple[common.Task, torch.optim.Optimizer]:
+    task = common.load_task(args.dataset, args.model, args.data_dir, args.seed)
+    optimizer = torch.optim.SGD(task.model.parameters(), lr=args.lr, momentum=0.9)
+    return task, optimizer
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
+                       seed: int) -> DataLoader:
+    """Training: DistributedSampler gives each rank a disjoint 1/world_size of a
+    permutation drawn from (seed, epoch), padding with repeats so all ranks
+    take the same number of steps; last partial batch dropped (a batch of 1
+    would break BatchNorm). Evaluation: rank r takes samples r, r+W, r+2W, ...
+    with no padding, so every sample is counted exactly once (a
+    DistributedSampler would repeat samples to even out the shards)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not train:
+        dataset = Subset(dataset, range(rank, len(dataset), world_size))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,  # the sampler shuffles
+        sampler=DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed) if train else None,
+        drop_last=train,
+        # Workers start afresh each epoch (not persistent_workers), seeded from the
+        # global RNG at that moment, which a snapshot restores.
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+@common.exit_on_config_error
+def main(args) -> None:
+    rank, device = ddp_setup()
+    # Each rank its own random stream (dropout, augmentation): the same seed
+    # everywhere would give every rank the same dropout masks. Initial weights
+    # still match, because DDP copies rank 0's to all.
+    torch.manual_seed(args.seed + rank)
+    args.model = common.resolve_model(args.dataset, args.model)
+    # Rank 0 downloads while the others wait, so no two write the same files.
+    common.prepare_data(args.dataset, args.data_dir, download=rank == 0)
+    task, optimizer = load_train_objs(args)
+    train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
+    val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
+    test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
+    common.check_steps(train_data)
+    config = dict(vars(args), world_size=dist.get_world_size())  # stored in the snapshot
+    trainer = Trainer(task.model, train_data, val_data, optimizer, task.loss_fn, device, rank,
+                      args.save_every, args.snapshot_path, args.metrics_path, config)
+    trainer.train(args.total_epochs)
+    test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task.loss_fn, device)
+    if rank == 0:
+        common.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args.metrics_path)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = common.build_parser(__doc__)
+    parser.add_argument("--snapshot_path", default="snapshot.pt",
+                        help="snapshot to resume from when it exists, and to save to "
+                             "(default: snapshot.pt)")
+    args = parser.parse_args()
+    main(args)
