@@ -63,8 +63,9 @@ class Trainer:
         # CPU wait for the GPU at every step.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
         start = time.perf_counter()
+        # A progress bar only on a terminal (disable=None), not in logs.
         for source, targets in tqdm(self.train_data, desc=f"epoch {epoch + 1}/{max_epochs}",
-                                    leave=False):
+                                    leave=False, disable=None):
             source = source.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             loss = self._run_batch(source, targets)

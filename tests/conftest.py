@@ -1,0 +1,159 @@
+"""Shared test helpers: run the scripts the way users do, parse their output,
+and build small datasets in the real on-disk formats torchvision reads."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import re
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # so tests can import common and the scripts
+
+# The real MNIST test set (10,000 digits) lives beside the project; see its README.
+MNIST_T10K = Path(os.environ.get("MNIST_T10K_DIR", REPO.parent / "shared" / "data" / "mnist-t10k"))
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
+
+EPOCH_LINE = re.compile(
+    r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "
+    r"val_loss (?P<val_loss>\S+)(?: \| val_acc (?P<val_acc>\S+))? \| "
+    r"samples/s (?P<samples_per_s>\S+) \| epoch_s (?P<epoch_s>\S+)$", re.M)
+TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env(**extra: str) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env.pop("RANK", None)  # never inherit a launcher's variables
+    return env
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run a command as a user would; return it with stdout/stderr as text."""
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=script_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Assert exit status 0, showing the output tail when not."""
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
+    return result
+
+
+def epochs(stdout: str) -> list[dict]:
+    """The epoch summary lines of a run, as dicts of floats."""
+    return [{k: float(v) for k, v in m.groupdict().items() if v is not None}
+            for m in EPOCH_LINE.finditer(stdout)]
+
+
+def parse_test(stdout: str) -> dict:
+    m = TEST_LINE.search(stdout)
+    assert m, f"no test line in:\n{stdout[-2000:]}"
+    return {k: float(v) for k, v in m.groupdict().items() if v is not None}
+
+
+# --------------------------------------------------------------------------
+# MNIST from the real t10k files, written back in IDX format
+# --------------------------------------------------------------------------
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read a (gzipped) IDX file (http://yann.lecun.com/exdb/mnist/ format) as uint8."""
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+        data = f.read()
+    magic, = struct.unpack(">i", data[:4])
+    ndim = magic & 0xFF
+    shape = struct.unpack(f">{ndim}i", data[4:4 + 4 * ndim])
+    return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).reshape(shape)
+
+
+def write_idx(path: Path, tensor: torch.Tensor) -> None:
+    """Write uint8 images (N, 28, 28) (magic 2051) or labels (N,) (magic 2049)."""
+    magic = 2051 if tensor.dim() == 3 else 2049
+    with open(path, "wb") as f:
+        f.write(struct.pack(">i", magic))
+        f.write(struct.pack(f">{tensor.dim()}i", *tensor.shape))
+        f.write(tensor.contiguous().numpy().tobytes())
+
+
+def require_mnist_t10k() -> Path:
+    if not (MNIST_T10K / "t10k-images-idx3-ubyte.gz").exists():
+        message = (f"real MNIST fixture absent: {MNIST_T10K}/t10k-images-idx3-ubyte.gz "
+                   f"(set MNIST_T10K_DIR or place ../shared beside the repo)")
+        if IN_CI:
+            pytest.fail(message + "; CI must run this test")
+        pytest.skip(message)
+    return MNIST_T10K
+
+
+def build_mnist_root(root: Path, n_train: int = 8000, n_test: int = 2000) -> Path:
+    """A torchvision MNIST root made of the real t10k digits: the first
+    ``n_train`` as the train split, the last ``n_test`` as the test split."""
+    source = require_mnist_t10k()
+    images = read_idx(source / "t10k-images-idx3-ubyte.gz")
+    labels = read_idx(source / "t10k-labels-idx1-ubyte.gz")
+    assert images.shape == (10000, 28, 28) and labels.shape == (10000,)
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    write_idx(raw / "train-images-idx3-ubyte", images[:n_train])
+    write_idx(raw / "train-labels-idx1-ubyte", labels[:n_train])
+    write_idx(raw / "t10k-images-idx3-ubyte", images[-n_test:])
+    write_idx(raw / "t10k-labels-idx1-ubyte", labels[-n_test:])
+    return root
+
+
+@pytest.fixture(scope="session")
+def mnist_root(tmp_path_factory) -> Path:
+    """8,000 real digits to train on, the last 2,000 held out as the test split."""
+    return build_mnist_root(tmp_path_factory.mktemp("mnist"))
+
+
+# --------------------------------------------------------------------------
+# CIFAR-10 in its real python-pickle format
+# --------------------------------------------------------------------------
+
+def build_cifar10_root(root: Path, per_batch: int = 12, n_test: int = 20, seed: int = 0) -> Path:
+    """A tiny CIFAR-10 in the layout of cifar-10-python.tar.gz, unpacked:
+    cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}, each a pickle
+    of a dict with "data" uint8 (N, 3072) rows (R, G, B planes of 32x32) and
+    "labels" list[int], as https://www.cs.toronto.edu/~kriz/cifar.html describes
+    (the originals were pickled by Python 2; torchvision reads them with
+    encoding="latin1", which yields the same str keys as these).
+    Each image is a flat color (its class's hue) plus noise, so it is learnable."""
+    g = torch.Generator().manual_seed(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    palette = torch.randint(0, 256, (10, 3, 1), generator=g)
+
+    def batch(n: int, name: str) -> None:
+        labels = torch.randint(0, 10, (n,), generator=g)
+        noise = torch.randint(-30, 31, (n, 3, 1024), generator=g)
+        data = (palette[labels] + noise).clamp(0, 255).to(torch.uint8).reshape(n, 3072)
+        with open(folder / name, "wb") as f:
+            pickle.dump({"batch_label": name, "labels": labels.tolist(),
+                         "data": data.numpy(), "filenames": ["x.png"] * n}, f)
+
+    for i in range(1, 6):
+        batch(per_batch, f"data_batch_{i}")
+    batch(n_test, "test_batch")
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": names, "num_cases_per_batch": per_batch, "num_vis": 3072}, f)
+    return root

@@ -1,0 +1,102 @@
+"""Real input: the CNN on real MNIST digits, and the CIFAR-10 path through
+torchvision's own CIFAR10 class reading files in CIFAR-10's on-disk format."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TORCHRUN, build_cifar10_root, check, epochs, run, parse_test
+
+MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
+
+
+def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_path):
+    """Train on 7,200 real digits (8,000 minus the 10% validation split) with two
+    ranks under torchrun; score on 2,000 real digits the model never saw."""
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+                                   "--dataset", "mnist", "--data_dir", mnist_root,
+                                   "--total_epochs", "3", "--metrics_path", "metrics.jsonl"],
+                       tmp_path))
+    lines = epochs(result.stdout)
+    assert len(lines) == 3 and all("val_acc" in e for e in lines)
+    assert lines[-1]["train_loss"] < lines[0]["train_loss"]
+    test = parse_test(result.stdout)
+    print(f"real MNIST held-out accuracy: {test['acc']:.4f}")
+    assert test["acc"] >= 0.95
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["test_accuracy"] == pytest.approx(test["acc"], abs=1e-4)
+
+
+@pytest.fixture
+def cifar_root(tmp_path):
+    return build_cifar10_root(tmp_path / "cifar")
+
+
+def test_cifar10_trains_under_torchrun(cifar_root, tmp_path):
+    """ResNet-18 through the real torchvision CIFAR10 reader (md5 check bypassed: the
+    files are ours, not the official ones), two ranks, two epochs."""
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", MD5_BYPASS,
+                                   REPO / "multigpu_torchrun.py", "--dataset", "cifar10",
+                                   "--data_dir", cifar_root, "--total_epochs", "2",
+                                   "--batch_size", "8"], tmp_path))
+    lines = epochs(result.stdout)
+    assert len(lines) == 2 and all(0 <= e["val_acc"] <= 1 for e in lines)
+    assert 0 <= parse_test(result.stdout)["acc"] <= 1
+    snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
+    assert snapshot["config"]["model"] == "resnet18"
+    assert snapshot["model"]["fc.weight"].shape == (10, 512)
+
+
+def test_cifar10_resnet50_single_process(cifar_root, tmp_path):
+    result = check(run([sys.executable, MD5_BYPASS, REPO / "singlegpu.py", "--dataset", "cifar10",
+                        "--model", "resnet50", "--data_dir", cifar_root, "--total_epochs", "1",
+                        "--batch_size", "8"], tmp_path))
+    assert len(epochs(result.stdout)) == 1
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["fc.weight"].shape == (10, 2048)
+
+
+def test_cifar10_views(cifar_root, monkeypatch):
+    """Train items are augmented (crop with padding 4, flip); validation items
+    come from the same train files with the plain eval transform; the test split
+    is the official test batch."""
+    import pickle
+
+    import torchvision.datasets.cifar as cifar
+
+    import common
+
+    monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: __import__("os").path.isfile(path))
+    task = common.load_task("cifar10", None, str(cifar_root), seed=0)
+    assert (len(task.train_set), len(task.val_set), len(task.test_set)) == (54, 6, 20)
+
+    raw = []
+    for i in range(1, 6):
+        with open(cifar_root / "cifar-10-batches-py" / f"data_batch_{i}", "rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+        raw += list(zip(torch.tensor(entry["data"]).reshape(-1, 3, 32, 32), entry["labels"]))
+    mean = torch.tensor(common.CIFAR10_MEAN).view(3, 1, 1)
+    std = torch.tensor(common.CIFAR10_STD).view(3, 1, 1)
+
+    def normalized(pixels):
+        return (pixels.float() / 255 - mean) / std
+
+    # Validation: exactly the normalized original pixels, every time.
+    for j, index in enumerate(task.val_set.indices):
+        image, label = task.val_set[j]
+        assert label == raw[index][1]
+        assert torch.allclose(image, normalized(raw[index][0]), atol=1e-6)
+
+    # Training: same label, same shape, but shifted and/or flipped copies.
+    torch.manual_seed(0)
+    index = task.train_set.indices[0]
+    plain = normalized(raw[index][0])
+    draws = [task.train_set[0] for _ in range(40)]
+    assert all(label == raw[index][1] and image.shape == (3, 32, 32) for image, label in draws)
+    assert sum(not torch.allclose(image, plain) for image, _ in draws) >= 30
+    # Some draw is an unshifted horizontal flip, or a shift of the original by <= 4 pixels.
+    assert any(torch.allclose(image, plain.flip(-1)) for image, _ in draws) or any(
+        torch.allclose(image[:, 4:-4, 4:-4], plain[:, 4 + dy:28 + dy, 4 + dx:28 + dx])
+        for image, _ in draws for dy in range(-4, 5) for dx in range(-4, 5))
