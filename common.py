@@ -26,6 +26,13 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: torch.distributed.nn
+# binds group.WORLD into its functions' default arguments at import time, and
+# DDP imports it lazily. Imported after init_process_group, it would keep the
+# process group alive past destroy_process_group, its gloo threads still
+# running at interpreter exit, where the process then sometimes aborts
+# ("terminate called without an active exception") after a successful run.
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
