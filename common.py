@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
+import math
 import os
+import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -76,7 +80,7 @@ def exit_on_config_error(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except ConfigError as exc:
             if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+                say(f"error: {exc}", sys.stderr)
             sys.exit(2)
 
     return wrapper
@@ -101,7 +105,8 @@ def positive(kind: type) -> Callable[[str], object]:
     return parse
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0, else a one-line usage error."""
     try:
         value = int(text)
     except ValueError:
@@ -141,7 +146,7 @@ def build_parser(description: Optional[str]) -> argparse.ArgumentParser:
                              "(default: $DATA_DIR or ./data)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed for data split, model init, shuffling (default: 0)")
-    parser.add_argument("--num_workers", type=_non_negative_int, default=0,
+    parser.add_argument("--num_workers", type=non_negative_int, default=0,
                         help="DataLoader worker processes per training process (default: 0)")
     parser.add_argument("--metrics_path", default=None,
                         help="also write each epoch's summary as one JSON object per line here")
@@ -381,6 +386,72 @@ def check_steps(train_data) -> None:
                           f"no full batch to train on; lower --batch_size")
 
 
+def check_writable(path: str, check: bool) -> None:
+    """Make sure ``path``'s folder exists and takes files, before any training.
+
+    Processes with ``check=True`` (the ones that will save) create the folder
+    if needed and write and delete a probe file beside ``path``; ``path``
+    itself is never touched. Collective under a process group, like
+    ``prepare_data``: every rank raises ConfigError (one line) when any check
+    failed, so no rank trains for hours and then cannot save.
+    """
+    error = ""
+    if check:
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            error = (f"cannot save to {path}: folder {folder} is not writable "
+                     f"({exc.strerror or type(exc).__name__}); choose another path")
+    error = _first_error(error)
+    if error:
+        raise ConfigError(error)
+
+
+def check_finite(loss: float, epoch: int) -> None:
+    """Raise ConfigError when the training loss is NaN or infinite.
+
+    Called before anything is saved, so a diverged run never overwrites the
+    last good checkpoint or snapshot.
+    """
+    if not math.isfinite(loss):
+        raise ConfigError(f"training loss became {loss} in epoch {epoch + 1}; stopping without "
+                          f"saving (the last saved state is kept). Lower --lr and resume")
+
+
+_fault_counts: dict = {}
+
+
+def fault_point(point: str) -> None:
+    """Test hook: a no-op unless the environment variable DDP_TEST_FAULT is set.
+
+    DDP_TEST_FAULT="POINT:RANK:N:ACTION" makes rank RANK, on the N-th call
+    (1-based) of ``fault_point(POINT)`` in this process, do ACTION: ``kill``
+    (SIGKILL itself), ``raise`` (RuntimeError) or ``hang`` (sleep an hour).
+    Points: ``step`` (each training step) and ``save`` (inside atomic_save,
+    after the temporary file is written, before the rename). It fires only
+    in a job's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0), so a
+    torchrun restart runs clean. The fault-tolerance tests use it.
+    """
+    spec = os.environ.get("DDP_TEST_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    _fault_counts[point] = count = _fault_counts.get(point, 0) + 1
+    want_point, want_rank, want_count, action = spec.split(":")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if (point, rank, count) != (want_point, int(want_rank), int(want_count)):
+        return
+    say(f"DDP_TEST_FAULT: {action} at {point} {count} on rank {rank}", sys.stderr)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "raise":
+        raise RuntimeError(f"DDP_TEST_FAULT: injected failure at {point} {count} on rank {rank}")
+    elif action == "hang":
+        time.sleep(3600)
+
+
 def get_device(index: int) -> torch.device:
     """``cuda:index`` when CUDA is available, else the CPU (every index)."""
     if torch.cuda.is_available():
@@ -391,6 +462,18 @@ def get_device(index: int) -> torch.device:
 # --------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------
+
+def say(line: str, stream=None) -> None:
+    """Print ``line`` and its newline in one write, then flush.
+
+    Several ranks often share one terminal or log file; a plain ``print``
+    writes the text and the newline separately, so lines of different ranks
+    can run into each other. One write of under 4 KiB to a pipe is atomic.
+    """
+    stream = stream or sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
 
 def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
     """Print one fixed-format line and append ``record`` as JSON to ``metrics_path``.
@@ -412,7 +495,7 @@ def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
         parts = ["test", f"loss {record['test_loss']:.6f}"]
         if record.get("test_accuracy") is not None:
             parts.append(f"acc {record['test_accuracy']:.4f}")
-    print(" | ".join(parts), flush=True)
+    say(" | ".join(parts))
     if metrics_path:
         with open(metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -422,7 +505,9 @@ def atomic_save(obj: object, path: str) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename.
 
     A crash at any moment leaves either the old file or the new one, never a
-    torn file (POSIX rename is atomic within a filesystem).
+    torn file (POSIX rename is atomic within a filesystem). After a successful
+    save, temporary files left beside ``path`` by killed writers are removed;
+    only one process may save to a given ``path``.
     """
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
@@ -431,8 +516,12 @@ def atomic_save(obj: object, path: str) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        fault_point("save")
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    # Temporary files of writers killed before their rename are garbage now.
+    for stale in glob.glob(os.path.join(folder, glob.escape(os.path.basename(path)) + ".*.tmp")):
+        os.remove(stale)

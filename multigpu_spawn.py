@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
@@ -32,11 +33,13 @@ from tqdm import tqdm
 import common
 
 
-def ddp_setup(rank: int, world_size: int) -> torch.device:
+def ddp_setup(rank: int, world_size: int, timeout_s: float) -> torch.device:
     """Join the process group as ``rank`` of ``world_size``; return this rank's device.
 
     Rank 0 listens at MASTER_ADDR:MASTER_PORT (set by the parent, see the
     bottom of this file) and every rank connects there to find the others.
+    A collective that waits longer than ``timeout_s`` seconds raises, so a
+    rank stuck or gone makes the job fail instead of hang.
     """
     device = common.get_device(rank)  # one node: rank i drives GPU i
     if device.type == "cuda":
@@ -46,7 +49,8 @@ def ddp_setup(rank: int, world_size: int) -> torch.device:
         backend = "gloo"
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_process_group(backend=backend, rank=rank, world_size=world_size)
+    init_process_group(backend=backend, rank=rank, world_size=world_size,
+                       timeout=timedelta(seconds=timeout_s))
     return device
 
 
@@ -85,6 +89,7 @@ class Trainer:
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        common.fault_point("step")  # test hook: a no-op unless DDP_TEST_FAULT is set
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(source), targets)
         loss.backward()
@@ -110,13 +115,14 @@ class Trainer:
         dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
         loss_sum, samples = totals.tolist()  # waits for the device, so the time is honest
         seconds = time.perf_counter() - start
+        common.check_finite(loss_sum / samples, epoch)
         return {"train_loss": loss_sum / samples, "samples_per_s": samples / seconds,
                 "epoch_seconds": seconds}
 
     def _save_checkpoint(self, epoch: int) -> None:
         # .module: the plain model's state_dict, loadable without DDP.
         common.atomic_save(self.model.module.state_dict(), self.checkpoint_path)
-        print(f"epoch {epoch + 1} | checkpoint saved at {self.checkpoint_path}", flush=True)
+        common.say(f"epoch {epoch + 1} | checkpoint saved at {self.checkpoint_path}")
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
@@ -197,7 +203,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
 
 @common.exit_on_config_error
 def main(rank: int, world_size: int, args) -> None:
-    device = ddp_setup(rank, world_size)
+    device = ddp_setup(rank, world_size, args.pg_timeout_s)
     # Each rank its own random stream (dropout, augmentation): the same seed
     # everywhere would give every rank the same dropout masks. Initial weights
     # still match, because DDP copies rank 0's to all.
@@ -210,6 +216,7 @@ def main(rank: int, world_size: int, args) -> None:
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     common.check_steps(train_data)
+    common.check_writable(args.checkpoint_path, check=rank == 0)  # rank 0 saves
     trainer = Trainer(task.model, train_data, val_data, optimizer, task.loss_fn, device, rank,
                       args.save_every, args.checkpoint_path, args.metrics_path)
     trainer.train(args.total_epochs)
@@ -237,11 +244,17 @@ if __name__ == "__main__":
     parser.add_argument("--world_size", type=common.positive(int), default=None,
                         help="processes to start (default: the number of GPUs, "
                              "or 2 on a machine without GPUs)")
+    parser.add_argument("--pg_timeout_s", type=common.positive(float), default=1800,
+                        help="seconds a collective may wait for the other ranks before "
+                             "the job fails (default: 1800)")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     world_size = args.world_size or gpus or 2
-    if gpus and world_size > gpus:  # one process per GPU; on CPU any number works
+    cores = os.cpu_count() or 1
+    if gpus and world_size > gpus:  # one process per GPU
         parser.error(f"--world_size {world_size} is more than the {gpus} GPUs of this machine")
+    if not gpus and world_size > cores:  # on CPU, one process per core at most
+        parser.error(f"--world_size {world_size} is more than the {cores} CPU cores of this machine")
     # A fixed address and port on one machine; the environment may override both.
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "12355")

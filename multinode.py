@@ -6,7 +6,6 @@ Launch, on every node (same command; N nodes, G processes each):
 Two "nodes" on one machine (what the tests do):
     torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d \
         --rdzv-endpoint=localhost:29500 --rdzv-id=demo multinode.py   # in two shells
-On a Slurm cluster: sbatch slurm/multi_node.sh.
 
 Adds over multigpu_torchrun.py: RANK (global, 0..world_size-1, across all
 nodes) and LOCAL_RANK (0..G-1 on this node) now differ. LOCAL_RANK picks the
@@ -16,9 +15,11 @@ one line per epoch with its ranks and host, showing how the data is split.
 The snapshot must be on storage every node sees; the script checks that.
 """
 
+import itertools
 import os
 import socket
 import time
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
@@ -33,11 +34,13 @@ from tqdm import tqdm
 import common
 
 
-def ddp_setup() -> tuple[int, int, torch.device]:
+def ddp_setup(timeout_s: float) -> tuple[int, int, torch.device]:
     """Join the process group torchrun prepared; return (rank, local_rank, device).
 
-    torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT; init_process_group reads them (init_method "env://").
+    torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT and TORCHELASTIC_RESTART_COUNT (how often it restarted the job).
+    A collective that waits longer than ``timeout_s`` seconds raises, so a
+    rank stuck or gone makes the job fail instead of hang.
     Raises ConfigError when the script was not started by torchrun.
     """
     if "RANK" not in os.environ:
@@ -52,8 +55,37 @@ def ddp_setup() -> tuple[int, int, torch.device]:
         backend = "nccl"
     else:
         backend = "gloo"  # torchrun sets OMP_NUM_THREADS=1 when it starts several
-    init_process_group(backend=backend)
+    # torchrun's agent keeps one key-value store at MASTER_ADDR:MASTER_PORT across
+    # restarts. Give each attempt its own key prefix: without it a restarted rank
+    # can read the addresses its failed predecessor left there, then fail or hang
+    # connecting (seen with torch 2.15). init_method "env://" would not do this.
+    world_size, timeout = int(os.environ["WORLD_SIZE"]), timedelta(seconds=timeout_s)
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                       timeout=timeout)
     return rank, local_rank, device
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way.
+
+    Setting ``start`` skips the first ``start`` indices of this rank's share
+    of the epoch, so a run resumed from a mid-epoch snapshot continues the
+    same permutation at the next batch: no sample repeated, none skipped.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
 
 
 class Trainer:
@@ -75,6 +107,7 @@ class Trainer:
         rank: int,
         local_rank: int,
         save_every: int,
+        snapshot_every_steps: int,
         snapshot_path: str,
         metrics_path: Optional[str],
         config: dict,
@@ -88,10 +121,14 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.save_every = save_every
+        self.snapshot_every_steps = snapshot_every_steps
         self.snapshot_path = snapshot_path
         self.metrics_path = metrics_path
         self.config = config
-        self.epochs_run = 0
+        self.epochs_run = 0  # epochs finished
+        self.steps_run = 0  # steps finished in epoch `epochs_run` (> 0 after a mid-epoch snapshot)
+        # The epoch's global (loss sum, samples) up to `steps_run`, so its summary stays exact.
+        self.epoch_totals = torch.zeros(2, dtype=torch.float64, device=device)
         # Each rank loads the snapshot itself, so all must see the same file:
         # one visible on some nodes only would resume those and restart the rest.
         exists = [None] * dist.get_world_size()
@@ -108,6 +145,7 @@ class Trainer:
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        common.fault_point("step")  # test hook: a no-op unless DDP_TEST_FAULT is set
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(source), targets)
         loss.backward()
@@ -118,10 +156,13 @@ class Trainer:
         self.model.train()
         # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
         self.train_data.sampler.set_epoch(epoch)
+        # After a mid-epoch resume, skip the batches this rank already trained on.
+        self.train_data.sampler.start = self.steps_run * self.train_data.batch_size
+        steps_per_epoch = self.train_data.sampler.num_samples // self.train_data.batch_size
         # Every rank reports, so the split across nodes and GPUs is visible.
-        print(f"[rank {self.rank} | local_rank {self.local_rank} | host {socket.gethostname()}] "
-              f"epoch {epoch + 1} | batch_size {self.train_data.batch_size} | "
-              f"steps {len(self.train_data)}", flush=True)
+        common.say(f"[rank {self.rank} | local_rank {self.local_rank} | host {socket.gethostname()}] "
+                   f"epoch {epoch + 1} | batch_size {self.train_data.batch_size} | "
+                   f"steps {len(self.train_data)}")
         # Running sums stay on the device: a .item() per step would make the
         # CPU wait for the GPU at every step.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
@@ -134,15 +175,24 @@ class Trainer:
             loss = self._run_batch(source, targets)
             totals[0] += loss * len(targets)
             totals[1] += len(targets)
+            self.steps_run += 1
+            if (self.snapshot_every_steps and self.steps_run % self.snapshot_every_steps == 0
+                    and self.steps_run < steps_per_epoch):
+                self._save_snapshot(epoch, totals)
         dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
-        loss_sum, samples = totals.tolist()  # waits for the device, so the time is honest
+        new_samples = totals[1].item()  # waits for the device, so the time is honest
         seconds = time.perf_counter() - start
-        return {"train_loss": loss_sum / samples, "samples_per_s": samples / seconds,
+        loss_sum, samples = (totals + self.epoch_totals).tolist()
+        common.check_finite(loss_sum / samples, epoch)
+        self.steps_run = 0
+        self.epoch_totals.zero_()
+        return {"train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
                 "epoch_seconds": seconds}
 
     def _rng_state(self) -> dict:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return {"cpu": torch.get_rng_state(), "cuda": cuda}
+        return {"cpu": torch.get_rng_state(), "cuda": cuda,
+                "loader": self.train_data.generator.get_state()}
 
     def _load_snapshot(self, snapshot_path: str) -> None:
         try:
@@ -163,17 +213,37 @@ class Trainer:
                 f"resume with its settings, or pass another --snapshot_path")
         self.model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
+        # The snapshot's learning rate came back with the optimizer state; a new --lr
+        # (say, lower after a divergence) takes over from here.
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config["lr"]
         self.epochs_run = snapshot["epochs_run"]
+        self.steps_run = snapshot["steps_run"]
+        self.epoch_totals = snapshot["epoch_totals"].to(self.device)
         state = snapshot["rng_states"][self.rank]
         torch.set_rng_state(state["cpu"])
         if state["cuda"] is not None:
             torch.cuda.set_rng_state(state["cuda"], self.device)
+        self.train_data.generator.set_state(state["loader"])
         if self.rank == 0:
-            print(f"resuming from snapshot {snapshot_path} after epoch {self.epochs_run}", flush=True)
+            where = (f"in epoch {self.epochs_run + 1} after step {self.steps_run}" if self.steps_run
+                     else f"after epoch {self.epochs_run}")
+            common.say(f"resuming from snapshot {snapshot_path} {where}")
 
-    def _save_snapshot(self, epoch: int) -> None:
-        # Collective: every rank's RNG state travels to rank 0, so that a resumed
-        # run draws the same dropout masks and augmentations on every rank.
+    def _save_snapshot(self, epoch: int, totals: Optional[torch.Tensor] = None) -> None:
+        """Collective. At the end of ``epoch``, or (with this rank's running
+        ``totals``) in its middle, after ``self.steps_run`` steps."""
+        if totals is None:
+            epochs_run, steps_run = epoch + 1, 0
+            epoch_totals = torch.zeros(2, dtype=torch.float64)
+        else:
+            epochs_run, steps_run = epoch, self.steps_run
+            epoch_totals = totals.clone()
+            dist.all_reduce(epoch_totals)
+            epoch_totals = (epoch_totals + self.epoch_totals).cpu()
+            common.check_finite(epoch_totals[0].item() / epoch_totals[1].item(), epoch)
+        # Every rank's RNG state travels to rank 0, so that a resumed run draws
+        # the same dropout masks and augmentations on every rank.
         rng_states = [None] * dist.get_world_size()
         dist.all_gather_object(rng_states, self._rng_state())
         if self.rank != 0:
@@ -181,12 +251,15 @@ class Trainer:
         snapshot = {
             "model": self.model.module.state_dict(),  # .module: loadable without DDP
             "optimizer": self.optimizer.state_dict(),
-            "epochs_run": epoch + 1,
+            "epochs_run": epochs_run,
+            "steps_run": steps_run,
+            "epoch_totals": epoch_totals,
             "rng_states": rng_states,
             "config": self.config,
         }
         common.atomic_save(snapshot, self.snapshot_path)  # temp file + rename: never torn
-        print(f"epoch {epoch + 1} | snapshot saved at {self.snapshot_path}", flush=True)
+        where = f" step {steps_run}" if steps_run else ""
+        common.say(f"epoch {epoch + 1}{where} | snapshot saved at {self.snapshot_path}")
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(self.epochs_run, max_epochs):
@@ -258,10 +331,12 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         dataset,
         batch_size=batch_size,
         shuffle=False,  # the sampler shuffles
-        sampler=DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed) if train else None,
+        sampler=ResumableDistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
+        if train else None,
+        # Workers are seeded from this generator, not the global RNG, so starting
+        # an epoch part-way draws nothing from the global RNG; snapshots hold its state.
+        generator=torch.Generator().manual_seed(seed + rank) if train else None,
         drop_last=train,
-        # Workers start afresh each epoch (not persistent_workers), seeded from the
-        # global RNG at that moment, which a snapshot restores.
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
     )
@@ -269,7 +344,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
 
 @common.exit_on_config_error
 def main(args) -> None:
-    rank, local_rank, device = ddp_setup()
+    rank, local_rank, device = ddp_setup(args.pg_timeout_s)
     # Each rank its own random stream (dropout, augmentation): the same seed
     # everywhere would give every rank the same dropout masks. Initial weights
     # still match, because DDP copies rank 0's to all.
@@ -284,9 +359,11 @@ def main(args) -> None:
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     common.check_steps(train_data)
+    common.check_writable(args.snapshot_path, check=rank == 0)  # rank 0 saves
     config = dict(vars(args), world_size=dist.get_world_size())  # stored in the snapshot
     trainer = Trainer(task.model, train_data, val_data, optimizer, task.loss_fn, device, rank,
-                      local_rank, args.save_every, args.snapshot_path, args.metrics_path, config)
+                      local_rank, args.save_every, args.snapshot_every_steps, args.snapshot_path,
+                      args.metrics_path, config)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task.loss_fn, device)
     if rank == 0:
@@ -299,5 +376,11 @@ if __name__ == "__main__":
     parser.add_argument("--snapshot_path", default="snapshot.pt",
                         help="snapshot to resume from when it exists, and to save to "
                              "(default: snapshot.pt)")
+    parser.add_argument("--snapshot_every_steps", type=common.non_negative_int, default=0,
+                        help="also snapshot every N steps inside an epoch, so a restart "
+                             "loses at most N steps (default: 0, only at epoch ends)")
+    parser.add_argument("--pg_timeout_s", type=common.positive(float), default=1800,
+                        help="seconds a collective may wait for the other ranks before "
+                             "the job fails (default: 1800)")
     args = parser.parse_args()
     main(args)

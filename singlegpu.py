@@ -51,6 +51,7 @@ class Trainer:
         self.metrics_path = metrics_path
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        common.fault_point("step")  # test hook: a no-op unless DDP_TEST_FAULT is set
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(source), targets)
         loss.backward()
@@ -73,12 +74,13 @@ class Trainer:
             totals[1] += len(targets)
         loss_sum, samples = totals.tolist()  # waits for the device, so the time is honest
         seconds = time.perf_counter() - start
+        common.check_finite(loss_sum / samples, epoch)
         return {"train_loss": loss_sum / samples, "samples_per_s": samples / seconds,
                 "epoch_seconds": seconds}
 
     def _save_checkpoint(self, epoch: int) -> None:
         common.atomic_save(self.model.state_dict(), self.checkpoint_path)
-        print(f"epoch {epoch + 1} | checkpoint saved at {self.checkpoint_path}", flush=True)
+        common.say(f"epoch {epoch + 1} | checkpoint saved at {self.checkpoint_path}")
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
@@ -148,6 +150,7 @@ def main(device: torch.device, args) -> None:
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     common.check_steps(train_data)
+    common.check_writable(args.checkpoint_path, check=True)
     trainer = Trainer(task.model, train_data, val_data, optimizer, task.loss_fn, device,
                       args.save_every, args.checkpoint_path, args.metrics_path)
     trainer.train(args.total_epochs)

@@ -109,7 +109,7 @@ def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_p
         model.eval()
         logits = model(dataset.tensors[0])
     assert expected_loss == pytest.approx(F.cross_entropy(logits, dataset.tensors[1]).item(), abs=1e-6)
-    assert expected_accuracy == (logits.argmax(1) == dataset.tensors[1]).float().mean().item()
+    assert expected_accuracy == (logits.argmax(1) == dataset.tensors[1]).sum().item() / N_EVAL
 
     mp.spawn(_eval_worker, args=(world_size, free_port(), module_name, str(tmp_path)), nprocs=world_size)
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world_size)]

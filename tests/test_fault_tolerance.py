@@ -1,0 +1,276 @@
+"""Real faults under real launchers: killed workers, torn and corrupt
+snapshots, crafted files, failing and hanging ranks, uneven data, bad input.
+
+Faults are injected with the test hook common.fault_point, switched on by the
+DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
+(truncated files, crafted pickles, busy paths)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, TORCHRUN, build_mnist_root, check, epochs, free_port, parse_test, run
+
+TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+
+
+def _final_state(path):
+    snapshot = torch.load(path, weights_only=True)
+    state = dict(snapshot["model"])
+    for key, value in snapshot["optimizer"]["state"].items():
+        state[f"optimizer.{key}"] = value["momentum_buffer"]
+    return snapshot["epochs_run"], state
+
+
+def _assert_bitwise_equal(path_a, path_b):
+    epochs_a, a = _final_state(path_a)
+    epochs_b, b = _final_state(path_b)
+    assert epochs_a == epochs_b
+    assert a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def _errors(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture(scope="module")
+def small_mnist(tmp_path_factory):
+    """600 real digits: 540 to train (270 per rank, 8 steps of 32), 60 to validate."""
+    return build_mnist_root(tmp_path_factory.mktemp("small_mnist"), n_train=600, n_test=100)
+
+
+# --------------------------------------------------------------------------
+# 1. A worker SIGKILLed mid-epoch; torchrun restarts; the result is unchanged
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
+def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(dataset, small_mnist, tmp_path):
+    flags = ["--total_epochs", "3", "--snapshot_every_steps", "3", "--dataset", dataset]
+    if dataset == "mnist":  # dropout: needs every rank's RNG state restored mid-epoch
+        flags += ["--data_dir", small_mnist]
+    # The 15th step (of 8 per epoch) or the 37th (of 28): epoch 2, after 6 steps and a snapshot.
+    kill_at = 15 if dataset == "mnist" else 37
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "killed").mkdir()
+    check(run(TORCHRUN_SCRIPT + flags, tmp_path / "clean"))
+    killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=3",
+                                      REPO / "multigpu_torchrun.py"] + flags,
+                       tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
+    assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
+    # It resumed inside an epoch, from the last mid-epoch snapshot.
+    assert "resuming from snapshot snapshot.pt in epoch 2 after step 6" in killed.stdout
+    assert "epoch 3/3" in killed.stdout
+    _assert_bitwise_equal(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
+
+
+def test_mid_epoch_resume_repeats_and_skips_no_batch(tmp_path):
+    """The resumed epoch's summary (a sum over every sample of the epoch) is
+    exactly the uninterrupted one's: no batch was trained twice or skipped."""
+    flags = ["--total_epochs", "2", "--snapshot_every_steps", "5", "--metrics_path", "m.jsonl"]
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "killed").mkdir()
+    check(run(TORCHRUN_SCRIPT + flags, tmp_path / "clean"))
+    check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                             REPO / "multigpu_torchrun.py"] + flags,
+              tmp_path / "killed", DDP_TEST_FAULT="step:0:40:kill"))  # epoch 2, step 12
+
+    def losses(path):
+        return [(r["epoch"], r["train_loss"], r["val_loss"]) for r in map(json.loads, path.read_text().splitlines())
+                if "epoch" in r]
+
+    assert losses(tmp_path / "killed" / "m.jsonl") == losses(tmp_path / "clean" / "m.jsonl")
+
+
+# --------------------------------------------------------------------------
+# 2. Killed while writing a snapshot: the previous one is intact and used
+# --------------------------------------------------------------------------
+
+def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
+    flags = ["--total_epochs", "2", "--snapshot_every_steps", "10"]
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "killed").mkdir()
+    check(run(TORCHRUN_SCRIPT + flags, tmp_path / "clean"))
+    # Saves: epoch 1 steps 10 and 20, then epoch 2 step 10 (the 3rd), killed
+    # after its temporary file is written, before the rename.
+    killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                                      REPO / "multigpu_torchrun.py"] + flags,
+                       tmp_path / "killed", DDP_TEST_FAULT="save:0:3:kill"))
+    assert "DDP_TEST_FAULT: kill at save 3 on rank 0" in killed.stderr
+    assert "resuming from snapshot snapshot.pt in epoch 1 after step 20" in killed.stdout
+    _assert_bitwise_equal(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot.pt"]  # no stale temp
+
+
+# --------------------------------------------------------------------------
+# 3-5. Snapshots that must not be used
+# --------------------------------------------------------------------------
+
+def test_truncated_snapshot_stops_with_one_line_and_is_kept(tmp_path):
+    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    path = tmp_path / "snapshot.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    torn = path.read_bytes()
+    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path)
+    assert result.returncode != 0
+    errors = _errors(result.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: cannot read snapshot snapshot.pt (")
+    assert "move it away to start afresh" in errors[0]
+    assert path.read_bytes() == torn  # never silently replaced by a fresh start
+    assert "epoch 1/2" not in result.stdout
+
+
+def test_crafted_snapshot_is_refused_and_its_code_never_runs(tmp_path):
+    marker = tmp_path / "payload_ran"
+    crafted = tmp_path / "snapshot.pt"
+    # A pickle whose unpickling calls os.system: what a hostile snapshot looks like.
+    subprocess.run([sys.executable, "-c", f"""
+import os, torch
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+torch.save({{"model": Payload()}}, "{crafted}")
+"""], check=True)
+    assert not marker.exists()
+    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path)
+    assert result.returncode != 0
+    assert len(_errors(result.stderr)) == 1 and "cannot read snapshot snapshot.pt" in result.stderr
+    assert not marker.exists()
+    # Control: the same file loaded the unsafe way does run the payload.
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load('{crafted}', weights_only=False)"],
+                   check=True)
+    assert marker.exists()
+
+
+def test_snapshot_from_another_world_size_is_refused(tmp_path):
+    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    before = (tmp_path / "snapshot.pt").read_bytes()
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multigpu_torchrun.py",
+                             "--total_epochs", "2"], tmp_path)
+    assert result.returncode != 0
+    assert _errors(result.stderr) == [
+        "error: snapshot snapshot.pt comes from a different run (world_size 2 -> 1); "
+        "resume with its settings, or pass another --snapshot_path"]
+    assert (tmp_path / "snapshot.pt").read_bytes() == before
+
+
+# --------------------------------------------------------------------------
+# 6. No hangs: one rank fails or hangs, the whole job exits non-zero
+# --------------------------------------------------------------------------
+
+LAUNCH = {
+    "torchrun": lambda: (TORCHRUN_SCRIPT, {}),
+    "spawn": lambda: ([sys.executable, REPO / "multigpu_spawn.py", "--world_size", "2"],
+                      {"MASTER_PORT": str(free_port())}),
+}
+
+
+@pytest.mark.parametrize("launcher", LAUNCH)
+@pytest.mark.parametrize("action", ["raise", "hang"])
+def test_one_failing_or_hanging_rank_ends_the_whole_job(launcher, action, tmp_path):
+    """rank 1 raises (or hangs) at its 5th step while rank 0 waits in the next
+    all-reduce: the job must end, non-zero, well within 60 s. A hang is caught
+    by the process group timeout (--pg_timeout_s)."""
+    cmd, env = LAUNCH[launcher]()
+    start = time.monotonic()
+    result = run(cmd + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=120,
+                 DDP_TEST_FAULT=f"step:1:5:{action}", **env)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert f"DDP_TEST_FAULT: {action} at step 5 on rank 1" in result.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert "epoch 1/3 |" not in result.stdout  # it stopped inside the first epoch
+
+
+# --------------------------------------------------------------------------
+# 7. Uneven data: sizes that divide by neither world size nor batch size
+# --------------------------------------------------------------------------
+
+def test_uneven_data_trains_and_evaluates_exactly(tmp_path):
+    """901 training digits, 100 for validation, 199 for test; 3 ranks; batch 7."""
+    root = build_mnist_root(tmp_path / "data", n_train=1001, n_test=199)
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=3", REPO / "multigpu_torchrun.py",
+                                   "--dataset", "mnist", "--data_dir", root, "--batch_size", "7",
+                                   "--total_epochs", "2", "--metrics_path", "m.jsonl"], tmp_path))
+    assert len(epochs(result.stdout)) == 2
+    reported = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+
+    import common
+    import singlegpu
+
+    task = common.load_task("mnist", None, str(root), seed=0)
+    model = task.model
+    model.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True)["model"])
+    loader = singlegpu.prepare_dataloader(task.test_set, 64, 0, False, 0)
+    loss, accuracy = singlegpu.evaluate(model, loader, F.cross_entropy, torch.device("cpu"))
+    assert abs(reported["test_loss"] - loss) <= 1e-6
+    assert abs(reported["test_accuracy"] - accuracy) <= 1e-6
+    assert parse_test(result.stdout)["acc"] == pytest.approx(accuracy, abs=1e-4)
+
+
+# --------------------------------------------------------------------------
+# Bad input: one line, non-zero exit, nothing saved overwritten
+# --------------------------------------------------------------------------
+
+def test_world_size_above_gpu_count_is_refused(tmp_path):
+    """Pretend this machine has 2 GPUs; ask for 4 processes."""
+    code = (f"import runpy, sys, torch; sys.path.insert(0, {str(REPO)!r}); "
+            "torch.cuda.device_count = lambda: 2; "
+            f"sys.argv = ['multigpu_spawn.py', '--world_size', '4']; "
+            f"runpy.run_path({str(REPO / 'multigpu_spawn.py')!r}, run_name='__main__')")
+    result = run([sys.executable, "-c", code], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("error: --world_size 4 is more than the 2 GPUs of this machine")
+
+
+def test_world_size_above_cpu_count_is_refused_on_cpu(tmp_path):
+    result = run([sys.executable, REPO / "multigpu_spawn.py", "--world_size", "999"], tmp_path)
+    assert result.returncode == 2
+    assert f"error: --world_size 999 is more than the {os.cpu_count()} CPU cores" in result.stderr
+
+
+@pytest.mark.parametrize("script", ["singlegpu", "torchrun"])
+def test_unwritable_save_folder_is_refused_before_training(script, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    if script == "singlegpu":
+        cmd = [sys.executable, REPO / "singlegpu.py", "--checkpoint_path", "a_file/checkpoint.pt"]
+    else:
+        cmd = TORCHRUN_SCRIPT + ["--snapshot_path", "a_file/snapshot.pt"]
+    result = run(cmd, tmp_path)
+    assert result.returncode != 0
+    errors = _errors(result.stderr)
+    assert len(errors) == 1 and "is not writable" in errors[0] and "a_file" in errors[0]
+    assert "epoch 1/" not in result.stdout  # refused before training
+    assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_missing_save_folder_is_created(tmp_path):
+    check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "1",
+               "--checkpoint_path", "runs/a/checkpoint.pt"], tmp_path))
+    assert (tmp_path / "runs" / "a" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("snapshot_every_steps", ["0", "10"])
+def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, tmp_path):
+    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    before = (tmp_path / "snapshot.pt").read_bytes()
+    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "3", "--lr", "1e6",
+                                    "--snapshot_every_steps", snapshot_every_steps], tmp_path)
+    assert result.returncode != 0
+    errors = _errors(result.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: training loss became ")
+    assert "in epoch 2" in errors[0] and "Lower --lr" in errors[0]
+    assert (tmp_path / "snapshot.pt").read_bytes() == before
+
+
+def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
+    result = run([sys.executable, REPO / "singlegpu.py", "--lr", "1e6"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: training loss became ")
+    assert not (tmp_path / "checkpoint.pt").exists()
