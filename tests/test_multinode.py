@@ -2,7 +2,6 @@
 each, meeting through c10d rendezvous on localhost, as the README shows."""
 
 import subprocess
-import sys
 
 from conftest import REPO, TORCHRUN, epochs, free_port, parse_test, script_env
 
@@ -18,14 +17,14 @@ def _start_nodes(port, cwds, extra=()):
         agents.append(subprocess.Popen(cmd, cwd=cwd, env=script_env(), text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outputs = []
-    for agent in agents:
-        try:
+    try:
+        for agent in agents:
             stdout, stderr = agent.communicate(timeout=300)
-        finally:
-            for other in agents:
-                if other.poll() is None:
-                    other.kill()
-        outputs.append((agent.returncode, stdout, stderr))
+            outputs.append((agent.returncode, stdout, stderr))
+    finally:  # on a timeout, leave no agent behind
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
     return outputs
 
 
