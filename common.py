@@ -16,6 +16,7 @@ Tasks (``--dataset``):
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import glob
 import json
@@ -263,23 +264,32 @@ def expected_files(dataset: str, data_dir: str) -> tuple[str, list[str]]:
 
 
 def _fetch(dataset: str, data_dir: str, download: bool) -> str:
-    """Make sure the files are there; return '' on success, else a one-line error."""
+    """Make sure the files are there; return '' on success, else a one-line error.
+
+    Without ``download`` this only looks for the files (parsing them is
+    ``load_task``'s job); with it, torchvision downloads what is missing.
+    """
     if dataset == "synthetic":
         return ""
     cls = _torchvision_class(dataset)
+    folder, names = expected_files(dataset, data_dir)
     try:
-        for train in (True, False):
-            cls(data_dir, train=train, download=download)
-        return ""
+        if download:
+            for train in (True, False):
+                cls(data_dir, train=train, download=True)
+            return ""
+        missing = [name for name in names if not os.path.isfile(os.path.join(folder, name))]
+        if not missing:
+            return ""
+        reason = f"missing: {', '.join(missing)}"
     except Exception as exc:  # torchvision raises RuntimeError/URLError/OSError
-        folder, names = expected_files(dataset, data_dir)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         reason = lines[-1] if lines else type(exc).__name__  # torchvision's last line says why
-        return (f"{dataset} not found in {os.path.abspath(folder)} (expected "
-                f"{', '.join(names)}; {'download failed: ' if download else ''}{reason}). "
-                f"Pre-stage it on a machine with network: python -c \"from torchvision import "
-                f"datasets; datasets.{cls.__name__}('{data_dir}', download=True)\" and copy "
-                f"the folder here, or point --data_dir at an existing copy")
+    return (f"{dataset} not found in {os.path.abspath(folder)} (expected "
+            f"{', '.join(names)}; {'download failed: ' if download else ''}{reason}). "
+            f"Pre-stage it on a machine with network: python -c \"from torchvision import "
+            f"datasets; datasets.{cls.__name__}('{data_dir}', download=True)\" and copy "
+            f"the folder here, or point --data_dir at an existing copy")
 
 
 def prepare_data(dataset: str, data_dir: str, download: bool) -> None:
@@ -369,7 +379,9 @@ def load_task(dataset: str, model: Optional[str], data_dir: str, seed: int,
         eval_tf = transforms.Compose(normalize)
     try:
         train_view = cls(data_dir, train=True, transform=train_tf)
-        eval_view = cls(data_dir, train=True, transform=eval_tf)
+        # Same decoded images, other transform: a shallow copy, not a second read.
+        eval_view = copy.copy(train_view)
+        eval_view.transform = eval_tf
         test = cls(data_dir, train=False, transform=eval_tf)
     except RuntimeError as exc:
         raise ConfigError(_fetch(dataset, data_dir, download=False) or str(exc)) from None

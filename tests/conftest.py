@@ -70,6 +70,24 @@ def parse_test(stdout: str) -> dict:
     return {k: float(v) for k, v in m.groupdict().items() if v is not None}
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The scripts' one-line errors ("error: ...") in a run's stderr."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def snapshot_tensors(path: Path, rng: bool = False) -> tuple[int, dict]:
+    """(epochs_run, {name: tensor}) of a snapshot: model weights, momentum
+    buffers and, with ``rng``, every rank's CPU RNG state."""
+    snapshot = torch.load(path, weights_only=True)
+    tensors = dict(snapshot["model"])
+    for key, state in snapshot["optimizer"]["state"].items():
+        tensors[f"optimizer.{key}"] = state["momentum_buffer"]
+    if rng:
+        for rank, states in enumerate(snapshot["rng_states"]):
+            tensors[f"rng.{rank}"] = states["cpu"]
+    return snapshot["epochs_run"], tensors
+
+
 # --------------------------------------------------------------------------
 # MNIST from the real t10k files, written back in IDX format
 # --------------------------------------------------------------------------

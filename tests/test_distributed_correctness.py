@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import REPO, TORCHRUN, build_mnist_root, check, free_port, run
+from conftest import REPO, TORCHRUN, build_mnist_root, check, error_lines, free_port, run, snapshot_tensors
 
 import multigpu_spawn
 import multigpu_torchrun
@@ -123,16 +123,6 @@ def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_p
 # 6. Resume from a snapshot == an uninterrupted run, bitwise
 # --------------------------------------------------------------------------
 
-def _snapshot_tensors(path):
-    snapshot = torch.load(path, weights_only=True)
-    tensors = dict(snapshot["model"])
-    for key, state in snapshot["optimizer"]["state"].items():
-        tensors[f"optimizer.{key}"] = state["momentum_buffer"]
-    for rank, rng in enumerate(snapshot["rng_states"]):
-        tensors[f"rng.{rank}"] = rng["cpu"]
-    return snapshot["epochs_run"], tensors
-
-
 @pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
 @pytest.mark.parametrize("script", ["multigpu_torchrun.py", "multinode.py"])
 def test_resume_equals_uninterrupted_run(dataset, script, tmp_path):
@@ -152,8 +142,8 @@ def test_resume_equals_uninterrupted_run(dataset, script, tmp_path):
     assert "resuming from snapshot snapshot.pt after epoch 2" in second.stdout
     assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
 
-    epochs_a, straight = _snapshot_tensors(tmp_path / "straight" / "snapshot.pt")
-    epochs_b, resumed = _snapshot_tensors(tmp_path / "resumed" / "snapshot.pt")
+    epochs_a, straight = snapshot_tensors(tmp_path / "straight" / "snapshot.pt", rng=True)
+    epochs_b, resumed = snapshot_tensors(tmp_path / "resumed" / "snapshot.pt", rng=True)
     assert epochs_a == epochs_b == 4
     assert straight.keys() == resumed.keys()
     unequal = [name for name in straight if not torch.equal(straight[name], resumed[name])]
@@ -166,7 +156,6 @@ def test_resume_refuses_a_snapshot_from_another_run(tmp_path):
     before = (tmp_path / "snapshot.pt").read_bytes()
     result = run(launch + ["--total_epochs", "2", "--batch_size", "64", "--model", "linear"], tmp_path)
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: snapshot snapshot.pt comes from a different run (model mlp -> linear, "
+    assert error_lines(result.stderr) == ["error: snapshot snapshot.pt comes from a different run (model mlp -> linear, "
                       "batch_size 32 -> 64); resume with its settings, or pass another --snapshot_path"]
     assert (tmp_path / "snapshot.pt").read_bytes() == before  # untouched

@@ -15,29 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, TORCHRUN, build_mnist_root, check, epochs, free_port, parse_test, run
+from conftest import (REPO, TORCHRUN, build_mnist_root, check, epochs, error_lines, free_port,
+                      parse_test, run, snapshot_tensors)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
 
 
-def _final_state(path):
-    snapshot = torch.load(path, weights_only=True)
-    state = dict(snapshot["model"])
-    for key, value in snapshot["optimizer"]["state"].items():
-        state[f"optimizer.{key}"] = value["momentum_buffer"]
-    return snapshot["epochs_run"], state
-
-
 def _assert_bitwise_equal(path_a, path_b):
-    epochs_a, a = _final_state(path_a)
-    epochs_b, b = _final_state(path_b)
+    epochs_a, a = snapshot_tensors(path_a)
+    epochs_b, b = snapshot_tensors(path_b)
     assert epochs_a == epochs_b
     assert a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
-
-
-def _errors(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +108,7 @@ def test_truncated_snapshot_stops_with_one_line_and_is_kept(tmp_path):
     torn = path.read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
-    errors = _errors(result.stderr)
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: cannot read snapshot snapshot.pt (")
     assert "move it away to start afresh" in errors[0]
     assert path.read_bytes() == torn  # never silently replaced by a fresh start
@@ -140,7 +129,7 @@ torch.save({{"model": Payload()}}, "{crafted}")
     assert not marker.exists()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path)
     assert result.returncode != 0
-    assert len(_errors(result.stderr)) == 1 and "cannot read snapshot snapshot.pt" in result.stderr
+    assert len(error_lines(result.stderr)) == 1 and "cannot read snapshot snapshot.pt" in result.stderr
     assert not marker.exists()
     # Control: the same file loaded the unsafe way does run the payload.
     subprocess.run([sys.executable, "-c", f"import torch; torch.load('{crafted}', weights_only=False)"],
@@ -154,7 +143,7 @@ def test_snapshot_from_another_world_size_is_refused(tmp_path):
     result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multigpu_torchrun.py",
                              "--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
-    assert _errors(result.stderr) == [
+    assert error_lines(result.stderr) == [
         "error: snapshot snapshot.pt comes from a different run (world_size 2 -> 1); "
         "resume with its settings, or pass another --snapshot_path"]
     assert (tmp_path / "snapshot.pt").read_bytes() == before
@@ -244,7 +233,7 @@ def test_unwritable_save_folder_is_refused_before_training(script, tmp_path):
         cmd = TORCHRUN_SCRIPT + ["--snapshot_path", "a_file/snapshot.pt"]
     result = run(cmd, tmp_path)
     assert result.returncode != 0
-    errors = _errors(result.stderr)
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and "is not writable" in errors[0] and "a_file" in errors[0]
     assert "epoch 1/" not in result.stdout  # refused before training
     assert (tmp_path / "a_file").read_text() == "not a folder"
@@ -263,7 +252,7 @@ def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, 
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "3", "--lr", "1e6",
                                     "--snapshot_every_steps", snapshot_every_steps], tmp_path)
     assert result.returncode != 0
-    errors = _errors(result.stderr)
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: training loss became ")
     assert "in epoch 2" in errors[0] and "Lower --lr" in errors[0]
     assert (tmp_path / "snapshot.pt").read_bytes() == before

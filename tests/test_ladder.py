@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN, check, epochs, free_port, run, parse_test
+from conftest import REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run
 
 LAUNCHES = {
     "singlegpu": lambda: [[sys.executable, REPO / "singlegpu.py"], {}],
@@ -106,7 +106,7 @@ def test_missing_dataset_names_folder_files_and_fix(tmp_path):
                              "--dataset", "mnist", "--data_dir", tmp_path / "nothing"], tmp_path,
                  timeout=120)
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr
     assert str(tmp_path / "nothing" / "MNIST" / "raw") in errors[0]
     assert "train-images-idx3-ubyte" in errors[0] and "Pre-stage" in errors[0]

@@ -3,7 +3,7 @@ each, meeting through c10d rendezvous on localhost, as the README shows."""
 
 import subprocess
 
-from conftest import REPO, TORCHRUN, epochs, free_port, parse_test, script_env
+from conftest import REPO, TORCHRUN, epochs, error_lines, free_port, parse_test, script_env
 
 
 def _start_nodes(port, cwds, extra=()):
@@ -59,7 +59,7 @@ def test_snapshot_visible_on_one_node_only_is_refused(tmp_path):
     before = (node0 / "snapshot.pt").read_bytes()
     outputs = _start_nodes(free_port(), [node0, node1], extra=["--total_epochs", "3"])
     assert all(code != 0 for code, _, _ in outputs)
-    errors = [line for _, _, err in outputs for line in err.splitlines() if line.startswith("error: ")]
+    errors = [line for _, _, err in outputs for line in error_lines(err)]
     assert errors == ["error: snapshot snapshot.pt is missing on ranks [1] but present on others; "
                       "--snapshot_path must be on storage that every node shares"]
     assert (node0 / "snapshot.pt").read_bytes() == before
