@@ -4,6 +4,7 @@ Launch:
     torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py      # one process per GPU
     torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py        # CPU: choose a number
     torchrun --standalone --nproc_per_node=2 --max-restarts=3 multigpu_torchrun.py
+    sbatch slurm/multi_gpu.sh                                            # under Slurm
 
 Adds over multigpu_spawn.py: torchrun starts the processes and hands each its
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no port of ours to collide),
@@ -12,10 +13,14 @@ worth it, the script saves a snapshot (model, optimizer, the position in the
 run down to the step, every rank's RNG states, the run's settings) at epoch
 ends and every --snapshot_every_steps steps, and resumes from it
 automatically: the resumed run continues exactly where the snapshot was taken.
+On SIGUSR1 (a scheduler's warning before a time limit or preemption; see
+slurm/multi_gpu.sh), every rank finishes its step, all stop at the same step,
+rank 0 saves a snapshot and the script exits 0, ready to be resumed.
 """
 
 import itertools
 import os
+import signal
 import time
 from datetime import timedelta
 from typing import Callable, Optional
@@ -85,6 +90,50 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+class StopSignal:
+    """Turns a signal into a stop that every rank takes at the same step.
+
+    A scheduler's warning (Slurm's ``--signal``, relayed by torchrun) reaches
+    the ranks at slightly different moments, possibly mid-step. The handler
+    only sets a flag. Once per step each rank adds its flag to an all-reduce
+    (MAX) and reads the previous step's result, so all ranks learn "some rank
+    was signalled" at the same step, one step after the earliest signal.
+    The all-reduce runs asynchronously on a separate CPU (gloo) group: it
+    never waits for the GPU, and by the next step it has long finished, so a
+    step costs no extra wait. Create it on every rank (``new_group`` is
+    collective); ``poll`` too must be called by every rank, equally often.
+    """
+
+    def __init__(self, signum: int = signal.SIGUSR1) -> None:
+        self.signum = signum
+        self.received = False
+        signal.signal(signum, self._handler)
+        self.group = dist.new_group(backend="gloo")
+        self.flag = torch.zeros(1)
+        self.work = None
+
+    def _handler(self, signum, frame) -> None:
+        self.received = True
+
+    def poll(self) -> bool:
+        """Collective. True on every rank at the same call, one call after
+        the first rank got the signal; False otherwise."""
+        stop = False
+        if self.work is not None:
+            self.work.wait()
+            stop = self.flag.item() > 0
+        self.flag.fill_(float(self.received))
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group,
+                                    async_op=True)
+        return stop
+
+    def close(self) -> None:
+        """Wait for the last all-reduce, before the process group goes away."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 class Trainer:
     """Runs the epochs, evaluates, logs one summary line per epoch, saves
     snapshots and resumes from ``snapshot_path`` when it exists.
@@ -124,6 +173,8 @@ class Trainer:
         self.steps_run = 0  # steps finished in epoch `epochs_run` (> 0 after a mid-epoch snapshot)
         # The epoch's global (loss sum, samples) up to `steps_run`, so its summary stays exact.
         self.epoch_totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self.stop = StopSignal()  # SIGUSR1: snapshot and stop at the same step on all ranks
+        self.stopped = False
         if os.path.exists(snapshot_path):
             self._load_snapshot(snapshot_path)
         # DDP broadcasts rank 0's weights to all ranks here, then averages the
@@ -158,6 +209,11 @@ class Trainer:
             totals[0] += loss * len(targets)
             totals[1] += len(targets)
             self.steps_run += 1
+            if self.stop.poll():
+                # Every rank is here after the same step: save it and end the run.
+                self._save_snapshot(epoch, totals)
+                self.stopped = True
+                return {}
             if (self.snapshot_every_steps and self.steps_run % self.snapshot_every_steps == 0
                     and self.steps_run < steps_per_epoch):
                 self._save_snapshot(epoch, totals)
@@ -243,10 +299,14 @@ class Trainer:
         where = f" step {steps_run}" if steps_run else ""
         common.say(f"epoch {epoch + 1}{where} | snapshot saved at {self.snapshot_path}")
 
-    def train(self, max_epochs: int) -> None:
+    def train(self, max_epochs: int) -> bool:
+        """Train up to ``max_epochs``; False if stopped early by the signal
+        (a snapshot of the step reached is saved), True when finished."""
         for epoch in range(self.epochs_run, max_epochs):
             record = {"epoch": epoch + 1, "total_epochs": max_epochs}
             record.update(self._run_epoch(epoch, max_epochs))
+            if self.stopped:
+                return False
             record["val_loss"], record["val_accuracy"] = evaluate(
                 self.model.module, self.val_data, self.loss_fn, self.device)
             if self.rank == 0:  # every rank holds the same numbers; one prints them
@@ -255,6 +315,7 @@ class Trainer:
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch)
+        return True
 
 
 @torch.no_grad()
@@ -344,10 +405,16 @@ def main(args) -> None:
     trainer = Trainer(task.model, train_data, val_data, optimizer, task.loss_fn, device, rank,
                       args.save_every, args.snapshot_every_steps, args.snapshot_path,
                       args.metrics_path, config)
-    trainer.train(args.total_epochs)
-    test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task.loss_fn, device)
-    if rank == 0:
-        common.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args.metrics_path)
+    finished = trainer.train(args.total_epochs)
+    if finished:
+        test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task.loss_fn, device)
+        if rank == 0:
+            common.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy},
+                               args.metrics_path)
+    elif rank == 0:
+        common.say(f"stopped by {signal.Signals(trainer.stop.signum).name}: the snapshot holds "
+                   f"every step trained; run the same command again to resume")
+    trainer.stop.close()
     destroy_process_group()
 
 
