@@ -1,0 +1,106 @@
+#!/bin/bash
+# multi_node.sh: multinode.py on SEVERAL nodes: srun starts one torchrun agent
+# per node, the agents meet at a c10d rendezvous on the job's first node, and
+# each starts one worker per GPU Slurm gave the job on its node. Preemption-
+# safe (snapshot + requeue), like slurm/multi_gpu.sh.
+#
+# Submit from the project folder; arguments after the script name reach the
+# training script:
+#     sbatch slurm/multi_node.sh
+#     sbatch slurm/multi_node.sh --dataset cifar10 --total_epochs 30
+#     sbatch --nodes=4 slurm/multi_node.sh         # the node count comes from the job
+# Edit: the #SBATCH lines for your cluster, and the environment block below
+# (on nodes with several networks, name the one to use). The folder you submit
+# from must be on storage every node sees: the snapshot is written there.
+# Output: multi_node-<job id>.out (all nodes' output, one file); the snapshot:
+# snapshot-<job id>.pt.
+#
+# Preemption and time limit: as in slurm/multi_gpu.sh. SIGUSR1 comes to this
+# batch shell only (B:), 90 s before the end; the shell relays it to srun,
+# which signals the tasks on every node; torchrun relays it to its workers
+# (--signals-to-handle; by default torchrun's agent dies on SIGUSR1); all
+# ranks stop after the same step, global rank 0 saves the snapshot, the shell
+# requeues the job, and the requeued job resumes. torchrun kills workers
+# still running 30 s after relaying a signal: a step plus the save must fit.
+
+#SBATCH --job-name=multi_node       # the name in squeue, and %x in the log file name
+#SBATCH --nodes=2                  # machines; the rendezvous expects exactly this many
+#SBATCH --ntasks-per-node=1        # one task per node: its torchrun agent, which starts the workers
+#SBATCH --gres=gpu:4               # GPUs per node; workers per node follow what is granted
+#SBATCH --cpus-per-task=16         # CPU cores per node for all its workers (data loading)
+#SBATCH --mem=64G                  # host memory per node
+#SBATCH --time=02:00:00            # wall-clock limit; the warning signal comes 90 s before it
+#SBATCH --output=%x-%j.out         # %x = job name, %j = job id; every node's output lands here
+#SBATCH --open-mode=append         # a requeued job appends to its log instead of truncating it
+#SBATCH --requeue                  # allow `scontrol requeue` (and requeue on preemption)
+#SBATCH --signal=B:USR1@90         # SIGUSR1 to the batch shell only, 90 s before the time limit
+
+set -euo pipefail
+
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+    echo "error: this is a Slurm batch script; submit it with: sbatch slurm/multi_node.sh [training args]" >&2
+    exit 2
+fi
+
+# ---- Environment: edit for your cluster ------------------------------------
+# module load cuda/12.4                      # a module system, or
+# conda activate ddp                         # conda, or
+# apptainer exec --nv image.sif ...          # a container (wrap the torchrun line below)
+# export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0   # nodes with several networks
+# Default: the project's own virtual environment (README set-up), or VENV_DIR.
+source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
+# ---------------------------------------------------------------------------
+
+# sbatch runs a copy of this file from a spool folder, so the training script
+# is found from the submission folder, not from this file's location.
+SCRIPT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}/multinode.py"
+if [ ! -f "$SCRIPT" ]; then
+    echo "error: $SCRIPT not found; submit from the project folder (cd ddp-scripts && sbatch slurm/multi_node.sh) or set PROJECT_DIR" >&2
+    exit 2
+fi
+# Workers per node: the GPUs granted on this (the first) node, the same on
+# every node with --gres; one CPU worker per node where there is no GPU.
+NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
+# The rendezvous host: the job's first node (this batch shell runs there).
+MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# A port from the job id, never a literal: jobs sharing a node get different
+# ports (unless their ids differ by a multiple of 15000), and a requeued job
+# (same id) gets its own again. 15000-29999 lies below Linux's ephemeral range
+# (32768-60999), so no outgoing connection already holds it.
+MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))
+export MASTER_ADDR MASTER_PORT
+
+echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes | rendezvous $MASTER_ADDR:$MASTER_PORT | $(date -Is)"
+
+WARNED=0
+warn_and_stop() {
+    WARNED=1
+    echo "$(date -Is) got the warning signal: asking every rank to snapshot and stop"
+    kill -USR1 "$TRAIN_PID" 2>/dev/null || true
+}
+trap warn_and_stop USR1
+
+# --rdzv-id: the job id, so agents of different jobs never join each other.
+# --kill-on-bad-exit: one node failing ends the step on all nodes.
+# Defaults first, so that the same flag in "$@" overrides them.
+srun --kill-on-bad-exit=1 torchrun \
+    --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
+    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
+    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    "$SCRIPT" --snapshot_path "snapshot-$SLURM_JOB_ID.pt" "$@" &
+TRAIN_PID=$!
+# In the background + wait: bash runs a trap only between commands. A trap
+# cuts `wait` short, hence the loop until srun has really exited.
+STATUS=0
+while :; do
+    wait "$TRAIN_PID" && STATUS=0 || STATUS=$?
+    kill -0 "$TRAIN_PID" 2>/dev/null || break
+done
+
+if [ "$WARNED" = 1 ]; then
+    echo "$(date -Is) training stopped (status $STATUS); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+echo "$(date -Is) done (status $STATUS)"
+exit "$STATUS"

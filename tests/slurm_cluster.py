@@ -1,0 +1,328 @@
+"""A real, throw-away Slurm cluster on this machine, for the wrapper tests.
+
+One ``slurmctld`` and three ``slurmd`` daemons (Slurm 22.05 from Debian's
+packages ``slurmctld slurmd slurm-client munge``), with their own ``munged``,
+configuration, spool and log folders under a temporary directory:
+
+- partition ``single``: node ``<this hostname>`` in the machine's own network,
+  with two "GPUs" (GRES backed by plain files, since there is no GPU; the jobs
+  then run on the CPU with gloo, as the wrappers do on a CPU node);
+- partition ``multi``: nodes ``ddp-node1`` and ``ddp-node2``, each in its own
+  network namespace with its own address (10.200.0.1, .2 on a bridge whose
+  root-side address 10.200.0.254 is the controller's), its own hostname (a
+  UTS namespace) and two file-backed "GPUs": two hosts as far as Slurm,
+  torchrun and gloo can tell.
+
+Settings that this kind of machine (a gVisor sandbox, as root) needs:
+``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none`` (no
+cgroups), ``SlurmctldHost`` equal to the machine's hostname, slurmd started
+through ``nsenter --net`` + ``unshare --uts`` (``ip netns exec`` remounts /sys
+and slurmd then fails on cgroups), host names in /etc/hosts. Everything the
+cluster adds (daemons, namespaces, bridge, /etc/hosts lines) is removed by
+``stop()``, which runs whatever happened before it.
+
+Usage (as root):  ``python tests/slurm_cluster.py`` starts one, prints
+``sinfo`` and stops it; the tests use it through a pytest fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel",
+            "ip", "nsenter", "unshare")
+NETNS_NODES = {"ddp-node1": "10.200.0.1", "ddp-node2": "10.200.0.2"}
+BRIDGE, BRIDGE_ADDR = "ddpbr0", "10.200.0.254"
+# The interface carrying each namespace host's address; the same name on both
+# hosts, so one GLOO_SOCKET_IFNAME serves every node.
+NODE_IFACE = "ddp0"
+HOSTS_MARK = "# ddp-slurm-test"
+GPUS_PER_NODE = 2
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why a cluster cannot start here (not root, a missing program), or None."""
+    if os.geteuid() != 0:
+        return "needs root (slurmd, network namespaces)"
+    missing = [name for name in BINARIES if shutil.which(name) is None]
+    if missing:
+        return ("missing " + ", ".join(missing) +
+                " (apt-get install slurmctld slurmd slurm-client munge iproute2 util-linux)")
+    return None
+
+
+def _run(*cmd: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class SlurmCluster:
+    """Start with ``start()``, always end with ``stop()``.
+
+    ``env`` is the environment for client commands (``sbatch``, ``scontrol``):
+    it points SLURM_CONF at this cluster's configuration, so the machine's own
+    /etc/slurm is never read or changed. Jobs inherit it (sbatch exports the
+    submitting environment), so ``scontrol`` inside a job reaches this cluster.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.hostname = socket.gethostname()
+        self.conf = self.root / "slurm.conf"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self._daemons: list[subprocess.Popen] = []
+        self._pidfiles: list[Path] = []
+        self._netns_made: list[str] = []
+        self._bridge_made = False
+        self._hosts_added = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def start(self, timeout_s: float = 60) -> None:
+        """Start munged, the network namespaces, slurmctld and the slurmds;
+        return when all three nodes are idle. Raises RuntimeError (with the
+        daemons' logs) on failure, after stopping what it started."""
+        try:
+            self._write_config()
+            self._start_munge()
+            self._make_network()
+            self._start(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
+            self._start(["slurmd", "-D", "-f", str(self.conf), "-N", self.hostname], "slurmd-local")
+            for node in NETNS_NODES:
+                # A network namespace for the address, a UTS namespace for the
+                # hostname; jobs started by this slurmd inherit both.
+                self._start(["nsenter", f"--net=/var/run/netns/{node}", "unshare", "--uts", "sh", "-c",
+                             f'hostname {node} && exec slurmd -D -f "$0" -N {node}', str(self.conf)],
+                            f"slurmd-{node}")
+            self._wait_idle(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _write_config(self) -> None:
+        for sub in ("state", "spool", "log", "gres", "munge"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        gres_lines = ["AutoDetect=off"]
+        for node in (self.hostname, *NETNS_NODES):
+            files = []
+            for index in range(GPUS_PER_NODE):
+                path = self.root / "gres" / f"{node}-gpu{index}"
+                path.touch()  # slurmd warns these are not devices; the node still goes idle
+                files.append(str(path))
+            # One line per file: a range like gpu[0-1] would need device names.
+            gres_lines += [f"NodeName={node} Name=gpu File={file}" for file in files]
+        (self.root / "gres.conf").write_text("\n".join(gres_lines) + "\n")
+        ctld_port, slurmd_port = _free_port(), _free_port()
+        cpus = os.cpu_count() or 1
+        nodes = [f"NodeName={self.hostname} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4096 "
+                 f"Gres=gpu:{GPUS_PER_NODE} "
+                 f"State=UNKNOWN"]
+        nodes += [f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory=4096 "
+                  f"Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+                  for node, addr in NETNS_NODES.items()]
+        config = f"""\
+ClusterName=ddptest
+SlurmctldHost={self.hostname}({BRIDGE_ADDR})
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={self.root / 'munge' / 'munge.socket'}
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={self.root / 'state'}
+SlurmdSpoolDir={self.root / 'spool'}/%n
+SlurmctldPidFile={self.root / 'slurmctld.pid'}
+SlurmdPidFile={self.root / 'spool'}/slurmd-%n.pid
+SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}
+SlurmdLogFile={self.root / 'log'}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/builtin
+ReturnToService=2
+MinJobAge=3600
+KillWait=30
+{chr(10).join(nodes)}
+PartitionName=single Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+        self.conf.write_text(config)
+
+    def _start_munge(self) -> None:
+        munge = self.root / "munge"
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(128))
+        key.chmod(0o600)
+        munge.chmod(0o700)
+        _run("munged", f"--socket={munge / 'munge.socket'}", f"--key-file={key}",
+             f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
+             f"--seed-file={munge / 'munged.seed'}", "--force")
+        self._pidfiles.append(munge / "munged.pid")
+
+    def _make_network(self) -> None:
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")
+        self._bridge_made = True
+        _run("ip", "addr", "add", f"{BRIDGE_ADDR}/24", "dev", BRIDGE)
+        _run("ip", "link", "set", BRIDGE, "up")
+        for index, (node, addr) in enumerate(NETNS_NODES.items(), start=1):
+            _run("ip", "netns", "add", node)
+            self._netns_made.append(node)
+            _run("ip", "link", "add", f"ddpv{index}", "type", "veth", "peer", "name", NODE_IFACE,
+                 "netns", node)
+            _run("ip", "link", "set", f"ddpv{index}", "master", BRIDGE)
+            _run("ip", "link", "set", f"ddpv{index}", "up")
+            _run("ip", "-n", node, "addr", "add", f"{addr}/24", "dev", NODE_IFACE)
+            _run("ip", "-n", node, "link", "set", NODE_IFACE, "up")
+            _run("ip", "-n", node, "link", "set", "lo", "up")
+        with open("/etc/hosts", "a") as hosts:
+            self._hosts_added = True
+            for node, addr in NETNS_NODES.items():
+                hosts.write(f"{addr} {node} {HOSTS_MARK}\n")
+
+    def _start(self, cmd: list[str], name: str) -> None:
+        log = open(self.root / "log" / f"{name}.stdout", "w")
+        self._daemons.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env=self.env, start_new_session=True))
+
+    def _wait_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        states = ""
+        while time.monotonic() < deadline:
+            for daemon in self._daemons:
+                if daemon.poll() is not None:
+                    raise RuntimeError(f"{daemon.args[0]} exited ({daemon.returncode}):\n{self.logs()}")
+            try:
+                states = self.node_states()
+            except subprocess.CalledProcessError:  # the controller is not answering yet
+                states = {}
+            if len(states) == 1 + len(NETNS_NODES) and set(states.values()) == {"idle"}:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"nodes not idle after {timeout_s} s: {states!r}\n{self.logs()}")
+
+    # ------------------------------------------------------------------ use
+
+    def sbatch(self, args: list[str], cwd: Path, env: Optional[dict] = None) -> int:
+        """Submit ``sbatch <args>`` from ``cwd``; return the job id."""
+        result = _run("sbatch", "--parsable", *args, cwd=cwd, env=dict(self.env, **(env or {})),
+                      check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")
+        return int(result.stdout.strip().split(";")[0])
+
+    def node_states(self) -> dict:
+        """{node name: sinfo's short state}, e.g. ``idle``, ``alloc``, ``comp``."""
+        text = _run("sinfo", "-h", "-N", "-o", "%N %t", env=self.env).stdout
+        return dict(line.split() for line in text.splitlines())
+
+    def job(self, job_id: int) -> dict:
+        """``scontrol show job`` as a dict (JobState, Restarts, NodeList, ExitCode, ...)."""
+        text = _run("scontrol", "-o", "show", "job", str(job_id), env=self.env).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def wait(self, job_id: int, timeout_s: float, states=("COMPLETED", "FAILED", "CANCELLED",
+                                                          "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict:
+        """Poll until the job reaches one of ``states``; return its record.
+        Raises TimeoutError (job cancelled first) after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(0.5)
+        _run("scancel", str(job_id), check=False, env=self.env)
+        raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after "
+                           f"{timeout_s} s\n{self.logs()}")
+
+    @staticmethod
+    def on_host(node: str, cmd: list[str]) -> list[str]:
+        """``cmd`` wrapped to run on namespace host ``node`` (its address and
+        hostname), without Slurm: for plain torchrun across the two hosts."""
+        return ["nsenter", f"--net=/var/run/netns/{node}", "unshare", "--uts", "sh", "-c",
+                f'hostname {node} && exec "$@"', "sh", *cmd]
+
+    def logs(self, tail: int = 30) -> str:
+        """The last lines of every daemon log, for failure messages."""
+        parts = []
+        for path in sorted((self.root / "log").glob("*")):
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            parts.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    # ------------------------------------------------------------------ tear-down
+
+    def stop(self) -> None:
+        """Stop every daemon and job process, remove namespaces, bridge and hosts lines."""
+        if self.conf.exists():
+            _run("scancel", "--full", "--user=root", check=False, env=self.env, timeout=30)
+        for daemon in self._daemons:
+            if daemon.poll() is None:
+                os.killpg(daemon.pid, signal.SIGTERM)
+        for daemon in self._daemons:
+            try:
+                daemon.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(daemon.pid, signal.SIGKILL)
+                daemon.wait()
+        for pidfile in self._pidfiles:
+            try:
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+        # Job processes that outlived their slurmd (slurmstepd is in the same
+        # session as the daemon that forked it, so killpg above reaches most).
+        _run("pkill", "-KILL", "-f", "slurmstepd", check=False)
+        for node in self._netns_made:
+            _run("ip", "netns", "pids", node, check=False)
+            for pid in _run("ip", "netns", "pids", node, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+            _run("ip", "netns", "delete", node, check=False)
+        self._netns_made.clear()
+        if self._bridge_made:
+            _run("ip", "link", "delete", BRIDGE, check=False)
+            self._bridge_made = False
+        if self._hosts_added:
+            with open("/etc/hosts") as hosts:
+                kept = [line for line in hosts if HOSTS_MARK not in line]
+            with open("/etc/hosts", "w") as hosts:  # in place: /etc/hosts may be a bind mount
+                hosts.writelines(kept)
+            self._hosts_added = False
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"cannot start a cluster: {reason}")
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = SlurmCluster(Path(tmp))
+        try:
+            start = time.monotonic()
+            cluster.start()
+            print(f"cluster up in {time.monotonic() - start:.1f} s")
+            print(_run("sinfo", "-N", "-o", "%N %P %t %G", env=cluster.env).stdout)
+        finally:
+            cluster.stop()
