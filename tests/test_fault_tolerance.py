@@ -7,6 +7,8 @@ DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import (REPO, TORCHRUN, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, run, snapshot_tensors)
+                      parse_test, run, script_env, snapshot_tensors)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
 
@@ -263,3 +265,49 @@ def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: training loss became ")
     assert not (tmp_path / "checkpoint.pt").exists()
+
+
+# --------------------------------------------------------------------------
+# SIGUSR1 (a scheduler's warning) relayed by torchrun: stop, snapshot, resume
+# --------------------------------------------------------------------------
+
+def test_sigusr1_stops_every_rank_after_one_step_and_the_run_resumes_exactly(tmp_path):
+    """What slurm/multi_gpu.sh does on the warning, without Slurm (tests/test_slurm.py
+    runs the real thing): torchrun relays SIGUSR1 to the workers, which stop after
+    the same step and snapshot it; the same command then finishes the run, with
+    the weights of a run never interrupted."""
+    args = ["--total_epochs", "12", "--batch_size", "8"]
+    interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
+    interrupted.mkdir()
+    reference.mkdir()
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2",
+                         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                         str(REPO / "multigpu_torchrun.py"), *args]
+    log = interrupted / "log.txt"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(launch, cwd=interrupted, env=script_env(), stdout=out,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while "epoch 2/12" not in log.read_text():
+                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            agent.send_signal(signal.SIGUSR1)
+            agent.wait(timeout=60)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    text = log.read_text()
+    stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt$", text, re.M)
+    assert len(stops) == 1 and "stopped by SIGUSR1" in text, text
+    assert "test | loss" not in text  # stopped, not finished
+    epoch, step = stops[0]
+    assert epochs(text)[-1]["epoch"] == int(epoch) - 1
+
+    resumed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2",
+                                    REPO / "multigpu_torchrun.py", *args], interrupted))
+    assert f"resuming from snapshot snapshot.pt in epoch {epoch} after step {step}" in resumed.stdout
+    assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 13))
+    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py", *args],
+              reference))
+    _assert_bitwise_equal(interrupted / "snapshot.pt", reference / "snapshot.pt")
