@@ -310,6 +310,18 @@ PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP Over
                 hosts.writelines(kept)
             self._hosts_added = False
 
+    def leftovers(self) -> list[str]:
+        """What of this cluster is still there (after ``stop()``: should be nothing)."""
+        found = [f"process {pid}: {cmd}" for pid, cmd in
+                 (line.split(" ", 1) for line in
+                  _run("pgrep", "-a", "-f", str(self.root), check=False).stdout.splitlines())]
+        namespaces = _run("ip", "netns", "list", check=False).stdout
+        found += [f"network namespace {node}" for node in NETNS_NODES if node in namespaces]
+        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+            found.append(f"bridge {BRIDGE}")
+        found += [f"/etc/hosts: {line.strip()}" for line in open("/etc/hosts") if HOSTS_MARK in line]
+        return found
+
 
 if __name__ == "__main__":
     import tempfile
@@ -326,3 +338,4 @@ if __name__ == "__main__":
             print(_run("sinfo", "-N", "-o", "%N %P %t %G", env=cluster.env).stdout)
         finally:
             cluster.stop()
+            print("left behind:", cluster.leftovers() or "nothing")

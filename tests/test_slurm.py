@@ -43,6 +43,8 @@ def cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+    # The harness promises to leave the machine as it found it.
+    assert cluster.leftovers() == []
 
 
 def submit(cluster, tmp_path, wrapper, *args, sbatch=(), env=None) -> int:
