@@ -422,23 +422,24 @@ def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
     by ``padding`` pixels on every side, cut back to H x W at an offset drawn
     uniformly from the (2 * padding + 1)^2 positions, and mirrored left-right
     with probability 1/2, independently per image (the distribution of the
-    per-sample transforms). One gather does crop and flip together. Random
-    numbers come from the default generator of ``images.device``, so a
-    snapshot's saved RNG states replay the same augmentations on resume.
+    per-sample transforms). One gather over the flattened padded image does
+    crop and flip together (a 4-tensor advanced index was 60x slower on a
+    CPU). Random numbers come from the default generator of ``images.device``,
+    so a snapshot's saved RNG states replay the same augmentations on resume.
     Returns a new (N, C, H, W) tensor of ``images.dtype``.
     """
     n, c, h, w = images.shape
     device = images.device
     padded = F.pad(images, (padding,) * 4)  # zeros, as RandomCrop's fill=0
+    padded_w = w + 2 * padding
     dy = torch.randint(0, 2 * padding + 1, (n,), device=device)
     dx = torch.randint(0, 2 * padding + 1, (n,), device=device)
     flip = torch.rand(n, device=device) < 0.5
     rows = dy[:, None] + torch.arange(h, device=device)  # (N, H)
     cols = torch.arange(w, device=device).expand(n, w)
     cols = dx[:, None] + torch.where(flip[:, None], cols.flip(1), cols)  # (N, W)
-    return padded[torch.arange(n, device=device)[:, None, None, None],
-                  torch.arange(c, device=device)[None, :, None, None],
-                  rows[:, None, :, None], cols[:, None, None, :]]
+    index = (rows[:, :, None] * padded_w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+    return padded.view(n, c, -1).gather(2, index).view(n, c, h, w)
 
 
 class DeviceTransform:
