@@ -458,12 +458,16 @@ class DeviceTransform:
     def __init__(self, normalize: Optional[tuple[tuple, tuple]] = None, padding: int = 0,
                  channels_last: bool = False) -> None:
         self.normalize, self.padding, self.channels_last = normalize, padding, channels_last
+        self._stats: dict = {}  # device -> (mean, std) tensors, made once, not per batch
 
     def __call__(self, source: torch.Tensor) -> torch.Tensor:
         if self.normalize is not None:
             if self.padding:
                 source = random_crop_flip(source, self.padding)
-            mean, std = (torch.tensor(v, device=source.device).view(-1, 1, 1) for v in self.normalize)
+            if source.device not in self._stats:  # a copy to the GPU per batch would wait for it
+                self._stats[source.device] = tuple(torch.tensor(v, device=source.device).view(-1, 1, 1)
+                                                   for v in self.normalize)
+            mean, std = self._stats[source.device]
             source = source.float().div(255).sub_(mean).div_(std)
         if self.channels_last:
             source = source.contiguous(memory_format=torch.channels_last)
