@@ -90,7 +90,7 @@ class Trainer:
         self.checkpoint_path = checkpoint_path
         self.metrics_path = metrics_path
         self.grad_accum_steps = options.grad_accum_steps
-        self.amp = options.amp
+        self.autocast = common.autocast(device, options.amp)  # made once: a step must stay cheap
         self.train_transform, self.eval_transform = options.train_transform, options.eval_transform
         # DDP broadcasts rank 0's weights to all ranks here, then averages the
         # gradients across ranks during every backward().
@@ -111,7 +111,7 @@ class Trainer:
         # adds them up locally; the last micro-batch's backward all-reduces the
         # sums: one all-reduce per optimizer step, not one per micro-batch.
         with contextlib.nullcontext() if last else self.model.no_sync():
-            with common.autocast(self.device, self.amp):
+            with self.autocast:
                 loss = self.loss_fn(self.compiled(source), targets)
             # Summed over the micro-batches, the gradients of loss / grad_accum_steps
             # are those of the mean loss over the whole accumulated batch. (Without

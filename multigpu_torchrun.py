@@ -123,7 +123,7 @@ class Trainer:
         self.metrics_path = metrics_path
         self.config = config
         self.grad_accum_steps = options.grad_accum_steps
-        self.amp = options.amp
+        self.autocast = common.autocast(device, options.amp)  # made once: a step must stay cheap
         self.train_transform, self.eval_transform = options.train_transform, options.eval_transform
         self.epochs_run = 0  # epochs finished
         self.steps_run = 0  # steps finished in epoch `epochs_run` (> 0 after a mid-epoch snapshot)
@@ -150,7 +150,7 @@ class Trainer:
         # adds them up locally; the last micro-batch's backward all-reduces the
         # sums: one all-reduce per optimizer step, not one per micro-batch.
         with contextlib.nullcontext() if last else self.model.no_sync():
-            with common.autocast(self.device, self.amp):
+            with self.autocast:
                 loss = self.loss_fn(self.compiled(source), targets)
             # Summed over the micro-batches, the gradients of loss / grad_accum_steps
             # are those of the mean loss over the whole accumulated batch. (Without

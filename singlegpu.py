@@ -52,7 +52,7 @@ class Trainer:
         self.checkpoint_path = checkpoint_path
         self.metrics_path = metrics_path
         self.grad_accum_steps = options.grad_accum_steps
-        self.amp = options.amp
+        self.autocast = common.autocast(device, options.amp)  # made once: a step must stay cheap
         self.train_transform, self.eval_transform = options.train_transform, options.eval_transform
         # The compiled module shares the model's weights and runs the training
         # forward; saving and evaluation use the plain model, so what is saved
@@ -66,7 +66,7 @@ class Trainer:
         last = (step + 1) % self.grad_accum_steps == 0  # this micro-batch ends an optimizer step
         if step % self.grad_accum_steps == 0:
             self.optimizer.zero_grad(set_to_none=True)
-        with common.autocast(self.device, self.amp):
+        with self.autocast:
             loss = self.loss_fn(self.compiled(source), targets)
         # Summed over the micro-batches, the gradients of loss / grad_accum_steps
         # are those of the mean loss over the whole accumulated batch. (Without
