@@ -537,7 +537,8 @@ def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
         except Exception as exc:  # record, do not invent a number
             results.append({"variant": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
     rows = [[r["variant"], r.get("images_per_s", r.get("error")), r.get("achieved_tflops", "-"),
-             r.get("peak_tflops") or "unknown", r.get("fraction_of_peak") or "-",
+             r.get("peak_tflops") or "unknown",
+             f"{r['fraction_of_peak']:.1%}" if r.get("fraction_of_peak") else "-",
              r.get("peak_memory_mib", "-")] for r in results]
     text = table(f"5. GPU: ResNet-18, CIFAR-10-shaped batches of {batch_size} on {name} "
                  f"(augmentation on the device included)",
