@@ -1,6 +1,6 @@
 """Side-by-side performance measurements of the ladder, in one run.
 
-    .venv/bin/python benchmarks/run.py             # everything, about 5-8 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/run.py             # everything, about 2 minutes on 2 idle CPU cores
     .venv/bin/python benchmarks/run.py --only 1 2  # some sections
 
 Prints one table per section, with the machine it ran on, and writes all
@@ -582,7 +582,7 @@ def main() -> None:
         result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
         report["sections"][name] = result
         print("\n" + result.get("table", f"**{key}**: skipped: {result.get('skipped')}"), flush=True)
-        print(f"({result['section_seconds']:.0f} s; load average after: "
+        print(f"\n({result['section_seconds']:.0f} s; load average after: "
               f"{result['load_avg_1min_after']} on {os.cpu_count()} cores)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
