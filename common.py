@@ -11,11 +11,17 @@ Tasks (``--dataset``):
   mnist      torchvision MNIST, the 2-conv/2-fc CNN with dropout, cross-entropy.
   cifar10    torchvision CIFAR10 with crop+flip augmentation, torchvision
              resnet18 (default) or resnet50, cross-entropy.
+
+Speed (``--input_path``, ``--amp``, ``--compile``, ``--grad_accum_steps``):
+the fast input path (images decoded once into uint8 tensors, whole batches
+moved to the device, augmentation batched there), the autocast and compile
+choices, and peak GPU memory. How a step uses them is in each script.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import glob
@@ -40,7 +46,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, Subset, default_collate
 
 # Model choices per dataset; the first one is the default.
 MODELS = {
@@ -48,6 +54,8 @@ MODELS = {
     "mnist": ("cnn",),
     "cifar10": ("resnet18", "resnet50"),
 }
+
+INPUT_PATHS = ("fast", "torchvision")
 
 SYNTHETIC_FEATURES = 20
 SYNTHETIC_TRAIN_SAMPLES = 2048
@@ -134,7 +142,7 @@ def build_parser(description: Optional[str]) -> argparse.ArgumentParser:
                         help="save every N epochs; the last epoch is always saved (default: 5)")
     parser.add_argument("--batch_size", type=positive(int), default=32,
                         help="samples per step *per process*; the global batch size is "
-                             "batch_size x world_size (default: 32)")
+                             "batch_size x grad_accum_steps x world_size (default: 32)")
     parser.add_argument("--lr", type=positive(float), default=0.05,
                         help="SGD learning rate, momentum 0.9 (default: 0.05)")
     parser.add_argument("--dataset", choices=tuple(MODELS), default="synthetic",
@@ -151,6 +159,20 @@ def build_parser(description: Optional[str]) -> argparse.ArgumentParser:
                         help="DataLoader worker processes per training process (default: 0)")
     parser.add_argument("--metrics_path", default=None,
                         help="also write each epoch's summary as one JSON object per line here")
+    parser.add_argument("--input_path", choices=INPUT_PATHS, default="fast",
+                        help="mnist/cifar10 input: 'fast' holds the decoded images in memory "
+                             "as uint8, moves whole batches to the device and augments them "
+                             "there; 'torchvision' is the per-sample Dataset + transforms "
+                             "path, for comparison (default: fast; synthetic ignores it)")
+    parser.add_argument("--amp", action="store_true",
+                        help="bf16 autocast for the training forward pass (CUDA; on a CPU only "
+                             "where it was measured to help, see the README)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the training model (saved weights stay loadable "
+                             "without it)")
+    parser.add_argument("--grad_accum_steps", type=positive(int), default=1,
+                        help="micro-batches of --batch_size per optimizer step; the global "
+                             "batch size is batch_size x grad_accum_steps x world_size (default: 1)")
     return parser
 
 
@@ -332,12 +354,138 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return perm[n_val:], perm[:n_val]
 
 
+# --------------------------------------------------------------------------
+# The fast input path: decoded uint8 images in memory, batches augmented on the device
+# --------------------------------------------------------------------------
+
+class Batch(tuple):
+    """A batch a dataset assembled itself, (images, labels); ``collate`` passes it through."""
+
+
+def collate(batch):
+    """DataLoader ``collate_fn`` for every loader of the scripts.
+
+    A ``Batch`` (from ``InMemoryImages.__getitems__``) is already one batch
+    and passes through as (images, labels); a list of per-sample items (the
+    torchvision and synthetic datasets) is stacked by ``default_collate``.
+    """
+    if isinstance(batch, Batch):
+        return tuple(batch)
+    return default_collate(batch)
+
+
+class InMemoryImages(Dataset):
+    """A whole image dataset decoded once: uint8 (N, C, H, W) images, int64 (N,) labels.
+
+    ``dataset[i]`` is one (uint8 (C, H, W), int64 ()) pair. The DataLoader
+    calls ``__getitems__`` with a batch's indices when a dataset has it (and
+    ``Subset`` forwards it, mapping the indices), so a batch is one indexing
+    operation, not ``batch_size`` Python calls and a stack; conversion to
+    float, normalization and augmentation happen later, batched on the device
+    (``DeviceTransform``). Any sampler works unchanged, DistributedSampler
+    included: it still decides which indices each rank gets.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if images.dtype != torch.uint8 or images.dim() != 4 or len(labels) != len(images):
+            raise ValueError(f"expected uint8 (N, C, H, W) images and N labels, got "
+                             f"{images.dtype} {tuple(images.shape)} and {len(labels)} labels")
+        self.images, self.labels = images, labels.to(torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        return self.images[index], self.labels[index]
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        return Batch((self.images[index], self.labels[index]))
+
+
+def _decode(view) -> InMemoryImages:
+    """The images and labels a torchvision MNIST/CIFAR10 object read from disk, as tensors.
+
+    Both classes decode their files when built (MNIST: uint8 (N, 28, 28)
+    tensor; CIFAR10: uint8 (N, 32, 32, 3) numpy array, channels last); this
+    only reshapes them to (N, C, H, W), without going through PIL per image.
+    """
+    images = view.data if isinstance(view.data, torch.Tensor) else torch.from_numpy(view.data)
+    images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)
+    return InMemoryImages(images.contiguous(), torch.as_tensor(view.targets, dtype=torch.int64))
+
+
+def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
+    """torchvision's RandomCrop(size, padding) + RandomHorizontalFlip, for a whole batch.
+
+    images: (N, C, H, W), any dtype, on any device. Each image is zero-padded
+    by ``padding`` pixels on every side, cut back to H x W at an offset drawn
+    uniformly from the (2 * padding + 1)^2 positions, and mirrored left-right
+    with probability 1/2, independently per image (the distribution of the
+    per-sample transforms). One gather over the flattened padded image does
+    crop and flip together (a 4-tensor advanced index was 60x slower on a
+    CPU). Random numbers come from the default generator of ``images.device``,
+    so a snapshot's saved RNG states replay the same augmentations on resume.
+    Returns a new (N, C, H, W) tensor of ``images.dtype``.
+    """
+    n, c, h, w = images.shape
+    device = images.device
+    padded = F.pad(images, (padding,) * 4)  # zeros, as RandomCrop's fill=0
+    padded_w = w + 2 * padding
+    dy = torch.randint(0, 2 * padding + 1, (n,), device=device)
+    dx = torch.randint(0, 2 * padding + 1, (n,), device=device)
+    flip = torch.rand(n, device=device) < 0.5
+    rows = dy[:, None] + torch.arange(h, device=device)  # (N, H)
+    cols = torch.arange(w, device=device).expand(n, w)
+    cols = dx[:, None] + torch.where(flip[:, None], cols.flip(1), cols)  # (N, W)
+    index = (rows[:, :, None] * padded_w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+    return padded.view(n, c, -1).gather(2, index).view(n, c, h, w)
+
+
+class DeviceTransform:
+    """What happens to a batch after it reached the device, before the model.
+
+    Called with the batch's inputs (N, ...) on the device. With ``normalize``
+    = (mean, std) per channel, the input is uint8 (N, C, H, W) pixels
+    (``InMemoryImages``): optionally ``random_crop_flip`` with ``padding``,
+    then float32 x / 255, minus mean, over std (the arithmetic of ToTensor +
+    Normalize, so the same image gives the same floats). Without it the input
+    is already what the model takes and passes unchanged. ``channels_last``
+    then reorders (N, C, H, W) floats to channels-last memory (same shape and
+    values), which tensor cores prefer (CUDA ResNets).
+    """
+
+    def __init__(self, normalize: Optional[tuple[tuple, tuple]] = None, padding: int = 0,
+                 channels_last: bool = False) -> None:
+        self.normalize, self.padding, self.channels_last = normalize, padding, channels_last
+        self._stats: dict = {}  # device -> (mean, std) tensors, made once, not per batch
+
+    def __call__(self, source: torch.Tensor) -> torch.Tensor:
+        if self.normalize is not None:
+            if self.padding:
+                source = random_crop_flip(source, self.padding)
+            if source.device not in self._stats:  # a copy to the GPU per batch would wait for it
+                self._stats[source.device] = tuple(torch.tensor(v, device=source.device).view(-1, 1, 1)
+                                                   for v in self.normalize)
+            mean, std = self._stats[source.device]
+            source = source.float().div(255).sub_(mean).div_(std)
+        if self.channels_last:
+            source = source.contiguous(memory_format=torch.channels_last)
+        return source
+
+
+# --------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------
+
 @dataclass
 class Task:
     """Everything a script needs to train one dataset.
 
     loss_fn(output, target, reduction=...) is ``F.mse_loss`` (targets float32
     (N, 1)) or ``F.cross_entropy`` (targets int64 (N,), outputs logits).
+    ``train_transform``/``eval_transform`` turn a batch's inputs, once on the
+    device, into the model's input (see ``DeviceTransform``).
     """
 
     train_set: Dataset
@@ -345,10 +493,12 @@ class Task:
     test_set: Dataset
     model: nn.Module
     loss_fn: Callable[..., torch.Tensor]
+    train_transform: Callable[[torch.Tensor], torch.Tensor] = DeviceTransform()
+    eval_transform: Callable[[torch.Tensor], torch.Tensor] = DeviceTransform()
 
 
 def load_task(dataset: str, model: Optional[str], data_dir: str, seed: int,
-              val_fraction: float = 0.1) -> Task:
+              val_fraction: float = 0.1, input_path: str = "torchvision") -> Task:
     """Build datasets and model for ``dataset``.
 
     The validation set is a seeded ``val_fraction`` of the official train split
@@ -356,6 +506,12 @@ def load_task(dataset: str, model: Optional[str], data_dir: str, seed: int,
     CIFAR-10 the validation images come from a second view of the train split
     with the *eval* transform, so augmentation never leaks into validation.
     Files must already be present (see ``prepare_data``).
+
+    ``input_path`` (mnist, cifar10): "torchvision" gives per-sample datasets
+    yielding normalized float32 images (augmented for CIFAR-10 training);
+    "fast" gives ``InMemoryImages`` yielding uint8 batches, and the task's
+    device transforms normalize (and for CIFAR-10 training, crop and flip)
+    them on the device. ResNets get channels-last memory on CUDA.
 
     Raises ConfigError for an unknown model or missing files.
     """
@@ -369,11 +525,14 @@ def load_task(dataset: str, model: Optional[str], data_dir: str, seed: int,
     from torchvision import transforms
 
     cls = _torchvision_class(dataset)
-    if dataset == "mnist":
-        train_tf = eval_tf = transforms.Compose(
-            [transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
+    stats = (MNIST_MEAN, MNIST_STD) if dataset == "mnist" else (CIFAR10_MEAN, CIFAR10_STD)
+    fast = input_path == "fast"
+    if fast:  # the files as they are; DeviceTransform does the rest per batch
+        train_tf = eval_tf = None
+    elif dataset == "mnist":
+        train_tf = eval_tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*stats)])
     else:
-        normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+        normalize = [transforms.ToTensor(), transforms.Normalize(*stats)]
         train_tf = transforms.Compose(
             [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] + normalize)
         eval_tf = transforms.Compose(normalize)
@@ -386,16 +545,35 @@ def load_task(dataset: str, model: Optional[str], data_dir: str, seed: int,
     except RuntimeError as exc:
         raise ConfigError(_fetch(dataset, data_dir, download=False) or str(exc)) from None
     train_idx, val_idx = split_indices(len(train_view), val_fraction, seed)
-    return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test,
-                build_model(dataset, model_name), F.cross_entropy)
+    model = build_model(dataset, model_name)
+    # Tensor cores read convolution inputs fastest in NHWC; on a CPU it does not pay.
+    channels_last = model_name.startswith("resnet") and torch.cuda.is_available()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if fast:
+        train_view = eval_view = _decode(train_view)  # one copy, two views (Subsets)
+        test = _decode(test)
+        padding = 4 if dataset == "cifar10" else 0  # MNIST: no augmentation, as before
+        return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test, model,
+                    F.cross_entropy, DeviceTransform(stats, padding, channels_last),
+                    DeviceTransform(stats, 0, channels_last))
+    return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test, model,
+                F.cross_entropy, DeviceTransform(channels_last=channels_last),
+                DeviceTransform(channels_last=channels_last))
 
 
-def check_steps(train_data) -> None:
-    """Raise ConfigError when a training DataLoader (drop_last=True) yields no batch."""
+def check_steps(train_data, grad_accum_steps: int = 1) -> None:
+    """Raise ConfigError when a training DataLoader (drop_last=True) yields no
+    batch, or fewer than the ``grad_accum_steps`` one optimizer step needs."""
     if len(train_data) == 0:
         raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
                           f"samples, fewer than --batch_size {train_data.batch_size}: "
                           f"no full batch to train on; lower --batch_size")
+    if len(train_data) < grad_accum_steps:
+        raise ConfigError(f"the training split gives each process {len(train_data)} batches "
+                          f"of --batch_size {train_data.batch_size}, fewer than "
+                          f"--grad_accum_steps {grad_accum_steps}: no optimizer step to take; "
+                          f"lower --grad_accum_steps or --batch_size")
 
 
 def check_writable(path: str, check: bool) -> None:
@@ -434,6 +612,7 @@ def check_finite(loss: float, epoch: int) -> None:
 
 
 _fault_counts: dict = {}
+_fault_spec: Optional[str] = None  # DDP_TEST_FAULT as read at the first call ("" when off)
 
 
 def fault_point(point: str) -> None:
@@ -445,10 +624,16 @@ def fault_point(point: str) -> None:
     Points: ``step`` (each training step) and ``save`` (inside atomic_save,
     after the temporary file is written, before the rename). It fires only
     in a job's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0), so a
-    torchrun restart runs clean. The fault-tolerance tests use it.
+    torchrun restart runs clean. The fault-tolerance tests use it. The
+    environment is read once per process: two os.environ lookups per step cost
+    a small model ~3% of its step time.
     """
-    spec = os.environ.get("DDP_TEST_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    global _fault_spec
+    if _fault_spec is None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        _fault_spec = os.environ.get("DDP_TEST_FAULT", "") if first_attempt else ""
+    spec = _fault_spec
+    if not spec:
         return
     _fault_counts[point] = count = _fault_counts.get(point, 0) + 1
     want_point, want_rank, want_count, action = spec.split(":")
@@ -472,6 +657,107 @@ def get_device(index: int) -> torch.device:
 
 
 # --------------------------------------------------------------------------
+# Speed: how a training step runs
+# --------------------------------------------------------------------------
+
+# Models for which bf16 autocast was measured to speed up training on a CPU
+# with native bf16 instructions (AVX512-BF16/AMX). Here (2-core AMD EPYC,
+# torch 2.15), samples/s with --amp over without: cnn x1.35-1.7, mlp x0.57,
+# resnet18 x0.9-1.2 (noise around no gain); see the README, Performance.
+AMP_HELPS_ON_CPU = ("cnn",)
+
+
+@dataclass
+class TrainOptions:
+    """How the Trainer runs a step; from --grad_accum_steps, --amp, --compile
+    and the task's device transforms (see ``train_options``)."""
+
+    grad_accum_steps: int = 1
+    amp: bool = False
+    compile: bool = False
+    train_transform: Callable[[torch.Tensor], torch.Tensor] = DeviceTransform()
+    eval_transform: Callable[[torch.Tensor], torch.Tensor] = DeviceTransform()
+
+
+def train_options(args, task: Task) -> TrainOptions:
+    """The Trainer's options for this run, from its flags and ``task``."""
+    return TrainOptions(args.grad_accum_steps, args.amp, args.compile,
+                        task.train_transform, task.eval_transform)
+
+
+def check_amp(amp: bool, device: torch.device, model: str) -> None:
+    """Raise ConfigError for --amp on a CPU where bf16 autocast makes training slower.
+
+    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16). On
+    a CPU it only helps with native bf16 instructions, and only for some
+    models (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost
+    speed and precision, so it is refused in one line.
+    """
+    if not amp or device.type == "cuda":
+        return
+    if model not in AMP_HELPS_ON_CPU:
+        raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up --model {model} "
+                          f"on a CPU (measured, see the README's Performance section); "
+                          f"--amp is for CUDA GPUs. Run without --amp")
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise ConfigError("--amp on a CPU: this CPU has no native bf16 instructions "
+                          "(AVX512-BF16 or AMX), so bf16 autocast would be slower; "
+                          "--amp is for CUDA GPUs. Run without --amp")
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on ``device`` when ``enabled`` (the forward pass and the
+    loss; backward follows the forward's dtypes), else a context that does nothing.
+
+    Reusable, one ``with`` after another (not nested): make it once, not per step.
+    """
+    if not enabled:
+        return contextlib.nullcontext()  # cheaper than an autocast(enabled=False) per step
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def compile_model(model: nn.Module, enabled: bool) -> nn.Module:
+    """``torch.compile(model)`` when ``enabled``, else ``model`` itself.
+
+    The compiled module shares ``model``'s parameters; the scripts call it for
+    the training forward only, and keep saving ``model`` (or its DDP
+    ``.module``), so saved state_dicts have no ``_orig_mod.`` prefix and load
+    without compile. For DDP, pass the DDP-wrapped model: compiling after
+    wrapping lets TorchDynamo's DDP optimizer split the graph at the gradient
+    buckets, so all-reduce still overlaps with backward.
+    """
+    return torch.compile(model) if enabled else model
+
+
+def global_batch_line(batch_size: int, grad_accum_steps: int, world_size: int) -> str:
+    """The one line printed at start: samples per optimizer step, over all processes."""
+    return (f"global batch size {batch_size * grad_accum_steps * world_size} = batch_size "
+            f"{batch_size} x grad_accum_steps {grad_accum_steps} x world_size {world_size}")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start counting ``peak_memory_mib`` afresh (CUDA; nothing on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> dict:
+    """{"peak_gpu_memory_mib": MiB} on CUDA, {} on a CPU.
+
+    The most memory tensors held on ``device`` since ``reset_peak_memory``
+    (``torch.cuda.max_memory_allocated``, MiB = 2**20 bytes), the maximum over
+    all ranks under a process group: a collective on CUDA, so every rank
+    must call it.
+    """
+    if device.type != "cuda":
+        return {}
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"peak_gpu_memory_mib": peak.item()}
+
+
+# --------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------
 
@@ -492,10 +778,12 @@ def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
 
     Epoch records print as
       ``epoch 3/10 | train_loss 0.012345 | val_loss 0.012345 | val_acc 0.9512 |
-      samples/s 12345.6 | epoch_s 0.52``  (val_acc only for classification);
-    the final test record as ``test | loss 0.012345 | acc 0.9600``.
+      samples/s 12345.6 | epoch_s 0.52 | peak_mem_mib 1234.5``  (val_acc only for
+    classification, peak_mem_mib only on CUDA); the final test record as
+    ``test | loss 0.012345 | acc 0.9600``.
     Units: samples/s is global training samples per second over the training
-    part of the epoch; epoch_s is that part's wall-clock seconds.
+    part of the epoch; epoch_s is that part's wall-clock seconds; peak_mem_mib
+    the epoch's peak GPU memory held by tensors, MiB, the maximum over ranks.
     """
     if "epoch" in record:
         parts = [f"epoch {record['epoch']}/{record['total_epochs']}",
@@ -503,6 +791,8 @@ def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
         if record.get("val_accuracy") is not None:
             parts.append(f"val_acc {record['val_accuracy']:.4f}")
         parts += [f"samples/s {record['samples_per_s']:.1f}", f"epoch_s {record['epoch_seconds']:.2f}"]
+        if record.get("peak_gpu_memory_mib") is not None:
+            parts.append(f"peak_mem_mib {record['peak_gpu_memory_mib']:.1f}")
     else:
         parts = ["test", f"loss {record['test_loss']:.6f}"]
         if record.get("test_accuracy") is not None:

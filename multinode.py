@@ -17,6 +17,7 @@ one line per epoch with its ranks and host, showing how the data is split.
 The snapshot must be on storage every node sees; the script checks that.
 """
 
+import contextlib
 import itertools
 import os
 import signal
@@ -159,6 +160,7 @@ class Trainer:
         snapshot_path: str,
         metrics_path: Optional[str],
         config: dict,
+        options: common.TrainOptions = common.TrainOptions(),
     ) -> None:
         self.device = device
         self.rank = rank
@@ -173,6 +175,9 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.metrics_path = metrics_path
         self.config = config
+        self.grad_accum_steps = options.grad_accum_steps
+        self.autocast = common.autocast(device, options.amp)  # made once: a step must stay cheap
+        self.train_transform, self.eval_transform = options.train_transform, options.eval_transform
         self.epochs_run = 0  # epochs finished
         self.steps_run = 0  # steps finished in epoch `epochs_run` (> 0 after a mid-epoch snapshot)
         # The epoch's global (loss sum, samples) up to `steps_run`, so its summary stays exact.
@@ -193,13 +198,30 @@ class Trainer:
         # DDP broadcasts rank 0's weights to all ranks here, then averages the
         # gradients across ranks during every backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        # The compiled module shares the model's weights and runs the training
+        # forward; saving and evaluation use the plain model, so what is saved
+        # loads without torch.compile.
+        self.compiled = common.compile_model(self.model, options.compile)
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; ``step`` counts them from 0
+        in the epoch. The optimizer steps after every ``grad_accum_steps``-th."""
         common.fault_point("step")  # test hook: a no-op unless DDP_TEST_FAULT is set
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(source), targets)
-        loss.backward()
-        self.optimizer.step()
+        last = (step + 1) % self.grad_accum_steps == 0  # this micro-batch ends an optimizer step
+        if step % self.grad_accum_steps == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+        # DDP all-reduces the gradients during backward. Under no_sync() it only
+        # adds them up locally; the last micro-batch's backward all-reduces the
+        # sums: one all-reduce per optimizer step, not one per micro-batch.
+        with contextlib.nullcontext() if last else self.model.no_sync():
+            with self.autocast:
+                loss = self.loss_fn(self.compiled(source), targets)
+            # Summed over the micro-batches, the gradients of loss / grad_accum_steps
+            # are those of the mean loss over the whole accumulated batch. (Without
+            # accumulation no division: an extra autograd op costs a small model ~10%.)
+            (loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
+        if last:
+            self.optimizer.step()
         return loss.detach()
 
     def _run_epoch(self, epoch: int, max_epochs: int) -> dict:
@@ -209,6 +231,7 @@ class Trainer:
         # After a mid-epoch resume, skip the batches this rank already trained on.
         self.train_data.sampler.start = self.steps_run * self.train_data.batch_size
         steps_per_epoch = self.train_data.sampler.num_samples // self.train_data.batch_size
+        steps_per_epoch -= steps_per_epoch % self.grad_accum_steps  # whole optimizer steps
         # Every rank reports, so the split across nodes and GPUs is visible.
         common.say(f"[rank {self.rank} | local_rank {self.local_rank} | host {socket.gethostname()}] "
                    f"epoch {epoch + 1} | batch_size {self.train_data.batch_size} | "
@@ -216,17 +239,24 @@ class Trainer:
         # Running sums stay on the device: a .item() per step would make the
         # CPU wait for the GPU at every step.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        # Whole optimizer steps only: a last group of fewer than grad_accum_steps
+        # micro-batches is dropped, as drop_last drops a short batch.
+        steps = len(self.train_data) - len(self.train_data) % self.grad_accum_steps
+        common.reset_peak_memory(self.device)
         start = time.perf_counter()
         # A progress bar only on a terminal (disable=None), not in logs.
-        for source, targets in tqdm(self.train_data, desc=f"epoch {epoch + 1}/{max_epochs}",
-                                    leave=False, disable=True if self.rank != 0 else None):
-            source = source.to(self.device, non_blocking=True)
+        for source, targets in tqdm(itertools.islice(self.train_data, steps), total=steps,
+                                    desc=f"epoch {epoch + 1}/{max_epochs}", leave=False,
+                                    disable=True if self.rank != 0 else None):
+            source = self.train_transform(source.to(self.device, non_blocking=True))
             targets = targets.to(self.device, non_blocking=True)
-            loss = self._run_batch(source, targets)
+            loss = self._run_batch(source, targets, self.steps_run)
             totals[0] += loss * len(targets)
             totals[1] += len(targets)
             self.steps_run += 1
-            if self.stop.poll():
+            # Polled at optimizer-step boundaries only: a snapshot between micro-batches
+            # would lose the gradients accumulated so far. Every rank polls equally often.
+            if self.steps_run % self.grad_accum_steps == 0 and self.stop.poll():
                 # Every rank is here after the same step: save it and end the run.
                 self._save_snapshot(epoch, totals)
                 self.stopped = True
@@ -242,7 +272,7 @@ class Trainer:
         self.steps_run = 0
         self.epoch_totals.zero_()
         return {"train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
-                "epoch_seconds": seconds}
+                "epoch_seconds": seconds, **common.peak_memory_mib(self.device)}
 
     def _rng_state(self) -> dict:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -260,7 +290,7 @@ class Trainer:
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'}); "
                 f"move it away to start afresh, or pass another --snapshot_path") from None
         changed = [f"{key} {snapshot['config'].get(key)} -> {self.config[key]}"
-                   for key in ("dataset", "model", "world_size", "batch_size")
+                   for key in ("dataset", "model", "world_size", "batch_size", "grad_accum_steps")
                    if snapshot["config"].get(key) != self.config[key]]
         if changed:
             raise common.ConfigError(
@@ -325,7 +355,7 @@ class Trainer:
             if self.stopped:
                 return False
             record["val_loss"], record["val_accuracy"] = evaluate(
-                self.model.module, self.val_data, self.loss_fn, self.device)
+                self.model.module, self.val_data, self.loss_fn, self.device, self.eval_transform)
             if self.rank == 0:  # every rank holds the same numbers; one prints them
                 common.log_metrics(record, self.metrics_path)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
@@ -337,7 +367,8 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataLoader, loss_fn: Callable[..., torch.Tensor],
-             device: torch.device) -> tuple[float, Optional[float]]:
+             device: torch.device, transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+             ) -> tuple[float, Optional[float]]:
     """Mean loss and accuracy over every sample of the whole evaluation set.
 
     Collective: every rank calls it with its own shard (see prepare_dataloader),
@@ -347,6 +378,8 @@ def evaluate(model: torch.nn.Module, data: DataLoader, loss_fn: Callable[..., to
     Pass the plain module (``ddp_model.module``): shards may differ by one
     batch, and DDP's forward may broadcast buffers, a collective that would
     then wait forever for the ranks that have already finished.
+    ``transform`` turns a batch's inputs, on the device, into the model's
+    input (the task's ``eval_transform``; none: they already are).
     Returns (loss, accuracy); accuracy is None for regression.
     """
     # DDP broadcasts buffers (BatchNorm running stats) from rank 0 before each
@@ -358,6 +391,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, loss_fn: Callable[..., to
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for source, targets in data:
         source = source.to(device, non_blocking=True)
+        source = transform(source) if transform else source
         targets = targets.to(device, non_blocking=True)
         output = model(source)
         totals[0] += loss_fn(output, targets, reduction="sum")
@@ -371,7 +405,8 @@ def evaluate(model: torch.nn.Module, data: DataLoader, loss_fn: Callable[..., to
 
 
 def load_train_objs(args) -> tuple[common.Task, torch.optim.Optimizer]:
-    task = common.load_task(args.dataset, args.model, args.data_dir, args.seed)
+    task = common.load_task(args.dataset, args.model, args.data_dir, args.seed,
+                            input_path=args.input_path)
     optimizer = torch.optim.SGD(task.model.parameters(), lr=args.lr, momentum=0.9)
     return task, optimizer
 
@@ -399,6 +434,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         drop_last=train,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
+        collate_fn=common.collate,  # whole batches from InMemoryImages pass through
     )
 
 
@@ -410,6 +446,11 @@ def main(args) -> None:
     # still match, because DDP copies rank 0's to all.
     torch.manual_seed(args.seed + rank)
     args.model = common.resolve_model(args.dataset, args.model)
+    common.check_amp(args.amp, device, args.model)
+    if args.snapshot_every_steps % args.grad_accum_steps:  # snapshots fall between optimizer steps
+        raise common.ConfigError(f"--snapshot_every_steps {args.snapshot_every_steps} is not a "
+                                 f"multiple of --grad_accum_steps {args.grad_accum_steps}; a "
+                                 f"snapshot must fall between optimizer steps")
     # One process per node downloads while the others wait: --data_dir is
     # usually node-local ($SLURM_TMPDIR). On storage shared by the nodes,
     # pre-stage the data instead, so that two nodes never write the same files.
@@ -418,15 +459,19 @@ def main(args) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
-    common.check_steps(train_data)
+    common.check_steps(train_data, args.grad_accum_steps)
     common.check_writable(args.snapshot_path, check=rank == 0)  # rank 0 saves
     config = dict(vars(args), world_size=dist.get_world_size())  # stored in the snapshot
+    if rank == 0:
+        common.say(common.global_batch_line(args.batch_size, args.grad_accum_steps,
+                                            dist.get_world_size()))
     trainer = Trainer(task.model, train_data, val_data, optimizer, task.loss_fn, device, rank,
                       local_rank, args.save_every, args.snapshot_every_steps, args.snapshot_path,
-                      args.metrics_path, config)
+                      args.metrics_path, config, common.train_options(args, task))
     finished = trainer.train(args.total_epochs)
     if finished:
-        test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task.loss_fn, device)
+        test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task.loss_fn, device,
+                                            task.eval_transform)
         if rank == 0:
             common.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy},
                                args.metrics_path)

@@ -271,12 +271,14 @@ def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
 # SIGUSR1 (a scheduler's warning) relayed by torchrun: stop, snapshot, resume
 # --------------------------------------------------------------------------
 
-def test_sigusr1_stops_every_rank_after_one_step_and_the_run_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("accum", [1, 3])
+def test_sigusr1_stops_every_rank_after_one_step_and_the_run_resumes_exactly(tmp_path, accum):
     """What slurm/multi_gpu.sh does on the warning, without Slurm (tests/test_slurm.py
     runs the real thing): torchrun relays SIGUSR1 to the workers, which stop after
     the same step and snapshot it; the same command then finishes the run, with
-    the weights of a run never interrupted."""
-    args = ["--total_epochs", "12", "--batch_size", "8"]
+    the weights of a run never interrupted. With gradient accumulation the stop
+    waits for the end of an optimizer step (no half-accumulated gradients lost)."""
+    args = ["--total_epochs", "12", "--batch_size", "8", "--grad_accum_steps", str(accum)]
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     interrupted.mkdir()
     reference.mkdir()
@@ -302,6 +304,7 @@ def test_sigusr1_stops_every_rank_after_one_step_and_the_run_resumes_exactly(tmp
     assert len(stops) == 1 and "stopped by SIGUSR1" in text, text
     assert "test | loss" not in text  # stopped, not finished
     epoch, step = stops[0]
+    assert int(step) % accum == 0
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1
 
     resumed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2",

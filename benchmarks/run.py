@@ -1,0 +1,594 @@
+"""Side-by-side performance measurements of the ladder, in one run.
+
+    .venv/bin/python benchmarks/run.py             # everything, about 2 minutes on 2 idle CPU cores
+    .venv/bin/python benchmarks/run.py --only 1 2  # some sections
+
+Prints one table per section, with the machine it ran on, and writes all
+numbers to benchmarks/results/latest.json (``--out`` to change). Not part of
+the test run; needs requirements.txt and requirements-test.txt (it builds its
+datasets with the tests' helpers) and, for sections 3 and 4, the real MNIST
+digits in ../shared/data/mnist-t10k (or $MNIST_T10K_DIR).
+
+Sections:
+  1  overhead: steps/s of each script's Trainer._run_batch over a bare
+     zero_grad/forward/backward/step loop on the same model, batch and data
+     (the DDP scripts' against a bare loop on the same DDP model, in a
+     1-process gloo group); repetitions interleaved.
+  1b bf16 autocast on this CPU: samples/s with and without, per model (the
+     measurement behind --amp's CPU rule).
+  2  input pipeline: CIFAR-10-shaped images/s, read from the real on-disk
+     format, of the fast path (uint8 batches + augmentation on the device)
+     against torchvision per-sample transforms with 2 DataLoader workers.
+  3  scaling: global samples/s of multigpu_torchrun.py on real MNIST with 1
+     and 2 processes (gloo on CPU, nccl on GPUs), and the share of a training
+     step that is gradient all-reduce.
+  4  time to 95% validation accuracy on real MNIST (wall seconds from launch,
+     2 processes under torchrun), fast path against the per-sample path.
+  5  CUDA only: ResNet-18 CIFAR-10 images/s on one GPU for fp32, bf16,
+     bf16 + channels_last, + torch.compile, and the share of the GPU's peak
+     FLOP/s that is. Without CUDA: "skipped: no CUDA device".
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import common  # noqa: E402
+import multigpu_spawn  # noqa: E402
+import multigpu_torchrun  # noqa: E402
+import multinode  # noqa: E402
+import singlegpu  # noqa: E402
+from conftest import build_cifar10_root, build_mnist_root  # noqa: E402
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+ \|.*val_acc (\S+) \|.*epoch_s (\S+)")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "os": platform.platform(),
+            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")}
+    try:
+        load = os.getloadavg()[0]
+        info["load_avg_1min_at_start"] = round(load, 2)
+    except OSError:
+        pass
+    return info
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    """A markdown table (also readable as plain text)."""
+    def cell(v):
+        return f"{v:,.3f}" if isinstance(v, float) and abs(v) < 10 else (
+            f"{v:,.0f}" if isinstance(v, float) else str(v))
+    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# 1. Overhead of each script's training step over a bare loop
+# --------------------------------------------------------------------------
+
+def _trainer(module, model, optimizer, loss_fn, tmp: str):
+    """The script's own Trainer around ``model``, with the arguments it needs."""
+    kwargs = dict(model=model, train_data=None, val_data=None, optimizer=optimizer, loss_fn=loss_fn,
+                  device=torch.device("cpu"), save_every=1, metrics_path=None)
+    if module is not singlegpu:
+        kwargs["rank"] = 0
+    if module in (singlegpu, multigpu_spawn):
+        kwargs["checkpoint_path"] = os.path.join(tmp, "unused.pt")
+    else:
+        kwargs.update(snapshot_every_steps=0, snapshot_path=os.path.join(tmp, "absent.pt"), config={})
+    if module is multinode:
+        kwargs["local_rank"] = 0
+    return module.Trainer(**kwargs)
+
+
+def section_overhead(reps: int = 30) -> dict:
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    tmp = tempfile.mkdtemp()
+    results = []
+    cases = [("mnist cnn", "mnist", "cnn", (64, 1, 28, 28), 3),
+             ("synthetic mlp", "synthetic", "mlp", (32, 20), 150)]
+    for label, dataset, model_name, shape, steps in cases:
+        torch.manual_seed(0)
+        base = common.build_model(dataset, model_name)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(shape, generator=g)
+        if dataset == "synthetic":
+            y, loss_fn = torch.randn(shape[0], 1, generator=g), F.mse_loss
+        else:
+            y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
+
+        def fresh():
+            model = copy.deepcopy(base)
+            return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        runners = {}
+        # Bare loops: the plain model (singlegpu's reference) and the DDP model
+        # (the DDP scripts' reference: the same DDP, only the script's code differs).
+        for bare in ("bare", "bare DDP"):
+            model, opt = fresh()
+            net = torch.nn.parallel.DistributedDataParallel(model) if bare == "bare DDP" else model
+
+            def bare_step(step, net=net, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(net(x), y)
+                loss.backward()
+                opt.step()
+            runners[bare] = bare_step
+        for name, module in (("singlegpu", singlegpu), ("spawn", multigpu_spawn),
+                             ("torchrun", multigpu_torchrun), ("multinode", multinode)):
+            model, opt = fresh()
+            trainer = _trainer(module, model, opt, loss_fn, tmp)
+            runners[name] = lambda step, t=trainer: t._run_batch(x, y, step)
+        for run in runners.values():  # warm-up
+            for step in range(3):
+                run(step)
+
+        def block(name: str) -> float:
+            start = time.perf_counter()
+            for step in range(steps):
+                runners[name](step)
+            return (time.perf_counter() - start) / steps
+
+        # Adjacent pairs (bare, script), in ABBA order: on a shared machine the
+        # load drifts over seconds, and both halves of a pair see the same.
+        for name in ("singlegpu", "spawn", "torchrun", "multinode"):
+            reference = "bare" if name == "singlegpu" else "bare DDP"
+            ratios, bare_t, script_t = [], [], []
+            for rep in range(reps):
+                if rep % 2 == 0:
+                    t_ref, t_script = block(reference), block(name)
+                else:
+                    t_script, t_ref = block(name), block(reference)
+                ratios.append(t_ref / t_script)
+                bare_t.append(t_ref)
+                script_t.append(t_script)
+            # Headline: best block of each, as timeit does (the least disturbed
+            # by other processes); the pairs' median ratio and quartiles show the spread.
+            results.append({"case": label, "batch": shape[0], "script": name, "reference": reference,
+                            "script_steps_per_s": 1 / min(script_t),
+                            "bare_steps_per_s": 1 / min(bare_t),
+                            "ratio": min(bare_t) / min(script_t),
+                            "ratio_median_of_pairs": statistics.median(ratios),
+                            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2]})
+    dist.destroy_process_group()
+    rows = [[r["case"], r["batch"], r["script"], r["reference"], r["bare_steps_per_s"],
+             r["script_steps_per_s"], r["ratio"], r["ratio_median_of_pairs"],
+             "{:.3f}-{:.3f}".format(*r["ratio_quartiles"])] for r in results]
+    text = table(f"1. Overhead: script's _run_batch vs a bare loop, {reps} interleaved pairs of "
+                 f"blocks (target ratio >= 0.97)",
+                 ["model", "batch", "script", "bare loop on", "bare steps/s (best)",
+                  "script steps/s (best)", "ratio of bests", "median of pair ratios",
+                  "pair ratio quartiles"], rows)
+    return {"results": results, "pairs": reps, "table": text,
+            "note": "median over adjacent (bare, script) pairs of blocks; DDP scripts in a "
+                    "1-process gloo group"}
+
+
+# --------------------------------------------------------------------------
+# 1b. bf16 autocast on this CPU
+# --------------------------------------------------------------------------
+
+def section_amp_cpu(reps: int = 3) -> dict:
+    results = []
+    for dataset, model_name, shape, steps in (("synthetic", "mlp", (32, 20), 300),
+                                              ("mnist", "cnn", (64, 1, 28, 28), 10),
+                                              ("cifar10", "resnet18", (64, 3, 32, 32), 2)):
+        torch.manual_seed(0)
+        model = common.build_model(dataset, model_name)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        x = torch.randn(shape)
+        y = torch.randn(shape[0], 1) if dataset == "synthetic" else torch.randint(0, 10, (shape[0],))
+        loss_fn = F.mse_loss if dataset == "synthetic" else F.cross_entropy
+
+        def step(amp):
+            opt.zero_grad(set_to_none=True)
+            with common.autocast(torch.device("cpu"), amp):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+
+        for amp in (False, True, False, True):
+            step(amp)
+        times = {False: [], True: []}
+        for rep in range(reps):
+            for amp in ((False, True) if rep % 2 == 0 else (True, False)):
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step(amp)
+                times[amp].append((time.perf_counter() - start) / steps)
+        fp32, bf16 = (shape[0] / statistics.median(times[a]) for a in (False, True))
+        results.append({"model": model_name, "batch": shape[0], "fp32_samples_per_s": fp32,
+                        "bf16_autocast_samples_per_s": bf16, "speedup": bf16 / fp32})
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    text = table(f"1b. bf16 autocast on this CPU (native bf16: {native}); --amp allowed on a CPU "
+                 f"for: {', '.join(common.AMP_HELPS_ON_CPU)}",
+                 ["model", "batch", "fp32 samples/s", "bf16 autocast samples/s", "speedup"],
+                 [[r["model"], r["batch"], r["fp32_samples_per_s"], r["bf16_autocast_samples_per_s"],
+                   r["speedup"]] for r in results])
+    return {"results": results, "native_bf16": native, "table": text}
+
+
+# --------------------------------------------------------------------------
+# 2. Input pipeline: fast path vs torchvision per-sample transforms
+# --------------------------------------------------------------------------
+
+def _pipeline_images_per_s(task, num_workers: int, batch_size: int, epochs: int) -> float:
+    """Training images/s through the DataLoader (1-replica DistributedSampler,
+    as the DDP scripts use) and the task's device transform, ``epochs`` full
+    epochs (DataLoader workers start anew each epoch, as in the scripts)."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(task.train_set, num_replicas=1, rank=0, seed=0)
+    loader = DataLoader(task.train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
+                        num_workers=num_workers, collate_fn=common.collate,
+                        pin_memory=torch.cuda.is_available())
+    device = common.get_device(0)
+    images = 0
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for source, targets in loader:
+            source = task.train_transform(source.to(device, non_blocking=True))
+            targets = targets.to(device, non_blocking=True)
+            images += len(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return images / (time.perf_counter() - start)
+
+
+def section_input(n_train: int = 10000, batch_size: int = 256, reps: int = 5) -> dict:
+    import torchvision.datasets.cifar as cifar
+
+    cifar.check_integrity = lambda path, md5=None: os.path.isfile(path)  # our files, not the official
+    root = build_cifar10_root(Path(tempfile.mkdtemp()) / "cifar", per_batch=n_train // 5, n_test=100)
+    start = time.perf_counter()
+    fast = common.load_task("cifar10", None, str(root), 0, input_path="fast")
+    decode_s = time.perf_counter() - start
+    slow = common.load_task("cifar10", None, str(root), 0, input_path="torchvision")
+    torch.manual_seed(0)
+    paths = {"fast (uint8 batches, device augmentation), 0 workers": (fast, 0),
+             "torchvision per-sample, 2 workers": (slow, 2),
+             "torchvision per-sample, 0 workers": (slow, 0)}
+    for task, workers in paths.values():  # warm-up: allocator, caches, worker start-up code
+        _pipeline_images_per_s(task, workers, batch_size, epochs=1)
+    runs = {name: [] for name in paths}
+    for rep in range(reps):  # one epoch each, interleaved
+        for name, (task, workers) in paths.items():
+            runs[name].append(_pipeline_images_per_s(task, workers, batch_size, epochs=1))
+    best = {name: max(v) for name, v in runs.items()}
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    fast_name, slow_name = list(runs)[:2]
+    rows = [[name, best[name], best[name] / best[slow_name], med[name], med[name] / med[slow_name]]
+            for name in runs]
+    text = table(f"2. Input pipeline, CIFAR-10-shaped, {len(fast.train_set):,} training images, "
+                 f"batch {batch_size}, crop(pad 4) + flip + normalize, {reps} interleaved epochs "
+                 f"per path (target fast / torchvision 2 workers >= 5x)",
+                 ["path", "images/s (best epoch)", "vs torchvision 2 workers", "images/s (median)",
+                  "vs torchvision 2 workers (median)"], rows)
+    text += f"\n\nfast path one-off decode into uint8 tensors: {decode_s:.2f} s"
+    return {"images_per_s_best": best, "images_per_s_median": med, "runs": runs,
+            "ratio_fast_vs_torchvision_2_workers": best[fast_name] / best[slow_name],
+            "ratio_fast_vs_torchvision_2_workers_median": med[fast_name] / med[slow_name],
+            "fast_decode_seconds": decode_s, "train_images": len(fast.train_set),
+            "batch_size": batch_size, "table": text}
+
+
+# --------------------------------------------------------------------------
+# 3. Scaling with processes, and the all-reduce share of a step
+# --------------------------------------------------------------------------
+
+def _allreduce_worker(rank: int, world_size: int, port: int, steps: int, reps: int, out: str):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as the scripts do
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = common.get_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        common.build_model("mnist", "cnn").to(device),
+        device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(32, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (32,), device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def timed(sync: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            if sync:
+                step()
+            else:
+                with model.no_sync():  # the same step without the gradient all-reduce
+                    step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps
+
+    for _ in range(3):
+        step()
+    with_ar, without_ar = [], []
+    for rep in range(reps):
+        with_ar.append(timed(True))
+        without_ar.append(timed(False))
+    # The all-reduce alone: one flat tensor the size of all gradients.
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        dist.all_reduce(flat)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    alone = (time.perf_counter() - start) / steps
+    if rank == 0:
+        torch.save({"with": statistics.median(with_ar), "without": statistics.median(without_ar),
+                    "allreduce_alone": alone, "grad_mb": flat.numel() * 4 / 1e6}, out)
+    dist.destroy_process_group()
+
+
+def _metrics_run(cmd: list, cwd: Path, **env: str) -> list[dict]:
+    env = dict({k: v for k, v in os.environ.items() if k != "RANK"}, **env)
+    subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True, env=env)
+    return [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+
+
+def section_scaling(mnist: Path, epochs: int = 2) -> dict:
+    results = []
+    cores = os.cpu_count() or 1
+    # torchrun leaves OMP_NUM_THREADS alone for 1 process (it uses every core)
+    # and sets 1 per process for several; 1 process x 1 thread is the per-core baseline.
+    for nproc, threads in ((1, None), (1, 1), (2, None)):
+        cwd = Path(tempfile.mkdtemp())
+        env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+        records = _metrics_run(TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}",
+                                           REPO / "multigpu_torchrun.py", "--dataset", "mnist",
+                                           "--data_dir", mnist, "--total_epochs", str(epochs),
+                                           "--metrics_path", "m.jsonl"], cwd, **env)
+        last = [r for r in records if "epoch" in r][-1]
+        results.append({"processes": nproc, "threads_per_process": threads or (cores if nproc == 1 else 1),
+                        "samples_per_s": last["samples_per_s"], "epoch_seconds": last["epoch_seconds"]})
+    out = os.path.join(tempfile.mkdtemp(), "ar.pt")
+    mp.spawn(_allreduce_worker, args=(2, free_port(), 20, 5, out), nprocs=2)
+    ar = torch.load(out)
+    share = 1 - ar["without"] / ar["with"]
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rows = [[r["processes"], r["threads_per_process"], backend, r["samples_per_s"],
+             r["samples_per_s"] / results[1]["samples_per_s"], r["epoch_seconds"]] for r in results]
+    text = table(f"3. Scaling: multigpu_torchrun.py, real MNIST (7,200 training digits), batch 32 "
+                 f"per process, epoch {epochs}",
+                 ["processes", "threads each", "backend", "global samples/s",
+                  "vs 1 process x 1 thread", "epoch s"], rows)
+    text += (f"\n\nall-reduce share of a 2-process step (CNN, batch 32, {ar['grad_mb']:.1f} MB of "
+             f"gradients): step {ar['with'] * 1e3:.1f} ms with DDP's all-reduce, "
+             f"{ar['without'] * 1e3:.1f} ms under no_sync() -> {share:.0%} of the step; "
+             f"a bare all_reduce of that size takes {ar['allreduce_alone'] * 1e3:.1f} ms")
+    return {"results": results, "allreduce": ar, "allreduce_share": share, "backend": backend,
+            "table": text}
+
+
+# --------------------------------------------------------------------------
+# 4. Time to 95% validation accuracy on real MNIST
+# --------------------------------------------------------------------------
+
+def _time_to_accuracy(mnist: Path, input_path: str, target: float, max_epochs: int) -> dict:
+    cwd = Path(tempfile.mkdtemp())
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+                      "--dataset", "mnist", "--data_dir", mnist, "--total_epochs", str(max_epochs),
+                      "--input_path", input_path]
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k != "RANK"})
+    result = {"input_path": input_path, "seconds": None, "epoch": None, "train_seconds": 0.0}
+    for line in proc.stdout:
+        m = EPOCH_LINE.match(line)
+        if not m:
+            continue
+        result["train_seconds"] += float(m.group(3))
+        if float(m.group(2)) >= target:
+            result.update(seconds=time.perf_counter() - start, epoch=int(m.group(1)),
+                          val_acc=float(m.group(2)))
+            os.killpg(proc.pid, signal.SIGTERM)  # reached: the rest of the run is not needed
+            break
+    proc.wait()
+    return result
+
+
+def section_time_to_accuracy(mnist: Path, target: float = 0.95, reps: int = 2) -> dict:
+    runs = []
+    for rep in range(reps):
+        for input_path in (("fast", "torchvision") if rep % 2 == 0 else ("torchvision", "fast")):
+            runs.append(_time_to_accuracy(mnist, input_path, target, max_epochs=5))
+    rows = []
+    summary = {}
+    for input_path in ("fast", "torchvision"):
+        mine = [r for r in runs if r["input_path"] == input_path]
+        reached = [r for r in mine if r["seconds"] is not None]
+        seconds = statistics.median(r["seconds"] for r in reached) if reached else None
+        summary[input_path] = seconds
+        rows.append([input_path, seconds if seconds is not None else "not reached",
+                     ", ".join(str(r["epoch"]) for r in mine),
+                     ", ".join(f"{r['seconds']:.1f}" if r["seconds"] else "-" for r in mine)])
+    text = table(f"4. Time to {target:.0%} validation accuracy, real MNIST (7,200 training digits, "
+                 f"800 validation), multigpu_torchrun.py, 2 processes, batch 32 each, CPU",
+                 ["input path", "median wall s from launch", "epoch reached (per run)",
+                  "wall s (per run)"], rows)
+    return {"runs": runs, "median_seconds": summary, "target": target, "table": text}
+
+
+# --------------------------------------------------------------------------
+# 5. One GPU: ResNet-18 on CIFAR-10-shaped batches
+# --------------------------------------------------------------------------
+
+# Dense peak FLOP/s from the vendors' data sheets: (bf16 tensor core, tf32 tensor core).
+GPU_PEAKS = {"H100 80GB HBM3": (989e12, 495e12), "H100 SXM": (989e12, 495e12),
+             "H200": (989e12, 495e12), "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 418e12),
+             "A100": (312e12, 156e12), "L4": (121e12, 60e12), "A10": (125e12, 62.5e12)}
+
+
+def _gpu_peak(name: str):
+    for key, peaks in GPU_PEAKS.items():
+        if key in name:
+            return peaks
+    return None
+
+
+def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device", "table": "**5. GPU: ResNet-18 CIFAR-10**\n\nskipped: no CUDA device"}
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(device)
+    peaks = _gpu_peak(name)
+    x8 = torch.randint(0, 256, (batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
+    y = torch.randint(0, 10, (batch_size,), device=device)
+    results = []
+    variants = [("fp32 (TF32 convs)", False, False, False), ("bf16 autocast", True, False, False),
+                ("bf16 + channels_last", True, True, False),
+                ("bf16 + channels_last + compile", True, True, True)]
+    for label, amp, channels_last, compiled in variants:
+        try:
+            torch.manual_seed(0)
+            model = common.build_model("cifar10", "resnet18").to(device)
+            if channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            transform = common.DeviceTransform((common.CIFAR10_MEAN, common.CIFAR10_STD), 4, channels_last)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            net = common.compile_model(model, compiled)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                with common.autocast(device, amp):
+                    loss = F.cross_entropy(net(transform(x8)), y)
+                loss.backward()
+                opt.step()
+
+            for _ in range(5 if not compiled else 10):  # warm-up (and compile)
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            seconds = (time.perf_counter() - start) / steps
+            with FlopCounterMode(display=False) as counter:  # forward + backward of one step
+                with common.autocast(device, amp):
+                    loss = F.cross_entropy(model(transform(x8)), y)
+                loss.backward()
+            flops = counter.get_total_flops()
+            peak = None if peaks is None else (peaks[0] if amp else peaks[1])
+            results.append({"variant": label, "images_per_s": batch_size / seconds,
+                            "flops_per_step": flops, "achieved_tflops": flops / seconds / 1e12,
+                            "peak_tflops": peak / 1e12 if peak else None,
+                            "fraction_of_peak": flops / seconds / peak if peak else None,
+                            "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20})
+        except Exception as exc:  # record, do not invent a number
+            results.append({"variant": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    rows = [[r["variant"], r.get("images_per_s", r.get("error")), r.get("achieved_tflops", "-"),
+             r.get("peak_tflops") or "unknown",
+             f"{r['fraction_of_peak']:.1%}" if r.get("fraction_of_peak") else "-",
+             r.get("peak_memory_mib", "-")] for r in results]
+    text = table(f"5. GPU: ResNet-18, CIFAR-10-shaped batches of {batch_size} on {name} "
+                 f"(augmentation on the device included)",
+                 ["variant", "images/s", "achieved TFLOP/s", "peak TFLOP/s (dense)", "fraction of peak",
+                  "peak memory MiB"], rows)
+    return {"device": name, "batch_size": batch_size, "results": results, "table": text}
+
+
+# --------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
+                        help="where to write the JSON results")
+    args = parser.parse_args()
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5"}
+    report = {"machine": machine(), "sections": {}}
+    m = report["machine"]
+    print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
+          f"CUDA device: {m['cuda_device'] or 'none'}; load avg at start: {m.get('load_avg_1min_at_start')}",
+          flush=True)
+    mnist = None
+    if wanted & {"3", "4"}:
+        try:
+            mnist = build_mnist_root(Path(tempfile.mkdtemp()) / "mnist")
+        except BaseException as exc:  # the fixture helpers skip (pytest) when the files are absent
+            print(f"sections 3 and 4 skipped: real MNIST digits not found ({exc})", flush=True)
+    sections = [("1", "overhead", section_overhead), ("1b", "amp_cpu", section_amp_cpu),
+                ("2", "input_pipeline", section_input),
+                ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}),
+                ("4", "time_to_accuracy",
+                 lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}),
+                ("5", "gpu", section_gpu)]
+    for key, name, fn in sections:
+        if key not in wanted:
+            continue
+        start = time.perf_counter()
+        result = fn()
+        result["section_seconds"] = time.perf_counter() - start
+        result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
+        report["sections"][name] = result
+        print("\n" + result.get("table", f"**{key}**: skipped: {result.get('skipped')}"), flush=True)
+        print(f"\n({result['section_seconds']:.0f} s; load average after: "
+              f"{result['load_avg_1min_after']} on {os.cpu_count()} cores)", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The speed features keep the results right: the fast input path (batched
+device augmentation, whole uint8 batches through the same samplers), gradient
+accumulation with DDP's no_sync(), --compile, --amp on a CPU, peak memory.
+No test here measures or asserts a time; benchmarks/ does the measuring."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+import common
+from conftest import (REPO, TORCHRUN, build_cifar10_root, check, epochs, error_lines, free_port,
+                      parse_test, run, snapshot_tensors)
+
+MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
+
+
+# --------------------------------------------------------------------------
+# Batched augmentation: exactly RandomCrop(padding=4) + RandomHorizontalFlip
+# --------------------------------------------------------------------------
+
+def _match_crops(images, out, padding):
+    """For each output image, the (dy, dx, flipped) of the zero-padded input
+    it equals exactly; -1 where none does."""
+    n, _, h, w = images.shape
+    padded = F.pad(images, (padding,) * 4)
+    found = torch.full((n, 3), -1)
+    for dy in range(2 * padding + 1):
+        for dx in range(2 * padding + 1):
+            crop = padded[:, :, dy:dy + h, dx:dx + w]
+            for flipped, candidate in ((0, crop), (1, crop.flip(-1))):
+                hit = (out == candidate).flatten(1).all(1)
+                assert not (hit & (found[:, 0] >= 0)).any(), "ambiguous match: images too plain"
+                found[hit] = torch.tensor([dy, dx, flipped])
+    return found
+
+
+def test_batched_crop_and_flip_are_exact_crops_of_the_padded_image():
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (2000, 3, 32, 32), generator=g, dtype=torch.uint8)
+    torch.manual_seed(1)
+    out = common.random_crop_flip(images, padding=4)
+    assert out.shape == images.shape and out.dtype == torch.uint8
+    found = _match_crops(images, out, padding=4)
+    assert (found >= 0).all(), "some output is not a crop (or mirrored crop) of its padded input"
+    # All 9 x 9 offsets occur, none rarely (expected 2000 / 81 = 24.7 each)...
+    counts = torch.bincount(found[:, 0] * 9 + found[:, 1], minlength=81)
+    assert (counts >= 5).all(), counts
+    # ...and about half the images are mirrored (binomial sd 1.1%).
+    assert abs(found[:, 2].float().mean().item() - 0.5) < 0.05
+    # Deterministic under the seed of the device's generator; another seed differs.
+    torch.manual_seed(1)
+    assert torch.equal(common.random_crop_flip(images, padding=4), out)
+    torch.manual_seed(2)
+    assert not torch.equal(common.random_crop_flip(images, padding=4), out)
+
+
+def test_device_transform_normalizes_exactly_like_torchvision():
+    """Without augmentation, the fast path's floats are bit for bit those of
+    ToTensor + Normalize on the same pixels."""
+    from PIL import Image
+    from torchvision import transforms
+
+    images = torch.randint(0, 256, (16, 3, 32, 32), generator=torch.Generator().manual_seed(0),
+                           dtype=torch.uint8)
+    reference = transforms.Compose([transforms.ToTensor(),
+                                    transforms.Normalize(common.CIFAR10_MEAN, common.CIFAR10_STD)])
+    expected = torch.stack([reference(Image.fromarray(image.permute(1, 2, 0).numpy()))
+                            for image in images])
+    fast = common.DeviceTransform((common.CIFAR10_MEAN, common.CIFAR10_STD))
+    assert torch.equal(fast(images), expected)
+
+
+def test_fast_path_gives_the_same_batches_through_distributed_sampler(mnist_root):
+    """InMemoryImages hands the DataLoader whole batches via __getitems__, but
+    DistributedSampler still decides which samples each rank gets: per rank,
+    every batch equals the per-sample torchvision path's, exactly."""
+    fast = common.load_task("mnist", None, str(mnist_root), seed=0, input_path="fast")
+    slow = common.load_task("mnist", None, str(mnist_root), seed=0, input_path="torchvision")
+    for rank in (0, 1):
+        loaders = [DataLoader(task.train_set, batch_size=32, drop_last=True, collate_fn=common.collate,
+                              sampler=DistributedSampler(task.train_set, 2, rank, seed=0))
+                   for task in (fast, slow)]
+        batches = 0
+        for (x_fast, y_fast), (x_slow, y_slow) in zip(*loaders):
+            assert x_fast.dtype == torch.uint8 and x_fast.shape == (32, 1, 28, 28)
+            assert torch.equal(fast.train_transform(x_fast), x_slow) and torch.equal(y_fast, y_slow)
+            batches += 1
+        assert batches == len(loaders[1]) == 3600 // 32
+
+
+def test_cifar10_fast_path_reads_the_real_format(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar as cifar
+
+    monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+    root = build_cifar10_root(tmp_path / "cifar")
+    fast = common.load_task("cifar10", None, str(root), seed=0, input_path="fast")
+    slow = common.load_task("cifar10", None, str(root), seed=0, input_path="torchvision")
+    assert (len(fast.train_set), len(fast.val_set), len(fast.test_set)) == (54, 6, 20)
+    # Evaluation views: identical normalized images and labels.
+    for a, b in ((fast.val_set, slow.val_set), (fast.test_set, slow.test_set)):
+        x, y = common.collate(a.__getitems__(list(range(len(a)))))
+        x_slow, y_slow = common.collate([b[i] for i in range(len(b))])
+        assert torch.equal(fast.eval_transform(x), x_slow) and torch.equal(y, y_slow)
+    # Training: the train transform crops and flips the uint8 pixels, then normalizes.
+    x, _ = common.collate(fast.train_set.__getitems__(list(range(54))))
+    torch.manual_seed(0)
+    augmented = fast.train_transform(x)
+    torch.manual_seed(0)
+    assert torch.equal(augmented, common.DeviceTransform((common.CIFAR10_MEAN, common.CIFAR10_STD))(
+        common.random_crop_flip(x, 4)))
+
+
+# --------------------------------------------------------------------------
+# Same accuracy either way, on the real MNIST digits
+# --------------------------------------------------------------------------
+
+def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(mnist_root, tmp_path):
+    """7,200 real digits, 3 epochs, two ranks under torchrun, scored on 2,000
+    held-out digits. MNIST has no augmentation, and both paths make the same
+    floats in the same order, so the runs agree to the last digit."""
+    results = {}
+    for path in ("fast", "torchvision"):
+        (tmp_path / path).mkdir()
+        result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+                                       "--dataset", "mnist", "--data_dir", mnist_root,
+                                       "--total_epochs", "3", "--input_path", path], tmp_path / path))
+        results[path] = (epochs(result.stdout), parse_test(result.stdout))
+    for path, (lines, test) in results.items():
+        print(f"{path}: held-out accuracy {test['acc']:.4f}, samples/s {lines[-1]['samples_per_s']:.0f}")
+        assert test["acc"] >= 0.95
+    assert abs(results["fast"][1]["acc"] - results["torchvision"][1]["acc"]) <= 0.01
+    assert ([e["train_loss"] for e in results["fast"][0]]
+            == [e["train_loss"] for e in results["torchvision"][0]])
+
+
+def test_cifar10_fast_path_resumes_bitwise(tmp_path):
+    """The augmentation draws from the device's generator, whose state the
+    snapshot holds: stopping after epoch 1 and resuming gives bitwise the
+    weights, momentum and RNG states of a straight 2-epoch run."""
+    root = build_cifar10_root(tmp_path / "cifar")
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", MD5_BYPASS, REPO / "multigpu_torchrun.py",
+                         "--dataset", "cifar10", "--data_dir", root, "--batch_size", "8"]
+    for name in ("straight", "resumed"):
+        (tmp_path / name).mkdir()
+    check(run(launch + ["--total_epochs", "2"], tmp_path / "straight"))
+    check(run(launch + ["--total_epochs", "1"], tmp_path / "resumed"))
+    second = check(run(launch + ["--total_epochs", "2"], tmp_path / "resumed"))
+    assert "resuming from snapshot snapshot.pt after epoch 1" in second.stdout
+    _, straight = snapshot_tensors(tmp_path / "straight" / "snapshot.pt", rng=True)
+    _, resumed = snapshot_tensors(tmp_path / "resumed" / "snapshot.pt", rng=True)
+    assert [name for name in straight if not torch.equal(straight[name], resumed[name])] == []
+
+
+# --------------------------------------------------------------------------
+# Gradient accumulation
+# --------------------------------------------------------------------------
+
+def _final_weights(tmp_path, name, launch, batch_size, accum, saved):
+    out = tmp_path / name
+    out.mkdir()
+    result = check(run(launch + ["--total_epochs", "2", "--lr", "0.01", "--batch_size", str(batch_size),
+                                 "--grad_accum_steps", str(accum), "--metrics_path", "m.jsonl"], out))
+    state = torch.load(out / saved, weights_only=True)
+    return result, state.get("model", state)
+
+
+@pytest.mark.parametrize("script", ["singlegpu", "torchrun"])
+def test_accumulating_two_half_batches_equals_one_full_batch(script, tmp_path):
+    """batch 8 x 2 micro-batches ends with the weights of batch 16 x 1 (same
+    samples per optimizer step, mean loss over them); batch 8 x 1 does not."""
+    if script == "singlegpu":
+        launch, saved, world = [sys.executable, REPO / "singlegpu.py"], "checkpoint.pt", 1
+    else:
+        launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+        saved, world = "snapshot.pt", 2
+    accumulated, a = _final_weights(tmp_path, "accum", launch, 8, 2, saved)
+    _, b = _final_weights(tmp_path, "full", launch, 16, 1, saved)
+    _, c = _final_weights(tmp_path, "half", launch, 8, 1, saved)
+    assert accumulated.stdout.count("global batch size") == 1
+    assert f"global batch size {16 * world} = batch_size 8 x grad_accum_steps 2 x world_size {world}" \
+        in accumulated.stdout
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() <= 1e-5, name
+    assert max((a[name] - c[name]).abs().max().item() for name in a) > 1e-2
+    # On a CPU the epoch line and metrics carry no GPU memory figure.
+    record = json.loads((tmp_path / "accum" / "m.jsonl").read_text().splitlines()[0])
+    assert "peak_gpu_memory_mib" not in record and "peak_mem_mib" not in accumulated.stdout
+
+
+def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
+    """Snapshots fall between optimizer steps (every 4 micro-batches, 2 per
+    step); a worker killed in the middle of an accumulation resumes from the
+    last one and ends bitwise equal to an uninterrupted run."""
+    flags = ["--total_epochs", "2", "--snapshot_every_steps", "4", "--grad_accum_steps", "2"]
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "killed").mkdir()
+    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"] + flags,
+              tmp_path / "clean"))
+    killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                                   REPO / "multigpu_torchrun.py"] + flags, tmp_path / "killed",
+                       DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 steps each), step 11
+    assert "resuming from snapshot snapshot.pt in epoch 2 after step 8" in killed.stdout
+    _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot.pt")
+    _, resumed = snapshot_tensors(tmp_path / "killed" / "snapshot.pt")
+    assert [name for name in clean if not torch.equal(clean[name], resumed[name])] == []
+
+
+def test_snapshot_interval_must_fall_between_optimizer_steps(tmp_path):
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+                             "--grad_accum_steps", "2", "--snapshot_every_steps", "3"], tmp_path)
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == [
+        "error: --snapshot_every_steps 3 is not a multiple of --grad_accum_steps 2; "
+        "a snapshot must fall between optimizer steps"]
+
+
+def _no_sync_worker(rank, world_size, port, module_name, out_dir):
+    """Train 4 micro-batches with the script's Trainer and a DDP comm hook that
+    counts the gradient all-reduces (and still does them)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    import multigpu_spawn
+    import multigpu_torchrun
+    import multinode
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module = {"spawn": multigpu_spawn, "torchrun": multigpu_torchrun, "multinode": multinode}[module_name]
+    counts = {}
+    for accum in (1, 2):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        kwargs = dict(model=model, train_data=None, val_data=None, loss_fn=F.mse_loss,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"),
+                      rank=rank, save_every=1, metrics_path=None,
+                      options=common.TrainOptions(grad_accum_steps=accum))
+        if module_name == "spawn":
+            kwargs.update(checkpoint_path=os.path.join(out_dir, "unused.pt"))
+        else:
+            kwargs.update(snapshot_every_steps=0, snapshot_path=os.path.join(out_dir, "none.pt"), config={})
+        if module_name == "multinode":
+            kwargs.update(local_rank=rank)
+        trainer = module.Trainer(**kwargs)
+        calls = []
+
+        def counting_hook(state, bucket):
+            calls.append(len(bucket.gradients()))
+            return default_hooks.allreduce_hook(state, bucket)
+
+        trainer.model.register_comm_hook(None, counting_hook)
+        grads_after_first = None
+        g = torch.Generator().manual_seed(rank)  # each rank its own data
+        for step in range(4):
+            trainer._run_batch(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g), step)
+            if step == 0:
+                grads_after_first = model.weight.grad.clone()
+        counts[accum] = {"calls": len(calls), "first_grad": grads_after_first,
+                         "weight": model.weight.detach().clone()}
+    torch.save(counts, os.path.join(out_dir, f"{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("module_name", ["spawn", "torchrun", "multinode"])
+def test_no_sync_skips_the_all_reduce_of_all_but_the_last_micro_batch(module_name, tmp_path):
+    mp.spawn(_no_sync_worker, args=(2, free_port(), module_name, str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)]
+    for r in ranks:
+        assert r[1]["calls"] == 4  # one all-reduce per micro-batch without accumulation
+        assert r[2]["calls"] == 2  # with 2 micro-batches per step: only the last one's
+    # Without accumulation the first micro-batch's gradient is already the average
+    # (equal on both ranks); under no_sync() each rank keeps its own.
+    assert torch.equal(ranks[0][1]["first_grad"], ranks[1][1]["first_grad"])
+    assert not torch.allclose(ranks[0][2]["first_grad"], ranks[1][2]["first_grad"])
+    # After the synced micro-batch the ranks stepped alike: the weights still agree.
+    assert torch.equal(ranks[0][2]["weight"], ranks[1][2]["weight"])
+
+
+# --------------------------------------------------------------------------
+# --compile and --amp
+# --------------------------------------------------------------------------
+
+def test_snapshot_written_with_compile_loads_without_it(tmp_path):
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multigpu_torchrun.py"]
+    check(run(launch + ["--total_epochs", "1", "--compile"], tmp_path))
+    state = torch.load(tmp_path / "snapshot.pt", weights_only=True)["model"]
+    assert not [key for key in state if "_orig_mod" in key or key.startswith("module.")]
+    common.build_model("synthetic", "mlp").load_state_dict(state)  # a plain model takes it
+    resumed = check(run(launch + ["--total_epochs", "2"], tmp_path))  # no --compile
+    assert "resuming from snapshot snapshot.pt after epoch 1" in resumed.stdout
+    assert [int(e["epoch"]) for e in epochs(resumed.stdout)] == [2]
+
+
+def test_amp_on_cpu_is_refused_in_one_line_where_it_does_not_help(tmp_path):
+    result = run([sys.executable, REPO / "singlegpu.py", "--amp"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: --amp on a CPU: bf16 autocast does not speed up --model mlp on a CPU (measured, "
+        "see the README's Performance section); --amp is for CUDA GPUs. Run without --amp")
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
+    cpu = torch.device("cpu")
+    common.check_amp(False, cpu, "resnet18")  # no --amp: nothing to check
+    with pytest.raises(common.ConfigError, match="does not speed up --model resnet18"):
+        common.check_amp(True, cpu, "resnet18")
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        with pytest.raises(common.ConfigError, match="no native bf16 instructions"):
+            common.check_amp(True, cpu, "cnn")
+        return
+    common.check_amp(True, cpu, "cnn")  # measured faster on a CPU with native bf16
+    # ...and it trains: one epoch of bf16 autocast on 7,200 real digits.
+    result = check(run([sys.executable, REPO / "singlegpu.py", "--dataset", "mnist", "--data_dir",
+                        mnist_root, "--total_epochs", "1", "--amp"], tmp_path))
+    assert parse_test(result.stdout)["acc"] >= 0.9
+
+
+def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
+    from conftest import EPOCH_LINE
+
+    common.log_metrics({"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0,
+                        "epoch_seconds": 1.0, "val_loss": 0.5, "val_accuracy": None,
+                        "peak_gpu_memory_mib": 1536.25}, None)
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("| epoch_s 1.00 | peak_mem_mib 1536.2")
+    assert EPOCH_LINE.match(line).group("peak_mem_mib") == "1536.2"
+    assert common.peak_memory_mib(torch.device("cpu")) == {}
