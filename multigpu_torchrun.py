@@ -135,6 +135,17 @@ class StopSignal:
             self.work = None
 
 
+def ignore_stop_signal(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: loader workers ignore SIGUSR1.
+
+    torchrun signals a rank's whole process group, loader workers included.
+    Forked workers inherit the rank's flag-setting handler (harmless), but
+    workers started by forkserver or spawn (Python 3.14's default on Linux is
+    forkserver) would die of it, and the rank with them, before it could save.
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 class Trainer:
     """Runs the epochs, evaluates, logs one summary line per epoch, saves
     snapshots and resumes from ``snapshot_path`` when it exists.
@@ -242,6 +253,9 @@ class Trainer:
             if self.steps_run % self.grad_accum_steps == 0 and self.stop.poll():
                 # Every rank is here after the same step: save it and end the run.
                 self._save_snapshot(epoch, totals)
+                # Nobody exits before rank 0 has saved: under srun --kill-on-bad-exit
+                # an early exit elsewhere would get rank 0 killed mid-save.
+                dist.barrier()
                 self.stopped = True
                 return {}
             if (self.snapshot_every_steps and self.steps_run % self.snapshot_every_steps == 0
@@ -416,6 +430,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         generator=torch.Generator().manual_seed(seed + rank) if train else None,
         drop_last=train,
         num_workers=num_workers,
+        worker_init_fn=ignore_stop_signal,
         pin_memory=torch.cuda.is_available(),
         collate_fn=common.collate,  # whole batches from InMemoryImages pass through
     )

@@ -43,12 +43,26 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     exit 2
 fi
 
+# The warning signal may come at any time, even during set-up: trap it first.
+WARNED=0
+TRAIN_PID=""
+warn_and_stop() {
+    # Once: a second relay would cut torchrun's orderly shutdown short.
+    [ "$WARNED" = 1 ] && return
+    WARNED=1
+    echo "$(date -Is) got the warning signal: asking every rank to snapshot and stop"
+    if [ -n "$TRAIN_PID" ]; then kill -USR1 "$TRAIN_PID" 2>/dev/null || true; fi
+}
+trap warn_and_stop USR1
+
 # ---- Environment: edit for your cluster ------------------------------------
+set +u  # activation scripts (conda, some module systems) read unset variables
 # module load cuda/12.4                      # a module system, or
-# conda activate ddp                         # conda, or
+# eval "$(conda shell.bash hook)"; conda activate ddp   # conda, or
 # apptainer exec --nv image.sif ...          # a container (wrap the torchrun line below)
 # Default: the project's own virtual environment (README set-up), or VENV_DIR.
 source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
+set -u
 # ---------------------------------------------------------------------------
 
 # sbatch runs a copy of this file from a spool folder, so the training script
@@ -63,13 +77,6 @@ NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
 
 echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | $NPROC_PER_NODE processes | $(date -Is)"
 
-WARNED=0
-warn_and_stop() {
-    WARNED=1
-    echo "$(date -Is) got the warning signal: asking every rank to snapshot and stop"
-    kill -USR1 "$TRAIN_PID" 2>/dev/null || true
-}
-trap warn_and_stop USR1
 
 # --standalone: a rendezvous on localhost at a port the OS picks, so two jobs
 # on one node never collide (no MASTER_PORT to set on one node).
@@ -78,6 +85,8 @@ torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     "$SCRIPT" --snapshot_path "snapshot-$SLURM_JOB_ID.pt" "$@" &
 TRAIN_PID=$!
+# A warning during set-up, before there was anything to relay it to:
+if [ "$WARNED" = 1 ]; then kill -USR1 "$TRAIN_PID" 2>/dev/null || true; fi
 # In the background + wait: bash runs a trap only between commands, so while a
 # foreground torchrun ran, the warning would wait until it ended. A trap cuts
 # `wait` short, hence the loop until torchrun has really exited.

@@ -42,13 +42,27 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     exit 2
 fi
 
+# The warning signal may come at any time, even during set-up: trap it first.
+WARNED=0
+TRAIN_PID=""
+warn_and_stop() {
+    # Once: a second relay would cut torchrun's orderly shutdown short.
+    [ "$WARNED" = 1 ] && return
+    WARNED=1
+    echo "$(date -Is) got the warning signal: asking every rank to snapshot and stop"
+    if [ -n "$TRAIN_PID" ]; then kill -USR1 "$TRAIN_PID" 2>/dev/null || true; fi
+}
+trap warn_and_stop USR1
+
 # ---- Environment: edit for your cluster ------------------------------------
+set +u  # activation scripts (conda, some module systems) read unset variables
 # module load cuda/12.4                      # a module system, or
-# conda activate ddp                         # conda, or
+# eval "$(conda shell.bash hook)"; conda activate ddp   # conda, or
 # apptainer exec --nv image.sif ...          # a container (wrap the torchrun line below)
 # export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0   # nodes with several networks
 # Default: the project's own virtual environment (README set-up), or VENV_DIR.
 source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
+set -u
 # ---------------------------------------------------------------------------
 
 # sbatch runs a copy of this file from a spool folder, so the training script
@@ -62,7 +76,9 @@ fi
 # every node with --gres; one CPU worker per node where there is no GPU.
 NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
 # The rendezvous host: the job's first node (this batch shell runs there).
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# (sed, not head: head would stop reading, and under pipefail the SIGPIPE
+# scontrol gets on a long node list would end the job.)
+MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 # A port from the job id, never a literal: jobs sharing a node get different
 # ports (unless their ids differ by a multiple of 15000), and a requeued job
 # (same id) gets its own again. 15000-29999 lies below Linux's ephemeral range
@@ -72,23 +88,20 @@ export MASTER_ADDR MASTER_PORT
 
 echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes | rendezvous $MASTER_ADDR:$MASTER_PORT | $(date -Is)"
 
-WARNED=0
-warn_and_stop() {
-    WARNED=1
-    echo "$(date -Is) got the warning signal: asking every rank to snapshot and stop"
-    kill -USR1 "$TRAIN_PID" 2>/dev/null || true
-}
-trap warn_and_stop USR1
 
 # --rdzv-id: the job id, so agents of different jobs never join each other.
 # --kill-on-bad-exit: one node failing ends the step on all nodes.
+# --cpus-per-task: srun of Slurm 22.05-23.02 does not inherit it from sbatch, and
+# would confine each node's workers to one core where cores are bound to tasks.
 # Defaults first, so that the same flag in "$@" overrides them.
-srun --kill-on-bad-exit=1 torchrun \
+srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     "$SCRIPT" --snapshot_path "snapshot-$SLURM_JOB_ID.pt" "$@" &
 TRAIN_PID=$!
+# A warning during set-up, before there was anything to relay it to:
+if [ "$WARNED" = 1 ]; then kill -USR1 "$TRAIN_PID" 2>/dev/null || true; fi
 # In the background + wait: bash runs a trap only between commands. A trap
 # cuts `wait` short, hence the loop until srun has really exited.
 STATUS=0

@@ -31,11 +31,13 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
 fi
 
 # ---- Environment: edit for your cluster ------------------------------------
+set +u  # activation scripts (conda, some module systems) read unset variables
 # module load cuda/12.4                      # a module system, or
-# conda activate ddp                         # conda, or
+# eval "$(conda shell.bash hook)"; conda activate ddp   # conda, or
 # apptainer exec --nv image.sif ...          # a container (wrap the python line below)
 # Default: the project's own virtual environment (README set-up), or VENV_DIR.
 source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
+set -u
 # ---------------------------------------------------------------------------
 
 # sbatch runs a copy of this file from a spool folder, so the training script

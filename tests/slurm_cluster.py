@@ -35,7 +35,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel",
             "ip", "nsenter", "unshare")
@@ -271,57 +271,83 @@ PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP Over
     # ------------------------------------------------------------------ tear-down
 
     def stop(self) -> None:
-        """Stop every daemon and job process, remove namespaces, bridge and hosts lines."""
+        """Stop every daemon and job process, remove namespaces, bridge and hosts
+        lines. Each step runs even when an earlier one failed; the first error
+        is raised at the end."""
+        errors: list[BaseException] = []
+
+        def step(action: Callable[[], object]) -> None:
+            try:
+                action()
+            except Exception as exc:  # noqa: BLE001 - keep cleaning, report later
+                errors.append(exc)
+
         if self.conf.exists():
-            _run("scancel", "--full", "--user=root", check=False, env=self.env, timeout=30)
+            step(lambda: _run("scancel", "--full", "--user=root", check=False, env=self.env, timeout=30))
         for daemon in self._daemons:
-            if daemon.poll() is None:
-                os.killpg(daemon.pid, signal.SIGTERM)
+            step(lambda daemon=daemon: daemon.poll() is None and os.killpg(daemon.pid, signal.SIGTERM))
         for daemon in self._daemons:
-            try:
-                daemon.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(daemon.pid, signal.SIGKILL)
-                daemon.wait()
+            step(lambda daemon=daemon: self._reap(daemon))
         for pidfile in self._pidfiles:
-            try:
-                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
-            except (OSError, ValueError):
-                pass
-        # Job processes that outlived their slurmd (slurmstepd is in the same
-        # session as the daemon that forked it, so killpg above reaches most).
-        _run("pkill", "-KILL", "-f", "slurmstepd", check=False)
-        for node in self._netns_made:
-            _run("ip", "netns", "pids", node, check=False)
-            for pid in _run("ip", "netns", "pids", node, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
-            _run("ip", "netns", "delete", node, check=False)
-        self._netns_made.clear()
+            step(lambda pidfile=pidfile: os.kill(int(pidfile.read_text().strip()), signal.SIGTERM))
+        # Whatever is left of this cluster, jobs included: every process that has
+        # this cluster's SLURM_CONF in its environment (slurmstepd and the jobs'
+        # processes inherit it), and nothing of any other cluster.
+        step(lambda: [os.kill(pid, signal.SIGKILL) for pid in self._processes()])
+        for node in list(self._netns_made):
+            step(lambda node=node: [os.kill(int(pid), signal.SIGKILL) for pid in
+                                    _run("ip", "netns", "pids", node, check=False).stdout.split()])
+            step(lambda node=node: _run("ip", "netns", "delete", node))
+            self._netns_made.remove(node)
         if self._bridge_made:
-            _run("ip", "link", "delete", BRIDGE, check=False)
+            step(lambda: _run("ip", "link", "delete", BRIDGE))
             self._bridge_made = False
         if self._hosts_added:
-            with open("/etc/hosts") as hosts:
-                kept = [line for line in hosts if HOSTS_MARK not in line]
-            with open("/etc/hosts", "w") as hosts:  # in place: /etc/hosts may be a bind mount
-                hosts.writelines(kept)
+            step(self._remove_hosts_lines)
             self._hosts_added = False
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    def _reap(daemon: subprocess.Popen) -> None:
+        try:
+            daemon.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+
+    @staticmethod
+    def _remove_hosts_lines() -> None:
+        with open("/etc/hosts") as hosts:
+            kept = [line for line in hosts if HOSTS_MARK not in line]
+        with open("/etc/hosts", "w") as hosts:  # in place: /etc/hosts may be a bind mount
+            hosts.writelines(kept)
+
+    def _processes(self) -> list[int]:
+        """Pids of live processes started for this cluster (found by SLURM_CONF)."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if marker in environ and state != "Z":
+                pids.append(int(entry.name))
+        return pids
 
     def leftovers(self) -> list[str]:
         """What of this cluster is still there (after ``stop()``: should be nothing)."""
-        found = [f"process {pid}: {cmd}" for pid, cmd in
-                 (line.split(" ", 1) for line in
-                  _run("pgrep", "-a", "-f", str(self.root), check=False).stdout.splitlines())]
+        found = [f"process {pid}" for pid in self._processes()]
         namespaces = _run("ip", "netns", "list", check=False).stdout
         found += [f"network namespace {node}" for node in NETNS_NODES if node in namespaces]
         if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
             found.append(f"bridge {BRIDGE}")
         found += [f"/etc/hosts: {line.strip()}" for line in open("/etc/hosts") if HOSTS_MARK in line]
         return found
-
 
 if __name__ == "__main__":
     import tempfile
