@@ -228,14 +228,13 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)
         # After a mid-epoch resume, skip the batches this rank already trained on.
         self.train_data.sampler.start = self.steps_run * self.train_data.batch_size
-        steps_per_epoch = self.train_data.sampler.num_samples // self.train_data.batch_size
-        steps_per_epoch -= steps_per_epoch % self.grad_accum_steps  # whole optimizer steps
         # Running sums stay on the device: a .item() per step would make the
         # CPU wait for the GPU at every step.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
         # Whole optimizer steps only: a last group of fewer than grad_accum_steps
         # micro-batches is dropped, as drop_last drops a short batch.
         steps = len(self.train_data) - len(self.train_data) % self.grad_accum_steps
+        steps_per_epoch = self.steps_run + steps  # a resume starts at an optimizer-step boundary
         common.reset_peak_memory(self.device)
         start = time.perf_counter()
         # A progress bar only on a terminal (disable=None), not in logs.

@@ -241,8 +241,6 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)
         # After a mid-epoch resume, skip the batches this rank already trained on.
         self.train_data.sampler.start = self.steps_run * self.train_data.batch_size
-        steps_per_epoch = self.train_data.sampler.num_samples // self.train_data.batch_size
-        steps_per_epoch -= steps_per_epoch % self.grad_accum_steps  # whole optimizer steps
         # Every rank reports, so the split across nodes and GPUs is visible.
         common.say(f"[rank {self.rank} | local_rank {self.local_rank} | host {socket.gethostname()}] "
                    f"epoch {epoch + 1} | batch_size {self.train_data.batch_size} | "
@@ -253,6 +251,7 @@ class Trainer:
         # Whole optimizer steps only: a last group of fewer than grad_accum_steps
         # micro-batches is dropped, as drop_last drops a short batch.
         steps = len(self.train_data) - len(self.train_data) % self.grad_accum_steps
+        steps_per_epoch = self.steps_run + steps  # a resume starts at an optimizer-step boundary
         common.reset_peak_memory(self.device)
         start = time.perf_counter()
         # A progress bar only on a terminal (disable=None), not in logs.

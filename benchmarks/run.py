@@ -36,7 +36,6 @@ import copy
 import json
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -59,18 +58,8 @@ import multigpu_spawn  # noqa: E402
 import multigpu_torchrun  # noqa: E402
 import multinode  # noqa: E402
 import singlegpu  # noqa: E402
-from conftest import build_cifar10_root, build_mnist_root  # noqa: E402
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+ \|.*val_acc (\S+) \|.*epoch_s (\S+)")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import (EPOCH_LINE, TORCHRUN, build_cifar10_root, build_mnist_root,  # noqa: E402
+                      free_port, script_trainer)
 
 
 def machine() -> dict:
@@ -107,20 +96,6 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
 # --------------------------------------------------------------------------
 # 1. Overhead of each script's training step over a bare loop
 # --------------------------------------------------------------------------
-
-def _trainer(module, model, optimizer, loss_fn, tmp: str):
-    """The script's own Trainer around ``model``, with the arguments it needs."""
-    kwargs = dict(model=model, train_data=None, val_data=None, optimizer=optimizer, loss_fn=loss_fn,
-                  device=torch.device("cpu"), save_every=1, metrics_path=None)
-    if module is not singlegpu:
-        kwargs["rank"] = 0
-    if module in (singlegpu, multigpu_spawn):
-        kwargs["checkpoint_path"] = os.path.join(tmp, "unused.pt")
-    else:
-        kwargs.update(snapshot_every_steps=0, snapshot_path=os.path.join(tmp, "absent.pt"), config={})
-    if module is multinode:
-        kwargs["local_rank"] = 0
-    return module.Trainer(**kwargs)
 
 
 def section_overhead(reps: int = 30) -> dict:
@@ -160,7 +135,7 @@ def section_overhead(reps: int = 30) -> dict:
         for name, module in (("singlegpu", singlegpu), ("spawn", multigpu_spawn),
                              ("torchrun", multigpu_torchrun), ("multinode", multinode)):
             model, opt = fresh()
-            trainer = _trainer(module, model, opt, loss_fn, tmp)
+            trainer = script_trainer(module, model, opt, loss_fn, tmp)
             runners[name] = lambda step, t=trainer: t._run_batch(x, y, step)
         for run in runners.values():  # warm-up
             for step in range(3):
@@ -434,10 +409,10 @@ def _time_to_accuracy(mnist: Path, input_path: str, target: float, max_epochs: i
         m = EPOCH_LINE.match(line)
         if not m:
             continue
-        result["train_seconds"] += float(m.group(3))
-        if float(m.group(2)) >= target:
-            result.update(seconds=time.perf_counter() - start, epoch=int(m.group(1)),
-                          val_acc=float(m.group(2)))
+        result["train_seconds"] += float(m["epoch_s"])
+        if m["val_acc"] is not None and float(m["val_acc"]) >= target:
+            result.update(seconds=time.perf_counter() - start, epoch=int(m["epoch"]),
+                          val_acc=float(m["val_acc"]))
             os.killpg(proc.pid, signal.SIGTERM)  # reached: the rest of the run is not needed
             break
     proc.wait()

@@ -89,6 +89,57 @@ def snapshot_tensors(path: Path, rng: bool = False) -> tuple[int, dict]:
     return snapshot["epochs_run"], tensors
 
 
+
+def assert_same_snapshot(path_a: Path, path_b: Path) -> None:
+    """Two snapshots hold the same training: epochs run, and weights and momentum
+    buffers bitwise equal."""
+    epochs_a, a = snapshot_tensors(path_a)
+    epochs_b, b = snapshot_tensors(path_b)
+    assert epochs_a == epochs_b
+    assert a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def run_together(cmds: list[list], cwds: list[Path], env: dict, timeout: float = 300) -> list[tuple]:
+    """Start every command at once, each in its folder (torchrun agents of one
+    job, say), wait for all; return (returncode, stdout, stderr) per command.
+    On a timeout, kills those still running before raising."""
+    procs = [subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for cmd, cwd in zip(cmds, cwds)]
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            outputs.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return outputs
+
+
+def script_trainer(module, model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: int = 0,
+                   options=None):
+    """The Trainer of script ``module`` (singlegpu, multigpu_spawn, multigpu_torchrun,
+    multinode) around ``model`` on the CPU, with no data and no snapshot to resume:
+    for calling its ``_run_batch`` directly. All but singlegpu need a process group."""
+    import common
+
+    kwargs = dict(model=model, train_data=None, val_data=None, optimizer=optimizer, loss_fn=loss_fn,
+                  device=torch.device("cpu"), save_every=1, metrics_path=None,
+                  options=options or common.TrainOptions())
+    name = module.__name__
+    if name != "singlegpu":
+        kwargs["rank"] = rank
+    if name in ("singlegpu", "multigpu_spawn"):
+        kwargs["checkpoint_path"] = os.path.join(out_dir, "unused.pt")
+    else:
+        kwargs.update(snapshot_every_steps=0, snapshot_path=os.path.join(out_dir, "absent.pt"), config={})
+    if name == "multinode":
+        kwargs["local_rank"] = rank
+    return module.Trainer(**kwargs)
+
 # --------------------------------------------------------------------------
 # MNIST from the real t10k files, written back in IDX format
 # --------------------------------------------------------------------------

@@ -17,18 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (REPO, TORCHRUN, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, run, script_env, snapshot_tensors)
+from conftest import (REPO, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
+                      parse_test, run, script_env)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
 
-
-def _assert_bitwise_equal(path_a, path_b):
-    epochs_a, a = snapshot_tensors(path_a)
-    epochs_b, b = snapshot_tensors(path_b)
-    assert epochs_a == epochs_b
-    assert a.keys() == b.keys()
-    assert [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,7 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(dataset,
     # It resumed inside an epoch, from the last mid-epoch snapshot.
     assert "resuming from snapshot snapshot.pt in epoch 2 after step 6" in killed.stdout
     assert "epoch 3/3" in killed.stdout
-    _assert_bitwise_equal(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
+    assert_same_snapshot(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
 
 
 def test_mid_epoch_resume_repeats_and_skips_no_batch(tmp_path):
@@ -95,7 +88,7 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
                        tmp_path / "killed", DDP_TEST_FAULT="save:0:3:kill"))
     assert "DDP_TEST_FAULT: kill at save 3 on rank 0" in killed.stderr
     assert "resuming from snapshot snapshot.pt in epoch 1 after step 20" in killed.stdout
-    _assert_bitwise_equal(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
+    assert_same_snapshot(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot.pt"]  # no stale temp
 
 
@@ -313,4 +306,4 @@ def test_sigusr1_stops_every_rank_after_one_step_and_the_run_resumes_exactly(tmp
     assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 13))
     check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py", *args],
               reference))
-    _assert_bitwise_equal(interrupted / "snapshot.pt", reference / "snapshot.pt")
+    assert_same_snapshot(interrupted / "snapshot.pt", reference / "snapshot.pt")

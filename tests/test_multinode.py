@@ -1,32 +1,17 @@
 """multinode.py as two nodes on this machine: two torchrun agents, one process
 each, meeting through c10d rendezvous on localhost, as the README shows."""
 
-import subprocess
-
-from conftest import REPO, TORCHRUN, epochs, error_lines, free_port, parse_test, script_env
+from conftest import REPO, TORCHRUN, epochs, error_lines, free_port, parse_test, run_together, script_env
 
 
 def _start_nodes(port, cwds, extra=()):
-    agents = []
-    for node, cwd in enumerate(cwds):
-        cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                          f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=test{port}",
-                          # the first agent hosts the rendezvous store
-                          f"--rdzv-conf=is_host={int(node == 0)}",
-                          str(REPO / "multinode.py"), "--total_epochs", "2", *extra]
-        agents.append(subprocess.Popen(cmd, cwd=cwd, env=script_env(), text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = []
-    try:
-        for agent in agents:
-            stdout, stderr = agent.communicate(timeout=300)
-            outputs.append((agent.returncode, stdout, stderr))
-    finally:  # on a timeout, leave no agent behind
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-    return outputs
-
+    cmds = [TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=test{port}",
+                        # the first agent hosts the rendezvous store
+                        f"--rdzv-conf=is_host={int(node == 0)}",
+                        str(REPO / "multinode.py"), "--total_epochs", "2", *extra]
+            for node in range(len(cwds))]
+    return run_together(cmds, cwds, script_env())
 
 def test_two_nodes_train_together(tmp_path):
     outputs = _start_nodes(free_port(), [tmp_path, tmp_path])

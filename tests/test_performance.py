@@ -16,7 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import common
 from conftest import (REPO, TORCHRUN, build_cifar10_root, check, epochs, error_lines, free_port,
-                      parse_test, run, snapshot_tensors)
+                      parse_test, run, script_trainer, snapshot_tensors)
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
 
@@ -236,17 +236,8 @@ def _no_sync_worker(rank, world_size, port, module_name, out_dir):
     for accum in (1, 2):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
-        kwargs = dict(model=model, train_data=None, val_data=None, loss_fn=F.mse_loss,
-                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"),
-                      rank=rank, save_every=1, metrics_path=None,
-                      options=common.TrainOptions(grad_accum_steps=accum))
-        if module_name == "spawn":
-            kwargs.update(checkpoint_path=os.path.join(out_dir, "unused.pt"))
-        else:
-            kwargs.update(snapshot_every_steps=0, snapshot_path=os.path.join(out_dir, "none.pt"), config={})
-        if module_name == "multinode":
-            kwargs.update(local_rank=rank)
-        trainer = module.Trainer(**kwargs)
+        trainer = script_trainer(module, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 F.mse_loss, out_dir, rank, common.TrainOptions(grad_accum_steps=accum))
         calls = []
 
         def counting_hook(state, bucket):

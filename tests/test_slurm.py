@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from conftest import IN_CI, REPO, TORCHRUN, build_mnist_root, epochs, parse_test, script_env, \
-    snapshot_tensors
+from conftest import IN_CI, REPO, TORCHRUN, assert_same_snapshot, build_mnist_root, epochs, parse_test, \
+    run_together, script_env, snapshot_tensors
 from slurm_cluster import NETNS_NODES, NODE_IFACE, SlurmCluster, unavailable_reason
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
@@ -162,40 +162,25 @@ def test_warning_signal_snapshots_requeues_and_resumes(cluster, tmp_path, wrappe
                                         *args], cwd=reference, env=script_env(), capture_output=True,
                             text=True, timeout=JOB_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
-    done, resumed = snapshot_tensors(tmp_path / f"snapshot-{job}.pt")
-    expected_done, expected = snapshot_tensors(reference / "snapshot.pt")
-    assert done == expected_done == 16
-    assert resumed.keys() == expected.keys()
-    for key in expected:
-        assert torch.equal(resumed[key], expected[key]), key
+    assert snapshot_tensors(tmp_path / f"snapshot-{job}.pt")[0] == 16
+    assert_same_snapshot(tmp_path / f"snapshot-{job}.pt", reference / "snapshot.pt")
 
 
 def test_multinode_plain_torchrun_across_two_hosts(cluster, tmp_path):
     """No Slurm: the same torchrun command on each host, as the README shows."""
     port = 29400
-    agents = []
-    for node in NETNS_NODES:
-        cmd = ["torchrun", "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=ddp-node1:{port}", "--rdzv-id=plain", str(REPO / "multinode.py"),
-               "--total_epochs", "2"]
-        cmd[0:1] = TORCHRUN
-        agents.append(subprocess.Popen(cluster.on_host(node, cmd), cwd=tmp_path, text=True,
-                                       env=script_env(GLOO_SOCKET_IFNAME=NODE_IFACE),
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = []
-    try:
-        for agent in agents:
-            outputs.append(agent.communicate(timeout=JOB_TIMEOUT_S) + (agent.returncode,))
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-    for stdout, stderr, code in outputs:
+    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=ddp-node1:{port}", "--rdzv-id=plain", str(REPO / "multinode.py"),
+                      "--total_epochs", "2"]
+    outputs = run_together([cluster.on_host(node, cmd) for node in NETNS_NODES],
+                           [tmp_path] * len(NETNS_NODES), script_env(GLOO_SOCKET_IFNAME=NODE_IFACE),
+                           timeout=JOB_TIMEOUT_S)
+    for code, stdout, stderr in outputs:
         assert code == 0, stderr[-3000:]
-    seen = {(int(rank), host) for stdout, _, _ in outputs for rank, _, host, _ in RANK_LINE.findall(stdout)}
+    seen = {(int(rank), host) for _, stdout, _ in outputs for rank, _, host, _ in RANK_LINE.findall(stdout)}
     assert {rank for rank, _ in seen} == {0, 1, 2, 3}
     assert {host for _, host in seen} == set(NETNS_NODES)
-    summary = [stdout for stdout, _, _ in outputs if epochs(stdout)]
+    summary = [stdout for _, stdout, _ in outputs if epochs(stdout)]
     assert len(summary) == 1 and [e["epoch"] for e in epochs(summary[0])] == [1, 2]
 
 
