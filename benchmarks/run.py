@@ -54,11 +54,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import common  # noqa: E402
+import train_utils  # noqa: E402
 import multigpu_spawn  # noqa: E402
 import multigpu_torchrun  # noqa: E402
 import multinode  # noqa: E402
 import singlegpu  # noqa: E402
-from conftest import (EPOCH_LINE, TORCHRUN, build_cifar10_root, build_mnist_root,  # noqa: E402
+from conftest import (EPOCH_LINE, load_task, TORCHRUN, build_cifar10_root, build_mnist_root,  # noqa: E402
                       free_port, script_trainer)
 
 
@@ -200,7 +201,7 @@ def section_amp_cpu(reps: int = 3) -> dict:
 
         def step(amp):
             opt.zero_grad(set_to_none=True)
-            with common.autocast(torch.device("cpu"), amp):
+            with train_utils.autocast(torch.device("cpu"), amp):
                 loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
@@ -219,7 +220,7 @@ def section_amp_cpu(reps: int = 3) -> dict:
                         "bf16_autocast_samples_per_s": bf16, "speedup": bf16 / fp32})
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     text = table(f"1b. bf16 autocast on this CPU (native bf16: {native}); --amp allowed on a CPU "
-                 f"for: {', '.join(common.AMP_HELPS_ON_CPU)}",
+                 f"for: {', '.join(train_utils.AMP_HELPS_ON_CPU)}",
                  ["model", "batch", "fp32 samples/s", "bf16 autocast samples/s", "speedup"],
                  [[r["model"], r["batch"], r["fp32_samples_per_s"], r["bf16_autocast_samples_per_s"],
                    r["speedup"]] for r in results])
@@ -241,7 +242,7 @@ def _pipeline_images_per_s(task, num_workers: int, batch_size: int, epochs: int)
     loader = DataLoader(task.train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
                         num_workers=num_workers, collate_fn=common.collate,
                         pin_memory=torch.cuda.is_available())
-    device = common.get_device(0)
+    device = train_utils.device_for(0)
     images = 0
     start = time.perf_counter()
     for epoch in range(epochs):
@@ -261,9 +262,9 @@ def section_input(n_train: int = 10000, batch_size: int = 256, reps: int = 5) ->
     cifar.check_integrity = lambda path, md5=None: os.path.isfile(path)  # our files, not the official
     root = build_cifar10_root(Path(tempfile.mkdtemp()) / "cifar", per_batch=n_train // 5, n_test=100)
     start = time.perf_counter()
-    fast = common.load_task("cifar10", None, str(root), 0, input_path="fast")
+    fast = load_task("cifar10", root, "fast")
     decode_s = time.perf_counter() - start
-    slow = common.load_task("cifar10", None, str(root), 0, input_path="torchvision")
+    slow = load_task("cifar10", root, "torchvision")
     torch.manual_seed(0)
     paths = {"fast (uint8 batches, device augmentation), 0 workers": (fast, 0),
              "torchvision per-sample, 2 workers": (slow, 2),
@@ -299,7 +300,7 @@ def section_input(n_train: int = 10000, batch_size: int = 256, reps: int = 5) ->
 def _allreduce_worker(rank: int, world_size: int, port: int, steps: int, reps: int, out: str):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as the scripts do
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = common.get_device(rank)
+    device = train_utils.device_for(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -480,11 +481,11 @@ def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
                 model = model.to(memory_format=torch.channels_last)
             transform = common.DeviceTransform((common.CIFAR10_MEAN, common.CIFAR10_STD), 4, channels_last)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            net = common.compile_model(model, compiled)
+            net = train_utils.compile_model(model, compiled)
 
             def step():
                 opt.zero_grad(set_to_none=True)
-                with common.autocast(device, amp):
+                with train_utils.autocast(device, amp):
                     loss = F.cross_entropy(net(transform(x8)), y)
                 loss.backward()
                 opt.step()
@@ -499,7 +500,7 @@ def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
             torch.cuda.synchronize()
             seconds = (time.perf_counter() - start) / steps
             with FlopCounterMode(display=False) as counter:  # forward + backward of one step
-                with common.autocast(device, amp):
+                with train_utils.autocast(device, amp):
                     loss = F.cross_entropy(model(transform(x8)), y)
                 loss.backward()
             flops = counter.get_total_flops()

@@ -3,6 +3,7 @@ and build small datasets in the real on-disk formats torchvision reads."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import os
 import pickle
@@ -119,26 +120,45 @@ def run_together(cmds: list[list], cwds: list[Path], env: dict, timeout: float =
     return outputs
 
 
+def task_args(dataset: str, data_dir="data", input_path: str = "torchvision", seed: int = 0,
+              model=None, **flags) -> argparse.Namespace:
+    """The parsed command line a script would pass to ``common.load_task``
+    (the task's fields), plus any other ``flags``."""
+    return argparse.Namespace(dataset=dataset, data_dir=str(data_dir), input_path=input_path,
+                              seed=seed, model=model, **flags)
+
+
+def load_task(dataset: str, data_dir="data", input_path: str = "torchvision", seed: int = 0):
+    """``common.load_task`` as a script calls it, without downloading (the
+    per-sample torchvision path by default)."""
+    import common
+
+    return common.load_task(task_args(dataset, data_dir, input_path, seed), download=False)
+
+
+def plain_task(loss_fn, classification: bool):
+    """A ``common.Task`` with no data: a loss, and whether it is a classification."""
+    import common
+
+    return common.Task(None, None, None, None, loss_fn, classification)
+
+
 def script_trainer(module, model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: int = 0,
-                   options=None):
+                   grad_accum_steps: int = 1):
     """The Trainer of script ``module`` (singlegpu, multigpu_spawn, multigpu_torchrun,
     multinode) around ``model`` on the CPU, with no data and no snapshot to resume:
     for calling its ``_run_batch`` directly. All but singlegpu need a process group."""
-    import common
-
-    kwargs = dict(model=model, train_data=None, val_data=None, optimizer=optimizer, loss_fn=loss_fn,
-                  device=torch.device("cpu"), save_every=1, metrics_path=None,
-                  options=options or common.TrainOptions())
+    args = argparse.Namespace(
+        grad_accum_steps=grad_accum_steps, amp=False, compile=False, save_every=1, lr=0.1,
+        metrics_path=None, checkpoint_path=os.path.join(out_dir, "unused.pt"),
+        snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0)
+    positional = [model, None, None, optimizer, plain_task(loss_fn, False), torch.device("cpu")]
     name = module.__name__
     if name != "singlegpu":
-        kwargs["rank"] = rank
-    if name in ("singlegpu", "multigpu_spawn"):
-        kwargs["checkpoint_path"] = os.path.join(out_dir, "unused.pt")
-    else:
-        kwargs.update(snapshot_every_steps=0, snapshot_path=os.path.join(out_dir, "absent.pt"), config={})
+        positional.append(rank)
     if name == "multinode":
-        kwargs["local_rank"] = rank
-    return module.Trainer(**kwargs)
+        positional.append(rank)  # local_rank
+    return module.Trainer(*positional, args)
 
 # --------------------------------------------------------------------------
 # MNIST from the real t10k files, written back in IDX format
@@ -227,3 +247,24 @@ def build_cifar10_root(root: Path, per_batch: int = 12, n_test: int = 20, seed: 
     with open(folder / "batches.meta", "wb") as f:
         pickle.dump({"label_names": names, "num_cases_per_batch": per_batch, "num_vis": 3072}, f)
     return root
+
+
+# --------------------------------------------------------------------------
+# Each test file's time, printed at the end of the run
+# --------------------------------------------------------------------------
+
+_FILE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Add each test phase's duration (setup, call, teardown) to its file's total."""
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the seconds each test file took, longest first (fixtures included)."""
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all")

@@ -1,13 +1,12 @@
-"""Focused tests of common.py: tasks, splits, the output format, atomic saves."""
-
-import json
+"""Focused tests of common.py: tasks, splits, models, the missing-data message."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import common
-from conftest import EPOCH_LINE, TEST_LINE
+import train_utils
+from conftest import load_task, task_args
 
 
 def test_synthetic_data_is_identical_for_the_same_seed_and_ignores_global_rng():
@@ -53,13 +52,13 @@ def test_models_have_the_documented_shapes(dataset, model, shape, out):
 
 
 def test_unknown_model_for_dataset_is_a_config_error():
-    assert common.resolve_model("mnist", None) == "cnn"
-    with pytest.raises(common.ConfigError, match="choose one of resnet18, resnet50"):
-        common.resolve_model("cifar10", "cnn")
+    assert common.choose_model(task_args("mnist"), ("cnn",)) == "cnn"
+    with pytest.raises(train_utils.ConfigError, match="choose one of resnet18, resnet50"):
+        common.choose_model(task_args("cifar10", model="cnn"), ("resnet18", "resnet50"))
 
 
 def test_mnist_task_reads_the_real_digits(mnist_root):
-    task = common.load_task("mnist", None, str(mnist_root), seed=0)
+    task = load_task("mnist", mnist_root)
     assert (len(task.train_set), len(task.val_set), len(task.test_set)) == (7200, 800, 2000)
     image, label = task.test_set[0]
     assert image.shape == (1, 28, 28) and image.dtype == torch.float32 and 0 <= label <= 9
@@ -68,44 +67,8 @@ def test_mnist_task_reads_the_real_digits(mnist_root):
     assert abs(batch.mean().item()) < 0.1 and abs(batch.std().item() - 1) < 0.1
 
 
-def test_log_metrics_prints_the_parsable_line_and_writes_json(tmp_path, capsys):
-    path = tmp_path / "m.jsonl"
-    record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,
-              "epoch_seconds": 2.25, "val_loss": 0.25, "val_accuracy": 0.875}
-    common.log_metrics(record, str(path))
-    common.log_metrics({"test_loss": 0.3, "test_accuracy": None}, str(path))
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("epoch 3/10 | train_loss 0.500000 | val_loss 0.250000 | val_acc 0.8750 | "
-                      "samples/s 1234.5 | epoch_s 2.25")
-    assert EPOCH_LINE.match(out[0]) and TEST_LINE.match(out[1]) and out[1] == "test | loss 0.300000"
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        record, {"test_loss": 0.3, "test_accuracy": None}]
-
-
-def test_atomic_save_replaces_whole_files_and_leaves_no_temp(tmp_path):
-    path = tmp_path / "snap.pt"
-    common.atomic_save({"a": torch.arange(3)}, str(path))
-    common.atomic_save({"a": torch.arange(5)}, str(path))
-    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.arange(5))
-    assert [p.name for p in tmp_path.iterdir()] == ["snap.pt"]
-
-
-def test_atomic_save_failure_keeps_the_old_file(tmp_path):
-    path = tmp_path / "snap.pt"
-    common.atomic_save({"a": torch.arange(3)}, str(path))
-
-    class Unpicklable:
-        def __reduce__(self):
-            raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        common.atomic_save({"a": Unpicklable()}, str(path))
-    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.arange(3))
-    assert [p.name for p in tmp_path.iterdir()] == ["snap.pt"]
-
-
 def test_missing_files_message_is_one_line_with_folder_files_and_fix(tmp_path):
-    with pytest.raises(common.ConfigError) as info:
+    with pytest.raises(train_utils.ConfigError) as info:
         common.prepare_data("cifar10", str(tmp_path), download=False)
     message = str(info.value)
     assert "\n" not in message

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import REPO, TORCHRUN, build_mnist_root, check, error_lines, free_port, run, snapshot_tensors
+from conftest import REPO, plain_task, TORCHRUN, build_mnist_root, check, error_lines, free_port, run, snapshot_tensors
 
 import multigpu_spawn
 import multigpu_torchrun
@@ -93,7 +93,7 @@ def _eval_worker(rank, world_size, port, module_name, out_dir):
         model.norm.running_mean.add_(rank)
     loader = module.prepare_dataloader(dataset, 8, 0, False, 0)
     counted = sum(len(y) for _, y in loader)
-    loss, accuracy = module.evaluate(model, loader, F.cross_entropy, torch.device("cpu"))
+    loss, accuracy = module.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
     torch.save({"loss": loss, "accuracy": accuracy, "counted": counted}, os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
 
@@ -103,7 +103,8 @@ def _eval_worker(rank, world_size, port, module_name, out_dir):
 def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_path):
     dataset, model = _eval_problem()
     loader = singlegpu.prepare_dataloader(dataset, 8, 0, False, 0)
-    expected_loss, expected_accuracy = singlegpu.evaluate(model, loader, F.cross_entropy, torch.device("cpu"))
+    expected_loss, expected_accuracy = singlegpu.evaluate(model, loader, plain_task(F.cross_entropy, True),
+                                                             torch.device("cpu"))
     # Cross-check the reference itself against a plain full-batch computation.
     with torch.no_grad():
         model.eval()

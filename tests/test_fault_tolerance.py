@@ -1,7 +1,7 @@
 """Real faults under real launchers: killed workers, torn and corrupt
 snapshots, crafted files, failing and hanging ranks, uneven data, bad input.
 
-Faults are injected with the test hook common.fault_point, switched on by the
+Faults are injected with the test hook train_utils.fault_point, switched on by the
 DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
 (truncated files, crafted pickles, busy paths)."""
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (REPO, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
+from conftest import (REPO, load_task, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
                       parse_test, run, script_env)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
@@ -185,14 +185,13 @@ def test_uneven_data_trains_and_evaluates_exactly(tmp_path):
     assert len(epochs(result.stdout)) == 2
     reported = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
 
-    import common
     import singlegpu
 
-    task = common.load_task("mnist", None, str(root), seed=0)
+    task = load_task("mnist", root)
     model = task.model
     model.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True)["model"])
     loader = singlegpu.prepare_dataloader(task.test_set, 64, 0, False, 0)
-    loss, accuracy = singlegpu.evaluate(model, loader, F.cross_entropy, torch.device("cpu"))
+    loss, accuracy = singlegpu.evaluate(model, loader, task, torch.device("cpu"))
     assert abs(reported["test_loss"] - loss) <= 1e-6
     assert abs(reported["test_accuracy"] - accuracy) <= 1e-6
     assert parse_test(result.stdout)["acc"] == pytest.approx(accuracy, abs=1e-4)

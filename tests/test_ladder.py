@@ -43,6 +43,11 @@ def test_script_trains_synthetic_task(script, tmp_path):
 
     # Only rank 0 prints the summary: one line per epoch, not one per rank.
     assert result.stdout.count("test | loss") == 1
+    # The first line says what runs where.
+    world_size, backend = (1, "none") if script == "singlegpu" else (2, "gloo")
+    assert result.stdout.splitlines()[0] == (
+        f"device cpu | backend {backend} | world_size {world_size} | global batch size "
+        f"{32 * world_size} = batch_size 32 x grad_accum_steps 1 x world_size {world_size}")
 
     # What was saved loads into a plain model (no DDP prefixes).
     import common
@@ -71,6 +76,8 @@ def test_torchrun_script_refuses_plain_python(tmp_path):
     result = run([sys.executable, REPO / "multigpu_torchrun.py"], tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "torchrun" in result.stderr
+    # The GPU command and, next to it, the one that works on a CPU.
+    assert "--nproc_per_node=gpu multigpu_torchrun.py (GPUs), or --nproc_per_node=2 (CPU)" in result.stderr
 
 
 @pytest.mark.parametrize("flags, message", [

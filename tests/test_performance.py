@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from conftest import (REPO, TORCHRUN, build_cifar10_root, check, epochs, error_lines, free_port,
+import train_utils
+from conftest import (load_task, REPO, TORCHRUN, build_cifar10_root, check, epochs, error_lines, free_port,
                       parse_test, run, script_trainer, snapshot_tensors)
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
@@ -81,8 +82,8 @@ def test_fast_path_gives_the_same_batches_through_distributed_sampler(mnist_root
     """InMemoryImages hands the DataLoader whole batches via __getitems__, but
     DistributedSampler still decides which samples each rank gets: per rank,
     every batch equals the per-sample torchvision path's, exactly."""
-    fast = common.load_task("mnist", None, str(mnist_root), seed=0, input_path="fast")
-    slow = common.load_task("mnist", None, str(mnist_root), seed=0, input_path="torchvision")
+    fast = load_task("mnist", mnist_root, "fast")
+    slow = load_task("mnist", mnist_root, "torchvision")
     for rank in (0, 1):
         loaders = [DataLoader(task.train_set, batch_size=32, drop_last=True, collate_fn=common.collate,
                               sampler=DistributedSampler(task.train_set, 2, rank, seed=0))
@@ -100,8 +101,8 @@ def test_cifar10_fast_path_reads_the_real_format(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
     root = build_cifar10_root(tmp_path / "cifar")
-    fast = common.load_task("cifar10", None, str(root), seed=0, input_path="fast")
-    slow = common.load_task("cifar10", None, str(root), seed=0, input_path="torchvision")
+    fast = load_task("cifar10", root, "fast")
+    slow = load_task("cifar10", root, "torchvision")
     assert (len(fast.train_set), len(fast.val_set), len(fast.test_set)) == (54, 6, 20)
     # Evaluation views: identical normalized images and labels.
     for a, b in ((fast.val_set, slow.val_set), (fast.test_set, slow.test_set)):
@@ -237,7 +238,7 @@ def _no_sync_worker(rank, world_size, port, module_name, out_dir):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
         trainer = script_trainer(module, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 F.mse_loss, out_dir, rank, common.TrainOptions(grad_accum_steps=accum))
+                                 F.mse_loss, out_dir, rank, grad_accum_steps=accum)
         calls = []
 
         def counting_hook(state, bucket):
@@ -292,20 +293,20 @@ def test_amp_on_cpu_is_refused_in_one_line_where_it_does_not_help(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: --amp on a CPU: bf16 autocast does not speed up --model mlp on a CPU (measured, "
-        "see the README's Performance section); --amp is for CUDA GPUs. Run without --amp")
+        "see docs/performance.md); --amp is for CUDA GPUs. Run without --amp")
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
 def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
     cpu = torch.device("cpu")
-    common.check_amp(False, cpu, "resnet18")  # no --amp: nothing to check
-    with pytest.raises(common.ConfigError, match="does not speed up --model resnet18"):
-        common.check_amp(True, cpu, "resnet18")
+    train_utils.check_amp(False, cpu, "resnet18")  # no --amp: nothing to check
+    with pytest.raises(train_utils.ConfigError, match="does not speed up --model resnet18"):
+        train_utils.check_amp(True, cpu, "resnet18")
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        with pytest.raises(common.ConfigError, match="no native bf16 instructions"):
-            common.check_amp(True, cpu, "cnn")
+        with pytest.raises(train_utils.ConfigError, match="no native bf16 instructions"):
+            train_utils.check_amp(True, cpu, "cnn")
         return
-    common.check_amp(True, cpu, "cnn")  # measured faster on a CPU with native bf16
+    train_utils.check_amp(True, cpu, "cnn")  # measured faster on a CPU with native bf16
     # ...and it trains: one epoch of bf16 autocast on 7,200 real digits.
     result = check(run([sys.executable, REPO / "singlegpu.py", "--dataset", "mnist", "--data_dir",
                         mnist_root, "--total_epochs", "1", "--amp"], tmp_path))
@@ -315,10 +316,10 @@ def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
 def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
     from conftest import EPOCH_LINE
 
-    common.log_metrics({"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0,
+    train_utils.log_metrics({"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0,
                         "epoch_seconds": 1.0, "val_loss": 0.5, "val_accuracy": None,
                         "peak_gpu_memory_mib": 1536.25}, None)
     line = capsys.readouterr().out.strip()
     assert line.endswith("| epoch_s 1.00 | peak_mem_mib 1536.2")
     assert EPOCH_LINE.match(line).group("peak_mem_mib") == "1536.2"
-    assert common.peak_memory_mib(torch.device("cpu")) == {}
+    assert train_utils.peak_memory_mib(torch.device("cpu")) == {}

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN, build_cifar10_root, check, epochs, run, parse_test
+from conftest import REPO, load_task, TORCHRUN, build_cifar10_root, check, epochs, run, parse_test
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
 
@@ -69,7 +69,7 @@ def test_cifar10_views(cifar_root, monkeypatch):
     import common
 
     monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: __import__("os").path.isfile(path))
-    task = common.load_task("cifar10", None, str(cifar_root), seed=0)
+    task = load_task("cifar10", cifar_root)
     assert (len(task.train_set), len(task.val_set), len(task.test_set)) == (54, 6, 20)
 
     raw = []

@@ -1,0 +1,97 @@
+"""Focused tests of train_utils.py: device choice, the start-up and epoch
+lines, atomic saves."""
+
+import glob
+import json
+import warnings
+
+import pytest
+import torch
+
+import train_utils
+from conftest import EPOCH_LINE, TEST_LINE, task_args
+
+
+def test_device_for_refuses_a_local_rank_without_its_own_gpu(monkeypatch):
+    """Three processes on a node showing two GPUs: local rank 2 gets one line
+    naming what it asked for and what is visible, not a raw CUDA error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert train_utils.device_for(1) == torch.device("cuda", 1)
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.device_for(2)
+    message = str(info.value)
+    assert "local rank 2 needs GPU 2" in message and "only 2 GPU(s)" in message
+    assert "--nproc_per_node=2" in message and "\n" not in message
+
+
+def test_device_for_is_the_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train_utils.device_for(5) == torch.device("cpu")
+
+
+def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch):
+    """GPU device files present, but this torch build cannot use them (here: the
+    warning torch gives for a driver too old for its CUDA build)."""
+    def unavailable():
+        warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old "
+                      "(found version 11040).\nPlease update your GPU driver.")
+        return False
+
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setattr(torch.cuda, "is_available", unavailable)
+    reason = train_utils.unusable_gpu_reason()
+    assert reason.startswith("CUDA initialization: The NVIDIA driver on your system is too old")
+    line = train_utils.run_line(torch.device("cpu"), task_args("synthetic", batch_size=32,
+                                                               grad_accum_steps=1))
+    note, start = line.split("\n")
+    assert note.startswith("note: this machine has NVIDIA GPUs, but torch cannot use them (CUDA")
+    assert "training on the CPU" in note
+    assert start.startswith("device cpu | backend none | world_size 1 | global batch size 32")
+
+
+def test_no_gpu_files_means_nothing_to_report(monkeypatch):
+    monkeypatch.setattr(glob, "glob", lambda pattern: [])
+    assert train_utils.unusable_gpu_reason() is None
+    line = train_utils.run_line(torch.device("cpu"), task_args("synthetic", batch_size=8,
+                                                               grad_accum_steps=4))
+    assert line == ("device cpu | backend none | world_size 1 | global batch size 32 = "
+                    "batch_size 8 x grad_accum_steps 4 x world_size 1")
+
+
+def test_log_metrics_prints_the_parsable_line_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,
+              "epoch_seconds": 2.25, "val_loss": 0.25, "val_accuracy": 0.875}
+    train_utils.log_metrics(record, str(path))
+    train_utils.log_metrics({"test_loss": 0.3, "test_accuracy": None}, str(path))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("epoch 3/10 | train_loss 0.500000 | val_loss 0.250000 | val_acc 0.8750 | "
+                      "samples/s 1234.5 | epoch_s 2.25")
+    assert EPOCH_LINE.match(out[0]) and TEST_LINE.match(out[1]) and out[1] == "test | loss 0.300000"
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        record, {"test_loss": 0.3, "test_accuracy": None}]
+
+
+def test_atomic_save_replaces_whole_files_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "snap.pt"
+    train_utils.atomic_save({"a": torch.arange(3)}, str(path))
+    train_utils.atomic_save({"a": torch.arange(5)}, str(path))
+    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.arange(5))
+    assert [p.name for p in tmp_path.iterdir()] == ["snap.pt"]
+
+
+def test_atomic_save_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "snap.pt"
+    train_utils.atomic_save({"a": torch.arange(3)}, str(path))
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train_utils.atomic_save({"a": Unpicklable()}, str(path))
+    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.arange(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["snap.pt"]
+
+

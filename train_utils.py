@@ -1,0 +1,804 @@
+"""The training machinery the scripts share, which you keep as it is.
+
+The scripts show each rung's distributed concept; what is right but not the
+lesson lives here, one well-named call each: the command line, device choice,
+the epoch's bookkeeping and progress bar, atomic saves, the stop that every
+rank takes at the same step, the resumable sampler, RNG capture and restore,
+the up-front checks, the metrics line, and a fault-injection hook for the
+tests. Your own datasets, model and loss go in common.py, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import glob
+import itertools
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+# Imported before any process group exists, on purpose: torch.distributed.nn
+# binds group.WORLD into its functions' default arguments at import time, and
+# DDP imports it lazily. Imported after init_process_group, it would keep the
+# process group alive past destroy_process_group, its gloo threads still
+# running at interpreter exit, where the process then sometimes aborts
+# ("terminate called without an active exception") after a successful run.
+import torch.distributed.nn  # noqa: F401
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+
+class ConfigError(Exception):
+    """A mistake in the user's input or environment (bad flag, missing data,
+    incompatible snapshot). The scripts print it as one line and exit 2,
+    without a traceback."""
+
+
+def exit_on_config_error(fn: Callable) -> Callable:
+    """Decorator for a script's ``main``: a ConfigError becomes one line on
+    stderr (``error: ...``) and exit status 2, without a traceback.
+
+    Under a process group only rank 0 prints, since such errors are raised on
+    every rank alike (see ``downloaders_first``); the other ranks exit quietly.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as exc:
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                say(f"error: {exc}", sys.stderr)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# --------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------
+
+def positive(kind: type) -> Callable[[str], object]:
+    """argparse type: a ``kind`` (int or float) > 0, else a one-line usage error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}")
+        if not value > 0:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0, else a one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+# The flags only some scripts take: name -> (argparse type, default, help).
+SCRIPT_FLAGS = {
+    "checkpoint_path": (str, "checkpoint.pt", "where to save the model's state_dict"),
+    "world_size": (positive(int), None, "processes to start (default: the number of GPUs, "
+                                        "or 2 on a machine without GPUs)"),
+    "snapshot_path": (str, "snapshot.pt", "snapshot to resume from when it exists, and to save to"),
+    "snapshot_every_steps": (non_negative_int, 0, "also snapshot every N steps inside an epoch, "
+                                                  "so a restart loses at most N steps (0: only "
+                                                  "at epoch ends)"),
+    "pg_timeout_s": (positive(float), 1800, "seconds a collective may wait for the other ranks "
+                                            "before the job fails"),
+}
+
+
+def _task_name(tasks: tuple) -> Callable[[str], str]:
+    """argparse type for --dataset: one of ``tasks``, or a ``module:function``."""
+
+    def parse(text: str) -> str:
+        if text in tasks or (":" in text and all(text.split(":", 1))):
+            return text
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(tasks)}, or module:function)")
+
+    return parse
+
+
+def parse_args(description: Optional[str], tasks: Iterable[str],
+               script_flags: Iterable[str] = ()) -> argparse.Namespace:
+    """Parse the command line: the flags every script shares, in the same
+    order everywhere, then the ``script_flags`` (names of ``SCRIPT_FLAGS``).
+
+    ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``); a
+    ``module:function`` (your own task, see docs/custom-task.md) is accepted
+    too. Invalid values (zero or negative epochs, batch size, lr, save
+    interval; an unknown dataset) end with argparse's usage line and exit 2.
+    """
+    tasks = tuple(tasks)
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--total_epochs", type=positive(int), default=10, help="epochs to train (default: 10)")
+    add("--save_every", type=positive(int), default=5,
+        help="save every N epochs; the last epoch is always saved (default: 5)")
+    add("--batch_size", type=positive(int), default=32,
+        help="samples per step *per process*; the global batch size is "
+             "batch_size x grad_accum_steps x world_size (default: 32)")
+    add("--lr", type=positive(float), default=0.05, help="learning rate (default: 0.05)")
+    add("--dataset", type=_task_name(tasks), default=tasks[0],
+        help=f"task to train: {', '.join(tasks)}, or module:function for your own "
+             f"(default: {tasks[0]}, needs no download)")
+    add("--model", default=None, help="model for the task (default: the task's first)")
+    add("--data_dir", default=os.environ.get("DATA_DIR", "data"),
+        help="dataset root, as torchvision expects it (default: $DATA_DIR or ./data)")
+    add("--seed", type=int, default=0, help="seed for data split, model init, shuffling (default: 0)")
+    add("--num_workers", type=non_negative_int, default=0,
+        help="DataLoader worker processes per training process (default: 0)")
+    add("--metrics_path", default=None,
+        help="also write each epoch's summary as one JSON object per line here")
+    add("--input_path", choices=("fast", "torchvision"), default="fast",
+        help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
+             "whole batches on the device; 'torchvision' is the per-sample Dataset + "
+             "transforms path (default: fast)")
+    add("--amp", action="store_true",
+        help="bf16 autocast for the training forward pass (CUDA; on a CPU only where it "
+             "was measured to help, see docs/performance.md)")
+    add("--compile", action="store_true",
+        help="torch.compile the training model (saved weights stay loadable without it)")
+    add("--grad_accum_steps", type=positive(int), default=1,
+        help="micro-batches of --batch_size per optimizer step (default: 1)")
+    for name in script_flags:
+        kind, default, text = SCRIPT_FLAGS[name]
+        add(f"--{name}", type=kind, default=default,
+            help=text + (f" (default: {default})" if default is not None else ""))
+    return parser.parse_args()
+
+
+# --------------------------------------------------------------------------
+# Devices and launching
+# --------------------------------------------------------------------------
+
+def device_for(local_rank: int) -> torch.device:
+    """This process's device: ``cuda:local_rank`` where CUDA works, else the CPU.
+
+    Raises ConfigError when CUDA works but ``local_rank`` has no GPU of its
+    own on this node (more processes than visible GPUs).
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ConfigError(
+            f"local rank {local_rank} needs GPU {local_rank}, but this node shows only {visible} "
+            f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"start at most {visible} processes per node (--nproc_per_node={visible})")
+    return torch.device("cuda", local_rank)
+
+
+def unusable_gpu_reason() -> Optional[str]:
+    """Why this machine's NVIDIA GPUs go unused, or None.
+
+    Where GPU device files exist (/dev/nvidia0, ...) but this torch build cannot
+    use them (a CPU-only build, or a driver older than the build needs), the
+    scripts would silently train on the CPU; this returns torch's own reason.
+    """
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            return None
+    reasons = [str(w.message).strip().splitlines()[0] for w in caught]
+    if torch.version.cuda is None:
+        reasons.append(f"torch {torch.__version__} is a CPU-only build")
+    return "; ".join(reasons) or "torch.cuda.is_available() is False"
+
+
+def run_line(device: torch.device, args: argparse.Namespace) -> str:
+    """The start-up line: what runs where, and the global batch size.
+
+    E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
+    batch_size 32 x grad_accum_steps 1 x world_size 2``; preceded by a
+    ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``).
+    """
+    world_size = dist.get_world_size() if _is_distributed() else 1
+    backend = dist.get_backend() if _is_distributed() else "none"
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
+            f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
+            f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
+    reason = unusable_gpu_reason() if device.type == "cpu" else None
+    if reason:
+        line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
+                f"training on the CPU. Install the torch build that matches your driver\n" + line)
+    return line
+
+
+def spawn_world_size(requested: Optional[int]) -> int:
+    """How many processes multigpu_spawn.py starts: ``requested``, or one per
+    GPU, or 2 on a machine without GPUs. Raises ConfigError for more
+    processes than GPUs, or than CPU cores on a CPU-only machine: exits
+    with one line and status 2, like the other input errors."""
+    gpus = torch.cuda.device_count()
+    world_size = requested or gpus or 2
+    cores = os.cpu_count() or 1
+    error = ""
+    if gpus and world_size > gpus:  # one process per GPU
+        error = f"--world_size {world_size} is more than the {gpus} GPUs of this machine"
+    if not gpus and world_size > cores:  # on CPU, one process per core at most
+        error = f"--world_size {world_size} is more than the {cores} CPU cores of this machine"
+    if error:
+        say(f"error: {error}", sys.stderr)
+        sys.exit(2)
+    return world_size
+
+
+def share_cpu_cores(device: torch.device, world_size: int) -> None:
+    """On a CPU ``device``, give each of ``world_size`` processes its share of
+    the cores' intra-op threads (unless OMP_NUM_THREADS says otherwise),
+    instead of each process using all of them. Nothing on a GPU."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def check_port_free(port: int) -> None:
+    """Exit with one line when something on this machine already listens on
+    TCP ``port`` (any address): the process group could not start there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does
+        try:
+            probe.bind(("", port))
+            return
+        except OSError:
+            pass
+    sys.exit(f"error: MASTER_PORT {port} is already in use on this machine (another job?); "
+             f"set the MASTER_PORT environment variable to a free port, "
+             f"e.g. MASTER_PORT={port + 1} python multigpu_spawn.py")
+
+
+def torchrun_store(timeout: timedelta) -> dist.Store:
+    """The key-value store of torchrun's rendezvous, for ``init_process_group``.
+
+    torchrun's agent keeps one store at MASTER_ADDR:MASTER_PORT across
+    restarts. Each attempt gets its own key prefix
+    (``attempt_<TORCHELASTIC_RESTART_COUNT>``): without it a restarted rank can
+    read the addresses its failed predecessor left there, then fail or hang
+    connecting (seen with torch 2.15); ``init_method="env://"`` does not do this.
+    Raises ConfigError when the script was not started by torchrun.
+    """
+    if "RANK" not in os.environ:
+        script = os.path.basename(sys.argv[0])
+        raise ConfigError(f"start this script with torchrun: torchrun --standalone "
+                          f"--nproc_per_node=gpu {script} (GPUs), or --nproc_per_node=2 (CPU)")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+# --------------------------------------------------------------------------
+# Before training: data first on the downloading ranks, then checks
+# --------------------------------------------------------------------------
+
+def first_error(error: str) -> str:
+    """The first non-empty error of any rank ('' if none); a collective
+    (an all-gather) under a process group, a no-op without one."""
+    if _is_distributed():
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), "")
+    return error
+
+
+def downloaders_first(load: Callable[..., object], args: argparse.Namespace, download: bool):
+    """``load(args, download=True)`` on the processes with ``download``, then,
+    once they are done, ``load(args, download=False)`` on the others; returns
+    the result.
+
+    Collective under a process group: the all-gather of errors is the barrier
+    at which the others wait, and a ConfigError on any rank (a failed
+    download, say) is raised on every rank, instead of leaving them hanging
+    at the next collective.
+    """
+    result, error = None, ""
+    for turn in (True, False):
+        if download == turn and not error:
+            try:
+                result = load(args, download=download)
+            except ConfigError as exc:
+                error = str(exc)
+        error = first_error(error)
+    if error:
+        raise ConfigError(error)
+    return result
+
+
+def check_run(args: argparse.Namespace, device: torch.device, train_data: DataLoader,
+              save_path: str, saves: bool) -> None:
+    """Everything that would fail later, checked before any training.
+
+    --amp where it would slow training down (``check_amp``); a training
+    loader with fewer batches than one optimizer step needs;
+    --snapshot_every_steps not a multiple of --grad_accum_steps; and, on the
+    processes that ``saves``, a ``save_path`` whose folder cannot take files
+    (missing folders are created; ``save_path`` itself is never touched).
+    Collective under a process group. Raises ConfigError (one line).
+    """
+    check_amp(args.amp, device, args.model)
+    if len(train_data) < args.grad_accum_steps:
+        raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
+                          f"samples, {len(train_data)} batches of --batch_size "
+                          f"{train_data.batch_size}, fewer than one optimizer step of "
+                          f"--grad_accum_steps {args.grad_accum_steps}; lower --batch_size")
+    if getattr(args, "snapshot_every_steps", 0) % args.grad_accum_steps:
+        raise ConfigError(f"--snapshot_every_steps {args.snapshot_every_steps} is not a multiple "
+                          f"of --grad_accum_steps {args.grad_accum_steps}; a snapshot must fall "
+                          f"between optimizer steps")
+    error = ""
+    if saves:
+        folder = os.path.dirname(os.path.abspath(save_path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            error = (f"cannot save to {save_path}: folder {folder} is not writable "
+                     f"({exc.strerror or type(exc).__name__}); choose another path")
+    error = first_error(error)
+    if error:
+        raise ConfigError(error)
+
+
+# --------------------------------------------------------------------------
+# Speed: autocast, compile, peak memory
+# --------------------------------------------------------------------------
+
+# Models for which bf16 autocast was measured to speed up training on a CPU
+# with native bf16 instructions (AVX512-BF16/AMX). Here (2-core AMD EPYC,
+# torch 2.15), samples/s with --amp over without: cnn x1.35-1.7, mlp x0.57,
+# resnet18 x0.9-1.2 (noise around no gain); see docs/performance.md.
+AMP_HELPS_ON_CPU = ("cnn",)
+
+
+def check_amp(amp: bool, device: torch.device, model: str) -> None:
+    """Raise ConfigError for --amp on a CPU where bf16 autocast makes training slower.
+
+    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16). On
+    a CPU it only helps with native bf16 instructions, and only for some
+    models (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost
+    speed and precision, so it is refused in one line.
+    """
+    if not amp or device.type == "cuda":
+        return
+    if model not in AMP_HELPS_ON_CPU:
+        raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up --model {model} "
+                          f"on a CPU (measured, see docs/performance.md); "
+                          f"--amp is for CUDA GPUs. Run without --amp")
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise ConfigError("--amp on a CPU: this CPU has no native bf16 instructions "
+                          "(AVX512-BF16 or AMX), so bf16 autocast would be slower; "
+                          "--amp is for CUDA GPUs. Run without --amp")
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on ``device`` when ``enabled`` (the forward pass and the
+    loss; backward follows the forward's dtypes), else a context that does nothing.
+
+    Reusable, one ``with`` after another (not nested): make it once, not per step.
+    """
+    if not enabled:
+        return contextlib.nullcontext()  # cheaper than an autocast(enabled=False) per step
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def compile_model(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
+    """``torch.compile(model)`` when ``enabled``, else ``model`` itself.
+
+    The compiled module shares ``model``'s parameters; the scripts call it for
+    the training forward only, and keep saving ``model`` (or its DDP
+    ``.module``), so saved state_dicts have no ``_orig_mod.`` prefix and load
+    without compile. For DDP, pass the DDP-wrapped model: compiling after
+    wrapping lets TorchDynamo's DDP optimizer split the graph at the gradient
+    buckets, so all-reduce still overlaps with backward.
+    """
+    return torch.compile(model) if enabled else model
+
+
+def peak_memory_mib(device: torch.device) -> dict:
+    """{"peak_gpu_memory_mib": MiB} on CUDA, {} on a CPU.
+
+    The most memory tensors held on ``device`` since the last
+    ``torch.cuda.reset_peak_memory_stats`` (``torch.cuda.max_memory_allocated``,
+    MiB = 2**20 bytes), the maximum over all ranks under a process group: a
+    collective on CUDA, so every rank must call it.
+    """
+    if device.type != "cuda":
+        return {}
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20, device=device)
+    if _is_distributed():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"peak_gpu_memory_mib": peak.item()}
+
+
+# --------------------------------------------------------------------------
+# One epoch's bookkeeping
+# --------------------------------------------------------------------------
+
+class EpochMeter:
+    """The running loss sum and sample count of one training epoch, its time
+    and its peak GPU memory.
+
+    ``totals`` is a float64 (2,) tensor on the device, (loss sum, samples) of
+    this rank: it stays there, since a ``.item()`` per step would make the CPU
+    wait for the GPU at every step. A script all-reduces it before
+    ``summary`` to get the global figures. ``carried`` is the global totals of
+    the steps trained before a mid-epoch resume (None: none), so a resumed
+    epoch's summary still covers the whole epoch.
+    """
+
+    def __init__(self, epoch: int, max_epochs: int, device: torch.device,
+                 carried: Optional[torch.Tensor] = None) -> None:
+        self.epoch, self.max_epochs, self.device = epoch, max_epochs, device
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self.carried = carried
+        self.steps_left = 0
+        self.start = time.perf_counter()
+
+    def batches(self, loader: DataLoader, args: argparse.Namespace, rank: int = 0) -> Iterator:
+        """The epoch's batches: whole optimizer steps only (a last group of fewer
+        than --grad_accum_steps micro-batches is dropped, as ``drop_last`` drops
+        a short batch), with a progress bar on rank 0 when stderr is a
+        terminal (not in logs). ``steps_left`` counts the batches still to
+        come. Calls the test hook ``fault_point("step")`` before each batch."""
+        steps = len(loader) - len(loader) % args.grad_accum_steps
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.steps_left = steps
+        self.start = time.perf_counter()
+        for batch in tqdm(itertools.islice(loader, steps), total=steps, leave=False,
+                          desc=f"epoch {self.epoch + 1}/{self.max_epochs}",
+                          disable=None if rank == 0 else True):
+            fault_point("step")
+            self.steps_left -= 1
+            yield batch
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``."""
+        self.totals[0] += loss * samples
+        self.totals[1] += samples
+
+    def global_totals(self) -> torch.Tensor:
+        """Collective: (loss sum, samples) over all ranks so far, carried part
+        included, float64 (2,) on the CPU (what a mid-epoch snapshot holds).
+        Raises ConfigError when the loss is not finite."""
+        totals = self.totals.clone()
+        if _is_distributed():
+            dist.all_reduce(totals)
+        totals = totals.cpu() + (self.carried.cpu() if self.carried is not None else 0)
+        check_finite(totals[0].item() / totals[1].item(), self.epoch)
+        return totals
+
+    def summary(self) -> dict:
+        """The epoch's record: epoch, total_epochs, train_loss (mean over every
+        sample of the epoch), samples_per_s (samples trained since the epoch
+        (re)started / seconds), epoch_seconds, and peak_gpu_memory_mib on CUDA.
+        ``totals`` must already be the global sums. Raises ConfigError when the
+        loss is not finite, before anything is saved."""
+        new_samples = self.totals[1].item()  # waits for the device, so the time is honest
+        seconds = time.perf_counter() - self.start
+        loss_sum, samples = (self.totals.cpu() + (self.carried.cpu() if self.carried is not None
+                                                  else 0)).tolist()
+        check_finite(loss_sum / samples, self.epoch)
+        return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
+                "train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
+                "epoch_seconds": seconds, **peak_memory_mib(self.device)}
+
+
+def check_finite(loss: float, epoch: int) -> None:
+    """Raise ConfigError when the training loss is NaN or infinite.
+
+    Called before anything is saved, so a diverged run never overwrites the
+    last good checkpoint or snapshot.
+    """
+    if not math.isfinite(loss):
+        raise ConfigError(f"training loss became {loss} in epoch {epoch + 1}; stopping without "
+                          f"saving (the last saved state is kept). Lower --lr and resume")
+
+
+# --------------------------------------------------------------------------
+# Snapshots: resumable sampler, RNG states, reading, atomic writing
+# --------------------------------------------------------------------------
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way.
+
+    Setting ``start`` skips the first ``start`` indices of this rank's share
+    of the epoch, so a run resumed from a mid-epoch snapshot continues the
+    same permutation at the next batch: no sample repeated, none skipped.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def gather_rng_states(device: torch.device, loader_generator: torch.Generator) -> list:
+    """Collective: every rank's random states (CPU, the device's CUDA
+    generator, the DataLoader's shuffling generator), gathered on every rank
+    as a list indexed by rank; rank 0 saves it in the snapshot."""
+    state = {"cpu": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+             "loader": loader_generator.get_state()}
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def set_rng_state(state: dict, device: torch.device, loader_generator: torch.Generator) -> None:
+    """Restore one rank's states from ``gather_rng_states``: the resumed run
+    draws the same dropout masks, augmentations and shuffles as the original."""
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    loader_generator.set_state(state["loader"])
+
+
+def position(epochs_run: int, steps_run: int, short: bool = False) -> str:
+    """Where a snapshot stands, for the resume and save lines: "after epoch 2",
+    "in epoch 3 after step 40"; ``short``: "epoch 2", "epoch 3 step 40"."""
+    if short:
+        return f"epoch {epochs_run + 1} step {steps_run}" if steps_run else f"epoch {epochs_run}"
+    return f"in epoch {epochs_run + 1} after step {steps_run}" if steps_run else f"after epoch {epochs_run}"
+
+
+# A snapshot made with other values of these trains something else: refuse it.
+SNAPSHOT_MUST_MATCH = ("dataset", "model", "world_size", "batch_size", "grad_accum_steps")
+
+
+def read_snapshot(path: str, config: dict) -> dict:
+    """Load a snapshot on the CPU for the run described by ``config``.
+
+    ``weights_only=True`` unpickles tensors and plain containers only, never
+    arbitrary objects, so a crafted file cannot run code here. Raises
+    ConfigError (one line, the file left as it is) when the file cannot be
+    read, or when it comes from a run whose ``SNAPSHOT_MUST_MATCH`` settings
+    differ from ``config``'s.
+    """
+    try:
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        detail = str(exc).strip()
+        raise ConfigError(
+            f"cannot read snapshot {path} ({type(exc).__name__}: "
+            f"{detail.splitlines()[0] if detail else 'no detail'}); "
+            f"move it away to start afresh, or pass another --snapshot_path") from None
+    changed = [f"{key} {snapshot['config'].get(key)} -> {config[key]}"
+               for key in SNAPSHOT_MUST_MATCH if snapshot["config"].get(key) != config[key]]
+    if changed:
+        raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
+                          f"resume with its settings, or pass another --snapshot_path")
+    return snapshot
+
+
+def snapshot_on_every_node(path: str) -> bool:
+    """Collective: True when every rank sees ``path``, False when none does.
+
+    Each rank loads the snapshot itself, so all must see the same file: one
+    visible on some nodes only would resume those and restart the rest.
+    Raises ConfigError in that case, naming the ranks that miss it.
+    """
+    exists: list = [None] * dist.get_world_size()
+    dist.all_gather_object(exists, os.path.exists(path))
+    if any(exists) and not all(exists):
+        missing = [rank for rank, found in enumerate(exists) if not found]
+        raise ConfigError(f"snapshot {path} is missing on ranks {missing} but present on others; "
+                          f"--snapshot_path must be on storage that every node shares")
+    return all(exists)
+
+
+def atomic_save(obj: object, path: str) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename.
+
+    A crash at any moment leaves either the old file or the new one, never a
+    torn file (POSIX rename is atomic within a filesystem). After a successful
+    save, temporary files left beside ``path`` by killed writers are removed;
+    only one process may save to a given ``path``.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fault_point("save")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    # Temporary files of writers killed before their rename are garbage now.
+    for stale in glob.glob(os.path.join(folder, glob.escape(os.path.basename(path)) + ".*.tmp")):
+        os.remove(stale)
+
+
+# --------------------------------------------------------------------------
+# The stop every rank takes at the same step
+# --------------------------------------------------------------------------
+
+class StopSignal:
+    """Turns a signal into a stop that every rank takes at the same step.
+
+    A scheduler's warning (Slurm's ``--signal``, relayed by torchrun) reaches
+    the ranks at slightly different moments, possibly mid-step. The handler
+    only sets a flag. Once per step each rank adds its flag to an all-reduce
+    (MAX) and reads the previous step's result, so all ranks learn "some rank
+    was signalled" at the same step, one step after the earliest signal.
+    The all-reduce runs asynchronously on a separate CPU (gloo) group: it
+    never waits for the GPU, and by the next step it has long finished, so a
+    step costs no extra wait. Create it on every rank (``new_group`` is
+    collective); ``poll`` too must be called by every rank, equally often.
+    """
+
+    def __init__(self, signum: int = signal.SIGUSR1) -> None:
+        self.signum = signum
+        self.received = False
+        self.stopped = False
+        signal.signal(signum, self._handler)
+        self.group = dist.new_group(backend="gloo")
+        self.flag = torch.zeros(1)
+        self.work = None
+
+    def _handler(self, signum, frame) -> None:
+        self.received = True
+
+    def poll(self) -> bool:
+        """Collective. True on every rank at the same call, one call after
+        the first rank got the signal; False otherwise."""
+        if self.work is not None:
+            self.work.wait()
+            self.stopped = self.flag.item() > 0
+        self.flag.fill_(float(self.received))
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group,
+                                    async_op=True)
+        if self.stopped and dist.get_rank() == 0:
+            say(f"stopped by {signal.Signals(self.signum).name} after this step on every rank: the "
+                f"snapshot below holds every step trained; run the same command again to resume")
+        return self.stopped
+
+    def close(self) -> None:
+        """Collective, before the process group goes away: wait for the last
+        all-reduce, then for every rank. Nobody exits before rank 0 has saved:
+        under ``srun --kill-on-bad-exit`` an early exit elsewhere could get
+        rank 0 killed mid-save."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        dist.barrier()
+
+
+def ignore_stop_signal(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: loader workers ignore SIGUSR1.
+
+    torchrun signals a rank's whole process group, loader workers included.
+    Forked workers inherit the rank's flag-setting handler (harmless), but
+    workers started by forkserver or spawn (Python 3.14's default on Linux is
+    forkserver) would die of it, and the rank with them, before it could save.
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+def say(line: str, stream=None) -> None:
+    """Print ``line`` and its newline in one write, then flush.
+
+    Several ranks often share one terminal or log file; a plain ``print``
+    writes the text and the newline separately, so lines of different ranks
+    can run into each other. One write of under 4 KiB to a pipe is atomic.
+    """
+    stream = stream or sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
+    """Print one fixed-format line and append ``record`` as JSON to ``metrics_path``.
+
+    Epoch records print as
+      ``epoch 3/10 | train_loss 0.012345 | val_loss 0.012345 | val_acc 0.9512 |
+      samples/s 12345.6 | epoch_s 0.52 | peak_mem_mib 1234.5``  (val_acc only for
+    classification, peak_mem_mib only on CUDA); the final test record as
+    ``test | loss 0.012345 | acc 0.9600``.
+    Units: samples/s is global training samples per second over the training
+    part of the epoch; epoch_s is that part's wall-clock seconds; peak_mem_mib
+    the epoch's peak GPU memory held by tensors, MiB, the maximum over ranks.
+    """
+    if "epoch" in record:
+        parts = [f"epoch {record['epoch']}/{record['total_epochs']}",
+                 f"train_loss {record['train_loss']:.6f}", f"val_loss {record['val_loss']:.6f}"]
+        if record.get("val_accuracy") is not None:
+            parts.append(f"val_acc {record['val_accuracy']:.4f}")
+        parts += [f"samples/s {record['samples_per_s']:.1f}", f"epoch_s {record['epoch_seconds']:.2f}"]
+        if record.get("peak_gpu_memory_mib") is not None:
+            parts.append(f"peak_mem_mib {record['peak_gpu_memory_mib']:.1f}")
+    else:
+        parts = ["test", f"loss {record['test_loss']:.6f}"]
+        if record.get("test_accuracy") is not None:
+            parts.append(f"acc {record['test_accuracy']:.4f}")
+    say(" | ".join(parts))
+    if metrics_path:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+# --------------------------------------------------------------------------
+# Test hook
+# --------------------------------------------------------------------------
+
+_fault_counts: dict = {}
+_fault_spec: Optional[str] = None  # DDP_TEST_FAULT as read at the first call ("" when off)
+
+
+def fault_point(point: str) -> None:
+    """Test hook: a no-op unless the environment variable DDP_TEST_FAULT is set.
+
+    DDP_TEST_FAULT="POINT:RANK:N:ACTION" makes rank RANK, on the N-th call
+    (1-based) of ``fault_point(POINT)`` in this process, do ACTION: ``kill``
+    (SIGKILL itself), ``raise`` (RuntimeError) or ``hang`` (sleep an hour).
+    Points: ``step`` (before each training step) and ``save`` (inside
+    atomic_save, after the temporary file is written, before the rename). It
+    fires only in a job's first attempt (TORCHELASTIC_RESTART_COUNT unset or
+    0), so a torchrun restart runs clean. The environment is read once per
+    process: two os.environ lookups per step cost a small model ~3%.
+    """
+    global _fault_spec
+    if _fault_spec is None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        _fault_spec = os.environ.get("DDP_TEST_FAULT", "") if first_attempt else ""
+    if not _fault_spec:
+        return
+    _fault_counts[point] = count = _fault_counts.get(point, 0) + 1
+    want_point, want_rank, want_count, action = _fault_spec.split(":")
+    rank = dist.get_rank() if _is_distributed() else 0
+    if (point, rank, count) != (want_point, int(want_rank), int(want_count)):
+        return
+    say(f"DDP_TEST_FAULT: {action} at {point} {count} on rank {rank}", sys.stderr)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "raise":
+        raise RuntimeError(f"DDP_TEST_FAULT: injected failure at {point} {count} on rank {rank}")
+    elif action == "hang":
+        time.sleep(3600)
