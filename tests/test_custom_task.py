@@ -1,0 +1,42 @@
+"""Your own task, plugged in the documented way (docs/custom-task.md): the
+guide's own my_task.py, trained through the real command line under torchrun."""
+
+import re
+import sys
+
+import torch
+
+from conftest import REPO, TORCHRUN, check, epochs, error_lines, parse_test, run
+
+
+def guide_task_module(folder) -> None:
+    """Write the guide's my_task.py, as printed there, into ``folder``."""
+    guide = (REPO / "docs" / "custom-task.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert len(blocks) == 1 and "def build_task(args, download)" in blocks[0]
+    (folder / "my_task.py").write_text(blocks[0])
+
+
+def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path):
+    """A loss that is not F.cross_entropy itself (label smoothing) still gets
+    accuracy, because the task says it is a classification."""
+    guide_task_module(tmp_path)
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+                                   "--dataset", "my_task:build_task", "--total_epochs", "3"],
+                       tmp_path, PYTHONPATH=str(tmp_path)))
+    lines = epochs(result.stdout)
+    assert [int(e["epoch"]) for e in lines] == [1, 2, 3]
+    assert all("val_acc" in e for e in lines)
+    assert lines[-1]["train_loss"] < lines[0]["train_loss"]
+    assert parse_test(result.stdout)["acc"] >= 0.9
+    assert "world_size 2" in result.stdout
+    snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
+    assert snapshot["config"]["dataset"] == "my_task:build_task"
+    assert snapshot["model"]["2.weight"].shape == (3, 32)  # the guide's model, 3 classes
+
+
+def test_unknown_task_module_is_one_line(tmp_path):
+    result = run([sys.executable, REPO / "singlegpu.py", "--dataset", "no_such_module:build"], tmp_path)
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [result.stderr.strip()]
+    assert "cannot load task function 'build' from module 'no_such_module'" in result.stderr

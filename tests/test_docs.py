@@ -1,0 +1,95 @@
+"""Every command in the README and in docs/ runs as written.
+
+Each ```bash block of README.md and docs/*.md runs as one bash script
+(``set -euo pipefail``) in a fresh folder holding the project's scripts and
+the custom-task guide's my_task.py, with the test environment's python and
+torchrun first on PATH and DATA_DIR pointing at real MNIST digits, so that
+`--dataset mnist` works offline. Blocks that need what a test machine is not
+(a Slurm submission, a container engine, a fresh install) are named with the
+test that covers them instead. Output shown in ```text blocks is not run.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TORCHRUN, script_env
+from test_custom_task import guide_task_module
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+# First words of commands this test does not run, and where they are tested instead.
+COVERED_ELSEWHERE = {
+    "sbatch": "tests/test_slurm.py submits the wrappers to a real Slurm cluster",
+    "python3 -m venv": "the README's set-up: .ci/run runs command 2 verbatim (tests/test_readme.py)",
+    "podman": "tests/test_container.py builds and runs the image with podman",
+    "docker": "tests/test_container.py runs the same image with podman (no Docker engine here)",
+    "apptainer": "not installable on these machines; see docs/containers.md",
+    ".venv/bin/pip install -q -r requirements.txt -r requirements-test.txt && .venv/bin/python benchmarks/run.py":
+        "the benchmark prints figures (docs/performance.md) and is not part of the test run",
+}
+
+
+def bash_blocks() -> list:
+    """(doc name, block number, block text) of every ```bash block."""
+    found = []
+    for doc in DOCS:
+        for number, block in enumerate(re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)):
+            found.append((doc.relative_to(REPO).as_posix(), number, block))
+    return found
+
+
+def commands(block: str) -> list:
+    """The block's commands: continuation lines joined, comments dropped."""
+    joined = block.replace("\\\n", " ")
+    return [line.split("  #")[0].strip() for line in joined.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def covered_elsewhere(block: str):
+    for command in commands(block):
+        for start, reason in COVERED_ELSEWHERE.items():
+            if command.startswith(start):
+                return reason
+    return None
+
+
+@pytest.fixture(scope="module")
+def docs_data(tmp_path_factory):
+    from conftest import build_mnist_root
+
+    return build_mnist_root(tmp_path_factory.mktemp("docs_mnist"), n_train=2000, n_test=500)
+
+
+@pytest.mark.parametrize("doc,number,block", bash_blocks(),
+                         ids=[f"{doc}#{number}" for doc, number, _ in bash_blocks()])
+def test_documented_commands_run_as_written(doc, number, block, docs_data, tmp_path):
+    reason = covered_elsewhere(block)
+    if reason:
+        # Still check what such a block names exists: the wrappers it submits.
+        for wrapper in re.findall(r"slurm/\S+\.sh", block):
+            assert (REPO / wrapper).is_file(), wrapper
+            assert wrapper.split("/")[1] in (REPO / "tests" / "test_slurm.py").read_text()
+        pytest.skip(f"not run here: {reason}")
+    assert not re.search(r"\b[A-Z][A-Z_]*_HOST\b|\bJOB_ID\b", block), "placeholders belong in ```text"
+    for script in REPO.glob("*.py"):
+        shutil.copy(script, tmp_path)
+    guide_task_module(tmp_path)
+    bin_dir = tmp_path / "bin"  # `python` and `torchrun` as a user's activated environment has them
+    bin_dir.mkdir()
+    for name, command in (("python", [sys.executable]), ("torchrun", TORCHRUN)):
+        (bin_dir / name).write_text(f"#!/bin/sh\nexec {' '.join(map(str, command))} \"$@\"\n")
+        (bin_dir / name).chmod(0o755)
+    env = script_env(DATA_DIR=str(docs_data), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    start = time.monotonic()
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    print(f"{doc} block {number}: {time.monotonic() - start:.1f} s")
+    assert result.returncode == 0, f"{block}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
