@@ -765,6 +765,227 @@ def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
 
 
 # --------------------------------------------------------------------------
+# FSDP: sharded checkpoints and memory (multinode_fsdp.py)
+# --------------------------------------------------------------------------
+
+# The file a sharded snapshot folder gets last: present = the folder is complete.
+SHARDED_SNAPSHOT_META = "meta.pt"
+
+
+def fsdp_blocks(model: torch.nn.Module) -> list:
+    """The modules multinode_fsdp.py shards one by one, each an FSDP unit whose
+    parameters are all-gathered just before it runs and freed after.
+
+    They are the root's children that hold parameters, except that a container
+    child (``nn.Sequential``, ``nn.ModuleList``: ResNet's ``layer1``..``layer4``)
+    gives its children instead (ResNet's residual blocks). MNIST CNN: conv1, conv2,
+    fc1, fc2; the synthetic MLP (itself a Sequential): its two Linear layers. The
+    root, sharded after them, takes the parameters left over. The usual rule
+    (PyTorch's FSDP2 examples, torchtitan: one unit per transformer block) with
+    nothing model-specific; pass your own list for finer or coarser units.
+    """
+    blocks = []
+    for child in model.children():
+        containers = (torch.nn.Sequential, torch.nn.ModuleList)
+        parts = list(child.children()) if isinstance(child, containers) else [child]
+        blocks += [part for part in parts if next(part.parameters(), None) is not None]
+    return blocks
+
+
+def sharded_snapshot_folder(root: str, epochs_run: int, steps_run: int) -> str:
+    """The folder of one sharded snapshot, named as the save line names the
+    position (``position(short=True)``): ``<root>/epoch-2`` after epoch 2,
+    ``<root>/epoch-3-step-40`` after step 40 of epoch 3."""
+    return os.path.join(root, position(epochs_run, steps_run, short=True).replace(" ", "-"))
+
+
+def _sharded_position(name: str) -> Optional[tuple]:
+    """(epochs_run, steps_run) of a folder named by ``sharded_snapshot_folder``, else None."""
+    parts = name.split("-")
+    if len(parts) == 2 and parts[0] == "epoch" and parts[1].isdigit():
+        return int(parts[1]), 0
+    if len(parts) == 4 and parts[0] == "epoch" and parts[2] == "step" and \
+            parts[1].isdigit() and parts[3].isdigit() and int(parts[1]) > 0:
+        return int(parts[1]) - 1, int(parts[3])
+    return None
+
+
+def latest_sharded_snapshot(root: str) -> Optional[str]:
+    """Collective: the newest complete snapshot folder under ``root`` as rank 0
+    sees it, returned on every rank (None: there is none; start afresh).
+
+    Newest: the furthest position (epochs_run, steps_run) of the folder names. Complete:
+    it holds ``SHARDED_SNAPSHOT_META``, which rank 0 writes last. Rank 0 also
+    deletes the incomplete ones, what a save killed midway leaves (one job
+    per ``root``, as ``atomic_save`` assumes one writer per path); other
+    entries of ``root`` are left alone. Raises ConfigError on every rank when
+    ``root`` is a file (a snapshot of another script?).
+    """
+    import shutil
+
+    found, error = None, ""
+    if dist.get_rank() == 0:
+        if os.path.isfile(root):
+            error = (f"--snapshot_path {root} is a file; multinode_fsdp.py keeps its snapshots "
+                     f"in a folder there: pass another --snapshot_path")
+        elif os.path.isdir(root):
+            complete = []
+            for name in os.listdir(root):
+                folder, position = os.path.join(root, name), _sharded_position(name)
+                if position is None or not os.path.isdir(folder):
+                    continue
+                if os.path.isfile(os.path.join(folder, SHARDED_SNAPSHOT_META)):
+                    complete.append((position, folder))
+                else:
+                    shutil.rmtree(folder, ignore_errors=True)
+            found = max(complete)[1] if complete else None
+    message = [found, error]
+    dist.broadcast_object_list(message, src=0)
+    if message[1]:
+        raise ConfigError(message[1])
+    return message[0]
+
+
+def read_sharded_snapshot(folder: str, config: dict, world_size: int) -> dict:
+    """``read_snapshot`` of a sharded snapshot folder's ``SHARDED_SNAPSHOT_META``
+    (epochs_run, steps_run, epoch_totals, rng_states, config, world_size; the
+    weights are in the folder's DCP shards). ``config["world_size"]`` is None
+    in multinode_fsdp.py, so any world size matches: DCP reshards. Raises
+    ConfigError as ``read_snapshot`` does, and for a snapshot taken inside an
+    epoch by another world size than ``world_size``: each rank's share of that
+    epoch depends on the world size, so the rest of the epoch cannot be
+    split anew without repeating or skipping samples.
+    """
+    snapshot = read_snapshot(os.path.join(folder, SHARDED_SNAPSHOT_META), config)
+    saved = snapshot["world_size"]
+    if snapshot["steps_run"] and saved != world_size:
+        raise ConfigError(f"snapshot {folder} was taken inside an epoch by world_size {saved}; "
+                          f"resume it with {saved} processes (a snapshot taken at an epoch's end "
+                          f"resumes with any number)")
+    return snapshot
+
+
+def resharding_note(saved_world_size: int) -> str:
+    """'' when this run's world size is ``saved_world_size``, else the note the
+    resume line of multinode_fsdp.py ends with: weights and optimizer state are
+    resharded exactly; only ranks that the saving run also had get their RNG
+    states back (the others start from their seeds), so dropout and
+    augmentation draws differ from those of an uninterrupted run."""
+    world_size = dist.get_world_size() if _is_distributed() else 1
+    if saved_world_size == world_size:
+        return ""
+    return (f" (saved by world_size {saved_world_size}, resharded to {world_size}: weights and "
+            f"optimizer state exact; random streams restored on ranks < "
+            f"{min(saved_world_size, world_size)} only)")
+
+
+def most_batches(loader: DataLoader, device: torch.device) -> int:
+    """Collective: the most batches any rank's ``loader`` gives (evaluation
+    shards differ by up to one sample, so by up to one batch).
+
+    Raises ConfigError on every rank when some rank has no batch at all while
+    another has (fewer samples than processes): FSDP's evaluation forward is
+    a collective, and such a rank would have no input to run it with.
+    """
+    counts = torch.tensor([len(loader), -len(loader)], device=device)
+    if _is_distributed():
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (most, -fewest) over ranks
+    most, fewest = counts[0].item(), -counts[1].item()
+    if fewest == 0 < most:
+        world_size = dist.get_world_size() if _is_distributed() else 1
+        raise ConfigError(f"an evaluation split has fewer samples than the {world_size} "
+                          f"processes; start fewer processes")
+    return most
+
+
+def remove_other_sharded_snapshots(root: str, keep: str) -> None:
+    """Delete every snapshot folder under ``root`` but ``keep``. Call it (on one
+    rank) only once ``keep`` is complete: until then the previous snapshot is
+    the one a restart resumes from."""
+    import shutil
+
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        if _sharded_position(name) is not None and os.path.isdir(folder) and \
+                os.path.abspath(folder) != os.path.abspath(keep):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _local_and_full_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """(bytes this rank stores, bytes of the whole tensor) of a DTensor (FSDP's
+    sharded parameters, gradients, optimizer state) or a plain tensor (both the same)."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size(), tensor.numel() * tensor.element_size()
+
+
+def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: the bytes of training state a rank holds, and what DDP would hold.
+
+    Counts parameters, their gradients (``.grad``; None counts 0) and every
+    tensor of the optimizer's state (SGD: one momentum buffer per parameter;
+    created at the first step, so call this after one), each as this rank's
+    local shard. Returns the rank holding the most (shards of a dimension that
+    does not divide by the world size are uneven): {"params", "grads",
+    "optimizer", "total", "rank"} in bytes, plus "ddp_total", the bytes of
+    the same tensors at full size, which every DDP rank holds (DDP's gradient
+    buckets, a second copy of the gradients by default, not included).
+    """
+    local = {"params": 0, "grads": 0, "optimizer": 0}
+    full = 0
+    for param in model.parameters():
+        for kind, tensor in (("params", param), ("grads", param.grad)):
+            if tensor is not None:
+                mine, whole = _local_and_full_bytes(tensor)
+                local[kind] += mine
+                full += whole
+    for state in optimizer.state.values():
+        for tensor in state.values():
+            if isinstance(tensor, torch.Tensor):
+                mine, whole = _local_and_full_bytes(tensor)
+                local["optimizer"] += mine
+                full += whole
+    local.update(total=sum(local.values()), rank=dist.get_rank() if _is_distributed() else 0,
+                 ddp_total=full)
+    ranks: list = [local]
+    if _is_distributed():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, local)
+    return max(ranks, key=lambda entry: entry["total"])
+
+
+def _size(n_bytes: float) -> str:
+    """Bytes in binary units: 512 B, 16.5 KiB, 4.62 MiB, 1.20 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.{1 if unit == 'KiB' else 2}f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def say_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       device: torch.device) -> None:
+    """Collective: rank 0 prints the line multinode_fsdp.py shows after its first
+    optimizer step (when gradients and optimizer state first exist), e.g.
+    ``state per rank: 8.6 KiB = params 2.9 KiB + grads 2.9 KiB + optimizer 2.9 KiB (8844
+    bytes, rank 0 of 2); DDP would hold 16.5 KiB (16908 bytes), 1.91x``, from
+    ``training_state_bytes``; on CUDA followed by ``| peak GPU memory 123.4 MiB``
+    (``torch.cuda.max_memory_allocated``, the maximum over ranks, this epoch so far)."""
+    state = training_state_bytes(model, optimizer)
+    world_size = dist.get_world_size() if _is_distributed() else 1
+    line = (f"state per rank: {_size(state['total'])} = params {_size(state['params'])} + grads "
+            f"{_size(state['grads'])} + optimizer {_size(state['optimizer'])} ({state['total']} "
+            f"bytes, rank {state['rank']} of {world_size}); DDP would hold "
+            f"{_size(state['ddp_total'])} ({state['ddp_total']} bytes), "
+            f"{state['ddp_total'] / state['total']:.2f}x")
+    peak = peak_memory_mib(device)
+    if peak:
+        line += f" | peak GPU memory {peak['peak_gpu_memory_mib']:.1f} MiB"
+    if not _is_distributed() or dist.get_rank() == 0:
+        say(line)
+
+
+# --------------------------------------------------------------------------
 # Test hook
 # --------------------------------------------------------------------------
 
