@@ -67,7 +67,8 @@ set -u
 
 # sbatch runs a copy of this file from a spool folder, so the training script
 # is found from the submission folder, not from this file's location.
-SCRIPT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}/multinode.py"
+# SCRIPT_NAME=multinode_fsdp.py sbatch slurm/multi_node.sh: the FSDP rung instead (docs/fsdp.md).
+SCRIPT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}/${SCRIPT_NAME:-multinode.py}"
 if [ ! -f "$SCRIPT" ]; then
     echo "error: $SCRIPT not found; submit from the project folder (cd ddp-scripts && sbatch slurm/multi_node.sh) or set PROJECT_DIR" >&2
     exit 2
