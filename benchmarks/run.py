@@ -27,6 +27,10 @@ Sections:
   5  CUDA only: ResNet-18 CIFAR-10 images/s on one GPU for fp32, bf16,
      bf16 + channels_last, + torch.compile, and the share of the GPU's peak
      FLOP/s that is. Without CUDA: "skipped: no CUDA device".
+  6  FSDP vs DDP at world size 2 (gloo on CPU, nccl on GPUs): time of a
+     training step and bytes of training state per rank (params + grads +
+     SGD momentum), MNIST CNN and ResNet-18, as multinode_fsdp.py and
+     multinode.py wrap them; on CUDA also each one's peak GPU memory.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import train_utils  # noqa: E402
 import multigpu_spawn  # noqa: E402
 import multigpu_torchrun  # noqa: E402
 import multinode  # noqa: E402
+import multinode_fsdp  # noqa: E402
 import singlegpu  # noqa: E402
 from conftest import (EPOCH_LINE, load_task, TORCHRUN, build_cifar10_root, build_mnist_root,  # noqa: E402
                       free_port, script_trainer)
@@ -524,14 +529,99 @@ def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
 
 
 # --------------------------------------------------------------------------
+# 6. FSDP vs DDP: step time and memory per rank, world size 2
+# --------------------------------------------------------------------------
+
+FSDP_CASES = [("mnist cnn", "mnist", "cnn", (32, 1, 28, 28)),
+              ("cifar10 resnet18", "cifar10", "resnet18", (16, 3, 32, 32))]
+
+
+def _fsdp_vs_ddp_worker(rank: int, world_size: int, port: int, steps: int, reps: int, out: str):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as the scripts do
+    device = train_utils.device_for(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    results = []
+    for label, dataset, model_name, shape in FSDP_CASES:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(shape, generator=g).to(device)
+        y = torch.randint(0, 10, (shape[0],), generator=g).to(device)
+        runners, state = {}, {}
+        for kind in ("DDP", "FSDP"):
+            torch.manual_seed(0)
+            model = common.build_model(dataset, model_name).to(device)
+            if kind == "DDP":
+                model = torch.nn.parallel.DistributedDataParallel(
+                    model, device_ids=[device.index] if device.type == "cuda" else None)
+            else:
+                model = multinode_fsdp.shard_model(model, device, bf16=False)
+            opt = common.build_optimizer(model, 1e-3)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+
+            step()  # gradients and momentum buffers exist from here on
+            state[kind] = train_utils.training_state_bytes(model, opt)
+            runners[kind] = step
+        times = {kind: [] for kind in runners}
+        for rep in range(reps):  # interleaved blocks, ABBA: both see the same drift in load
+            for kind in (("DDP", "FSDP") if rep % 2 == 0 else ("FSDP", "DDP")):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats(device)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    runners[kind]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[kind].append((time.perf_counter() - start) / steps)
+                if device.type == "cuda":
+                    state[kind]["peak_gpu_memory_mib"] = train_utils.peak_memory_mib(device)[
+                        "peak_gpu_memory_mib"]
+        results.append({"case": label, "batch_per_rank": shape[0],
+                        **{f"{kind}_step_ms": statistics.median(t) * 1e3 for kind, t in times.items()},
+                        **{f"{kind}_state_bytes": state[kind]["total"] for kind in state},
+                        **{f"{kind}_peak_gpu_memory_mib": state[kind].get("peak_gpu_memory_mib")
+                           for kind in state}})
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def section_fsdp(steps: int = 10, reps: int = 5) -> dict:
+    out = os.path.join(tempfile.mkdtemp(), "fsdp.pt")
+    mp.spawn(_fsdp_vs_ddp_worker, args=(2, free_port(), steps, reps, out), nprocs=2)
+    results = torch.load(out)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cuda = torch.cuda.is_available()
+    rows = [[r["case"], r["batch_per_rank"], r["DDP_step_ms"], r["FSDP_step_ms"],
+             r["FSDP_step_ms"] / r["DDP_step_ms"], r["DDP_state_bytes"] / 2**20,
+             r["FSDP_state_bytes"] / 2**20, r["DDP_state_bytes"] / r["FSDP_state_bytes"]]
+            + ([r["DDP_peak_gpu_memory_mib"], r["FSDP_peak_gpu_memory_mib"]] if cuda else [])
+            for r in results]
+    text = table(f"6. FSDP (multinode_fsdp.shard_model) vs DDP, world size 2, {backend}: median "
+                 f"step time over {reps} blocks of {steps} steps; training state per rank "
+                 f"(params + grads + SGD momentum, the largest rank)",
+                 ["model", "batch per rank", "DDP step ms", "FSDP step ms", "FSDP / DDP time",
+                  "DDP state MiB", "FSDP state MiB", "DDP / FSDP state"]
+                 + (["DDP peak GPU MiB", "FSDP peak GPU MiB"] if cuda else []), rows)
+    return {"results": results, "backend": backend, "table": text}
+
+
+# --------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -548,7 +638,7 @@ def main() -> None:
                 ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}),
                 ("4", "time_to_accuracy",
                  lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}),
-                ("5", "gpu", section_gpu)]
+                ("5", "gpu", section_gpu), ("6", "fsdp_vs_ddp", section_fsdp)]
     for key, name, fn in sections:
         if key not in wanted:
             continue
