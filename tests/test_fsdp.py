@@ -1,0 +1,382 @@
+"""multinode_fsdp.py, the FSDP2 rung, on CPU with gloo under real torchrun:
+parity with one process, real MNIST, exact sharded evaluation, resume
+(bitwise, across world sizes, after a kill during a save, after SIGUSR1),
+the converted checkpoint in singlegpu's model, and memory per rank."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import (REPO, TORCHRUN, build_mnist_root, check, epochs, error_lines, free_port,
+                      parse_test, plain_task, run, script_env)
+from test_distributed_correctness import N_EVAL, _eval_problem
+
+import common
+import train_utils
+
+FSDP = REPO / "multinode_fsdp.py"
+MEMORY_LINE = re.compile(r"^state per rank: .* \((?P<bytes>\d+) bytes, rank (?P<rank>\d+) of "
+                         r"(?P<world>\d+)\); DDP would hold .* \((?P<ddp>\d+) bytes\), (?P<ratio>\S+)x$",
+                         re.M)
+
+
+def fsdp(nproc: int, *flags, restarts: int = 0) -> list:
+    extra = [f"--max-restarts={restarts}"] if restarts else []
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, FSDP, *map(str, flags)]
+
+
+def snapshot_folder(root) -> str:
+    """The one snapshot folder a finished run leaves under ``root`` (older ones are removed)."""
+    folders = sorted(os.listdir(root))
+    assert len(folders) == 1, folders
+    return os.path.join(root, folders[0])
+
+
+def full_state(folder, out_dir) -> tuple[dict, dict]:
+    """(weights, everything) of a sharded snapshot folder, gathered into plain tensors with
+    DCP's converter: model state_dict, momentum buffers ("optimizer.<name>"), and every
+    rank's CPU RNG state ("rng.<rank>") from its meta file."""
+    os.makedirs(out_dir, exist_ok=True)
+    for part in ("model", "optimizer"):
+        dcp_to_torch_save(os.path.join(folder, part), os.path.join(out_dir, f"{part}.pt"))
+    weights = torch.load(os.path.join(out_dir, "model.pt"), weights_only=True)
+    optimizer = torch.load(os.path.join(out_dir, "optimizer.pt"), weights_only=True)
+    meta = torch.load(os.path.join(folder, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
+    tensors = dict(weights)
+    for name, state in optimizer["state"].items():
+        tensors[f"optimizer.{name}"] = state["momentum_buffer"]
+    for rank, states in enumerate(meta["rng_states"]):
+        tensors[f"rng.{rank}"] = states["cpu"]
+    tensors["position"] = torch.tensor([meta["epochs_run"], meta["steps_run"]])
+    return weights, tensors
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def memory(stdout: str) -> dict:
+    lines = [m.groupdict() for m in MEMORY_LINE.finditer(stdout)]
+    assert len(lines) == 1, stdout[-2000:]
+    return {k: float(v) for k, v in lines[0].items()}
+
+
+def expected_state_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
+    """(bytes on the largest rank, bytes DDP holds) of params + grads + SGD momentum:
+    FSDP2 splits dim 0 in chunks of ceil(size / world_size), rank 0 holding a full one."""
+    largest = full = 0
+    for p in model.parameters():
+        rows = -(-p.shape[0] // world_size)
+        largest += rows * (p.numel() // p.shape[0]) * p.element_size() * 3
+        full += p.numel() * p.element_size() * 3
+    return largest, full
+
+
+# --------------------------------------------------------------------------
+# Parity: FSDP at world size W == one process with the global batch
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size, batch_size, accum", [(2, 8, 1), (3, 4, 2)])
+def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, accum, tmp_path):
+    """One epoch of SGD steps (115 at world size 2; 76 at 3, each accumulating 2
+    micro-batches through set_requires_gradient_sync). The MLP's last layer has 1
+    output row and its first 64, which divide by neither 2 nor 3: FSDP pads their
+    shards. The reference is multinode.py with one process, whose DDP is plain
+    training; the FSDP snapshot is gathered with DCP's converter."""
+    global_batch = batch_size * accum * world_size
+    (tmp_path / "one").mkdir()
+    (tmp_path / "fsdp").mkdir()
+    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multinode.py",
+                          "--total_epochs", "1", "--batch_size", str(global_batch)], tmp_path / "one"))
+    result = check(run(fsdp(world_size, "--total_epochs", 1, "--batch_size", batch_size,
+                            "--grad_accum_steps", accum, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
+    reference = torch.load(tmp_path / "one" / "snapshot.pt", weights_only=True)["model"]
+    weights, _ = full_state(snapshot_folder(tmp_path / "fsdp" / "snapshot.pt"), tmp_path / "gathered")
+    start = common.build_model("synthetic", "mlp").state_dict()
+    assert weights.keys() == reference.keys()
+    worst = max((weights[name] - reference[name]).abs().max().item() for name in reference)
+    print(f"world size {world_size}: max |FSDP - one process| = {worst:.2e}")
+    assert worst <= 1e-5
+    assert all(not torch.allclose(weights[n], start[n], atol=1e-3) for n in start)  # training moved them
+
+    assert result.stdout.splitlines()[0] == (
+        f"device cpu | backend gloo | world_size {world_size} | global batch size {global_batch} = "
+        f"batch_size {batch_size} x grad_accum_steps {accum} x world_size {world_size}")
+    assert len(epochs(result.stdout)) == 1 and parse_test(result.stdout)["loss"] < 0.1
+    # Memory: exactly the bytes of rank 0's shards; DDP's, the full tensors.
+    mem = memory(result.stdout)
+    largest, full = expected_state_bytes(common.build_model("synthetic", "mlp"), world_size)
+    assert (mem["bytes"], mem["ddp"], mem["rank"], mem["world"]) == (largest, full, 0, world_size)
+    print(f"world size {world_size}: state per rank {largest} bytes, DDP {full} bytes")
+
+
+# --------------------------------------------------------------------------
+# Real input: real MNIST digits; memory of a real model
+# --------------------------------------------------------------------------
+
+def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_path):
+    """7,200 real digits, 3 epochs, 2 ranks; 2,000 held-out digits. The CNN's
+    1.2 M parameters all have an even first dimension: exactly half of DDP's state."""
+    result = check(run(fsdp(2, "--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", 3),
+                       tmp_path))
+    lines = epochs(result.stdout)
+    assert len(lines) == 3 and lines[-1]["train_loss"] < lines[0]["train_loss"]
+    accuracy = parse_test(result.stdout)["acc"]
+    mem = memory(result.stdout)
+    print(f"FSDP real MNIST held-out accuracy: {accuracy:.4f}; state per rank {mem['bytes']:.0f} "
+          f"bytes vs DDP {mem['ddp']:.0f} bytes")
+    assert accuracy >= 0.95
+    assert mem["bytes"] * 2 == mem["ddp"] == expected_state_bytes(common.MnistCNN(), 2)[1]
+    assert mem["ratio"] == 2.0
+
+
+# --------------------------------------------------------------------------
+# Exact evaluation with the FSDP model over uneven shards; bf16 policy
+# --------------------------------------------------------------------------
+
+def _fsdp_eval_worker(rank, world_size, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    import multinode_fsdp
+
+    dataset, model = _eval_problem()
+    if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
+        model.norm.running_mean.add_(rank)
+    model = multinode_fsdp.shard_model(model, torch.device("cpu"), bf16=False)
+    loader = multinode_fsdp.prepare_dataloader(dataset, 8, 0, False, 0)
+    loss, accuracy = multinode_fsdp.evaluate(model, loader, plain_task(F.cross_entropy, True),
+                                             torch.device("cpu"))
+    torch.save({"loss": loss, "accuracy": accuracy, "counted": sum(len(y) for _, y in loader),
+                "batches": len(loader)}, os.path.join(out_dir, f"{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp_evaluation_equals_single_process(world_size, tmp_path):
+    """97 samples, batch 8: shards of 49/48 (7 and 6 batches) or 33/32/32 (5, 4, 4):
+    the ranks with fewer batches run extra forwards, counted nowhere."""
+    import singlegpu
+
+    dataset, model = _eval_problem()
+    loader = singlegpu.prepare_dataloader(dataset, 8, 0, False, 0)
+    expected = singlegpu.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
+    mp.spawn(_fsdp_eval_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
+    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world_size)]
+    assert sum(r["counted"] for r in results) == N_EVAL  # every sample once
+    assert len({r["batches"] for r in results}) == 2  # uneven: the padding forward is exercised
+    for r in results:
+        assert abs(r["loss"] - expected[0]) <= 1e-6
+        assert abs(r["accuracy"] - expected[1]) <= 1e-6
+
+
+def _bf16_worker(rank, world_size, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    import multinode_fsdp
+
+    losses = {}
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        model = multinode_fsdp.shard_model(common.build_model("cifar10", "resnet18"),
+                                           torch.device("cpu"), bf16)
+        optimizer = common.build_optimizer(model, 0.01)
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+        output = model(x)
+        loss = F.cross_entropy(output, y)
+        loss.backward()
+        optimizer.step()
+        losses[bf16] = (loss.item(), output.dtype, {p.dtype for p in model.parameters()},
+                        {p.grad.dtype for p in model.parameters()})
+    torch.save(losses, os.path.join(out_dir, f"{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path):
+    """--amp's MixedPrecisionPolicy on ResNet-18 (20 BatchNorm layers) on a CPU: an SGD
+    step runs, the output and the sharded weights and gradients stay fp32, and the
+    loss is fp32's to bf16 precision (1-2% apart here, through 18 bf16 layers)."""
+    mp.spawn(_bf16_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        losses = torch.load(tmp_path / f"{rank}.pt")
+        (fp32_loss, *_), (bf16_loss, dtype, params, grads) = losses[False], losses[True]
+        print(f"rank {rank}: loss fp32 {fp32_loss:.5f}, bf16 {bf16_loss:.5f}")
+        assert dtype == torch.float32 and params == grads == {torch.float32}
+        assert abs(bf16_loss - fp32_loss) <= 0.03 * fp32_loss
+
+
+# --------------------------------------------------------------------------
+# Resume
+# --------------------------------------------------------------------------
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    """Stop after epoch 2, start again asking for 4: model, momentum buffers and every
+    rank's RNG state are bitwise those of the 4-epoch run. Bitwise is right here: the
+    same world size runs the same all-gathers and reduce-scatters in the same order
+    on CPU. The MNIST CNN's dropout needs every rank's RNG state restored too (the
+    synthetic task's resume is bitwise in the fault tests below). The gathered
+    weights load into singlegpu.py's model as they are."""
+    data_dir = build_mnist_root(tmp_path / "data", n_train=500, n_test=200)
+    flags = ["--dataset", "mnist", "--data_dir", data_dir, "--batch_size", "32"]
+    (tmp_path / "straight").mkdir()
+    (tmp_path / "resumed").mkdir()
+    check(run(fsdp(2, *flags, "--total_epochs", 4), tmp_path / "straight"))
+    first = check(run(fsdp(2, *flags, "--total_epochs", 2), tmp_path / "resumed"))
+    assert "resuming" not in first.stdout
+    second = check(run(fsdp(2, *flags, "--total_epochs", 4), tmp_path / "resumed"))
+    assert "resuming from snapshot snapshot.pt/epoch-2 after epoch 2\n" in second.stdout
+    assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
+
+    weights, straight = full_state(snapshot_folder(tmp_path / "straight" / "snapshot.pt"), tmp_path / "a")
+    _, resumed = full_state(snapshot_folder(tmp_path / "resumed" / "snapshot.pt"), tmp_path / "b")
+    assert straight["position"].tolist() == [4, 0]
+    assert_bitwise(straight, resumed)
+
+    # The gathered weights are a checkpoint of singlegpu.py's model: loaded as they are
+    # (strict) and scored by singlegpu.py's evaluation, they give the test loss the run printed.
+    import singlegpu
+    from conftest import load_task
+
+    task = load_task("mnist", data_dir, "fast")
+    task.model.load_state_dict(weights)
+    loader = singlegpu.prepare_dataloader(task.test_set, 32, 0, False, 0)
+    loss, _ = singlegpu.evaluate(task.model, loader, task, torch.device("cpu"))
+    assert abs(loss - parse_test(second.stdout)["loss"]) <= 1e-6
+
+
+def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    import multinode_fsdp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    sys.argv = ["multinode_fsdp.py", "--snapshot_path", snapshot_path]
+    args = train_utils.parse_args(None, common.TASKS, ["snapshot_path", "snapshot_every_steps",
+                                                       "pg_timeout_s"])
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+    task, optimizer = multinode_fsdp.load_train_objs(args, False, device)
+    train_data = multinode_fsdp.prepare_dataloader(task.train_set, 32, 0, True, 0)
+    trainer = multinode_fsdp.Trainer(task.model, train_data, None, optimizer, task, device, rank,
+                                     rank, args)
+    weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
+                                              options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+    if rank == 0:
+        torch.save({"weights": weights, "optimizer": optimizer_state, "epochs_run": trainer.epochs_run}, out)
+    trainer.stop.close()
+    torch.distributed.destroy_process_group()
+
+
+def test_resume_with_another_world_size(tmp_path):
+    """A world-size-2 snapshot resumed by 3 processes: each rank loads its new shard
+    (DCP reshards) bitwise; evaluated at world size 3, the test loss is the one the
+    2-process run printed; training goes on. A snapshot taken inside an epoch is
+    refused at another world size (the ranks' shares of that epoch would change)."""
+    (tmp_path / "two").mkdir()
+    first = check(run(fsdp(2, "--total_epochs", 1), tmp_path / "two"))
+    shutil.copytree(tmp_path / "two", tmp_path / "three")
+    saved = snapshot_folder(tmp_path / "two" / "snapshot.pt")
+    weights, tensors = full_state(saved, tmp_path / "gathered")
+
+    # Loaded by the script's own Trainer in 3 processes, gathered again: bitwise.
+    out = tmp_path / "loaded.pt"
+    mp.spawn(_resharded_load_worker, args=(3, free_port(), str(tmp_path / "two" / "snapshot.pt"), str(out)),
+             nprocs=3)
+    loaded = torch.load(out, weights_only=True)
+    assert loaded["epochs_run"] == 1
+    assert_bitwise(weights, loaded["weights"])
+    assert_bitwise({k: v for k, v in tensors.items() if k.startswith("optimizer.")},
+                   {f"optimizer.{k}": v["momentum_buffer"] for k, v in loaded["optimizer"]["state"].items()})
+
+    # End to end: nothing left to train; the test split scored by 3 ranks. (Training
+    # on at world size 3 runs in docs/fsdp.md's commands, tests/test_docs.py.)
+    same = check(run(fsdp(3, "--total_epochs", 1), tmp_path / "three"))
+    assert ("resuming from snapshot snapshot.pt/epoch-1 after epoch 1 (saved by world_size 2, "
+            "resharded to 3: weights and optimizer state exact; random streams restored on "
+            "ranks < 2 only)") in same.stdout
+    assert abs(parse_test(same.stdout)["loss"] - parse_test(first.stdout)["loss"]) <= 1e-6
+
+    # Mid-epoch at another world size: refused with one line, the snapshot kept.
+    meta = torch.load(os.path.join(saved, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
+    mid = tmp_path / "mid" / "epoch-2-step-5"
+    shutil.copytree(saved, mid)
+    meta.update(epochs_run=1, steps_run=5)
+    torch.save(meta, mid / train_utils.SHARDED_SNAPSHOT_META)
+    with pytest.raises(train_utils.ConfigError, match=r"taken inside an epoch by world_size 2; "
+                                                      r"resume it with 2 processes"):
+        train_utils.read_sharded_snapshot(str(mid), meta["config"], 3)
+
+
+# The reference of the fault tests: 2 epochs of 115 steps, a snapshot every 40.
+FAULT_FLAGS = ["--total_epochs", "2", "--batch_size", "8", "--snapshot_every_steps", "40"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("reference")
+    check(run(fsdp(2, *FAULT_FLAGS), cwd))
+    return full_state(snapshot_folder(cwd / "snapshot.pt"), cwd / "gathered")[1]
+
+
+def test_kill_during_a_save_keeps_the_previous_snapshot(reference_run, tmp_path):
+    """Rank 0 is killed in its 2nd save (epoch 1 step 80), after every rank wrote its
+    shards, before the meta file that completes the folder: the restart resumes from
+    the previous folder, still complete (epoch 1 step 40), removes the torn one, and
+    ends bitwise where the uninterrupted run ends."""
+    killed = check(run(fsdp(2, *FAULT_FLAGS, restarts=1), tmp_path, DDP_TEST_FAULT="save:0:2:kill"))
+    assert "DDP_TEST_FAULT: kill at save 2 on rank 0" in killed.stderr
+    assert "resuming from snapshot snapshot.pt/epoch-1-step-40 in epoch 1 after step 40" in killed.stdout
+    assert sorted(os.listdir(tmp_path / "snapshot.pt")) == ["epoch-2"]
+    assert_bitwise(reference_run, full_state(tmp_path / "snapshot.pt" / "epoch-2", tmp_path / "g")[1])
+
+
+def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp_path):
+    """torchrun relays SIGUSR1; every rank stops after the same step, a mid-epoch
+    snapshot folder is saved; the same command finishes bitwise like the reference."""
+    launch = fsdp(2, *FAULT_FLAGS)
+    launch.insert(launch.index(FSDP), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        agent = subprocess.Popen([str(c) for c in launch], cwd=tmp_path, env=script_env(), stdout=out,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while "epoch 1/2" not in log.read_text():
+                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            agent.send_signal(signal.SIGUSR1)
+            agent.wait(timeout=120)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    text = log.read_text()
+    assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text
+    after_stop = text.split("stopped by SIGUSR1")[1]
+    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt/epoch-\1-step-\2$",
+                            after_stop, re.M).groups()
+    assert epochs(text)[-1]["epoch"] == int(epoch) - 1  # stopped inside the next epoch
+    resumed = check(run(fsdp(2, *FAULT_FLAGS), tmp_path))
+    assert f"resuming from snapshot snapshot.pt/epoch-{epoch}-step-{step} in epoch {epoch} after step {step}" \
+        in resumed.stdout
+    assert_bitwise(reference_run, full_state(snapshot_folder(tmp_path / "snapshot.pt"), tmp_path / "g")[1])
+
+
+def test_a_multinode_snapshot_file_is_refused_in_one_line(tmp_path):
+    (tmp_path / "snapshot.pt").write_bytes(b"a multinode.py snapshot file")
+    result = run(fsdp(1, "--total_epochs", 1), tmp_path)
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and "cannot save to snapshot.pt/meta.pt" in errors[0], result.stderr
+    assert (tmp_path / "snapshot.pt").read_bytes() == b"a multinode.py snapshot file"
