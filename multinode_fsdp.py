@@ -51,8 +51,8 @@ class Trainer:
     """Runs the epochs, evaluates, prints one summary line per epoch, saves
     snapshots and resumes from the newest complete one under --snapshot_path.
 
-    ``model`` comes sharded (``shard_model``), ``optimizer`` built on its
-    sharded parameters; ``task`` gives the loss and the batch transforms (see common.Task);
+    ``model`` comes sharded (``shard_model``) and ``optimizer`` built on its shards;
+    ``task`` gives the loss and the batch transforms (see common.Task);
     ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
     --compile, --metrics_path, the save path).
     """
