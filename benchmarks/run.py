@@ -355,7 +355,8 @@ def _allreduce_worker(rank: int, world_size: int, port: int, steps: int, reps: i
 def _metrics_run(cmd: list, cwd: Path, **env: str) -> list[dict]:
     env = dict({k: v for k, v in os.environ.items() if k != "RANK"}, **env)
     subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True, env=env)
-    return [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+    return [record for record in records if "event" not in record]  # not the run's start record
 
 
 def section_scaling(mnist: Path, epochs: int = 2) -> dict:

@@ -3,6 +3,7 @@ device augmentation, whole uint8 batches through the same samplers), gradient
 accumulation with DDP's no_sync(), --compile, --amp on a CPU, peak memory.
 No test here measures or asserts a time; benchmarks/ does the measuring."""
 
+import argparse
 import json
 import os
 import sys
@@ -191,7 +192,7 @@ def test_accumulating_two_half_batches_equals_one_full_batch(script, tmp_path):
         assert (a[name] - b[name]).abs().max().item() <= 1e-5, name
     assert max((a[name] - c[name]).abs().max().item() for name in a) > 1e-2
     # On a CPU the epoch line and metrics carry no GPU memory figure.
-    record = json.loads((tmp_path / "accum" / "m.jsonl").read_text().splitlines()[0])
+    record = json.loads((tmp_path / "accum" / "m.jsonl").read_text().splitlines()[1])  # epoch 1
     assert "peak_gpu_memory_mib" not in record and "peak_mem_mib" not in accumulated.stdout
 
 
@@ -318,7 +319,8 @@ def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
 
     train_utils.log_metrics({"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0,
                         "epoch_seconds": 1.0, "val_loss": 0.5, "val_accuracy": None,
-                        "peak_gpu_memory_mib": 1536.25}, None)
+                        "peak_gpu_memory_mib": 1536.25},
+                           argparse.Namespace(metrics_path=None, tensorboard_dir=None))
     line = capsys.readouterr().out.strip()
     assert line.endswith("| epoch_s 1.00 | peak_mem_mib 1536.2")
     assert EPOCH_LINE.match(line).group("peak_mem_mib") == "1536.2"
