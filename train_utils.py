@@ -576,12 +576,20 @@ AMP_HELPS_ON_CPU = ("cnn",)
 def check_amp(amp: bool, device: torch.device, model: str) -> None:
     """Raise ConfigError for --amp on a CPU where bf16 autocast makes training slower.
 
-    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16). On
-    a CPU it only helps with native bf16 instructions, and only for some
-    models (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost
-    speed and precision, so it is refused in one line.
+    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16),
+    refused on GPUs without native bf16 (before Ampere: T4, V100). On a CPU
+    it only helps with native bf16 instructions, and only for some models
+    (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost speed
+    and precision, so it is refused in one line.
     """
-    if not amp or device.type == "cuda":
+    if not amp:
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_bf16_supported(including_emulation=False):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ConfigError(f"--amp: {torch.cuda.get_device_name(device)} (compute capability "
+                              f"{major}.{minor}) has no native bf16, which needs 8.0 (Ampere) or "
+                              f"newer; bf16 autocast would be emulated and slower. Run without --amp")
         return
     if model not in AMP_HELPS_ON_CPU:
         raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up --model {model} "
