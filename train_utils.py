@@ -143,10 +143,10 @@ def timeout_diagnosis(exc: BaseException) -> str:
             f"holds up all: look at its output (--pg_timeout_s sets the wait)")
 
 
-def watch_collectives(args: argparse.Namespace) -> None:
+def watch_collectives() -> None:
     """Collective, once before training: make the gloo group that
-    ``timeout_diagnosis`` uses, and on CUDA leave NCCL's flight recorder on
-    (see ``enable_nccl_diagnostics``)."""
+    ``timeout_diagnosis`` uses (NCCL's own diagnostics are switched on by
+    ``device_for``, before the process group exists)."""
     if _is_distributed() and "group" not in _MONITOR:
         _MONITOR["group"] = dist.new_group(backend="gloo")
 
@@ -534,7 +534,7 @@ def check_run(args: argparse.Namespace, device: torch.device, train_data: DataLo
     Collective under a process group. Raises ConfigError (one line).
     """
     check_same_settings(args)
-    watch_collectives(args)
+    watch_collectives()
     check_amp(args.amp, device, args.model)
     if len(train_data) < args.grad_accum_steps:
         raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
@@ -965,7 +965,9 @@ def say(line: str, stream=None) -> None:
 # This run, as its metrics records name it: an id (start time and process id),
 # and where it resumed from (set by read_snapshot; None for a fresh start).
 RUN = {"run": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}",
-       "resumed_from": None}
+       "resumed_from": None,
+       "started": False,  # its start record is written
+       "last_epoch": 0}  # the last epoch it logged (TensorBoard's step for the test figures)
 _writers: dict = {}  # tensorboard_dir -> SummaryWriter of this process
 
 
@@ -990,7 +992,7 @@ def _tensorboard(record: dict, log_dir: str) -> None:
     """
     from torch.utils.tensorboard import SummaryWriter
 
-    step = record["epoch"] if "epoch" in record else RUN.get("last_epoch", 0)  # test: at the end
+    step = record["epoch"] if "epoch" in record else RUN["last_epoch"]  # test: at the end
     if "epoch" in record:
         RUN["last_epoch"] = record["epoch"]
     if log_dir not in _writers:
@@ -1040,7 +1042,7 @@ def log_metrics(record: dict, args: argparse.Namespace) -> None:
     if args.metrics_path:
         stamp = {"run": RUN["run"], "time": time.time(), "resumed_from": RUN["resumed_from"]}
         with open(args.metrics_path, "a") as f:
-            if not RUN.get("started"):  # each run opens with its settings
+            if not RUN["started"]:  # each run opens with its settings
                 f.write(json.dumps({"event": "start", **stamp, "config": vars(args)}) + "\n")
             f.write(json.dumps({**record, **stamp}) + "\n")
     RUN["started"] = True
