@@ -38,8 +38,7 @@ import pytest
 
 from conftest import IN_CI, REPO, build_mnist_root, check, epochs, free_port, parse_test, run, \
     run_together
-from slurm_cluster import NETNS_NODES, NODE_IFACE, SlurmCluster
-from slurm_cluster import unavailable_reason as slurm_unavailable_reason
+from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 TOOLS = ("podman", "runc", "debootstrap")
 APT_SOURCES = Path("/etc/apt/sources.list.d")
@@ -348,21 +347,10 @@ def _podman_env(image: Image) -> dict:
 # --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(image, tmp_path_factory):
-    """A real Slurm cluster (tests/slurm_cluster.py), for the wrappers run with
-    CONTAINER_IMAGE; stopped, and checked to leave nothing, at the end."""
-    reason = slurm_unavailable_reason()
-    if reason:
-        if IN_CI:
-            pytest.fail(f"Slurm tests must run in CI, but: {reason}")
-        pytest.skip(f"no Slurm cluster here: {reason}")
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    _timed("Slurm cluster up", cluster.start)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-    assert cluster.leftovers() == []
+def cluster(image, slurm_cluster):
+    """The session's one Slurm cluster (conftest.slurm_cluster), for the wrappers
+    run with CONTAINER_IMAGE; asked for after the image is built."""
+    return slurm_cluster
 
 
 def _wrapper_in_container(image: Image, cluster, tmp_path, wrapper: str, args: list, sbatch: list,

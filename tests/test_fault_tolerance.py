@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import (REPO, load_task, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
                       parse_test, run, script_env)
