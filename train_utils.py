@@ -288,14 +288,18 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
         help="torch.compile the training model (saved weights stay loadable without it)")
     add("--grad_accum_steps", type=positive(int), default=1,
         help="micro-batches of --batch_size per optimizer step (default: 1)")
-    script_flags = list(script_flags)
-    if "pg_timeout_s" in script_flags:  # the two timeouts go together
-        script_flags.append("startup_timeout_s")
-    for name in script_flags:
-        kind, default, text = SCRIPT_FLAGS[name]
-        add(f"--{name}", type=kind, default=default,
-            help=text + (f" (default: {default})" if default is not None else ""))
+    _add_script_flags(parser, list(script_flags))
     return parser.parse_args()
+
+
+def _add_script_flags(parser: argparse.ArgumentParser, names: list) -> None:
+    """Add the ``SCRIPT_FLAGS`` called ``names`` (--pg_timeout_s brings --startup_timeout_s)."""
+    if "pg_timeout_s" in names:  # the two timeouts go together
+        names.append("startup_timeout_s")
+    for name in names:
+        kind, default, text = SCRIPT_FLAGS[name]
+        parser.add_argument(f"--{name}", type=kind, default=default,
+                            help=text + (f" (default: {default})" if default is not None else ""))
 
 
 # --------------------------------------------------------------------------
