@@ -24,7 +24,7 @@ class Trainer:
 
     ``task`` gives the loss and the batch transforms (see common.Task);
     ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
-    --compile, --metrics_path, the save path).
+    --compile, --metrics_path, --tensorboard_dir, the save path).
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class Trainer:
             record = self._run_epoch(epoch, max_epochs)
             record["val_loss"], record["val_accuracy"] = evaluate(
                 self.model, self.val_data, self.task, self.device)
-            train_utils.log_metrics(record, self.args.metrics_path)
+            train_utils.log_metrics(record, self.args)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
@@ -150,7 +150,7 @@ def main(device: torch.device, args) -> None:
     trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, args)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
-    train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args.metrics_path)
+    train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
 
 
 if __name__ == "__main__":

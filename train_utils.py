@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -47,9 +48,32 @@ class ConfigError(Exception):
     without a traceback."""
 
 
+class NothingToTrain(Exception):
+    """The snapshot already holds every epoch asked for: not an error, one
+    line on stdout and exit status 0."""
+
+
+def report_to_torchrun(line: str) -> None:
+    """Make ``line`` the root cause torchrun prints when this worker fails.
+
+    torchrun gives each worker an error file (TORCHELASTIC_ERROR_FILE); what a
+    failed worker wrote there is shown in its "Root Cause" summary instead of
+    "To enable traceback see ...". The JSON layout is the one of torch's own
+    ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``. Nothing
+    happens outside torchrun.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+
+
 def exit_on_config_error(fn: Callable) -> Callable:
     """Decorator for a script's ``main``: a ConfigError becomes one line on
-    stderr (``error: ...``) and exit status 2, without a traceback.
+    stderr (``error: ...``), torchrun's root cause, and exit status 2, without
+    a traceback; NothingToTrain becomes one line on stdout and exit status 0.
 
     Under a process group only rank 0 prints, since such errors are raised on
     every rank alike (see ``downloaders_first``); the other ranks exit quietly.
@@ -59,12 +83,86 @@ def exit_on_config_error(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except NothingToTrain as done:
+            if not _is_distributed() or dist.get_rank() == 0:
+                say(str(done))
+            if _is_distributed():
+                dist.destroy_process_group()
+            sys.exit(0)
         except ConfigError as exc:
-            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            if not _is_distributed() or dist.get_rank() == 0:
                 say(f"error: {exc}", sys.stderr)
+                report_to_torchrun(f"error: {exc}")
             sys.exit(2)
+        except RuntimeError as exc:  # torch's DistBackendError is one
+            if not (_is_distributed() and "timed out" in str(exc).lower()):
+                raise
+            line = timeout_diagnosis(exc)
+            if line:
+                say(f"error: {line}", sys.stderr)
+                report_to_torchrun(f"error: {line}")
+            # The process group is broken now: leave without tearing it down.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     return wrapper
+
+
+# Where this process is, for the message of a collective that timed out.
+_PHASE = ["start-up (before the first training step)"]
+_MONITOR: dict = {}  # "group": a gloo group kept for timeout_diagnosis
+
+
+def timeout_diagnosis(exc: BaseException) -> str:
+    """The one-line error for a collective that timed out on this rank, or ''
+    when another rank reports it.
+
+    Rank 0 runs ``dist.monitored_barrier`` (gloo, ``wait_all_ranks``) on a
+    side group made at start-up, which names the ranks that do not arrive
+    within 10 s: those are stuck or dead. Another rank reports only when rank
+    0 itself does not answer.
+    """
+    rank, group = dist.get_rank(), _MONITOR.get("group")
+    detail = str(exc).strip().splitlines()[-1].split("] ")[-1]
+    missing = "unknown (no monitor group)"
+    if group is not None:
+        try:
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=10), wait_all_ranks=True)
+            missing = "none (all arrived later: raise --pg_timeout_s)"
+        except RuntimeError as barrier:
+            found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(barrier))
+            if rank != 0:
+                return (f"rank {rank} timed out in a collective during {_PHASE[0]} ({detail}), "
+                        f"and rank 0 does not answer: look at rank 0's output")
+            missing = f"[{found.group(1)}]" if found else str(barrier).splitlines()[0]
+    if rank != 0:
+        return ""
+    return (f"rank 0 timed out waiting for the other ranks in a collective during {_PHASE[0]} "
+            f"({detail}); ranks that did not arrive: {missing}. A rank that is stuck or died "
+            f"holds up all: look at its output (--pg_timeout_s sets the wait)")
+
+
+def watch_collectives() -> None:
+    """Collective, once before training: make the gloo group that
+    ``timeout_diagnosis`` uses (NCCL's own diagnostics are switched on by
+    ``device_for``, before the process group exists)."""
+    if _is_distributed() and "group" not in _MONITOR:
+        _MONITOR["group"] = dist.new_group(backend="gloo")
+
+
+def training_timeout(args: argparse.Namespace) -> None:
+    """From now on a collective may wait --pg_timeout_s seconds (start-up had
+    --startup_timeout_s): called after the first training step, when
+    downloads and compilation are done. Sets it on every process group."""
+    if not _is_distributed() or getattr(args, "pg_timeout_s", None) is None:
+        return
+    timeout = timedelta(seconds=args.pg_timeout_s)
+    # torch.distributed.set_timeout (torch 2.10+) replaced the private _set_pg_timeout.
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout)  # the default group
+    if "group" in _MONITOR:
+        set_timeout(timeout, _MONITOR["group"])
 
 
 def _is_distributed() -> bool:
@@ -110,9 +208,27 @@ SCRIPT_FLAGS = {
     "snapshot_every_steps": (non_negative_int, 0, "also snapshot every N steps inside an epoch, "
                                                   "so a restart loses at most N steps (0: only "
                                                   "at epoch ends)"),
-    "pg_timeout_s": (positive(float), 1800, "seconds a collective may wait for the other ranks "
-                                            "before the job fails"),
+    "pg_timeout_s": (positive(float), 600, "once training runs, seconds a collective may wait "
+                                           "for the other ranks before the job fails, naming "
+                                           "the ranks that did not arrive"),
+    "startup_timeout_s": (positive(float), 1800, "the same during start-up and the first training "
+                                                 "step (downloads, compilation)"),
 }
+
+
+class _OneRankParser(argparse.ArgumentParser):
+    """An ArgumentParser that, under torchrun, prints usage, help and errors
+    from rank 0 only (every rank parses the same command line), and makes the
+    error torchrun's root cause. Exit status 2 on an error, as argparse's."""
+
+    def _print_message(self, message, file=None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            report_to_torchrun(f"error: {message}")
+        super().error(message)
 
 
 def _task_name(tasks: tuple) -> Callable[[str], str]:
@@ -138,7 +254,7 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
     interval; an unknown dataset) end with argparse's usage line and exit 2.
     """
     tasks = tuple(tasks)
-    parser = argparse.ArgumentParser(
+    parser = _OneRankParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--total_epochs", type=positive(int), default=10, help="epochs to train (default: 10)")
@@ -159,6 +275,8 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
         help="DataLoader worker processes per training process (default: 0)")
     add("--metrics_path", default=None,
         help="also write each epoch's summary as one JSON object per line here")
+    add("--tensorboard_dir", default=None,
+        help="also write each epoch's figures for TensorBoard here (needs: pip install tensorboard)")
     add("--input_path", choices=("fast", "torchvision"), default="fast",
         help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
              "whole batches on the device; 'torchvision' is the per-sample Dataset + "
@@ -170,11 +288,18 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
         help="torch.compile the training model (saved weights stay loadable without it)")
     add("--grad_accum_steps", type=positive(int), default=1,
         help="micro-batches of --batch_size per optimizer step (default: 1)")
-    for name in script_flags:
-        kind, default, text = SCRIPT_FLAGS[name]
-        add(f"--{name}", type=kind, default=default,
-            help=text + (f" (default: {default})" if default is not None else ""))
+    _add_script_flags(parser, list(script_flags))
     return parser.parse_args()
+
+
+def _add_script_flags(parser: argparse.ArgumentParser, names: list) -> None:
+    """Add the ``SCRIPT_FLAGS`` called ``names`` (--pg_timeout_s brings --startup_timeout_s)."""
+    if "pg_timeout_s" in names:  # the two timeouts go together
+        names.append("startup_timeout_s")
+    for name in names:
+        kind, default, text = SCRIPT_FLAGS[name]
+        parser.add_argument(f"--{name}", type=kind, default=default,
+                            help=text + (f" (default: {default})" if default is not None else ""))
 
 
 # --------------------------------------------------------------------------
@@ -185,10 +310,12 @@ def device_for(local_rank: int) -> torch.device:
     """This process's device: ``cuda:local_rank`` where CUDA works, else the CPU.
 
     Raises ConfigError when CUDA works but ``local_rank`` has no GPU of its
-    own on this node (more processes than visible GPUs).
+    own on this node (more processes than visible GPUs). On CUDA it also
+    switches on NCCL's diagnostics (``enable_nccl_diagnostics``).
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
+    enable_nccl_diagnostics()
     visible = torch.cuda.device_count()
     if local_rank >= visible:
         raise ConfigError(
@@ -196,6 +323,22 @@ def device_for(local_rank: int) -> torch.device:
             f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
             f"start at most {visible} processes per node (--nproc_per_node={visible})")
     return torch.device("cuda", local_rank)
+
+
+# NCCL's own diagnosis of a stuck collective, on unless the environment says
+# otherwise (torch's names, documented in docs/fault-tolerance.md): the
+# watchdog aborts a timed-out collective instead of hanging, the flight
+# recorder keeps the last collectives of each rank, and a timeout dumps them
+# (to /tmp/nccl_trace_rank_<rank>, TORCH_NCCL_DEBUG_INFO_TEMP_FILE).
+NCCL_DIAGNOSTICS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_FR_BUFFER_SIZE": "2000",
+                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def enable_nccl_diagnostics() -> None:
+    """Set ``NCCL_DIAGNOSTICS`` where the environment does not: before
+    ``init_process_group``, which reads them."""
+    for name, value in NCCL_DIAGNOSTICS.items():
+        os.environ.setdefault(name, value)
 
 
 def unusable_gpu_reason() -> Optional[str]:
@@ -237,31 +380,36 @@ def run_line(device: torch.device, args: argparse.Namespace) -> str:
     return line
 
 
+def usable_cpus() -> int:
+    """CPU cores this process may run on: its affinity mask (what Slurm, a
+    cgroup cpuset or taskset grant), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def spawn_world_size(requested: Optional[int]) -> int:
     """How many processes multigpu_spawn.py starts: ``requested``, or one per
-    GPU, or 2 on a machine without GPUs. Raises ConfigError for more
-    processes than GPUs, or than CPU cores on a CPU-only machine: exits
-    with one line and status 2, like the other input errors."""
+    GPU, or 2 on a machine without GPUs. More processes than GPUs exits with
+    one line and status 2, like the other input errors; more processes than
+    usable CPU cores on a CPU-only machine runs, with a one-line warning."""
     gpus = torch.cuda.device_count()
     world_size = requested or gpus or 2
-    cores = os.cpu_count() or 1
-    error = ""
     if gpus and world_size > gpus:  # one process per GPU
-        error = f"--world_size {world_size} is more than the {gpus} GPUs of this machine"
-    if not gpus and world_size > cores:  # on CPU, one process per core at most
-        error = f"--world_size {world_size} is more than the {cores} CPU cores of this machine"
-    if error:
-        say(f"error: {error}", sys.stderr)
+        say(f"error: --world_size {world_size} is more than the {gpus} GPUs of this machine",
+            sys.stderr)
         sys.exit(2)
+    cpus = usable_cpus()
+    if not gpus and world_size > cpus:
+        say(f"warning: {world_size} processes share {cpus} usable CPU cores; each runs slower, "
+            f"the results are the same", sys.stderr)
     return world_size
 
 
 def share_cpu_cores(device: torch.device, world_size: int) -> None:
     """On a CPU ``device``, give each of ``world_size`` processes its share of
-    the cores' intra-op threads (unless OMP_NUM_THREADS says otherwise),
-    instead of each process using all of them. Nothing on a GPU."""
+    the usable cores' intra-op threads (unless OMP_NUM_THREADS says
+    otherwise), instead of each process using all of them. Nothing on a GPU."""
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, usable_cpus() // world_size))
 
 
 def check_port_free(port: int) -> None:
@@ -337,17 +485,60 @@ def downloaders_first(load: Callable[..., object], args: argparse.Namespace, dow
     return result
 
 
+# Flags that may differ between processes of one job (node-local paths, CPU
+# counts, what rank 0 alone writes); every other flag must be the same everywhere.
+PER_PROCESS_FLAGS = ("data_dir", "num_workers", "metrics_path", "tensorboard_dir", "snapshot_path",
+                     "checkpoint_path")
+
+
+def check_same_settings(args: argparse.Namespace) -> None:
+    """Collective: raise ConfigError (one line, on every rank) when the ranks
+    were started with different values of a flag outside ``PER_PROCESS_FLAGS``,
+    naming the flag and who has which value. Without it, a different
+    --batch_size on one node fails later with a collective mismatch (gloo) or
+    a hang (NCCL)."""
+    if not _is_distributed():
+        return
+    mine = {key: value for key, value in vars(args).items() if key not in PER_PROCESS_FLAGS}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for key in mine:
+        values: dict = {}
+        for rank, settings in enumerate(everyone):
+            values.setdefault(repr(settings.get(key)), []).append(rank)
+        if len(values) > 1:
+            who = ", ".join(f"{value} on ranks {ranks}" for value, ranks in values.items())
+            raise ConfigError(f"ranks disagree on --{key}: {who}; start every process with the "
+                              f"same arguments")
+
+
+def _folder_error(path: str) -> str:
+    """'' when ``path``'s folder exists (made if missing) and takes new files,
+    else why not. ``path`` itself is never touched."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"folder {folder} is not writable ({exc.strerror or type(exc).__name__})"
+    return ""
+
+
 def check_run(args: argparse.Namespace, device: torch.device, train_data: DataLoader,
               save_path: str, saves: bool) -> None:
     """Everything that would fail later, checked before any training.
 
-    --amp where it would slow training down (``check_amp``); a training
-    loader with fewer batches than one optimizer step needs;
-    --snapshot_every_steps not a multiple of --grad_accum_steps; and, on the
-    processes that ``saves``, a ``save_path`` whose folder cannot take files
-    (missing folders are created; ``save_path`` itself is never touched).
+    Every rank got the same settings (``check_same_settings``); --amp where
+    it would slow training down (``check_amp``); a training loader with fewer
+    batches than one optimizer step needs; --snapshot_every_steps not a
+    multiple of --grad_accum_steps; and, on the processes that ``saves``,
+    the folders of ``save_path``, --metrics_path and --tensorboard_dir take
+    files (missing ones are created), and tensorboard imports where asked for.
     Collective under a process group. Raises ConfigError (one line).
     """
+    check_same_settings(args)
+    watch_collectives()
     check_amp(args.amp, device, args.model)
     if len(train_data) < args.grad_accum_steps:
         raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
@@ -359,15 +550,17 @@ def check_run(args: argparse.Namespace, device: torch.device, train_data: DataLo
                           f"of --grad_accum_steps {args.grad_accum_steps}; a snapshot must fall "
                           f"between optimizer steps")
     error = ""
+    tensorboard_dir = getattr(args, "tensorboard_dir", None)
     if saves:
-        folder = os.path.dirname(os.path.abspath(save_path))
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as exc:
-            error = (f"cannot save to {save_path}: folder {folder} is not writable "
-                     f"({exc.strerror or type(exc).__name__}); choose another path")
+        for what, path, probe in (("save to", save_path, save_path),
+                                  ("write --metrics_path", args.metrics_path, args.metrics_path),
+                                  ("write --tensorboard_dir", tensorboard_dir,
+                                   tensorboard_dir and os.path.join(tensorboard_dir, "events"))):
+            why = _folder_error(probe) if probe else ""
+            if why and not error:
+                error = f"cannot {what} {path}: {why}; choose another path"
+        if tensorboard_dir and not error:
+            error = _tensorboard_missing()
     error = first_error(error)
     if error:
         raise ConfigError(error)
@@ -387,12 +580,20 @@ AMP_HELPS_ON_CPU = ("cnn",)
 def check_amp(amp: bool, device: torch.device, model: str) -> None:
     """Raise ConfigError for --amp on a CPU where bf16 autocast makes training slower.
 
-    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16). On
-    a CPU it only helps with native bf16 instructions, and only for some
-    models (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost
-    speed and precision, so it is refused in one line.
+    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16),
+    refused on GPUs without native bf16 (before Ampere: T4, V100). On a CPU
+    it only helps with native bf16 instructions, and only for some models
+    (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost speed
+    and precision, so it is refused in one line.
     """
-    if not amp or device.type == "cuda":
+    if not amp:
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_bf16_supported(including_emulation=False):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ConfigError(f"--amp: {torch.cuda.get_device_name(device)} (compute capability "
+                              f"{major}.{minor}) has no native bf16, which needs 8.0 (Ampere) or "
+                              f"newer; bf16 autocast would be emulated and slower. Run without --amp")
         return
     if model not in AMP_HELPS_ON_CPU:
         raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up --model {model} "
@@ -466,6 +667,7 @@ class EpochMeter:
         self.totals = torch.zeros(2, dtype=torch.float64, device=device)
         self.carried = carried
         self.steps_left = 0
+        self.lr = None
         self.start = time.perf_counter()
 
     def batches(self, loader: DataLoader, args: argparse.Namespace, rank: int = 0) -> Iterator:
@@ -475,6 +677,7 @@ class EpochMeter:
         terminal (not in logs). ``steps_left`` counts the batches still to
         come. Calls the test hook ``fault_point("step")`` before each batch."""
         steps = len(loader) - len(loader) % args.grad_accum_steps
+        self.lr = args.lr
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.steps_left = steps
@@ -484,7 +687,12 @@ class EpochMeter:
                           disable=None if rank == 0 else True):
             fault_point("step")
             self.steps_left -= 1
+            _PHASE[0] = f"epoch {self.epoch + 1}, training step {steps - self.steps_left} of this start"
             yield batch
+            if not _MONITOR.get("training"):  # the first step is done: downloads, compilation too
+                _MONITOR["training"] = True
+                training_timeout(args)
+        _PHASE[0] = f"epoch {self.epoch + 1} after its training steps (evaluation or saving)"
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``."""
@@ -505,7 +713,8 @@ class EpochMeter:
     def summary(self) -> dict:
         """The epoch's record: epoch, total_epochs, train_loss (mean over every
         sample of the epoch), samples_per_s (samples trained since the epoch
-        (re)started / seconds), epoch_seconds, and peak_gpu_memory_mib on CUDA.
+        (re)started / seconds), epoch_seconds, lr (--lr: no schedule), and
+        peak_gpu_memory_mib on CUDA.
         ``totals`` must already be the global sums. Raises ConfigError when the
         loss is not finite, before anything is saved."""
         new_samples = self.totals[1].item()  # waits for the device, so the time is honest
@@ -515,7 +724,7 @@ class EpochMeter:
         check_finite(loss_sum / samples, self.epoch)
         return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
                 "train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
-                "epoch_seconds": seconds, **peak_memory_mib(self.device)}
+                "epoch_seconds": seconds, "lr": self.lr, **peak_memory_mib(self.device)}
 
 
 def check_finite(loss: float, epoch: int) -> None:
@@ -581,8 +790,14 @@ def position(epochs_run: int, steps_run: int, short: bool = False) -> str:
     return f"in epoch {epochs_run + 1} after step {steps_run}" if steps_run else f"after epoch {epochs_run}"
 
 
-# A snapshot made with other values of these trains something else: refuse it.
-SNAPSHOT_MUST_MATCH = ("dataset", "model", "world_size", "batch_size", "grad_accum_steps")
+# A snapshot made with other values of these trained something else, or on
+# other data (the seed also draws the validation split): refuse it. Not
+# compared: what may change between runs of the same training, like paths
+# (a node-local --data_dir), --total_epochs, --lr (lowered after a
+# divergence), --num_workers, --compile and --amp.
+SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "world_size", "batch_size",
+                       "grad_accum_steps")
+START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
 
 
 def read_snapshot(path: str, config: dict) -> dict:
@@ -591,8 +806,9 @@ def read_snapshot(path: str, config: dict) -> dict:
     ``weights_only=True`` unpickles tensors and plain containers only, never
     arbitrary objects, so a crafted file cannot run code here. Raises
     ConfigError (one line, the file left as it is) when the file cannot be
-    read, or when it comes from a run whose ``SNAPSHOT_MUST_MATCH`` settings
-    differ from ``config``'s.
+    read, when it comes from a run whose ``SNAPSHOT_MUST_MATCH`` settings
+    differ from ``config``'s, or when it holds more epochs than
+    ``config["total_epochs"]``; NothingToTrain when it holds exactly those.
     """
     try:
         snapshot = torch.load(path, map_location="cpu", weights_only=True)
@@ -606,8 +822,23 @@ def read_snapshot(path: str, config: dict) -> dict:
                for key in SNAPSHOT_MUST_MATCH if snapshot["config"].get(key) != config[key]]
     if changed:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
-                          f"resume with its settings, or pass another --snapshot_path")
+                          f"resume with its settings, or {START_AFRESH}")
+    trained, wanted = snapshot["epochs_run"], config["total_epochs"]
+    if trained > wanted or (trained == wanted and snapshot["steps_run"]):
+        raise ConfigError(f"--total_epochs {wanted} is below the {trained} epochs snapshot {path} "
+                          f"already holds; raise --total_epochs, or {START_AFRESH}")
+    RUN["resumed_from"] = position(trained, snapshot["steps_run"])
+    if trained == wanted:
+        raise NothingToTrain(f"snapshot {path} already holds all {wanted} epochs: nothing to train "
+                             f"(raise --total_epochs to train on, or {START_AFRESH})")
     return snapshot
+
+
+def _umask() -> int:
+    """This process's file mode creation mask (reading it means setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def snapshot_on_every_node(path: str) -> bool:
@@ -637,6 +868,7 @@ def atomic_save(obj: object, path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; torch.save's files follow the umask
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -734,8 +966,55 @@ def say(line: str, stream=None) -> None:
     stream.flush()
 
 
-def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
-    """Print one fixed-format line and append ``record`` as JSON to ``metrics_path``.
+# This run, as its metrics records name it: an id (start time and process id),
+# and where it resumed from (set by read_snapshot; None for a fresh start).
+RUN = {"run": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}",
+       "resumed_from": None,
+       "started": False,  # its start record is written
+       "last_epoch": 0}  # the last epoch it logged (TensorBoard's step for the test figures)
+_writers: dict = {}  # tensorboard_dir -> SummaryWriter of this process
+
+
+def _tensorboard_missing() -> str:
+    """'' when tensorboard can be imported, else the one-line error for --tensorboard_dir."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401  (needs the tensorboard package)
+    except ImportError as exc:
+        return (f"--tensorboard_dir needs the tensorboard package ({exc}); "
+                f"pip install tensorboard, or leave the flag out")
+    return ""
+
+
+def _tensorboard(record: dict, log_dir: str) -> None:
+    """Write ``record``'s figures as TensorBoard scalars, step = epoch.
+
+    The writer is made at this process's first record, with ``purge_step`` =
+    that record's epoch: TensorBoard then hides points an earlier run wrote
+    at that epoch or later (a run killed after its last snapshot, resumed
+    from there), so a resumed run continues its curves with no duplicated or
+    missing points, and a fresh run in the same folder replaces them.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    step = record["epoch"] if "epoch" in record else RUN["last_epoch"]  # test: at the end
+    if "epoch" in record:
+        RUN["last_epoch"] = record["epoch"]
+    if log_dir not in _writers:
+        _writers[log_dir] = SummaryWriter(log_dir, purge_step=step)
+    writer = _writers[log_dir]
+    names = {"train_loss": "loss/train", "val_loss": "loss/val", "val_accuracy": "accuracy/val",
+             "test_loss": "loss/test", "test_accuracy": "accuracy/test", "lr": "lr",
+             "samples_per_s": "speed/samples_per_s", "epoch_seconds": "speed/epoch_seconds",
+             "peak_gpu_memory_mib": "memory/peak_gpu_mib"}
+    for key, tag in names.items():
+        if record.get(key) is not None:
+            writer.add_scalar(tag, record[key], step)
+    writer.flush()
+
+
+def log_metrics(record: dict, args: argparse.Namespace) -> None:
+    """Print one fixed-format line; append ``record`` as JSON to
+    --metrics_path and write it to TensorBoard under --tensorboard_dir.
 
     Epoch records print as
       ``epoch 3/10 | train_loss 0.012345 | val_loss 0.012345 | val_acc 0.9512 |
@@ -745,6 +1024,11 @@ def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
     Units: samples/s is global training samples per second over the training
     part of the epoch; epoch_s is that part's wall-clock seconds; peak_mem_mib
     the epoch's peak GPU memory held by tensors, MiB, the maximum over ranks.
+    Each JSON line also carries ``run`` (this run's id), ``time`` (Unix
+    seconds) and ``resumed_from`` (the snapshot position a resumed run
+    started at, else null); a run's first line is ``{"event": "start", ...,
+    "config": {the flags}}``. A resumed run repeats the epochs after its
+    snapshot: for a curve keep the last record of each epoch.
     """
     if "epoch" in record:
         parts = [f"epoch {record['epoch']}/{record['total_epochs']}",
@@ -759,9 +1043,15 @@ def log_metrics(record: dict, metrics_path: Optional[str]) -> None:
         if record.get("test_accuracy") is not None:
             parts.append(f"acc {record['test_accuracy']:.4f}")
     say(" | ".join(parts))
-    if metrics_path:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    if args.metrics_path:
+        stamp = {"run": RUN["run"], "time": time.time(), "resumed_from": RUN["resumed_from"]}
+        with open(args.metrics_path, "a") as f:
+            if not RUN["started"]:  # each run opens with its settings
+                f.write(json.dumps({"event": "start", **stamp, "config": vars(args)}) + "\n")
+            f.write(json.dumps({**record, **stamp}) + "\n")
+    RUN["started"] = True
+    if getattr(args, "tensorboard_dir", None):
+        _tensorboard(record, args.tensorboard_dir)
 
 
 # --------------------------------------------------------------------------

@@ -59,9 +59,10 @@ trap warn_and_stop USR1
 set +u  # activation scripts (conda, some module systems) read unset variables
 # module load cuda/12.4                      # a module system, or
 # eval "$(conda shell.bash hook)"; conda activate ddp   # conda, or
-# apptainer exec --nv image.sif ...          # a container (wrap the torchrun line below)
-# Default: the project's own virtual environment (README set-up), or VENV_DIR.
-source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
+# CONTAINER_IMAGE=image.sif: a container instead (see "Container" below)
+# Default: the project's own virtual environment (README set-up), or VENV_DIR;
+# with CONTAINER_IMAGE, the image's Python (nothing to activate out here).
+[ -n "${CONTAINER_IMAGE:-}" ] || source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
 set -u
 # ---------------------------------------------------------------------------
 
@@ -72,6 +73,23 @@ if [ ! -f "$SCRIPT" ]; then
     echo "error: $SCRIPT not found; submit from the project folder (cd ddp-scripts && sbatch slurm/multi_gpu.sh) or set PROJECT_DIR" >&2
     exit 2
 fi
+
+# ---- Container (optional) ---------------------------------------------------
+# CONTAINER_IMAGE=/path/ddp-scripts.sif sbatch slurm/multi_gpu.sh ...: torchrun
+# runs inside the image (docs/containers.md), with the submission and project
+# folders, $DATA_DIR and $CONTAINER_BINDS (comma-separated) bound at the same
+# paths. CONTAINER_RUN replaces the command before the image (split at
+# spaces; e.g. a podman run ... line). scontrol (requeue) stays here in the
+# batch shell, outside the container: images rarely have Slurm's commands.
+CONTAINER=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    BINDS="$SLURM_SUBMIT_DIR,${PROJECT_DIR:-$SLURM_SUBMIT_DIR}${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+    # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
+    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
+fi
+# Below, ${CONTAINER[@]+"${CONTAINER[@]}"} is that command, or nothing at all
+# without a container (also under set -u in bash before 4.4).
+
 # One worker per GPU granted on this node; on a node without GPUs, one CPU worker.
 NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
 
@@ -81,7 +99,7 @@ echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | $NP
 # --standalone: a rendezvous on localhost at a port the OS picks, so two jobs
 # on one node never collide (no MASTER_PORT to set on one node).
 # Defaults first, so that the same flag in "$@" overrides them.
-torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" \
+${CONTAINER[@]+"${CONTAINER[@]}"} torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     "$SCRIPT" --snapshot_path "snapshot-$SLURM_JOB_ID.pt" "$@" &
 TRAIN_PID=$!

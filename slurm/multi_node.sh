@@ -58,10 +58,11 @@ trap warn_and_stop USR1
 set +u  # activation scripts (conda, some module systems) read unset variables
 # module load cuda/12.4                      # a module system, or
 # eval "$(conda shell.bash hook)"; conda activate ddp   # conda, or
-# apptainer exec --nv image.sif ...          # a container (wrap the torchrun line below)
+# CONTAINER_IMAGE=image.sif: a container instead (see "Container" below)
 # export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0   # nodes with several networks
-# Default: the project's own virtual environment (README set-up), or VENV_DIR.
-source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
+# Default: the project's own virtual environment (README set-up), or VENV_DIR;
+# with CONTAINER_IMAGE, the image's Python (nothing to activate out here).
+[ -n "${CONTAINER_IMAGE:-}" ] || source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
 set -u
 # ---------------------------------------------------------------------------
 
@@ -73,6 +74,25 @@ if [ ! -f "$SCRIPT" ]; then
     echo "error: $SCRIPT not found; submit from the project folder (cd ddp-scripts && sbatch slurm/multi_node.sh) or set PROJECT_DIR" >&2
     exit 2
 fi
+
+# ---- Container (optional) ---------------------------------------------------
+# CONTAINER_IMAGE=/path/ddp-scripts.sif sbatch slurm/multi_node.sh ...: srun
+# starts each node's torchrun inside the image (docs/containers.md), with the
+# submission and project folders, $DATA_DIR and $CONTAINER_BINDS (comma-
+# separated) bound at the same paths. CONTAINER_RUN replaces the command
+# before the image (split at spaces; e.g. a podman run ... line). scontrol
+# (rendezvous host, requeue) stays here in the batch shell, outside the
+# container: images rarely have Slurm's commands, and without the first
+# node's name each node would wait at a rendezvous of its own (a hang).
+CONTAINER=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    BINDS="$SLURM_SUBMIT_DIR,${PROJECT_DIR:-$SLURM_SUBMIT_DIR}${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+    # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
+    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
+fi
+# Below, ${CONTAINER[@]+"${CONTAINER[@]}"} is that command, or nothing at all
+# without a container (also under set -u in bash before 4.4).
+
 # Workers per node: the GPUs granted on this (the first) node, the same on
 # every node with --gres; one CPU worker per node where there is no GPU.
 NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
@@ -95,7 +115,7 @@ echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NOD
 # --cpus-per-task: srun of Slurm 22.05-23.02 does not inherit it from sbatch, and
 # would confine each node's workers to one core where cores are bound to tasks.
 # Defaults first, so that the same flag in "$@" overrides them.
-srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" torchrun \
+srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${CONTAINER[@]+"${CONTAINER[@]}"} torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \

@@ -34,9 +34,10 @@ fi
 set +u  # activation scripts (conda, some module systems) read unset variables
 # module load cuda/12.4                      # a module system, or
 # eval "$(conda shell.bash hook)"; conda activate ddp   # conda, or
-# apptainer exec --nv image.sif ...          # a container (wrap the python line below)
-# Default: the project's own virtual environment (README set-up), or VENV_DIR.
-source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
+# CONTAINER_IMAGE=image.sif: a container instead (see "Container" below)
+# Default: the project's own virtual environment (README set-up), or VENV_DIR;
+# with CONTAINER_IMAGE, the image's Python (nothing to activate out here).
+[ -n "${CONTAINER_IMAGE:-}" ] || source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
 set -u
 # ---------------------------------------------------------------------------
 
@@ -48,7 +49,22 @@ if [ ! -f "$SCRIPT" ]; then
     exit 2
 fi
 
+# ---- Container (optional) ---------------------------------------------------
+# CONTAINER_IMAGE=/path/ddp-scripts.sif sbatch slurm/single_gpu.sh ...: the
+# script runs inside the image (docs/containers.md), with the submission and
+# project folders, $DATA_DIR and $CONTAINER_BINDS (comma-separated) bound at
+# the same paths. CONTAINER_RUN replaces the command before the image (split
+# at spaces; e.g. a podman run ... line).
+CONTAINER=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    BINDS="$SLURM_SUBMIT_DIR,${PROJECT_DIR:-$SLURM_SUBMIT_DIR}${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+    # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
+    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
+fi
+# Below, ${CONTAINER[@]+"${CONTAINER[@]}"} is that command, or nothing at all
+# without a container (also under set -u in bash before 4.4).
+
 echo "job $SLURM_JOB_ID on $(hostname) | GPUs ${CUDA_VISIBLE_DEVICES:-none} | $(date -Is)"
 # Defaults first, so that the same flag in "$@" overrides them.
-python "$SCRIPT" --checkpoint_path "checkpoint-$SLURM_JOB_ID.pt" "$@"
+${CONTAINER[@]+"${CONTAINER[@]}"} python "$SCRIPT" --checkpoint_path "checkpoint-$SLURM_JOB_ID.pt" "$@"
 echo "$(date -Is) done"

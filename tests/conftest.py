@@ -250,6 +250,38 @@ def build_cifar10_root(root: Path, per_batch: int = 12, n_test: int = 20, seed: 
 
 
 # --------------------------------------------------------------------------
+# One Slurm cluster per test session
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real Slurm cluster (tests/slurm_cluster.py: munged, slurmctld, three
+    slurmd, two network-namespace hosts), started once for the whole session
+    and shared by every module that submits jobs; stopped, and checked to
+    leave nothing behind, at the end. Skips with the reason where it cannot
+    run; under CI=true that fails instead."""
+    import time
+
+    from slurm_cluster import SlurmCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        if IN_CI:
+            pytest.fail(f"Slurm tests must run in CI, but: {reason}")
+        pytest.skip(f"no Slurm cluster here: {reason}")
+    started = time.monotonic()
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    print(f"Slurm cluster up in {time.monotonic() - started:.1f} s")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    # The harness promises to leave the machine as it found it.
+    assert cluster.leftovers() == []
+
+
+# --------------------------------------------------------------------------
 # Each test file's time, printed at the end of the run
 # --------------------------------------------------------------------------
 

@@ -158,5 +158,5 @@ def test_resume_refuses_a_snapshot_from_another_run(tmp_path):
     result = run(launch + ["--total_epochs", "2", "--batch_size", "64", "--model", "linear"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == ["error: snapshot snapshot.pt comes from a different run (model mlp -> linear, "
-                      "batch_size 32 -> 64); resume with its settings, or pass another --snapshot_path"]
+                      "batch_size 32 -> 64); resume with its settings, or delete it or pass another --snapshot_path to start afresh"]
     assert (tmp_path / "snapshot.pt").read_bytes() == before  # untouched

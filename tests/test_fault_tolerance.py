@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import (REPO, load_task, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
                       parse_test, run, script_env)
@@ -140,7 +139,7 @@ def test_snapshot_from_another_world_size_is_refused(tmp_path):
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
         "error: snapshot snapshot.pt comes from a different run (world_size 2 -> 1); "
-        "resume with its settings, or pass another --snapshot_path"]
+        "resume with its settings, or delete it or pass another --snapshot_path to start afresh"]
     assert (tmp_path / "snapshot.pt").read_bytes() == before
 
 
@@ -170,6 +169,12 @@ def test_one_failing_or_hanging_rank_ends_the_whole_job(launcher, action, tmp_pa
     assert f"DDP_TEST_FAULT: {action} at step 5 on rank 1" in result.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert "epoch 1/3 |" not in result.stdout  # it stopped inside the first epoch
+    if action == "hang":  # one line saying where rank 0 waited, and for whom
+        assert [line for line in error_lines(result.stderr) if "timed out" in line] == [
+            "error: rank 0 timed out waiting for the other ranks in a collective during epoch 1, "
+            "training step 5 of this start (Timed out waiting 10000ms for recv operation to "
+            "complete); ranks that did not arrive: [1]. A rank that is stuck or died holds up "
+            "all: look at its output (--pg_timeout_s sets the wait)"]
 
 
 # --------------------------------------------------------------------------

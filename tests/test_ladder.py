@@ -33,7 +33,8 @@ def test_script_trains_synthetic_task(script, tmp_path):
     assert all(e["samples_per_s"] > 0 and e["epoch_s"] > 0 for e in lines)
 
     # The metrics file holds the same numbers, one JSON object per line.
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    start, *records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert start["event"] == "start" and start["resumed_from"] is None
     assert [r["epoch"] for r in records[:-1]] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["test_loss"] == pytest.approx(parse_test(result.stdout)["loss"], abs=1e-6)
     for record, line in zip(records, lines):

@@ -3,6 +3,7 @@ device augmentation, whole uint8 batches through the same samplers), gradient
 accumulation with DDP's no_sync(), --compile, --amp on a CPU, peak memory.
 No test here measures or asserts a time; benchmarks/ does the measuring."""
 
+import argparse
 import json
 import os
 import sys
@@ -191,7 +192,7 @@ def test_accumulating_two_half_batches_equals_one_full_batch(script, tmp_path):
         assert (a[name] - b[name]).abs().max().item() <= 1e-5, name
     assert max((a[name] - c[name]).abs().max().item() for name in a) > 1e-2
     # On a CPU the epoch line and metrics carry no GPU memory figure.
-    record = json.loads((tmp_path / "accum" / "m.jsonl").read_text().splitlines()[0])
+    record = json.loads((tmp_path / "accum" / "m.jsonl").read_text().splitlines()[1])  # epoch 1
     assert "peak_gpu_memory_mib" not in record and "peak_mem_mib" not in accumulated.stdout
 
 
@@ -297,6 +298,33 @@ def test_amp_on_cpu_is_refused_in_one_line_where_it_does_not_help(tmp_path):
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
+def test_amp_on_a_gpu_without_native_bf16_is_refused(monkeypatch):
+    """A T4 (compute capability 7.5) would emulate bf16: slower, so refused in one line;
+    an Ampere or newer GPU is accepted. (Faked here: no GPU on the test machines.)"""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.check_amp(True, torch.device("cuda", 0), "resnet18")
+    assert str(info.value) == ("--amp: Tesla T4 (compute capability 7.5) has no native bf16, which "
+                               "needs 8.0 (Ampere) or newer; bf16 autocast would be emulated and "
+                               "slower. Run without --amp")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    train_utils.check_amp(True, torch.device("cuda", 0), "resnet18")  # e.g. an A100: accepted
+
+
+def test_benchmark_matches_gpu_names_to_their_own_data_sheet():
+    """'L4' must not give the L40S the L4's peak (1.5-3x off), nor 'A10' the A100's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import run as benchmark
+
+    assert benchmark._gpu_peak("NVIDIA L4") == benchmark.GPU_PEAKS["L4"]
+    assert benchmark._gpu_peak("NVIDIA L40S") is None and benchmark._gpu_peak("NVIDIA L40") is None
+    assert benchmark._gpu_peak("NVIDIA A10") == benchmark.GPU_PEAKS["A10"]
+    assert benchmark._gpu_peak("NVIDIA A100-SXM4-80GB") == benchmark.GPU_PEAKS["A100"]
+    assert benchmark._gpu_peak("NVIDIA H100 PCIe") == benchmark.GPU_PEAKS["H100 PCIe"]
+
+
 def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
     cpu = torch.device("cpu")
     train_utils.check_amp(False, cpu, "resnet18")  # no --amp: nothing to check
@@ -318,7 +346,8 @@ def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
 
     train_utils.log_metrics({"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0,
                         "epoch_seconds": 1.0, "val_loss": 0.5, "val_accuracy": None,
-                        "peak_gpu_memory_mib": 1536.25}, None)
+                        "peak_gpu_memory_mib": 1536.25},
+                           argparse.Namespace(metrics_path=None, tensorboard_dir=None))
     line = capsys.readouterr().out.strip()
     assert line.endswith("| epoch_s 1.00 | peak_mem_mib 1536.2")
     assert EPOCH_LINE.match(line).group("peak_mem_mib") == "1536.2"

@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 
-from conftest import IN_CI, REPO, TORCHRUN, assert_same_snapshot, build_mnist_root, epochs, parse_test, \
+from conftest import REPO, TORCHRUN, assert_same_snapshot, build_mnist_root, epochs, parse_test, \
     run_together, script_env, snapshot_tensors
-from slurm_cluster import NETNS_NODES, NODE_IFACE, SlurmCluster, unavailable_reason
+from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
 SMALL = ["--mem=1G", "--cpus-per-task=1", "--time=15"]
@@ -29,22 +29,9 @@ RANK_LINE = re.compile(r"^\[rank (\d+) \| local_rank (\d+) \| host (\S+)\] epoch
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = unavailable_reason()
-    if reason:
-        if IN_CI:
-            pytest.fail(f"Slurm tests must run in CI, but: {reason}")
-        pytest.skip(f"no Slurm cluster here: {reason}")
-    started = time.monotonic()
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    cluster.start()
-    print(f"cluster up in {time.monotonic() - started:.1f} s")
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-    # The harness promises to leave the machine as it found it.
-    assert cluster.leftovers() == []
+def cluster(slurm_cluster):
+    """The session's one Slurm cluster (conftest.slurm_cluster)."""
+    return slurm_cluster
 
 
 def submit(cluster, tmp_path, wrapper, *args, sbatch=(), env=None) -> int:

@@ -59,18 +59,25 @@ def test_no_gpu_files_means_nothing_to_report(monkeypatch):
                     "batch_size 8 x grad_accum_steps 4 x world_size 1")
 
 
-def test_log_metrics_prints_the_parsable_line_and_writes_json(tmp_path, capsys):
+def test_log_metrics_prints_the_parsable_line_and_writes_json(tmp_path, capsys, monkeypatch):
     path = tmp_path / "m.jsonl"
     record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,
               "epoch_seconds": 2.25, "val_loss": 0.25, "val_accuracy": 0.875}
-    train_utils.log_metrics(record, str(path))
-    train_utils.log_metrics({"test_loss": 0.3, "test_accuracy": None}, str(path))
+    args = task_args("synthetic", metrics_path=str(path), tensorboard_dir=None)
+    monkeypatch.setitem(train_utils.RUN, "started", False)
+    train_utils.log_metrics(record, args)
+    train_utils.log_metrics({"test_loss": 0.3, "test_accuracy": None}, args)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("epoch 3/10 | train_loss 0.500000 | val_loss 0.250000 | val_acc 0.8750 | "
                       "samples/s 1234.5 | epoch_s 2.25")
     assert EPOCH_LINE.match(out[0]) and TEST_LINE.match(out[1]) and out[1] == "test | loss 0.300000"
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        record, {"test_loss": 0.3, "test_accuracy": None}]
+    start, *records = [json.loads(line) for line in path.read_text().splitlines()]
+    # The run opens with its settings; every record says which run and when.
+    assert start["event"] == "start" and start["config"]["dataset"] == "synthetic"
+    stamp = {key: start[key] for key in ("run", "time", "resumed_from")}
+    assert records == [{**record, **stamp, "time": records[0]["time"]},
+                       {"test_loss": 0.3, "test_accuracy": None, **stamp, "time": records[1]["time"]}]
+    assert start["time"] <= records[0]["time"] <= records[1]["time"] and stamp["resumed_from"] is None
 
 
 def test_atomic_save_replaces_whole_files_and_leaves_no_temp(tmp_path):

@@ -1,0 +1,406 @@
+"""The container image (Dockerfile), built and run for real with podman.
+
+No registry is reachable from the CI machine, so the Dockerfile's default base
+(an official PyTorch image) cannot be pulled; the test makes its own base: a
+Debian root file system with Python, made by debootstrap from the Debian
+mirror apt uses here, imported with `podman import` and passed as
+``--build-arg BASE``. The build then installs requirements.txt from PyPI (the
+CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
+
+- multigpu_torchrun.py, 2 processes under torchrun, trains on the real MNIST
+  digits and scores at least 95% on the held-out ones;
+- multinode.py in two containers as two torchrun nodes on the host network,
+  with the checkout bind-mounted over /workspace (the seeds' way);
+- slurm/multi_gpu.sh and slurm/multi_node.sh with CONTAINER_IMAGE on a real
+  Slurm cluster (tests/slurm_cluster.py), podman standing in for Apptainer
+  through CONTAINER_RUN.
+
+Podman is rootful with private settings (docs/containers.md says why each is
+needed): its configuration, storage, run and temporary folders all live in one
+temporary folder, removed at the end with everything in it. Image and base are
+built once per module and print their times and the image size (pytest -s).
+Skipped, with the reason, where podman, runc or debootstrap are missing or not
+root (the wrapper tests also without Slurm); under CI=true they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from conftest import IN_CI, REPO, build_mnist_root, check, epochs, free_port, parse_test, run, \
+    run_together
+from slurm_cluster import NETNS_NODES, NODE_IFACE
+
+TOOLS = ("podman", "runc", "debootstrap")
+APT_SOURCES = Path("/etc/apt/sources.list.d")
+APT_SOURCES_LIST = Path("/etc/apt/sources.list")
+# The host's CA bundle: pip inside the build needs it behind a TLS-intercepting
+# proxy (mounted for the build only, never part of the image).
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+BASE_TAG = "localhost/ddp-test-base:latest"
+IMAGE_TAG = "localhost/ddp-scripts:test"
+BUILD_TIMEOUT_S = 1200
+# Measured peak of the build, about 23 GB: the container's 6 GB of packages,
+# the layer blob made from them and the new layer, all at once while it commits.
+DISK_NEEDED = 26e9
+RUN_TIMEOUT_S = 600
+# State that rootful podman keeps at fixed places, whatever its settings: the
+# network run folder (netavark's, empty with the host network) and the blob
+# digest cache of image copies. Removed after the test where it created them.
+PODMAN_SYSTEM_STATE = {Path("/run/containers/networks"): (),
+                       Path("/var/lib/containers/cache"): ("blob-info-cache-v1.boltdb",)}
+RANK_LINE = re.compile(r"^\[rank (\d+) \| local_rank (\d+) \| host (\S+)\] epoch (\d+)", re.M)
+
+
+def _tool(name: str) -> Optional[str]:
+    """The path of a program, looking in the sbin folders too (podman finds
+    runc there even when PATH lacks them)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/local/sbin:/usr/sbin:/sbin")
+
+
+def debian_mirror() -> Optional[tuple[str, str]]:
+    """(mirror URL, suite) of the Debian archive apt uses on this machine, read
+    from its sources (deb822 ``*.sources`` or one-line ``sources.list``), or
+    None. The suite is the release's own (no ``-updates``/``-security``)."""
+    for path in sorted(APT_SOURCES.glob("*.sources")) if APT_SOURCES.is_dir() else []:
+        for stanza in re.split(r"\n\s*\n", path.read_text()):
+            fields = dict(re.findall(r"^(\w[\w-]*):[ \t]*(.*)$", stanza, re.M))
+            suites = [s for s in fields.get("Suites", "").split() if "-" not in s and "/" not in s]
+            uris = fields.get("URIs", "").split()
+            if "deb" in fields.get("Types", "").split() and suites and uris \
+                    and fields.get("Enabled", "yes") != "no":
+                return uris[0], suites[0]
+    if APT_SOURCES_LIST.is_file():
+        for line in APT_SOURCES_LIST.read_text().splitlines():
+            m = re.match(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+([^\s/-]+)\s", line)
+            if m:
+                return m.group(1), m.group(2)
+    return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the image cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (rootful podman, debootstrap)"
+    missing = [name for name in TOOLS if _tool(name) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install podman runc debootstrap)"
+    if debian_mirror() is None:
+        return f"no Debian mirror for debootstrap in {APT_SOURCES}/*.sources or {APT_SOURCES_LIST}"
+    return None
+
+
+class Podman:
+    """Rootful podman whose configuration, storage, run and temporary folders
+    all lie under ``root``: nothing of it outside, nothing left after
+    ``cleanup()``. The settings (docs/containers.md says why): runc (crun
+    refuses hybrid cgroups), rlimits root may set, host network, no systemd."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        for name in ("storage", "run", "libpod", "networks", "tmp"):
+            (root / name).mkdir(parents=True, exist_ok=True)
+        (root / "containers.conf").write_text(f"""\
+[containers]
+netns = "host"
+default_ulimits = ["nofile=8192:8192", "nproc=8192:8192"]
+
+[engine]
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+events_logfile_path = "{root}/libpod/events.log"
+image_copy_tmp_dir = "{root}/tmp"
+runtime = "runc"
+tmp_dir = "{root}/libpod"
+
+[network]
+network_config_dir = "{root}/networks"
+""")
+        (root / "storage.conf").write_text(f"""\
+[storage]
+driver = "overlay"
+graphroot = "{root}/storage"
+runroot = "{root}/run"
+""")
+        # The system folders (and parents) that do not exist yet: cleanup() removes them.
+        self.created = [folder for path in PODMAN_SYSTEM_STATE
+                        for folder in (path, *path.parents) if not folder.exists()]
+        self.env = dict(os.environ, CONTAINERS_CONF=str(root / "containers.conf"),
+                        CONTAINERS_STORAGE_CONF=str(root / "storage.conf"), TMPDIR=str(root / "tmp"))
+
+    def __call__(self, *args, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        """``podman ARGS`` with this instance's settings; output as text."""
+        return subprocess.run(["podman", *map(str, args)], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, **kwargs)
+
+    def run_cmd(self, image: str, *command, volumes: dict = None, workdir: str = "/workspace",
+                env: dict = None) -> list[str]:
+        """The ``podman run`` command line for ``command`` in ``image``: host
+        network, never a pull, ``volumes`` {host path: container path[:ro]}."""
+        cmd = ["podman", "run", "--rm", "--pull=never", "--network=host", f"--workdir={workdir}"]
+        for host, inside in (volumes or {}).items():
+            cmd.append(f"--volume={host}:{inside}")
+        for name, value in (env or {}).items():
+            cmd.append(f"--env={name}={value}")
+        return cmd + [image, *map(str, command)]
+
+    def run(self, image: str, *command, timeout: float = RUN_TIMEOUT_S, **options) -> subprocess.CompletedProcess:
+        """Run ``command`` in a container of ``image`` (``run_cmd``'s options), wait for it."""
+        return self(*self.run_cmd(image, *command, **options)[1:], timeout=timeout)
+
+    def cleanup(self) -> None:
+        """Remove containers and images, unmount what is still mounted under
+        ``root`` and delete the folder. Each step runs whatever the last did."""
+        for args in (("rm", "--all", "--force", "--time=0"), ("rmi", "--all", "--force")):
+            try:
+                self(*args, timeout=300)
+            except subprocess.TimeoutExpired:
+                pass
+        for mount_point in reversed(self._mounts()):
+            subprocess.run(["umount", "--lazy", mount_point], capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+        for path, files in PODMAN_SYSTEM_STATE.items():
+            if path in self.created:
+                for name in files:
+                    (path / name).unlink(missing_ok=True)
+        for folder in sorted(self.created, key=lambda p: len(p.parts), reverse=True):
+            try:
+                folder.rmdir()  # only if empty: never what another podman put there since
+            except OSError:
+                pass
+
+    def _mounts(self) -> list[str]:
+        with open("/proc/self/mounts") as f:
+            points = [line.split()[1].replace("\\040", " ") for line in f]
+        return [p for p in points if p == str(self.root) or p.startswith(f"{self.root}/")]
+
+    def leftovers(self) -> list[str]:
+        """What ``cleanup()`` failed to remove: mounts under ``root``, the folder,
+        system folders podman created."""
+        return self._mounts() + [str(p) for p in [self.root, *self.created] if p.exists()]
+
+
+@dataclass
+class Image:
+    """The built image and the podman instance that holds it."""
+    podman: Podman
+    tag: str
+
+
+def _timed(what: str, function, *args, **kwargs):
+    started = time.monotonic()
+    result = function(*args, **kwargs)
+    print(f"{what}: {time.monotonic() - started:.1f} s")
+    return result
+
+
+def _checked(result: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, (
+        f"{what} failed (exit {result.returncode})\n--- stdout\n{result.stdout[-4000:]}"
+        f"\n--- stderr\n{result.stderr[-4000:]}")
+    return result
+
+
+def _make_base(podman: Podman, rootfs: Path) -> None:
+    """A Debian + Python base image, no registry: debootstrap from the mirror
+    apt uses, then podman import; the root file system is removed after."""
+    mirror, suite = debian_mirror()
+    _checked(_timed(f"debootstrap {suite} from {mirror}", subprocess.run,
+                    [_tool("debootstrap"), "--variant=minbase", "--include=python3,python3-pip,ca-certificates",
+                     suite, rootfs, mirror], capture_output=True, text=True, timeout=900), "debootstrap")
+    started = time.monotonic()
+    tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
+    try:
+        imported = podman("import", "-", BASE_TAG, stdin=tar.stdout, timeout=300)
+    finally:
+        tar.stdout.close()
+        tar.wait()
+    _checked(imported, "podman import")
+    print(f"podman import: {time.monotonic() - started:.1f} s")
+    shutil.rmtree(rootfs)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> Image:
+    """The repository's Dockerfile built with podman on a debootstrap base,
+    once per module; prints the time of each step and the image size. Removes
+    images, containers and podman's storage afterwards."""
+    reason = unavailable_reason()
+    if reason:
+        if IN_CI:
+            pytest.fail(f"the container test must run in CI, but: {reason}")
+        pytest.skip(f"cannot build the image here: {reason}")
+    root = tmp_path_factory.mktemp("container")
+    free = shutil.disk_usage(root).free
+    if free < DISK_NEEDED:
+        pytest.fail(f"the image build needs about {DISK_NEEDED / 1e9:.0f} GB free disk at its peak; "
+                    f"{root} has {free / 1e9:.1f} GB")
+    podman = Podman(root / "podman")
+    try:
+        _make_base(podman, root / "rootfs")
+        build = ["build", "--pull=never", "--network=host", "--file", REPO / "Dockerfile",
+                 "--build-arg", f"BASE={BASE_TAG}", "--tag", IMAGE_TAG]
+        if CA_BUNDLE.is_file():
+            build += ["--volume", f"{CA_BUNDLE}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/host-ca.crt"]
+        built = _timed("podman build", podman, *build, REPO, timeout=BUILD_TIMEOUT_S)
+        _checked(built, "podman build")
+        size = int(_checked(podman("image", "inspect", "--format", "{{.Size}}", IMAGE_TAG), "inspect").stdout)
+        versions = [line for line in built.stdout.splitlines() if line.startswith("torch ")]
+        print(f"image {IMAGE_TAG}: {size / 1e9:.2f} GB; {versions[-1] if versions else '?'}")
+        yield Image(podman, IMAGE_TAG)
+    finally:
+        podman.cleanup()
+    assert podman.leftovers() == []
+
+
+def test_image_holds_the_project(image):
+    """The image's Python has torch, torchvision and tqdm as requirements.txt
+    asks, the scripts are in /workspace (its working directory), and torchrun
+    and python are on the PATH (one container: each start costs seconds)."""
+    probe = ("import os, torch, torchvision, tqdm; print(os.getcwd()); print(torch.__version__); "
+             "print(sorted(f for f in os.listdir('.') if f.endswith('.py')))")
+    result = _checked(image.podman.run(image.tag, "sh", "-c", 'python3 -c "$0" && torchrun --help >/dev/null '
+                                       '&& python --version', probe), "probe")
+    cwd, version, files, python = result.stdout.splitlines()[-4:]
+    assert cwd == "/workspace"
+    assert tuple(int(part) for part in version.split(".")[:2]) >= (2, 13)
+    for script in ("common.py", "singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py"):
+        assert f"'{script}'" in files
+    assert python.startswith("Python 3.")
+
+
+def test_torchrun_in_the_container_learns_real_mnist(image, tmp_path):
+    """torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py on 8,000 real
+    digits (mounted read-only at /data), 3 epochs: >= 95% on the 2,000 held out.
+    Outputs go to a mounted folder."""
+    data = build_mnist_root(tmp_path / "data")
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = image.podman.run_cmd(
+        image.tag, "torchrun", "--standalone", "--nproc_per_node=2", "multigpu_torchrun.py",
+        "--dataset", "mnist", "--data_dir", "/data", "--total_epochs", "3",
+        "--snapshot_path", "/out/snapshot.pt", "--metrics_path", "/out/metrics.jsonl",
+        volumes={data: "/data:ro", out: "/out"})
+    started = time.monotonic()
+    result = check(run(cmd, cwd=tmp_path, timeout=RUN_TIMEOUT_S, **_podman_env(image)))
+    print(f"training in the container: {time.monotonic() - started:.1f} s")
+    print("\n".join(line for line in result.stdout.splitlines() if line.startswith(("epoch", "test", "global"))))
+    assert "world_size 2" in result.stdout
+    assert [e["epoch"] for e in epochs(result.stdout)] == [1, 2, 3]
+    assert parse_test(result.stdout)["acc"] >= 0.95
+    assert (out / "snapshot.pt").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_two_containers_as_two_nodes(image, tmp_path):
+    """multinode.py in two containers on the host network, one torchrun agent
+    each (--nnodes=2 --nproc_per_node=1), meeting through c10d rendezvous.
+    Both containers share the host name and run torchrun as PID 1, so each
+    gets its own --local-addr (127.0.0.1, 127.0.0.2); without it they describe
+    themselves identically and wait until the join timeout. The checkout is
+    bind-mounted read-only over /workspace; a shared folder stands for the
+    nodes' shared storage."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    port = free_port()
+    cmds = [image.podman.run_cmd(
+        image.tag, "torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=container{port}",
+        f"--local-addr=127.0.0.{node + 1}",
+        f"--rdzv-conf=is_host={int(node == 0)}",  # the first agent hosts the rendezvous store
+        "/workspace/multinode.py", "--total_epochs", "2",
+        volumes={REPO: "/workspace:ro", shared: "/shared"}, workdir="/shared",
+        env={"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}) for node in range(2)]
+    started = time.monotonic()
+    outputs = run_together(cmds, [tmp_path, tmp_path], image.podman.env, timeout=RUN_TIMEOUT_S)
+    print(f"two containers as two nodes: {time.monotonic() - started:.1f} s")
+    for code, stdout, stderr in outputs:
+        assert code == 0, f"exit {code}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-4000:]}"
+    everything = "".join(stdout for _, stdout, _ in outputs)
+    # Global rank 0 alone prints the summary, once, in one of the two containers.
+    summaries = [stdout for _, stdout, _ in outputs if epochs(stdout)]
+    assert len(summaries) == 1 and [e["epoch"] for e in epochs(summaries[0])] == [1, 2]
+    assert len(re.findall(r"^test \| loss", everything, re.M)) == 1
+    assert parse_test(summaries[0])["loss"] < 0.1
+    print("\n".join(line for line in summaries[0].splitlines() if line.startswith(("epoch", "test"))))
+    # Each container ran one process: global ranks 0 and 1, local rank 0 on both.
+    ranks = [(int(rank), int(local)) for rank, local, _, _ in RANK_LINE.findall(everything)]
+    assert sorted(set(ranks)) == [(0, 0), (1, 0)] and len(ranks) == 4  # 2 ranks x 2 epochs
+    assert (shared / "snapshot.pt").is_file()
+
+
+def _podman_env(image: Image) -> dict:
+    """The variables that point podman at the test's settings, for conftest.run."""
+    return {name: image.podman.env[name] for name in ("CONTAINERS_CONF", "CONTAINERS_STORAGE_CONF", "TMPDIR")}
+
+
+# --------------------------------------------------------------------------
+# The Slurm wrappers' container path: CONTAINER_IMAGE, with podman for apptainer
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(image, slurm_cluster):
+    """The session's one Slurm cluster (conftest.slurm_cluster), for the wrappers
+    run with CONTAINER_IMAGE; asked for after the image is built."""
+    return slurm_cluster
+
+
+def _wrapper_in_container(image: Image, cluster, tmp_path, wrapper: str, args: list, sbatch: list,
+                          volumes: dict, env: dict = None) -> tuple[int, str]:
+    """sbatch ``wrapper`` from the project folder with CONTAINER_IMAGE set and
+    CONTAINER_RUN a podman command line (Apptainer is not installable here):
+    the wrapper's own logic is what is tested. VENV_DIR points nowhere, so the
+    job can only succeed if the wrapper left the virtual environment alone and
+    used the image's Python. Returns the job id and its log."""
+    run_words = ["podman", "run", "--rm", "--pull=never", "--network=host", f"--workdir={tmp_path}",
+                 *(f"--volume={host}:{inside}" for host, inside in volumes.items()),
+                 *(f"--env={name}={value}" for name, value in (env or {}).items())]
+    job_env = {**_podman_env(image), "VENV_DIR": str(tmp_path / "no-venv"),
+               "CONTAINER_IMAGE": image.tag, "CONTAINER_RUN": " ".join(run_words)}
+    job = cluster.sbatch([f"--chdir={tmp_path}", "--mem=1G", "--cpus-per-task=1", "--time=15", *sbatch,
+                          f"slurm/{wrapper}", *args], cwd=REPO, env=job_env)
+    started = time.monotonic()
+    info = cluster.wait(job, RUN_TIMEOUT_S)
+    log = (tmp_path / f"{wrapper[:-3]}-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}\n{cluster.logs()}"
+    print(f"{wrapper} job in the container: {time.monotonic() - started:.1f} s")
+    print("\n".join(line for line in log.splitlines() if line.startswith(("job ", "epoch", "test"))))
+    return job, log
+
+
+def test_multi_gpu_wrapper_runs_torchrun_in_the_container(image, cluster, tmp_path):
+    """slurm/multi_gpu.sh with CONTAINER_IMAGE: torchrun in the image, one worker
+    per "GPU" granted (2), real MNIST; requeue's scontrol stays outside."""
+    data = build_mnist_root(tmp_path / "data", n_train=2000, n_test=500)
+    job, log = _wrapper_in_container(
+        image, cluster, tmp_path, "multi_gpu.sh",
+        ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "2"], ["--gres=gpu:2"],
+        volumes={REPO: f"{REPO}:ro", tmp_path: str(tmp_path)})
+    assert f"job {job} on " in log and "| 2 processes |" in log
+    assert [e["epoch"] for e in epochs(log)] == [1, 2]
+    assert parse_test(log)["acc"] > 0.8
+    assert (tmp_path / f"snapshot-{job}.pt").is_file()
+
+
+def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_path):
+    """slurm/multi_node.sh with CONTAINER_IMAGE on two hosts (network
+    namespaces): srun starts a container per node, torchrun in each; the
+    rendezvous host comes from scontrol in the batch shell (the image has no
+    Slurm commands)."""
+    job, log = _wrapper_in_container(
+        image, cluster, tmp_path, "multi_node.sh", ["--total_epochs", "2"], ["--partition=multi", "--gres=gpu:1"],
+        volumes={REPO: f"{REPO}:ro", tmp_path: str(tmp_path)}, env={"GLOO_SOCKET_IFNAME": NODE_IFACE})
+    assert f"| 2 nodes (ddp-node[1-2]) x 1 processes | rendezvous ddp-node1:{15000 + job % 15000} |" in log
+    seen = {(int(rank), host) for rank, _, host, _ in RANK_LINE.findall(log)}
+    assert {rank for rank, _ in seen} == {0, 1} and {host for _, host in seen} == set(NETNS_NODES), log
+    assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
+    assert parse_test(log)["loss"] < 0.2
+    assert (tmp_path / f"snapshot-{job}.pt").is_file()
