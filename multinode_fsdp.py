@@ -54,7 +54,7 @@ class Trainer:
     ``model`` comes sharded (``shard_model``) and ``optimizer`` built on its shards;
     ``task`` gives the loss and the batch transforms (see common.Task);
     ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
-    --compile, --metrics_path, the save path).
+    --compile, --metrics_path, --tensorboard_dir, the save path).
     """
 
     def __init__(
@@ -210,7 +210,7 @@ class Trainer:
             record["val_loss"], record["val_accuracy"] = evaluate(
                 self.model, self.val_data, self.task, self.device)
             if self.rank == 0:  # every rank holds the same numbers; one prints them
-                train_utils.log_metrics(record, self.args.metrics_path)
+                train_utils.log_metrics(record, self.args)
             self.epochs_run, self.steps_run, self.epoch_totals = epoch + 1, 0, None
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
@@ -317,7 +317,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
 
 @train_utils.exit_on_config_error
 def main(args) -> None:
-    rank, local_rank, device = ddp_setup(args.pg_timeout_s)
+    rank, local_rank, device = ddp_setup(args.startup_timeout_s)
     # One seed for the initial weights on every rank: each keeps its slice of its own
     # copy (DDP copied rank 0's to all instead).
     torch.manual_seed(args.seed)
@@ -336,7 +336,7 @@ def main(args) -> None:
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
         if rank == 0:
-            train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args.metrics_path)
+            train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
     trainer.stop.close()
     dist.destroy_process_group()
 
