@@ -279,11 +279,12 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     torch.distributed.destroy_process_group()
 
 
-def test_resume_with_another_world_size(tmp_path):
+def test_resume_with_another_world_size(tmp_path, monkeypatch):
     """A world-size-2 snapshot resumed by 3 processes: each rank loads its new shard
-    (DCP reshards) bitwise; evaluated at world size 3, the test loss is the one the
-    2-process run printed; training goes on. A snapshot taken inside an epoch is
-    refused at another world size (the ranks' shares of that epoch would change)."""
+    (DCP reshards), and gathered again the weights and momentum buffers are bitwise
+    the saved ones; training goes on at world size 3. A snapshot taken inside an
+    epoch is refused at another world size (the ranks' shares of that epoch would
+    change)."""
     (tmp_path / "two").mkdir()
     first = check(run(fsdp(2, "--total_epochs", 1), tmp_path / "two"))
     shutil.copytree(tmp_path / "two", tmp_path / "three")
@@ -300,13 +301,14 @@ def test_resume_with_another_world_size(tmp_path):
     assert_bitwise({k: v for k, v in tensors.items() if k.startswith("optimizer.")},
                    {f"optimizer.{k}": v["momentum_buffer"] for k, v in loaded["optimizer"]["state"].items()})
 
-    # End to end: nothing left to train; the test split scored by 3 ranks. (Training
-    # on at world size 3 runs in docs/fsdp.md's commands, tests/test_docs.py.)
-    same = check(run(fsdp(3, "--total_epochs", 1), tmp_path / "three"))
+    # End to end: 3 ranks resume and train epoch 2 on.
+    more = check(run(fsdp(3, "--total_epochs", 2), tmp_path / "three"))
     assert ("resuming from snapshot snapshot.pt/epoch-1 after epoch 1 (saved by world_size 2, "
             "resharded to 3: weights and optimizer state exact; random streams restored on "
-            "ranks < 2 only)") in same.stdout
-    assert abs(parse_test(same.stdout)["loss"] - parse_test(first.stdout)["loss"]) <= 1e-6
+            "ranks < 2 only)") in more.stdout
+    assert [e["epoch"] for e in epochs(more.stdout)] == [2]
+    assert epochs(more.stdout)[0]["train_loss"] < epochs(first.stdout)[0]["train_loss"]
+    assert sorted(os.listdir(tmp_path / "three" / "snapshot.pt")) == ["epoch-2"]
 
     # Mid-epoch at another world size: refused with one line, the snapshot kept.
     meta = torch.load(os.path.join(saved, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
@@ -314,9 +316,10 @@ def test_resume_with_another_world_size(tmp_path):
     shutil.copytree(saved, mid)
     meta.update(epochs_run=1, steps_run=5)
     torch.save(meta, mid / train_utils.SHARDED_SNAPSHOT_META)
+    monkeypatch.setitem(train_utils.RUN, "resumed_from", None)  # read_snapshot records the position
     with pytest.raises(train_utils.ConfigError, match=r"taken inside an epoch by world_size 2; "
                                                       r"resume it with 2 processes"):
-        train_utils.read_sharded_snapshot(str(mid), meta["config"], 3)
+        train_utils.read_sharded_snapshot(str(mid), dict(meta["config"], total_epochs=3), 3)
 
 
 # The reference of the fault tests: 2 epochs of 115 steps, a snapshot every 40.
