@@ -53,6 +53,7 @@ def commands(block: str) -> list:
 
 def covered_elsewhere(block: str):
     for command in commands(block):
+        command = re.sub(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)+", "", command)  # VAR=value sbatch ...
         for start, reason in COVERED_ELSEWHERE.items():
             if command.startswith(start):
                 return reason
