@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,28 @@ def assert_same_snapshot(path_a: Path, path_b: Path) -> None:
     assert epochs_a == epochs_b
     assert a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def signal_when(launch: list, cwd: Path, line: str, signum: int, start_s: float = 120,
+                stop_s: float = 60) -> str:
+    """Run ``launch`` in ``cwd`` (stdout and stderr to cwd/log.txt), send it
+    ``signum`` once ``line`` appears in its output (within ``start_s`` seconds),
+    wait up to ``stop_s`` seconds for it to end; return the whole log."""
+    log = cwd / "log.txt"
+    with open(log, "w") as out:
+        agent = subprocess.Popen([str(part) for part in launch], cwd=cwd, env=script_env(),
+                                 stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + start_s
+            while line not in log.read_text():
+                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            agent.send_signal(signum)
+            agent.wait(timeout=stop_s)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    return log.read_text()
 
 
 def run_together(cmds: list[list], cwds: list[Path], env: dict, timeout: float = 300) -> list[tuple]:

@@ -6,7 +6,6 @@ DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
 (truncated files, crafted pickles, busy paths)."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -16,8 +15,8 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, load_task, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, run, script_env)
+from conftest import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
+                      parse_test, run)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
 
@@ -276,21 +275,7 @@ def test_sigusr1_stops_every_rank_after_one_step_and_the_run_resumes_exactly(tmp
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2",
                          "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                          str(REPO / "multigpu_torchrun.py"), *args]
-    log = interrupted / "log.txt"
-    with open(log, "w") as out:
-        agent = subprocess.Popen(launch, cwd=interrupted, env=script_env(), stdout=out,
-                                 stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 120
-            while "epoch 2/12" not in log.read_text():
-                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            agent.send_signal(signal.SIGUSR1)
-            agent.wait(timeout=60)
-        finally:
-            if agent.poll() is None:
-                agent.kill()
-    text = log.read_text()
+    text = signal_when(launch, interrupted, "epoch 2/12", signal.SIGUSR1)
     stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt$", text, re.M)
     assert len(stops) == 1 and "stopped by SIGUSR1" in text, text
     assert "test | loss" not in text  # stopped, not finished

@@ -7,9 +7,7 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (REPO, TORCHRUN, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, plain_task, run, script_env)
+                      parse_test, plain_task, run, signal_when)
 from test_distributed_correctness import N_EVAL, _eval_problem
 
 import common
@@ -350,21 +348,7 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
     snapshot folder is saved; the same command finishes bitwise like the reference."""
     launch = fsdp(2, *FAULT_FLAGS)
     launch.insert(launch.index(FSDP), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    log = tmp_path / "log.txt"
-    with open(log, "w") as out:
-        agent = subprocess.Popen([str(c) for c in launch], cwd=tmp_path, env=script_env(), stdout=out,
-                                 stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 180
-            while "epoch 1/2" not in log.read_text():
-                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            agent.send_signal(signal.SIGUSR1)
-            agent.wait(timeout=120)
-        finally:
-            if agent.poll() is None:
-                agent.kill()
-    text = log.read_text()
+    text = signal_when(launch, tmp_path, "epoch 1/2", signal.SIGUSR1, start_s=180, stop_s=120)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text
     after_stop = text.split("stopped by SIGUSR1")[1]
     epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt/epoch-\1-step-\2$",
