@@ -30,7 +30,7 @@ def ddp_setup(timeout_s: float) -> tuple[int, torch.device]:
     MASTER_ADDR/PORT in the environment); return (rank, this rank's device).
     A collective waiting over ``timeout_s`` seconds raises, not hangs."""
     timeout = timedelta(seconds=timeout_s)
-    store = train_utils.torchrun_store(timeout)  # a fresh key prefix per torchrun restart
+    store = train_utils.launcher_store(timeout)  # torchrun or srun; a fresh key prefix per restart
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = train_utils.device_for(int(os.environ["LOCAL_RANK"]))  # one node: LOCAL_RANK == RANK
     if device.type == "cuda":
@@ -75,11 +75,13 @@ class Trainer:
         self.epochs_run = 0  # epochs finished
         self.steps_run = 0  # steps finished in epoch `epochs_run` (> 0 after a mid-epoch snapshot)
         self.epoch_totals = None  # that epoch's global (loss sum, samples) up to `steps_run`
-        self.stop = train_utils.StopSignal()  # SIGUSR1: all ranks stop after the same step
+        self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         if os.path.exists(args.snapshot_path):
             self._load_snapshot(args.snapshot_path)
         # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        if self.epochs_run or self.steps_run:  # resumed: DDP's gradient buckets as if never stopped
+            train_utils.rebuild_ddp_buckets(self.model, train_data, task.loss_fn, task.eval_transform, device)
         # The compiled module shares the model's weights and runs the training
         # forward; saving and evaluation use the plain model, so what is saved
         # loads without torch.compile.
@@ -233,7 +235,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         sampler=train_utils.ResumableDistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
         # Workers are seeded from this generator, which snapshots save and restore.
         generator=torch.Generator().manual_seed(seed + rank) if train else None,
-        worker_init_fn=train_utils.ignore_stop_signal,  # the rank itself handles SIGUSR1
+        worker_init_fn=train_utils.ignore_stop_signal,  # the rank itself handles stop signals
         drop_last=train,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),

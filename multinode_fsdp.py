@@ -34,7 +34,7 @@ def ddp_setup(timeout_s: float) -> tuple[int, int, torch.device]:
     MASTER_ADDR/PORT in the environment); return (rank, local_rank, device).
     A collective waiting over ``timeout_s`` seconds raises, not hangs."""
     timeout = timedelta(seconds=timeout_s)
-    store = train_utils.torchrun_store(timeout)  # a fresh key prefix per torchrun restart
+    store = train_utils.launcher_store(timeout)  # torchrun or srun; a fresh key prefix per restart
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     device = train_utils.device_for(local_rank)  # GPU indices restart at 0 on every node
@@ -83,7 +83,7 @@ class Trainer:
         self.epochs_run = 0  # epochs finished
         self.steps_run = 0  # steps finished in epoch `epochs_run` (> 0 after a mid-epoch snapshot)
         self.epoch_totals = None  # that epoch's global (loss sum, samples) up to `steps_run`
-        self.stop = train_utils.StopSignal()  # SIGUSR1: all ranks stop after the same step
+        self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.memory_reported = False  # the state-per-rank line, once, after the first optimizer step
         folder = train_utils.latest_sharded_snapshot(args.snapshot_path)  # a folder per save
         if folder and train_utils.snapshot_on_every_node(
@@ -307,7 +307,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         sampler=train_utils.ResumableDistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
         # Workers are seeded from this generator, which snapshots save and restore.
         generator=torch.Generator().manual_seed(seed + rank) if train else None,
-        worker_init_fn=train_utils.ignore_stop_signal,  # the rank itself handles SIGUSR1
+        worker_init_fn=train_utils.ignore_stop_signal,  # the rank itself handles stop signals
         drop_last=train,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),

@@ -148,7 +148,7 @@ def watch_collectives() -> None:
     ``timeout_diagnosis`` uses (NCCL's own diagnostics are switched on by
     ``device_for``, before the process group exists)."""
     if _is_distributed() and "group" not in _MONITOR:
-        _MONITOR["group"] = dist.new_group(backend="gloo")
+        _MONITOR["group"] = gloo_group()
 
 
 def training_timeout(args: argparse.Namespace) -> None:
@@ -427,20 +427,43 @@ def check_port_free(port: int) -> None:
              f"e.g. MASTER_PORT={port + 1} python multigpu_spawn.py")
 
 
-def torchrun_store(timeout: timedelta) -> dist.Store:
-    """The key-value store of torchrun's rendezvous, for ``init_process_group``.
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist expression (``SLURM_JOB_NODELIST``):
+    ``gpu[07-09,12],cpu1`` gives ``gpu07``, what ``scontrol show hostnames``
+    prints first (syntax: Slurm's hostlist, man scontrol)."""
+    first = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist).group(0)
+    return re.sub(r"\[([^\]\-,]*)[^\]]*\]", r"\1", first)
+
+
+def launcher_store(timeout: timedelta) -> dist.Store:
+    """The key-value store for ``init_process_group`` under either launcher.
+
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    srun with one task per GPU (no torchrun; the launch of Mila's, Lightning's
+    and submitit's cluster docs) sets SLURM_PROCID, SLURM_LOCALID and
+    SLURM_STEP_NUM_TASKS: they become RANK, LOCAL_RANK and WORLD_SIZE here, and
+    the rendezvous is the job's first host at port 15000 + job id % 15000
+    (what slurm/multi_node.sh derives too) unless MASTER_ADDR/MASTER_PORT are
+    set. Rank 0 then hosts the store.
 
     torchrun's agent keeps one store at MASTER_ADDR:MASTER_PORT across
     restarts. Each attempt gets its own key prefix
     (``attempt_<TORCHELASTIC_RESTART_COUNT>``): without it a restarted rank can
     read the addresses its failed predecessor left there, then fail or hang
     connecting (seen with torch 2.15); ``init_method="env://"`` does not do this.
-    Raises ConfigError when the script was not started by torchrun.
+    Raises ConfigError when started by neither launcher.
     """
+    if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:  # a task of an srun step
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                          WORLD_SIZE=os.environ.get("SLURM_STEP_NUM_TASKS", os.environ["SLURM_NTASKS"]))
+        os.environ.setdefault("MASTER_ADDR", first_host(
+            os.environ.get("SLURM_STEP_NODELIST", os.environ["SLURM_JOB_NODELIST"])))
+        os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000))
     if "RANK" not in os.environ:
         script = os.path.basename(sys.argv[0])
-        raise ConfigError(f"start this script with torchrun: torchrun --standalone "
-                          f"--nproc_per_node=gpu {script} (GPUs), or --nproc_per_node=2 (CPU)")
+        raise ConfigError(f"start this script with torchrun (torchrun --standalone "
+                          f"--nproc_per_node=gpu {script}; --nproc_per_node=2 on a CPU) or with "
+                          f"srun, one task per GPU (srun --ntasks-per-node=GPUS python {script})")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
@@ -626,7 +649,22 @@ def compile_model(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     wrapping lets TorchDynamo's DDP optimizer split the graph at the gradient
     buckets, so all-reduce still overlaps with backward.
     """
-    return torch.compile(model) if enabled else model
+    if not enabled:
+        return model
+    # torchrun signals a rank's whole process group, and Slurm every process of
+    # a job step: inductor's compile workers would die of a stop signal meant
+    # for the rank ("SubprocPool unclean exit"). They start with the stop
+    # signals blocked, a mask they inherit; the rank's own mask is restored.
+    # Some releases (2.8) start the pool when torch.compile imports inductor,
+    # later ones on first use: it is started here, under the mask, either way.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        compiled = torch.compile(model)
+        from torch._inductor.async_compile import AsyncCompile
+        AsyncCompile.warm_pool()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return compiled
 
 
 def peak_memory_mib(device: torch.device) -> dict:
@@ -761,6 +799,37 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def rebuild_ddp_buckets(model: torch.nn.Module, data: DataLoader, loss_fn: Callable,
+                        eval_transform: Callable, device: torch.device) -> None:
+    """Collective, after resuming from a snapshot: lay out DDP's gradient
+    buckets as an uninterrupted run has them by now, so that the resumed run
+    stays bitwise equal to it at any world size.
+
+    DDP all-reduces its first backward in buckets of parameters in reverse
+    registration order, records the order in which gradients became ready,
+    and from the second step on uses buckets rebuilt in that order
+    (``Reducer::rebuild_buckets`` in torch/csrc/distributed/c10d/reducer.cpp).
+    A ring all-reduce of 3 or more ranks sums each element in an order that
+    depends on where it lies in the bucket, so without this the first step
+    after a resume rounds differently (~1e-7) from the uninterrupted run's
+    (with 2 ranks the sum of two numbers is the same either way).
+
+    One forward and backward of ``data``'s first batch (shape (B, ...) of
+    ``data.dataset``, each rank the same samples) in eval mode records the
+    order; the RNG states are forked, BatchNorm statistics untouched
+    (eval), and the gradients dropped. ``model`` is the DDP-wrapped model.
+    """
+    first = DataLoader(data.dataset, batch_size=data.batch_size, collate_fn=data.collate_fn)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        source, targets = next(iter(first))
+        model.eval()
+        output = model(eval_transform(source.to(device)))
+        loss_fn(output, targets.to(device)).backward()
+        model.train()
+    for parameter in model.parameters():
+        parameter.grad = None
+
+
 def gather_rng_states(device: torch.device, loader_generator: torch.Generator) -> list:
     """Collective: every rank's random states (CPU, the device's CUDA
     generator, the DataLoader's shuffling generator), gathered on every rank
@@ -888,45 +957,79 @@ def atomic_save(obj: object, path: str) -> None:
 # The stop every rank takes at the same step
 # --------------------------------------------------------------------------
 
-class StopSignal:
-    """Turns a signal into a stop that every rank takes at the same step.
+# The signals that ask for a stop: Slurm's time-limit warning (the wrappers'
+# --signal=B:USR1@90, relayed), SIGTERM (preemption, `scontrol requeue`,
+# `scancel`, torchrun stopping its workers) and Ctrl-C.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
-    A scheduler's warning (Slurm's ``--signal``, relayed by torchrun) reaches
-    the ranks at slightly different moments, possibly mid-step. The handler
-    only sets a flag. Once per step each rank adds its flag to an all-reduce
-    (MAX) and reads the previous step's result, so all ranks learn "some rank
-    was signalled" at the same step, one step after the earliest signal.
-    The all-reduce runs asynchronously on a separate CPU (gloo) group: it
-    never waits for the GPU, and by the next step it has long finished, so a
-    step costs no extra wait. Create it on every rank (``new_group`` is
-    collective); ``poll`` too must be called by every rank, equally often.
+
+class StopSignal:
+    """Turns SIGUSR1, SIGTERM or SIGINT into a stop that every rank takes at
+    the same step.
+
+    A scheduler's warning or a preemption reaches the ranks at slightly
+    different moments, possibly mid-step (Slurm's proctrack signals every
+    process of a step, torchrun relays to each worker as well). The handler
+    only notes the signal. Once per step each rank adds the number of the
+    signal it got (0 for none) to an all-reduce (MAX) and reads the previous
+    step's result, so all ranks learn "some rank was signalled, and by what" at
+    the same step, one step after the earliest signal. The all-reduce runs
+    asynchronously on a separate CPU (gloo) group: it never waits for the GPU,
+    and by the next step it has long finished, so a step costs no extra wait.
+
+    Repeats of a stop signal count as one stop (one process may get the same
+    SIGTERM from Slurm, srun and torchrun), except that a Ctrl-C after any stop
+    signal, or a SIGTERM after a Ctrl-C (what torchrun sends its workers on a
+    second Ctrl-C), quits at once, without a snapshot: a user pressing Ctrl-C
+    twice wants out. Only the process that made the StopSignal acts: a
+    DataLoader worker forked a moment ago still has this handler until its
+    ``worker_init_fn`` (``ignore_stop_signal``) runs.
+
+    Create it on every rank (``new_group`` is collective); ``poll`` too must be
+    called by every rank, equally often. Raises ConfigError when gloo cannot
+    reach the other ranks' hosts (the message names GLOO_SOCKET_IFNAME).
     """
 
-    def __init__(self, signum: int = signal.SIGUSR1) -> None:
-        self.signum = signum
-        self.received = False
-        self.stopped = False
-        signal.signal(signum, self._handler)
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.rank = dist.get_rank()
+        self.received = 0  # number of the first stop signal this process got; 0: none
+        self.stopped_by = 0  # after a stop: the signal some rank got (the highest number)
+        self.group = gloo_group()
         self.flag = torch.zeros(1)
         self.work = None
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handler)
 
     def _handler(self, signum, frame) -> None:
-        self.received = True
+        if os.getpid() != self.pid:
+            return  # a loader worker before its worker_init_fn ran: the rank decides
+        if self.received:
+            if signal.SIGINT in (signum, self.received):  # Ctrl-C twice, or after a stop signal
+                if self.rank == 0:
+                    _write_now("second stop request: quitting at once, without a snapshot\n")
+                os._exit(128 + signum)
+            return  # the same stop, asked again
+        self.received = signum
+        if signum == signal.SIGINT and self.rank == 0:
+            _write_now("Ctrl-C: every rank stops after the current step and rank 0 saves a "
+                       "snapshot; press Ctrl-C again to quit at once without one\n")
 
     def poll(self) -> bool:
         """Collective. True on every rank at the same call, one call after
-        the first rank got the signal; False otherwise."""
+        the first rank got a stop signal; False otherwise."""
         if self.work is not None:
             self.work.wait()
-            self.stopped = self.flag.item() > 0
+            self.stopped_by = int(self.flag.item())
         self.flag.fill_(float(self.received))
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group,
                                     async_op=True)
-        if self.stopped and dist.get_rank() == 0:
-            say(f"stopped by {signal.Signals(self.signum).name} after this step on every rank: the "
-                f"snapshot below holds every step trained; run the same command again to resume")
-        return self.stopped
+        if self.stopped_by and self.rank == 0:
+            name = signal.Signals(self.stopped_by).name
+            where = "" if self.received else " (received by another rank)"
+            say(f"stopped by {name}{where} after this step on every rank: the snapshot below "
+                f"holds every step trained; run the same command again to resume")
+        return bool(self.stopped_by)
 
     def close(self) -> None:
         """Collective, before the process group goes away: wait for the last
@@ -939,15 +1042,49 @@ class StopSignal:
         dist.barrier()
 
 
-def ignore_stop_signal(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: loader workers ignore SIGUSR1.
+def _write_now(text: str) -> None:
+    """Write to stderr from a signal handler: one unbuffered write, so that it
+    cannot collide with a print the handler interrupted."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
 
-    torchrun signals a rank's whole process group, loader workers included.
-    Forked workers inherit the rank's flag-setting handler (harmless), but
-    workers started by forkserver or spawn (Python 3.14's default on Linux is
-    forkserver) would die of it, and the rank with them, before it could save.
+
+def gloo_group() -> dist.ProcessGroup:
+    """Collective: a new gloo (CPU) group of all ranks, also in NCCL jobs.
+
+    gloo finds its own address from this host's name, or from the interface
+    GLOO_SOCKET_IFNAME names; on nodes where that name resolves to an address
+    the others cannot reach, it fails. Raises ConfigError then, naming the
+    variable and what it is set to.
     """
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        return dist.new_group(backend="gloo")
+    except RuntimeError as exc:
+        value = os.environ.get("GLOO_SOCKET_IFNAME")
+        setting = f"GLOO_SOCKET_IFNAME is {value!r}" if value else "GLOO_SOCKET_IFNAME is not set"
+        raise ConfigError(
+            f"gloo cannot set up its network on host {socket.gethostname()} ({first_line(exc)}); "
+            f"{setting}: set it to the network interface the nodes reach each other on "
+            f"(`ip -brief addr` lists them), e.g. GLOO_SOCKET_IFNAME=eth0; NCCL jobs need it "
+            f"too, for the CPU groups of the stop signal and the timeout report") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message, first line only."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def ignore_stop_signal(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: loader workers ignore the stop signals.
+
+    torchrun signals a rank's whole process group, and Slurm every process of
+    a job step, loader workers included. The rank decides when to stop; a
+    worker that died of SIGINT or SIGTERM (or, under forkserver or spawn,
+    Python 3.14's default on Linux, of SIGUSR1) would take the rank down with
+    it before it could save.
+    """
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 # --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, run)
+                      parse_test, run, script_env)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
 
@@ -258,35 +258,77 @@ def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
 
 
 # --------------------------------------------------------------------------
-# SIGUSR1 (a scheduler's warning) relayed by torchrun: stop, snapshot, resume
+# Stop signals relayed by torchrun: SIGUSR1 (a scheduler's warning), SIGTERM
+# (preemption, scontrol requeue, scancel), SIGINT (Ctrl-C): stop, snapshot, resume
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("accum", [1, 3])
-def test_sigusr1_stops_every_rank_after_one_step_and_the_run_resumes_exactly(tmp_path, accum):
-    """What slurm/multi_gpu.sh does on the warning, without Slurm (tests/test_slurm.py
-    runs the real thing): torchrun relays SIGUSR1 to the workers, which stop after
-    the same step and snapshot it; the same command then finishes the run, with
-    the weights of a run never interrupted. With gradient accumulation the stop
-    waits for the end of an optimizer step (no half-accumulated gradients lost)."""
-    args = ["--total_epochs", "12", "--batch_size", "8", "--grad_accum_steps", str(accum)]
+@pytest.mark.parametrize("signum,accum,nproc,workers", [
+    (signal.SIGUSR1, 1, 2, 0), (signal.SIGUSR1, 3, 2, 0),
+    (signal.SIGTERM, 1, 2, 0),
+    # Ctrl-C with 3 ranks (a resume must also lay out DDP's buckets as before:
+    # with 2 ranks a sum is the same in any order) and loader workers, which
+    # torchrun signals too (they must ignore it)
+    (signal.SIGINT, 1, 3, 2),
+], ids=["SIGUSR1", "SIGUSR1-accum3", "SIGTERM", "Ctrl-C-3ranks-2workers"])
+def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly(
+        tmp_path, signum, accum, nproc, workers):
+    """What slurm/multi_gpu.sh does on a warning or a preemption, without Slurm
+    (tests/test_stop_paths.py runs the real thing): torchrun relays the signal to
+    the workers, which stop after the same step and snapshot it; the same command
+    then finishes the run, with the weights of a run never interrupted. With
+    gradient accumulation the stop waits for the end of an optimizer step (no
+    half-accumulated gradients lost)."""
+    args = ["--total_epochs", "12", "--batch_size", "8", "--grad_accum_steps", str(accum),
+            "--num_workers", str(workers)]
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     interrupted.mkdir()
     reference.mkdir()
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2",
-                         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    nprocs = f"--nproc_per_node={nproc}"
+    launch = TORCHRUN + ["--standalone", nprocs, "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                          str(REPO / "multigpu_torchrun.py"), *args]
-    text = signal_when(launch, interrupted, "epoch 2/12", signal.SIGUSR1)
+    text = signal_when(launch, interrupted, "epoch 2/12", signum)
+    name = signal.Signals(signum).name
     stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt$", text, re.M)
-    assert len(stops) == 1 and "stopped by SIGUSR1" in text, text
+    assert len(stops) == 1 and text.count(f"stopped by {name}") == 1, text
     assert "test | loss" not in text  # stopped, not finished
+    if signum == signal.SIGINT:  # one line says what happens, no worker traceback
+        assert text.count("Ctrl-C: every rank stops after the current step") == 1, text
+        assert "KeyboardInterrupt" not in text, text
     epoch, step = stops[0]
     assert int(step) % accum == 0
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1
 
-    resumed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2",
-                                    REPO / "multigpu_torchrun.py", *args], interrupted))
+    resumed = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "multigpu_torchrun.py", *args],
+                        interrupted))
     assert f"resuming from snapshot snapshot.pt in epoch {epoch} after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 13))
-    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py", *args],
-              reference))
+    check(run(TORCHRUN + ["--standalone", nprocs, REPO / "multigpu_torchrun.py", *args], reference))
     assert_same_snapshot(interrupted / "snapshot.pt", reference / "snapshot.pt")
+
+
+def test_a_second_ctrl_c_quits_at_once_without_a_snapshot(tmp_path):
+    """Ctrl-C twice: torchrun sends its workers SIGINT, then SIGTERM; they quit
+    at once instead of finishing what the first one asked for. The first stop's
+    save is held up (the test hook hangs rank 0 inside it), as a slow save on a
+    busy file system would; the second Ctrl-C ends the run without a snapshot."""
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "multigpu_torchrun.py"),
+                         "--total_epochs", "200", "--save_every", "1000"]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        agent = subprocess.Popen([str(part) for part in launch], cwd=tmp_path, stdout=out,
+                                 stderr=subprocess.STDOUT, env=script_env(DDP_TEST_FAULT="save:0:1:hang"))
+        try:
+            for line, start_s in (("epoch 1/200", 120), ("DDP_TEST_FAULT: hang at save 1", 30)):
+                deadline = time.monotonic() + start_s
+                while line not in log.read_text():
+                    assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.1)
+                agent.send_signal(signal.SIGINT)
+            agent.wait(timeout=15)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    text = log.read_text()
+    assert text.count("Ctrl-C: every rank stops after the current step") == 1, text
+    assert "second stop request: quitting at once, without a snapshot" in text, text
+    assert not (tmp_path / "snapshot.pt").exists()
