@@ -454,10 +454,11 @@ def launcher_store(timeout: timedelta) -> dist.Store:
     Raises ConfigError when started by neither launcher.
     """
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:  # a task of an srun step
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
-                          WORLD_SIZE=os.environ.get("SLURM_STEP_NUM_TASKS", os.environ["SLURM_NTASKS"]))
-        os.environ.setdefault("MASTER_ADDR", first_host(
-            os.environ.get("SLURM_STEP_NODELIST", os.environ["SLURM_JOB_NODELIST"])))
+        env = os.environ
+        env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
+                   WORLD_SIZE=env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+        if "MASTER_ADDR" not in env:
+            env["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
         os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000))
     if "RANK" not in os.environ:
         script = os.path.basename(sys.argv[0])

@@ -42,9 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launcher (torchrun, srun) tells a script; a test's scripts never
+# inherit them from the environment pytest runs in.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID")
+
+
 def script_env(**extra: str) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
-    env.pop("RANK", None)  # never inherit a launcher's variables
+    """This environment without inherited launcher variables, then ``extra``
+    (a test's own MASTER_PORT, say, survives)."""
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env.update(PYTHONUNBUFFERED="1", **extra)
     return env
 
 

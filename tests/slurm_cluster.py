@@ -11,7 +11,14 @@ configuration, spool and log folders under a temporary directory:
   network namespace with its own address (10.200.0.1, .2 on a bridge whose
   root-side address 10.200.0.254 is the controller's), its own hostname (a
   UTS namespace) and two file-backed "GPUs": two hosts as far as Slurm,
-  torchrun and gloo can tell.
+  torchrun and gloo can tell;
+- partitions ``stops`` and ``urgent`` over six more such hosts,
+  ``ddp-stop1``..``ddp-stop6`` (10.200.0.11-16), each with 8 "GPUs" and 8
+  CPUs (more than the machine has: ``config_overrides``), for the stop-path
+  tests: preemption is on (``PreemptType=preempt/partition_prio``,
+  ``PreemptMode=REQUEUE``), and a job in ``urgent`` (``PriorityTier=10``)
+  preempts the ``stops`` jobs (tier 1) on its nodes after their
+  ``GraceTime`` (60 s).
 
 Settings that this kind of machine (a gVisor sandbox, as root) needs:
 ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none`` (no
@@ -40,6 +47,9 @@ from typing import Callable, Optional
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel",
             "ip", "nsenter", "unshare")
 NETNS_NODES = {"ddp-node1": "10.200.0.1", "ddp-node2": "10.200.0.2"}
+STOP_NODES = {f"ddp-stop{i}": f"10.200.0.{10 + i}" for i in range(1, 7)}
+STOP_NODE_SIZE = 8  # CPUs and "GPUs" of each stop-path host
+GRACE_TIME_S = 60
 BRIDGE, BRIDGE_ADDR = "ddpbr0", "10.200.0.254"
 # The interface carrying each namespace host's address; the same name on both
 # hosts, so one GLOO_SOCKET_IFNAME serves every node.
@@ -101,7 +111,7 @@ class SlurmCluster:
             self._make_network()
             self._start(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
             self._start(["slurmd", "-D", "-f", str(self.conf), "-N", self.hostname], "slurmd-local")
-            for node in NETNS_NODES:
+            for node in {**NETNS_NODES, **STOP_NODES}:
                 # A network namespace for the address, a UTS namespace for the
                 # hostname; jobs started by this slurmd inherit both.
                 self._start(["nsenter", f"--net=/var/run/netns/{node}", "unshare", "--uts", "sh", "-c",
@@ -116,9 +126,9 @@ class SlurmCluster:
         for sub in ("state", "spool", "log", "gres", "munge"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         gres_lines = ["AutoDetect=off"]
-        for node in (self.hostname, *NETNS_NODES):
+        for node in (self.hostname, *NETNS_NODES, *STOP_NODES):
             files = []
-            for index in range(GPUS_PER_NODE):
+            for index in range(STOP_NODE_SIZE if node in STOP_NODES else GPUS_PER_NODE):
                 path = self.root / "gres" / f"{node}-gpu{index}"
                 path.touch()  # slurmd warns these are not devices; the node still goes idle
                 files.append(str(path))
@@ -133,6 +143,9 @@ class SlurmCluster:
         nodes += [f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory=4096 "
                   f"Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
                   for node, addr in NETNS_NODES.items()]
+        nodes += [f"NodeName={node} NodeAddr={addr} CPUs={STOP_NODE_SIZE} RealMemory=4096 "
+                  f"Gres=gpu:{STOP_NODE_SIZE} State=UNKNOWN" for node, addr in STOP_NODES.items()]
+        stop_nodes = ",".join(STOP_NODES)
         config = f"""\
 ClusterName=ddptest
 SlurmctldHost={self.hostname}({BRIDGE_ADDR})
@@ -159,11 +172,16 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
 ReturnToService=2
+SlurmdParameters=config_overrides
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 MinJobAge=3600
 KillWait=30
 {chr(10).join(nodes)}
 PartitionName=single Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=stops Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_TIME_S}
+PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
         self.conf.write_text(config)
 
@@ -183,7 +201,7 @@ PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP Over
         self._bridge_made = True
         _run("ip", "addr", "add", f"{BRIDGE_ADDR}/24", "dev", BRIDGE)
         _run("ip", "link", "set", BRIDGE, "up")
-        for index, (node, addr) in enumerate(NETNS_NODES.items(), start=1):
+        for index, (node, addr) in enumerate({**NETNS_NODES, **STOP_NODES}.items(), start=1):
             _run("ip", "netns", "add", node)
             self._netns_made.append(node)
             _run("ip", "link", "add", f"ddpv{index}", "type", "veth", "peer", "name", NODE_IFACE,
@@ -195,7 +213,7 @@ PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP Over
             _run("ip", "-n", node, "link", "set", "lo", "up")
         with open("/etc/hosts", "a") as hosts:
             self._hosts_added = True
-            for node, addr in NETNS_NODES.items():
+            for node, addr in {**NETNS_NODES, **STOP_NODES}.items():
                 hosts.write(f"{addr} {node} {HOSTS_MARK}\n")
 
     def _start(self, cmd: list[str], name: str) -> None:
@@ -214,7 +232,7 @@ PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP Over
                 states = self.node_states()
             except subprocess.CalledProcessError:  # the controller is not answering yet
                 states = {}
-            if len(states) == 1 + len(NETNS_NODES) and set(states.values()) == {"idle"}:
+            if len(states) == 1 + len(NETNS_NODES) + len(STOP_NODES) and set(states.values()) == {"idle"}:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"nodes not idle after {timeout_s} s: {states!r}\n{self.logs()}")
@@ -343,7 +361,8 @@ PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP Over
         """What of this cluster is still there (after ``stop()``: should be nothing)."""
         found = [f"process {pid}" for pid in self._processes()]
         namespaces = _run("ip", "netns", "list", check=False).stdout
-        found += [f"network namespace {node}" for node in NETNS_NODES if node in namespaces]
+        found += [f"network namespace {node}" for node in {**NETNS_NODES, **STOP_NODES}
+                  if node in namespaces.split()]
         if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
             found.append(f"bridge {BRIDGE}")
         found += [f"/etc/hosts: {line.strip()}" for line in open("/etc/hosts") if HOSTS_MARK in line]

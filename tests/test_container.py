@@ -391,7 +391,7 @@ def test_multi_gpu_wrapper_runs_torchrun_in_the_container(image, cluster, tmp_pa
     assert f"job {job} on " in log and "| 2 processes |" in log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]
     assert parse_test(log)["acc"] > 0.8
-    assert (tmp_path / f"snapshot-{job}.pt").is_file()
+    assert (tmp_path / "snapshot-multi_gpu.pt").is_file()  # named after the job: a resubmission resumes
 
 
 def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_path):
@@ -407,4 +407,4 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
     assert {rank for rank, _ in seen} == {0, 1} and {host for _, host in seen} == set(NETNS_NODES), log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
-    assert (tmp_path / f"snapshot-{job}.pt").is_file()
+    assert (tmp_path / "snapshot-multi_node.pt").is_file()

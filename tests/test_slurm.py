@@ -1,24 +1,25 @@
 """The sbatch wrappers in slurm/, run unchanged under a real Slurm cluster
-(slurmctld + three slurmd, see slurm_cluster.py): one node with two "GPUs"
+(slurmctld + slurmd daemons, see slurm_cluster.py): one node with two "GPUs"
 for single_gpu.sh and multi_gpu.sh, two hosts in network namespaces for
-multi_node.sh; a warning signal mid-training, requeue and resume; and
-multinode.py across the two hosts with plain torchrun.
+multi_node.sh and multi_node_srun.sh, and multinode.py across the two hosts
+with plain torchrun. Every way Slurm stops a job: tests/test_stop_paths.py.
 
 Options on sbatch's command line (resources this machine has, partition,
 --chdir for the output) override the wrappers' #SBATCH lines, as a user's
 would; the wrappers themselves are submitted as they are in the repo.
 """
 
+import datetime
+import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN, assert_same_snapshot, build_mnist_root, epochs, parse_test, \
-    run_together, script_env, snapshot_tensors
+from conftest import LAUNCHER_VARIABLES, REPO, TORCHRUN, build_mnist_root, epochs, parse_test, \
+    run_together, script_env
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
@@ -66,14 +67,17 @@ def test_multi_gpu_wrapper_runs_one_worker_per_gpu(cluster, tmp_path):
     assert f"job {job} on " in log and "| 2 processes |" in log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]
     assert parse_test(log)["acc"] > 0.8
-    config = torch.load(tmp_path / f"snapshot-{job}.pt", weights_only=True)["config"]
+    # The snapshot is named after the job, so that the same command submitted again resumes.
+    config = torch.load(tmp_path / "snapshot-multi_gpu.pt", weights_only=True)["config"]
     # two workers, from the two GPUs Slurm granted; the flags passed through
     assert config["world_size"] == 2 and config["dataset"] == "mnist"
-    # and one GPU gives one worker, with no edit to the wrapper
-    job = submit(cluster, tmp_path, "multi_gpu.sh", "--total_epochs", "1", sbatch=["--gres=gpu:1"])
-    _, log = finished(cluster, tmp_path, job, "multi_gpu")
+    # and one GPU gives one worker, with no edit to the wrapper; another job
+    # name starts afresh beside the first run's snapshot
+    job = submit(cluster, tmp_path, "multi_gpu.sh", "--total_epochs", "1",
+                 sbatch=["--gres=gpu:1", "--job-name=one_gpu"])
+    _, log = finished(cluster, tmp_path, job, "one_gpu")
     assert "| 1 processes |" in log
-    assert torch.load(tmp_path / f"snapshot-{job}.pt", weights_only=True)["config"]["world_size"] == 1
+    assert torch.load(tmp_path / "snapshot-one_gpu.pt", weights_only=True)["config"]["world_size"] == 1
 
 
 def test_multi_node_wrapper_two_hosts_four_ranks(cluster, tmp_path):
@@ -88,69 +92,39 @@ def test_multi_node_wrapper_two_hosts_four_ranks(cluster, tmp_path):
         or seen == {(0, 0, "ddp-node2"), (1, 1, "ddp-node2"), (2, 0, "ddp-node1"), (3, 1, "ddp-node1")}, log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
-    assert torch.load(tmp_path / f"snapshot-{job}.pt", weights_only=True)["config"]["world_size"] == 4
+    assert torch.load(tmp_path / "snapshot-multi_node.pt", weights_only=True)["config"]["world_size"] == 4
 
 
-@pytest.mark.parametrize("wrapper,name,sbatch,env,script,nproc", [
-    ("multi_gpu.sh", "multi_gpu", ["--gres=gpu:2"], {}, "multigpu_torchrun.py", 2),
-    ("multi_node.sh", "multi_node", [*MULTI, "--gres=gpu:1"], {"GLOO_SOCKET_IFNAME": NODE_IFACE},
-     "multinode.py", 2),
-])
-def test_warning_signal_snapshots_requeues_and_resumes(cluster, tmp_path, wrapper, name, sbatch, env,
-                                                       script, nproc):
-    """SIGUSR1 to the batch shell mid-training (what --signal=B:USR1@90 sends):
-    all ranks stop after the same step, the snapshot is saved, the job is
-    requeued and resumes there; the final weights equal an uninterrupted run's."""
-    args = ["--total_epochs", "16", "--batch_size", "8"]
-    job = submit(cluster, tmp_path, wrapper, *args, sbatch=sbatch, env=env)
-    out = tmp_path / f"{name}-{job}.out"
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (out.exists() and "epoch 2/16" in out.read_text()):
-        assert time.monotonic() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), \
-            f"{cluster.job(job)}\n{out.read_text() if out.exists() else ''}"
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=cluster.env, check=True)
-    # Requeued: pending again, restart count 1.
-    while True:
-        info = cluster.job(job)
-        if info["JobState"] == "PENDING" and int(info["Restarts"]) >= 1:
-            break
-        assert info["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING") \
-            and time.monotonic() < deadline, f"{info}\n{out.read_text()}"
-        time.sleep(0.2)
-    # Slurm holds a requeued job for about 2 minutes, so that the node has
-    # cleaned up after the previous run; a test need not wait that long, only
-    # until the nodes are no longer completing that run, plus 2 s: slurmd
-    # refuses a launch credential issued in the same second as the revocation
-    # of the previous one ("Job credential revoked").
-    while any("comp" in state for state in cluster.node_states().values()):
-        assert time.monotonic() < deadline, cluster.node_states()
-        time.sleep(0.2)
-    time.sleep(2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
-    info, log = finished(cluster, tmp_path, job, name)
-    assert int(info["Restarts"]) == 1 and info["ExitCode"] == "0:0"
+def test_srun_wrapper_one_task_per_gpu_on_two_hosts(cluster, tmp_path):
+    """slurm/multi_node_srun.sh: srun starts 2 tasks on each of 2 hosts, no
+    torchrun; each takes its rank from Slurm and meets the others on the
+    job's first host."""
+    job = submit(cluster, tmp_path, "multi_node_srun.sh", "--total_epochs", "2",
+                 sbatch=[*MULTI, "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"],
+                 env={"GLOO_SOCKET_IFNAME": NODE_IFACE})
+    info, log = finished(cluster, tmp_path, job, "multi_node_srun")
+    assert f"| 2 nodes (ddp-node[1-2]) x 2 tasks | rendezvous ddp-node1:{15000 + job % 15000} |" in log
+    seen = {(int(rank), int(local), host) for rank, local, host, _ in RANK_LINE.findall(log)}
+    # srun's default block distribution: ranks 0, 1 on the first host, 2, 3 on the second
+    assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")}, log
+    assert [e["epoch"] for e in epochs(log)] == [1, 2]
+    assert torch.load(tmp_path / "snapshot-multi_node_srun.pt", weights_only=True)["config"]["world_size"] == 4
 
-    first, second = log.split("| restart 1 |")
-    assert "| restart 0 |" in first and "got the warning signal" in first
-    stop = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot-\d+\.pt$", first, re.M)
-    assert stop and "stopped by SIGUSR1" in first and "requeueing job" in first, first
-    epoch, step = stop.groups()
-    assert f"resuming from snapshot snapshot-{job}.pt in epoch {epoch} after step {step}" in second
-    # Every epoch summarised exactly once over the two attempts: nothing lost, nothing redone.
-    assert [e["epoch"] for e in epochs(first)] == list(range(1, int(epoch)))
-    assert [e["epoch"] for e in epochs(second)] == list(range(int(epoch), 17))
-    assert parse_test(second)
 
-    # The same training without interruption, plain torchrun on this machine.
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    result = subprocess.run(TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(REPO / script),
-                                        *args], cwd=reference, env=script_env(), capture_output=True,
-                            text=True, timeout=JOB_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert snapshot_tensors(tmp_path / f"snapshot-{job}.pt")[0] == 16
-    assert_same_snapshot(tmp_path / f"snapshot-{job}.pt", reference / "snapshot.pt")
+def test_srun_task_gets_its_rank_from_slurm(monkeypatch):
+    """launcher_store under srun without torchrun: rank, local rank and world
+    size from the task's Slurm variables, the rendezvous from the job."""
+    import train_utils
+
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("SLURM_") and key not in LAUNCHER_VARIABLES}
+    env.update(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_STEP_NUM_TASKS="8",
+               SLURM_NTASKS="8", SLURM_JOB_ID="31337", SLURM_STEP_NODELIST="gpu[07-09,12],cpu1")
+    monkeypatch.setattr(os, "environ", env)  # a copy: nothing leaks into later tests
+    with pytest.raises(RuntimeError):  # no host gpu07 here: the connection fails, after the variables are set
+        train_utils.launcher_store(datetime.timedelta(milliseconds=1))
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("5", "1", "8")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("gpu07", str(15000 + 31337 % 15000))
 
 
 def test_multinode_plain_torchrun_across_two_hosts(cluster, tmp_path):
@@ -182,7 +156,7 @@ def test_submitted_from_the_wrong_folder_fails_clearly(cluster, tmp_path):
         f"(cd ddp-scripts && sbatch slurm/multi_gpu.sh) or set PROJECT_DIR"]
 
 
-@pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh"])
+@pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"])
 def test_wrapper_outside_sbatch_says_how_to_submit(wrapper):
     env = {key: value for key, value in script_env().items() if not key.startswith("SLURM_")}
     result = subprocess.run(["bash", f"slurm/{wrapper}"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -192,7 +166,7 @@ def test_wrapper_outside_sbatch_says_how_to_submit(wrapper):
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh"])
+@pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"])
 def test_every_sbatch_line_is_explained_and_nothing_is_hard_coded(wrapper):
     text = (REPO / "slurm" / wrapper).read_text()
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]

@@ -1,0 +1,306 @@
+"""Every way a real Slurm cluster stops a job, driven by Slurm itself.
+
+The session's test cluster (slurm_cluster.py) has preemption on: partition
+``stops`` (tier 1, GraceTime 60 s) and partition ``urgent`` (tier 10) over the
+same six hosts. No signal is sent by hand:
+
+- preemption: a high-priority ``sbatch -p urgent --exclusive`` job takes the
+  nodes of a running ``multi_gpu.sh``, ``multi_node.sh`` (2 hosts) and
+  ``multi_node_srun.sh`` (2 hosts x 2 tasks) job; Slurm sends the step SIGTERM;
+- the time limit: ``--time=3`` against the wrapper's own
+  ``#SBATCH --signal=B:USR1@90``, on an array task (requeued as ``<id>_7``);
+- ``scontrol requeue`` and ``scancel``.
+
+``--snapshot_every_steps`` is left unset, so only the stop itself can write a
+mid-epoch snapshot. Every scenario runs side by side with the others on its
+own nodes (one module fixture drives them all in threads); each test then
+checks one: the job's end state, that each run resumes exactly where the one
+before saved, that every epoch is summarised once, and that the final weights
+equal those of an uninterrupted run, bitwise.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from conftest import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env
+from slurm_cluster import NODE_IFACE
+
+SMALL = ["--mem=1G", "--cpus-per-task=1"]
+SCENARIO_TIMEOUT_S = 900
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+HEADER = re.compile(r"^job \d+ .*\| restart (\d+) \|", re.M)
+STOP = re.compile(r"^epoch (\d+) step (\d+) \| snapshot saved at (\S+)$", re.M)
+SAVED = re.compile(r"^epoch (\d+) (?:step (\d+) )?\| snapshot saved at", re.M)
+RESUME = re.compile(r"^resuming from snapshot (\S+) (?:in epoch (\d+) after step (\d+)|after epoch (\d+))$",
+                    re.M)
+
+
+@dataclass
+class Scenario:
+    """One job and what is done to it. ``trigger(cluster, job_id, nodes)`` stops
+    it (None: its time limit does); ``reference`` is the uninterrupted run."""
+    name: str
+    wrapper: str
+    nodes: str
+    sbatch: list
+    args: list
+    trigger: Optional[Callable]
+    reference: tuple  # (script, processes)
+    resubmit: bool = False  # after it ends (scancel), submit the same command again
+    # filled in by the driver
+    jobs: list = field(default_factory=list)
+    logs: list = field(default_factory=list)
+    infos: list = field(default_factory=list)
+    signal_to_exit_s: Optional[float] = None
+    error: str = ""
+
+
+def preempt(cluster, job: int, nodes: str) -> None:
+    """A high-priority job that needs the whole of the job's nodes."""
+    count = len(subprocess.run(["scontrol", "show", "hostnames", nodes], env=cluster.env, capture_output=True,
+                               text=True, check=True).stdout.split())
+    cluster.sbatch(["-p", "urgent", "--exclusive", f"--nodelist={nodes}", f"--nodes={count}", *SMALL,
+                    "--time=5", "--job-name=urgent", "--output=/dev/null", "--wrap", "sleep 5"], cwd=REPO)
+
+
+def scontrol_requeue(cluster, job: int, nodes: str) -> None:
+    subprocess.run(["scontrol", "requeue", str(job)], env=cluster.env, check=True)
+
+
+def scancel(cluster, job: int, nodes: str) -> None:
+    subprocess.run(["scancel", str(job)], env=cluster.env, check=True)
+
+
+SHORT = ["--total_epochs", "20", "--batch_size", "8"]
+# More training than one run of --time=3 holds: the warning comes 90-150 s
+# before the limit, 30-90 s into a run.
+LONG = ["--total_epochs", "300", "--batch_size", "8", "--save_every", "50"]
+GPUS_2 = ["--gres=gpu:2"]
+SCENARIOS = [
+    Scenario("preempt-multi_gpu", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
+             ("multigpu_torchrun.py", 2)),
+    Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", "--gres=gpu:1"], SHORT,
+             preempt, ("multinode.py", 2)),
+    Scenario("preempt-srun", "multi_node_srun.sh", "ddp-stop[4-5]",
+             ["--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"], SHORT, preempt, ("multinode.py", 4)),
+    Scenario("time-limit", "multi_gpu.sh", "ddp-stop6", [*GPUS_2, "--time=3", "--array=7"], LONG, None,
+             ("multigpu_torchrun.py", 2)),
+    Scenario("scontrol-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
+             ("multigpu_torchrun.py", 2)),
+    Scenario("scancel", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scancel, ("multigpu_torchrun.py", 2),
+             resubmit=True),
+]
+
+
+def _submit(cluster, scenario: Scenario, folder: Path) -> int:
+    time_limit = [] if any(a.startswith("--time") for a in scenario.sbatch) else ["--time=15"]
+    return cluster.sbatch([f"--chdir={folder}", "-p", "stops", f"--nodelist={scenario.nodes}", *SMALL,
+                           *time_limit, f"--job-name={scenario.name}", *scenario.sbatch,
+                           f"slurm/{scenario.wrapper}", *scenario.args], cwd=REPO,
+                          env={"VENV_DIR": sys.prefix, "GLOO_SOCKET_IFNAME": NODE_IFACE})
+
+
+def _log(folder: Path, scenario: Scenario, job: int) -> str:
+    path = folder / f"{scenario.name}-{job}.out"  # %x-%j.out; an array task's %j is its own job id
+    return path.read_text() if path.exists() else ""
+
+
+def _release_when_requeued(cluster, job: int, info: dict, nodes: str, released: set) -> None:
+    """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime) while
+    its nodes clean up; a test need not wait that long, only until the job's
+    nodes no longer complete the last run, plus 2 s: slurmd refuses a launch
+    credential issued in the same second as the revocation of the previous one."""
+    restarts = int(info.get("Restarts", 0))
+    if info.get("Reason") != "BeginTime" or restarts in released:
+        return
+    states = subprocess.run(["sinfo", "-h", "-N", "-n", nodes, "-o", "%t"], env=cluster.env,
+                            capture_output=True, text=True).stdout
+    if "comp" in states:
+        return
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
+    released.add(restarts)
+
+
+def _drive(cluster, scenario: Scenario, folder: Path) -> None:
+    deadline = time.monotonic() + SCENARIO_TIMEOUT_S
+    job = _submit(cluster, scenario, folder)
+    scenario.jobs.append(job)
+    total = scenario.args[scenario.args.index("--total_epochs") + 1]
+    if scenario.trigger:
+        while f"epoch 2/{total}" not in _log(folder, scenario, job):
+            assert time.monotonic() < deadline, f"never reached epoch 2:\n{_log(folder, scenario, job)}"
+            time.sleep(0.2)
+        signalled = time.monotonic()
+        scenario.trigger(cluster, job, scenario.nodes)
+    released: set = set()
+    while True:
+        info = cluster.job(job)
+        if scenario.trigger and scenario.signal_to_exit_s is None and info["JobState"] != "RUNNING":
+            scenario.signal_to_exit_s = time.monotonic() - signalled
+        if info["JobState"] in ENDED:
+            break
+        assert time.monotonic() < deadline, f"{info}\n{_log(folder, scenario, job)}"
+        if info["JobState"] == "PENDING":
+            _release_when_requeued(cluster, job, info, scenario.nodes, released)
+        time.sleep(0.5)
+    scenario.infos.append(info)
+    scenario.logs.append(_log(folder, scenario, job))
+    if scenario.resubmit:  # the same sbatch command again: it resumes
+        job = _submit(cluster, scenario, folder)
+        scenario.jobs.append(job)
+        scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
+        scenario.logs.append(_log(folder, scenario, job))
+
+
+def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    result = subprocess.run(TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(REPO / script), *args],
+                            cwd=folder, env=script_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder / "snapshot.pt"
+
+
+@pytest.fixture(scope="module")
+def stopped(slurm_cluster, tmp_path_factory):
+    """Runs every scenario side by side (one thread each) and the uninterrupted
+    reference runs one after another beside them; returns
+    ({name: (scenario, its folder)}, {(script, processes, args): snapshot})."""
+    root = tmp_path_factory.mktemp("stops")
+    threads, folders = [], {}
+    for scenario in SCENARIOS:
+        folders[scenario.name] = folder = root / scenario.name
+        folder.mkdir()
+
+        def target(scenario=scenario, folder=folder):
+            try:
+                _drive(slurm_cluster, scenario, folder)
+            except BaseException as exc:  # noqa: BLE001 - reported by the scenario's test
+                scenario.error = f"{type(exc).__name__}: {exc}"
+
+        threads.append(threading.Thread(target=target, daemon=True))
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    references = {}
+    for scenario in SCENARIOS:
+        key = (*scenario.reference, tuple(scenario.args))
+        if key not in references:
+            references[key] = _reference(*scenario.reference, scenario.args, root / f"reference-{len(references)}")
+    for thread in threads:
+        thread.join(SCENARIO_TIMEOUT_S + 60)
+    print(f"\nstop paths: every scenario ended after {time.monotonic() - started:.0f} s")
+    return {s.name: s for s in SCENARIOS}, folders, references
+
+
+def runs(log: str) -> list:
+    """The log of each run of a job (a requeued job appends to its log)."""
+    starts = [m.start() for m in HEADER.finditer(log)]
+    return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
+
+
+def check_resumes_exactly(texts: list, total: int) -> list:
+    """Each run resumes at the last position any run before it saved; every
+    epoch is summarised once over all runs, in order. Returns the mid-epoch
+    stops [(epoch, step)]."""
+    saved, stops, summarised = None, [], []
+    for index, text in enumerate(texts):
+        resumed = RESUME.search(text)
+        if saved is None:
+            assert not resumed, text
+        else:
+            assert resumed, f"run {index} did not resume:\n{text}"
+            position = (resumed.group(2), resumed.group(3)) if resumed.group(2) else (resumed.group(4), None)
+            assert position == saved, f"run {index} resumed at {position}, the last save was {saved}"
+        summarised += [e["epoch"] for e in epochs(text)]
+        for match in SAVED.finditer(text):
+            saved = (match.group(1), match.group(2))
+        stops += [(int(e), int(s)) for e, s, _ in STOP.findall(text)]
+    assert summarised == list(range(1, total + 1)), summarised
+    return stops
+
+
+def show(scenario: Scenario) -> str:
+    return f"{scenario.error}\n{scenario.infos}\n" + "\n=====\n".join(scenario.logs)
+
+
+@pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt])
+def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name):
+    scenarios, folders, references = stopped
+    scenario = scenarios[name]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
+    texts = runs(log)
+    # Slurm's SIGTERM reached the step (not the batch shell): every rank stopped after one step
+    assert "stopped by SIGTERM" in texts[0] and "(preempted at " in texts[0], texts[0]
+    stops = check_resumes_exactly(texts, 20)
+    assert len(stops) >= 1
+    print(f"{name}: stopped at epoch {stops[0][0]} step {stops[0][1]}, {len(texts)} runs, "
+          f"{scenario.signal_to_exit_s:.1f} s from the preemption to the job leaving RUNNING")
+    assert parse_test(texts[-1])
+    if name == "preempt-srun":  # 2 hosts x 2 tasks, ranks from Slurm
+        assert "| 2 nodes (ddp-stop[4-5]) x 2 tasks |" in texts[0] and "world_size 4" in texts[0]
+    snapshot = folders[name] / f"snapshot-{name}.pt"
+    assert_same_snapshot(snapshot, references[(*scenario.reference, tuple(scenario.args))])
+
+
+def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
+    scenarios, folders, references = stopped
+    scenario = scenarios["time-limit"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
+    texts = runs(log)
+    assert len(texts) >= 2
+    # The wrapper's own #SBATCH --signal=B:USR1@90 warned the batch shell, which
+    # relayed it and requeued the array task as itself.
+    array_task = f"{info['ArrayJobId']}_7"
+    assert "batch shell got SIGUSR1" in texts[0] and f"requeueing job {array_task}" in texts[0], texts[0]
+    stops = check_resumes_exactly(texts, 300)
+    assert stops and "stopped by SIGUSR1" in texts[0]
+    print(f"time-limit: {len(texts)} runs, stops at {stops}")
+    assert_same_snapshot(folders["time-limit"] / "snapshot-time-limit-7.pt",
+                         references[(*scenario.reference, tuple(scenario.args))])
+
+
+def test_scontrol_requeue_snapshots_and_slurm_requeues(stopped):
+    scenarios, folders, references = stopped
+    scenario = scenarios["scontrol-requeue"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, show(scenario)
+    texts = runs(log)
+    # SIGTERM to every process of the job, the batch shell too; Slurm requeued it, not the shell
+    assert "batch shell got SIGTERM" in texts[0] and "requeueing job" not in texts[0], texts[0]
+    stops = check_resumes_exactly(texts, 20)
+    assert len(stops) == 1, texts
+    print(f"scontrol-requeue: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
+    assert_same_snapshot(folders["scontrol-requeue"] / "snapshot-scontrol-requeue.pt",
+                         references[(*scenario.reference, tuple(scenario.args))])
+
+
+def test_scancel_snapshots_and_the_same_command_resumes(stopped):
+    scenarios, folders, references = stopped
+    scenario = scenarios["scancel"]
+    assert not scenario.error, show(scenario)
+    (cancelled, again), (first_log, second_log) = scenario.infos, scenario.logs
+    # Cancelled, not requeued, with the snapshot of the step it stopped at on disk
+    assert cancelled["JobState"] == "CANCELLED" and int(cancelled["Restarts"]) == 0, show(scenario)
+    assert "batch shell got SIGTERM" in first_log and "requeueing" not in first_log, first_log
+    assert again["JobState"] == "COMPLETED", show(scenario)
+    stops = check_resumes_exactly([first_log, second_log], 20)
+    assert len(stops) == 1, first_log
+    print(f"scancel: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
+    assert_same_snapshot(folders["scancel"] / "snapshot-scancel.pt",
+                         references[(*scenario.reference, tuple(scenario.args))])
