@@ -102,3 +102,45 @@ def test_atomic_save_failure_keeps_the_old_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["snap.pt"]
 
 
+
+
+COMPILE_WORKERS_PROBE = r"""
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[1])
+import train_utils
+before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+train_utils.compile_model(torch.nn.Linear(2, 2), True)
+children = [int(pid) for pid in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()]
+masks = []
+for pid in children:
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+    masks.append(int(status["SigBlk"], 16))
+print(len(children), all(mask >> (s - 1) & 1 for mask in masks for s in (10, 15, 2)),
+      signal.pthread_sigmask(signal.SIG_BLOCK, []) == before)
+os._exit(0)
+"""
+
+
+def test_compile_workers_start_with_the_stop_signals_blocked(tmp_path):
+    """torchrun signals a rank's whole process group: inductor's compile
+    workers must not die of a stop signal meant for the rank. compile_model
+    starts them with SIGUSR1, SIGTERM and SIGINT blocked (a mask its workers
+    inherit), and leaves the rank's own mask as it was."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, script_env
+
+    result = subprocess.run([sys.executable, "-c", COMPILE_WORKERS_PROBE, str(REPO)], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path,
+                            env=script_env(TORCHINDUCTOR_COMPILE_THREADS="2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    children, all_blocked, own_mask_kept = result.stdout.split()[-3:]
+    assert int(children) >= 1 and all_blocked == "True" and own_mask_kept == "True", result.stdout
+
+
+def test_first_host_of_a_slurm_hostlist():
+    assert train_utils.first_host("ddp-node[1-2]") == "ddp-node1"
+    assert train_utils.first_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert train_utils.first_host("a,b") == "a"
+    assert train_utils.first_host("rack[2-3]-n[4,6]") == "rack2-n4"
