@@ -73,6 +73,12 @@ def parse_test(stdout: str) -> dict:
     return {k: float(v) for k, v in m.groupdict().items() if v is not None}
 
 
+def stdout_lines(stdout: str) -> list[str]:
+    """A run's stdout lines, less gloo's "[Gloo] Rank 0 is connected to 1 peer
+    ranks ..." banner, which torch 2.8 prints there in some cases."""
+    return [line for line in stdout.splitlines() if not line.startswith("[Gloo] ")]
+
+
 def error_lines(stderr: str) -> list[str]:
     """The scripts' one-line errors ("error: ...") in a run's stderr."""
     return [line for line in stderr.splitlines() if line.startswith("error: ")]

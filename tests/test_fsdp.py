@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (REPO, TORCHRUN, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, plain_task, run, signal_when)
+                      parse_test, plain_task, run, signal_when, stdout_lines)
 from test_distributed_correctness import N_EVAL, _eval_problem
 
 import common
@@ -108,7 +108,7 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
     assert worst <= 1e-5
     assert all(not torch.allclose(weights[n], start[n], atol=1e-3) for n in start)  # training moved them
 
-    assert result.stdout.splitlines()[0] == (
+    assert stdout_lines(result.stdout)[0] == (
         f"device cpu | backend gloo | world_size {world_size} | global batch size {global_batch} = "
         f"batch_size {batch_size} x grad_accum_steps {accum} x world_size {world_size}")
     assert len(epochs(result.stdout)) == 1 and parse_test(result.stdout)["loss"] < 0.1
