@@ -360,12 +360,35 @@ def unusable_gpu_reason() -> Optional[str]:
     return "; ".join(reasons) or "torch.cuda.is_available() is False"
 
 
+# The oldest torch the scripts are tested on (requirements-oldest.txt). Older ones
+# can hang at the exit of a finished run (gloo teardown, fixed in 2.8); see docs/install.md.
+OLDEST_TORCH = (2, 8)
+# The first torch whose gloo averages in reduce_scatter(ReduceOp.AVG); older ones sum.
+GLOO_AVG_REDUCE_SCATTER = (2, 10)
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch, e.g. (2, 8) for "2.8.0+cu128"."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
+
+
+def check_fsdp_backend() -> None:
+    """FSDP2 averages gradients with reduce_scatter(ReduceOp.AVG), which gloo
+    before torch 2.10 sums (measured by tests/test_train_utils.py): on the CPU
+    the gradients would come out world_size times too large. Refused there."""
+    if dist.get_backend() == "gloo" and torch_version() < GLOO_AVG_REDUCE_SCATTER:
+        raise ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer: torch {torch.__version__}'s "
+                          f"gloo sums where FSDP averages gradients; pip install 'torch>=2.10', or train on GPUs")
+
+
 def run_line(device: torch.device, args: argparse.Namespace) -> str:
     """The start-up line: what runs where, and the global batch size.
 
     E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
     batch_size 32 x grad_accum_steps 1 x world_size 2``; preceded by a
-    ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``).
+    ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``),
+    and one when torch is older than ``OLDEST_TORCH``.
     """
     world_size = dist.get_world_size() if _is_distributed() else 1
     backend = dist.get_backend() if _is_distributed() else "none"
@@ -377,6 +400,9 @@ def run_line(device: torch.device, args: argparse.Namespace) -> str:
     if reason:
         line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
                 f"training on the CPU. Install the torch build that matches your driver\n" + line)
+    if torch_version() < OLDEST_TORCH:
+        line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
+                f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
     return line
 
 

@@ -23,6 +23,10 @@ import common
 import train_utils
 
 FSDP = REPO / "multinode_fsdp.py"
+# These tests run on the CPU, where multinode_fsdp.py refuses gloo before torch 2.10 (it
+# sums in reduce_scatter; tests/test_train_utils.py measures that and tests the refusal).
+pytestmark = pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+                                reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
 MEMORY_LINE = re.compile(r"^state per rank: .* \((?P<bytes>\d+) bytes, rank (?P<rank>\d+) of "
                          r"(?P<world>\d+)\); DDP would hold .* \((?P<ddp>\d+) bytes\), (?P<ratio>\S+)x$",
                          re.M)
