@@ -75,8 +75,11 @@ def parse_test(stdout: str) -> dict:
 
 def stdout_lines(stdout: str) -> list[str]:
     """A run's stdout lines, less gloo's "[Gloo] Rank 0 is connected to 1 peer
-    ranks ..." banner, which torch 2.8 prints there in some cases."""
-    return [line for line in stdout.splitlines() if not line.startswith("[Gloo] ")]
+    ranks. Expected number of connected peer ranks is : 1" banner, which torch
+    2.8 prints there in some cases, each rank in pieces: two ranks' banners can
+    interleave into lines that start mid-banner."""
+    return [line for line in stdout.splitlines()
+            if "[Gloo] " not in line and "connected peer ranks is" not in line]
 
 
 def error_lines(stderr: str) -> list[str]:
