@@ -158,7 +158,8 @@ def training_timeout(args: argparse.Namespace) -> None:
     if not _is_distributed() or getattr(args, "pg_timeout_s", None) is None:
         return
     timeout = timedelta(seconds=args.pg_timeout_s)
-    # torch.distributed.set_timeout (torch 2.10+) replaced the private _set_pg_timeout.
+    # torch.distributed.set_timeout (in 2.15, not in 2.10) replaced the private _set_pg_timeout.
+    # gloo before torch 2.10 ignores both and keeps the start-up timeout (docs/install.md).
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     set_timeout(timeout)  # the default group
     if "group" in _MONITOR:
