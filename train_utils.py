@@ -70,6 +70,15 @@ def report_to_torchrun(line: str) -> None:
             "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
 
 
+def let_rank_0_fail_first() -> None:
+    """Under torchrun, a rank other than 0 leaving quietly on an error that rank 0
+    reports waits a few seconds first: torchrun names the first rank to fail as the
+    root cause and stops the others, so on a loaded machine a quiet rank could
+    otherwise cut rank 0 off before its line (seen with torch 2.8 at load 18)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("RANK", "0") != "0":
+        time.sleep(5)
+
+
 def exit_on_config_error(fn: Callable) -> Callable:
     """Decorator for a script's ``main``: a ConfigError becomes one line on
     stderr (``error: ...``), torchrun's root cause, and exit status 2, without
@@ -93,6 +102,7 @@ def exit_on_config_error(fn: Callable) -> Callable:
             if not _is_distributed() or dist.get_rank() == 0:
                 say(f"error: {exc}", sys.stderr)
                 report_to_torchrun(f"error: {exc}")
+            let_rank_0_fail_first()
             sys.exit(2)
         except RuntimeError as exc:  # torch's DistBackendError is one
             if not (_is_distributed() and "timed out" in str(exc).lower()):
@@ -229,6 +239,7 @@ class _OneRankParser(argparse.ArgumentParser):
     def error(self, message: str):
         if os.environ.get("RANK", "0") == "0":
             report_to_torchrun(f"error: {message}")
+        let_rank_0_fail_first()
         super().error(message)
 
 
