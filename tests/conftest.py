@@ -77,9 +77,9 @@ def stdout_lines(stdout: str) -> list[str]:
     """A run's stdout lines, less gloo's "[Gloo] Rank 0 is connected to 1 peer
     ranks. Expected number of connected peer ranks is : 1" banner, which torch
     2.8 prints there in some cases, each rank in pieces: two ranks' banners can
-    interleave into lines that start mid-banner."""
+    interleave into lines that start mid-banner, or leave an empty line."""
     return [line for line in stdout.splitlines()
-            if "[Gloo] " not in line and "connected peer ranks is" not in line]
+            if line and "[Gloo] " not in line and "connected peer ranks is" not in line]
 
 
 def error_lines(stderr: str) -> list[str]:
