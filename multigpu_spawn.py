@@ -200,6 +200,7 @@ def main(rank: int, world_size: int, args) -> None:
     test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
     if rank == 0:
         train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
+    del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()
 
 

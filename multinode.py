@@ -269,6 +269,7 @@ def main(args) -> None:
         if rank == 0:
             train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
     trainer.stop.close()
+    del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()
 
 

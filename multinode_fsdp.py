@@ -318,6 +318,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
 @train_utils.exit_on_config_error
 def main(args) -> None:
     rank, local_rank, device = ddp_setup(args.startup_timeout_s)
+    train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     # One seed for the initial weights on every rank: each keeps its slice of its own
     # copy (DDP copied rank 0's to all instead).
     torch.manual_seed(args.seed)

@@ -92,7 +92,10 @@ def exit_on_config_error(fn: Callable) -> Callable:
         except ConfigError as exc:
             if not _is_distributed() or dist.get_rank() == 0:
                 say(f"error: {exc}", sys.stderr)
-                report_to_torchrun(f"error: {exc}")
+            # Every rank gives torchrun the line: it names the failure with the
+            # smallest timestamp (whole seconds) as the root cause, and on a
+            # busy machine a quiet rank can get there before rank 0.
+            report_to_torchrun(f"error: {exc}")
             sys.exit(2)
         except RuntimeError as exc:  # torch's DistBackendError is one
             if not (_is_distributed() and "timed out" in str(exc).lower()):
@@ -158,7 +161,8 @@ def training_timeout(args: argparse.Namespace) -> None:
     if not _is_distributed() or getattr(args, "pg_timeout_s", None) is None:
         return
     timeout = timedelta(seconds=args.pg_timeout_s)
-    # torch.distributed.set_timeout (torch 2.10+) replaced the private _set_pg_timeout.
+    # torch.distributed.set_timeout (in 2.15, not in 2.10) replaced the private _set_pg_timeout.
+    # gloo before torch 2.10 ignores both and keeps the start-up timeout (docs/install.md).
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     set_timeout(timeout)  # the default group
     if "group" in _MONITOR:
@@ -226,8 +230,7 @@ class _OneRankParser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
     def error(self, message: str):
-        if os.environ.get("RANK", "0") == "0":
-            report_to_torchrun(f"error: {message}")
+        report_to_torchrun(f"error: {message}")  # every rank: see exit_on_config_error
         super().error(message)
 
 
@@ -360,12 +363,35 @@ def unusable_gpu_reason() -> Optional[str]:
     return "; ".join(reasons) or "torch.cuda.is_available() is False"
 
 
+# The oldest torch the scripts are tested on (requirements-oldest.txt). Older ones
+# can hang at the exit of a finished run (gloo teardown, fixed in 2.8); see docs/install.md.
+OLDEST_TORCH = (2, 8)
+# The first torch whose gloo averages in reduce_scatter(ReduceOp.AVG); older ones sum.
+GLOO_AVG_REDUCE_SCATTER = (2, 10)
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch, e.g. (2, 8) for "2.8.0+cu128"."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
+
+
+def check_fsdp_backend() -> None:
+    """FSDP2 averages gradients with reduce_scatter(ReduceOp.AVG), which gloo
+    before torch 2.10 sums (measured by tests/test_train_utils.py): on the CPU
+    the gradients would come out world_size times too large. Refused there."""
+    if dist.get_backend() == "gloo" and torch_version() < GLOO_AVG_REDUCE_SCATTER:
+        raise ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer: torch {torch.__version__}'s "
+                          f"gloo sums where FSDP averages gradients; pip install 'torch>=2.10', or train on GPUs")
+
+
 def run_line(device: torch.device, args: argparse.Namespace) -> str:
     """The start-up line: what runs where, and the global batch size.
 
     E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
     batch_size 32 x grad_accum_steps 1 x world_size 2``; preceded by a
-    ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``).
+    ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``),
+    and one when torch is older than ``OLDEST_TORCH``.
     """
     world_size = dist.get_world_size() if _is_distributed() else 1
     backend = dist.get_backend() if _is_distributed() else "none"
@@ -377,6 +403,9 @@ def run_line(device: torch.device, args: argparse.Namespace) -> str:
     if reason:
         line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
                 f"training on the CPU. Install the torch build that matches your driver\n" + line)
+    if torch_version() < OLDEST_TORCH:
+        line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
+                f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
     return line
 
 

@@ -81,6 +81,15 @@ def parse_test(stdout: str) -> dict:
     return {k: float(v) for k, v in m.groupdict().items() if v is not None}
 
 
+def stdout_lines(stdout: str) -> list[str]:
+    """A run's stdout lines, less gloo's "[Gloo] Rank 0 is connected to 1 peer
+    ranks. Expected number of connected peer ranks is : 1" banner, which torch
+    2.8 prints there in some cases, each rank in pieces: two ranks' banners can
+    interleave into lines that start mid-banner, or leave an empty line."""
+    return [line for line in stdout.splitlines()
+            if line and "[Gloo] " not in line and "connected peer ranks is" not in line]
+
+
 def error_lines(stderr: str) -> list[str]:
     """The scripts' one-line errors ("error: ...") in a run's stderr."""
     return [line for line in stderr.splitlines() if line.startswith("error: ")]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run
+from conftest import REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run, stdout_lines
 
 LAUNCHES = {
     "singlegpu": lambda: [[sys.executable, REPO / "singlegpu.py"], {}],
@@ -46,7 +46,7 @@ def test_script_trains_synthetic_task(script, tmp_path):
     assert result.stdout.count("test | loss") == 1
     # The first line says what runs where.
     world_size, backend = (1, "none") if script == "singlegpu" else (2, "gloo")
-    assert result.stdout.splitlines()[0] == (
+    assert stdout_lines(result.stdout)[0] == (
         f"device cpu | backend {backend} | world_size {world_size} | global batch size "
         f"{32 * world_size} = batch_size 32 x grad_accum_steps 1 x world_size {world_size}")
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import (REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
-                      run_together, script_env)
+                      run_together, script_env, stdout_lines)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
 
@@ -23,7 +23,7 @@ def test_rerunning_a_finished_run_says_nothing_to_train(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path))
     before = (tmp_path / "snapshot.pt").read_bytes()
     again = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--lr", "0.01"], tmp_path))
-    assert again.stdout.strip().splitlines()[-1] == (
+    assert stdout_lines(again.stdout.strip())[-1] == (
         "snapshot snapshot.pt already holds all 2 epochs: nothing to train (raise --total_epochs "
         "to train on, or delete it or pass another --snapshot_path to start afresh)")
     assert not epochs(again.stdout) and "test | loss" not in again.stdout  # no look of a run

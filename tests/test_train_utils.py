@@ -3,13 +3,14 @@ lines, atomic saves."""
 
 import glob
 import json
+import re
 import warnings
 
 import pytest
 import torch
 
 import train_utils
-from conftest import EPOCH_LINE, TEST_LINE, task_args
+from conftest import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
 
 
 def test_device_for_refuses_a_local_rank_without_its_own_gpu(monkeypatch):
@@ -144,3 +145,47 @@ def test_first_host_of_a_slurm_hostlist():
     assert train_utils.first_host("gpu[07-09,12],cpu1") == "gpu07"
     assert train_utils.first_host("a,b") == "a"
     assert train_utils.first_host("rack[2-3]-n[4,6]") == "rack2-n4"
+
+
+GLOO_AVG_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+out = torch.zeros(1)
+dist.reduce_scatter_tensor(out, torch.full((2,), 1.0 + dist.get_rank()), op=dist.ReduceOp.AVG)
+if dist.get_rank() == 0:
+    print(f"result {out.item()}")
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_averages_in_reduce_scatter_exactly_from_the_release_the_fsdp_refusal_names(tmp_path):
+    # FSDP2 averages gradients with reduce_scatter_tensor(op=AVG); ranks give 1 and 2:
+    # the average is 1.5, a sum 3. train_utils.check_fsdp_backend refuses gloo below
+    # GLOO_AVG_REDUCE_SCATTER: that must be exactly where this torch's gloo sums.
+    (tmp_path / "avg.py").write_text(GLOO_AVG_SCRIPT)
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "avg.py"], tmp_path, timeout=120))
+    measured = float(re.search(r"^result (\S+)$", result.stdout, re.M).group(1))
+    averages = train_utils.torch_version() >= train_utils.GLOO_AVG_REDUCE_SCATTER
+    assert measured == (1.5 if averages else 3.0), (torch.__version__, measured)
+
+
+def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
+    if train_utils.torch_version() >= train_utils.GLOO_AVG_REDUCE_SCATTER:
+        pytest.skip(f"torch {torch.__version__}'s gloo averages: multinode_fsdp.py trains on the CPU (tests/test_fsdp.py)")
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multinode_fsdp.py"], tmp_path,
+                 timeout=120)
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == [
+        f"error: FSDP on the CPU (gloo) needs torch 2.10 or newer: torch {torch.__version__}'s gloo sums "
+        f"where FSDP averages gradients; pip install 'torch>=2.10', or train on GPUs"]
+    assert "Root Cause" in result.stderr and "FSDP on the CPU (gloo) needs torch 2.10" in result.stderr
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch):
+    args = task_args("synthetic", batch_size=32, grad_accum_steps=1)
+    plain = train_utils.run_line(torch.device("cpu"), args)
+    monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
+    assert train_utils.run_line(torch.device("cpu"), args).splitlines() == [
+        "note: torch 2.7.1+cpu is untested here (oldest tested: torch 2.8); older ones can hang at exit, "
+        "see docs/install.md", *plain.splitlines()]
