@@ -189,3 +189,28 @@ def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch):
     assert train_utils.run_line(torch.device("cpu"), args).splitlines() == [
         "note: torch 2.7.1+cpu is untested here (oldest tested: torch 2.8); older ones can hang at exit, "
         "see docs/install.md", *plain.splitlines()]
+
+
+def test_loader_workers_ignore_the_stop_signals():
+    """torchrun signals a rank's whole process group, Slurm every process of a
+    step: a DataLoader worker started with ignore_stop_signal ignores SIGUSR1,
+    SIGTERM and SIGINT (the rank decides when to stop), read from the kernel's
+    record of the worker's ignored signals."""
+    import os
+
+    class Pids(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, index):
+            return os.getpid()
+
+    loader = torch.utils.data.DataLoader(Pids(), num_workers=1, worker_init_fn=train_utils.ignore_stop_signal,
+                                         persistent_workers=True)
+    iterator = iter(loader)
+    worker = int(next(iterator))
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{worker}/status").read().splitlines())
+    ignored = int(status["SigIgn"], 16)
+    del iterator
+    assert worker != os.getpid()
+    assert [signum for signum in train_utils.STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []
