@@ -7,8 +7,9 @@ Launch:
 Adds over multigpu_spawn.py: torchrun starts the processes, gives each its
 RANK, WORLD_SIZE and rendezvous, and may restart them all (--max-restarts).
 Snapshots (model, optimizer, position down to the step, every rank's RNG
-states) make a restart, or a stop on SIGUSR1, resume exactly. Your own data and
-model go in common.py; train_utils.py holds machinery you keep as it is.
+states) make a restart, or a stop on SIGUSR1, SIGTERM or Ctrl-C, resume
+exactly. Your own data and model go in common.py; train_utils.py holds
+machinery you keep as it is.
 """
 
 import contextlib
