@@ -77,8 +77,10 @@ def test_torchrun_script_refuses_plain_python(tmp_path):
     result = run([sys.executable, REPO / "multigpu_torchrun.py"], tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "torchrun" in result.stderr
-    # The GPU command and, next to it, the one that works on a CPU.
-    assert "--nproc_per_node=gpu multigpu_torchrun.py (GPUs), or --nproc_per_node=2 (CPU)" in result.stderr
+    # The GPU command and, next to it, the one that works on a CPU; and srun's launch.
+    assert "--nproc_per_node=gpu multigpu_torchrun.py; --nproc_per_node=2 on a CPU)" in result.stderr
+    assert "or with srun, one task per GPU (srun --ntasks-per-node=GPUS python multigpu_torchrun.py)" \
+        in result.stderr
 
 
 @pytest.mark.parametrize("flags, message", [
