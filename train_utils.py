@@ -488,7 +488,8 @@ def launcher_store(timeout: timedelta) -> dist.Store:
                    WORLD_SIZE=env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
         if "MASTER_ADDR" not in env:
             env["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
-        os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000))
+        if "MASTER_PORT" not in env:
+            env["MASTER_PORT"] = str(15000 + int(env["SLURM_JOB_ID"]) % 15000)
     if "RANK" not in os.environ:
         script = os.path.basename(sys.argv[0])
         raise ConfigError(f"start this script with torchrun (torchrun --standalone "
@@ -1093,15 +1094,11 @@ def gloo_group() -> dist.ProcessGroup:
         value = os.environ.get("GLOO_SOCKET_IFNAME")
         setting = f"GLOO_SOCKET_IFNAME is {value!r}" if value else "GLOO_SOCKET_IFNAME is not set"
         raise ConfigError(
-            f"gloo cannot set up its network on host {socket.gethostname()} ({first_line(exc)}); "
+            f"gloo cannot set up its network on host {socket.gethostname()} "
+            f"({(str(exc).strip().splitlines() or [type(exc).__name__])[0]}); "
             f"{setting}: set it to the network interface the nodes reach each other on "
             f"(`ip -brief addr` lists them), e.g. GLOO_SOCKET_IFNAME=eth0; NCCL jobs need it "
             f"too, for the CPU groups of the stop signal and the timeout report") from None
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's message, first line only."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def ignore_stop_signal(worker_id: int) -> None:

@@ -61,7 +61,6 @@ class Scenario:
     resubmit: bool = False  # after it ends (scancel), submit the same command again
     user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
     # filled in by the driver
-    jobs: list = field(default_factory=list)
     logs: list = field(default_factory=list)
     infos: list = field(default_factory=list)
     signal_to_exit_s: Optional[float] = None
@@ -142,7 +141,6 @@ def _release_when_requeued(cluster, job: int, info: dict, nodes: str, released: 
 def _drive(cluster, scenario: Scenario, folder: Path) -> None:
     deadline = time.monotonic() + SCENARIO_TIMEOUT_S
     job = _submit(cluster, scenario, folder)
-    scenario.jobs.append(job)
     total = scenario.args[scenario.args.index("--total_epochs") + 1]
     if scenario.trigger:
         while f"epoch 2/{total}" not in _log(folder, scenario, job):
@@ -165,7 +163,6 @@ def _drive(cluster, scenario: Scenario, folder: Path) -> None:
     scenario.logs.append(_log(folder, scenario, job))
     if scenario.resubmit:  # the same sbatch command again: it resumes
         job = _submit(cluster, scenario, folder)
-        scenario.jobs.append(job)
         scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
         scenario.logs.append(_log(folder, scenario, job))
 
