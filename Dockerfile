@@ -3,7 +3,10 @@
 # commands (docker, podman, two nodes, Apptainer, Slurm) and what was tested.
 #
 #   docker build -t ddp-scripts .
-#   docker run -it --rm --gpus all --network=host ddp-scripts
+#   docker run -it --rm --gpus all --network=host --ipc=host ddp-scripts
+#
+# --ipc=host: Docker gives a container 64 MB of /dev/shm, too little for
+# NCCL's shared-memory transport and DataLoader workers (--shm-size=8g also works).
 #
 # BASE: any image with python3 and pip. The default is an official PyTorch
 # CUDA runtime image (torch 2.14 with CUDA 12.6; pick the -cudaXX.Y tag your
@@ -36,8 +39,10 @@ RUN if [ -z "$PIP_CERT" ]; then unset PIP_CERT; fi \
     && python3 -c "import torch, torchvision, tqdm; print('torch', torch.__version__, '| torchvision', torchvision.__version__)" \
     && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 
-# The project: the training scripts and their shared module (a bind mount of
-# a checkout over /workspace, -v "$PWD":/workspace, works as well).
+# The project: the training scripts, the task modules and the train_utils
+# package (a bind mount of a checkout over /workspace, -v "$PWD":/workspace,
+# works as well).
 COPY *.py ./
+COPY train_utils/*.py ./train_utils/
 
 CMD ["bash"]

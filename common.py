@@ -1,42 +1,46 @@
-"""The task: what you replace with your own datasets, model and loss.
+"""The task contract: what a task is, how ``--dataset`` finds one, the optimizer.
 
 Every script trains a ``Task`` (three datasets, a model, a loss, whether it
 is a classification) built by a task function ``(args, download) -> Task``,
-and an optimizer from ``build_optimizer``. Built in (``--dataset``):
+and an optimizer from ``build_optimizer``. ``--dataset`` names the task
+function as ``module:function``, or by a short name in ``TASKS``:
 
-  synthetic  seeded regression, 20 features -> 1 target, MLP or linear model,
-             MSE loss. No download; the default everywhere.
-  mnist      torchvision MNIST, the 2-conv/2-fc CNN with dropout, cross-entropy.
-  cifar10    torchvision CIFAR10 with crop+flip augmentation, torchvision
-             resnet18 (default) or resnet50, cross-entropy.
+  synthetic  common:synthetic_task (below): seeded regression, 20 features
+             -> 1 target, MLP or linear model, MSE loss. No download; the
+             default everywhere.
+  mnist      vision_tasks:mnist_task: torchvision MNIST, a small CNN.
+  cifar10    vision_tasks:cifar10_task: torchvision CIFAR10, a ResNet.
 
-Your own: write a task function (``synthetic_task`` is the smallest) and
-add it to ``TASKS``, or pass ``--dataset my_module:my_task``; see
-docs/custom-task.md. The scripts and train_utils.py need no edit.
+Your own task goes in its own file (see docs/custom-task.md), found the same
+way as the built-ins: ``--dataset my_module:my_task``. The scripts, the
+train_utils package and this file need no edit (unless you want another optimizer
+than ``build_optimizer``'s). This module imports no training machinery, so a
+task module can import it alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, default_collate
 
-from train_utils import ConfigError
-
-# Per-channel mean/std of the training images, the values the torchvision
-# references use (MNIST: pytorch/examples mnist/main.py; CIFAR-10: the
-# widely used kuangliu/pytorch-cifar numbers, as in the seed tutorials).
-MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
-CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
 VAL_FRACTION = 0.1  # of the official train split, seeded, the same on every rank
+
+
+class ConfigError(Exception):
+    """A mistake in the user's input or environment (bad flag, missing data,
+    incompatible snapshot), raised with a one-line message that says what is
+    wrong and what to do. The scripts print it as one line and exit 2,
+    without a traceback. Defined here, in the task contract, so that a task
+    raises it without importing the training machinery."""
 
 
 def identity(source: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ class Task:
     ``classification``: the model outputs (N, classes) logits and targets are
     int64 (N,) class indices; evaluation then also reports accuracy.
     ``train_transform``/``eval_transform`` turn a batch's inputs, once on the
-    device, into the model's input (see ``DeviceTransform``).
+    device, into the model's input (e.g. ``fast_images.DeviceTransform``).
     """
 
     train_set: Dataset
@@ -69,6 +73,19 @@ class Task:
     eval_transform: Callable[[torch.Tensor], torch.Tensor] = field(default=identity)
 
 
+class Batch(tuple):
+    """A batch a dataset assembled itself, (inputs, targets); ``collate`` passes it through."""
+
+
+def collate(batch):
+    """DataLoader ``collate_fn`` of the scripts: a ``Batch`` (from a dataset's
+    ``__getitems__``, e.g. ``fast_images.InMemoryImages``) passes through as
+    (inputs, targets); a list of per-sample items is stacked by ``default_collate``."""
+    if isinstance(batch, Batch):
+        return tuple(batch)
+    return default_collate(batch)
+
+
 def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """The optimizer every script uses: SGD, momentum 0.9, learning rate ``lr``.
 
@@ -78,9 +95,40 @@ def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
+# The short names --dataset accepts, each a task function as "module:function",
+# the form --dataset takes for yours; the first is the default.
+TASKS: dict[str, str] = {
+    "synthetic": "common:synthetic_task",
+    "mnist": "vision_tasks:mnist_task",
+    "cifar10": "vision_tasks:cifar10_task",
+}
+
+
+def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
+    """The task function ``spec`` (``"module:function"``) names, imported.
+
+    The module is looked for on ``sys.path`` (the scripts' folder first, then
+    PYTHONPATH), to which the current folder is added last. Raises
+    ConfigError (one line) when the module or the function is not there.
+    """
+    module_name, _, function = spec.partition(":")
+    if os.getcwd() not in sys.path:  # Python searches the script's folder, not the current one
+        sys.path.append(os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as exc:
+        reason = str(exc)
+        missing = getattr(exc, "name", None)
+        if isinstance(exc, ModuleNotFoundError) and missing and (module_name + ".").startswith(missing + "."):
+            reason += (f"; put {module_name.replace('.', '/')}.py beside the scripts, in the folder "
+                       f"you run from, or on PYTHONPATH")
+        raise ConfigError(f"cannot load task function {function!r} from module "
+                          f"{module_name!r} ({reason})") from None
+
+
 def load_task(args: argparse.Namespace, download: bool) -> Task:
-    """The task named by ``args.dataset``: a name in ``TASKS`` or a
-    ``module:function`` importable from the current folder or PYTHONPATH.
+    """The task ``args.dataset`` names (a key of ``TASKS``, or ``module:function``),
+    built by its task function: built-in or yours, found the same way.
 
     The task function reads what it needs from ``args`` (data_dir, seed,
     model, input_path) and sets ``args.model`` to the model it chose; it
@@ -88,15 +136,10 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
     ``train_utils.downloaders_first``). Raises ConfigError (one line) for an
     unknown task or model, or missing data.
     """
-    if args.dataset in TASKS:
-        task_fn = TASKS[args.dataset]
-    else:
-        module_name, _, function = args.dataset.partition(":")
-        try:
-            task_fn = getattr(importlib.import_module(module_name), function)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"--dataset {args.dataset}: cannot load task function "
-                              f"{function!r} from module {module_name!r} ({exc})") from None
+    try:
+        task_fn = task_function(TASKS.get(args.dataset, args.dataset))
+    except ConfigError as exc:
+        raise ConfigError(f"--dataset {args.dataset}: {exc}") from None
     return task_fn(args, download)
 
 
@@ -124,7 +167,7 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 
 
 # --------------------------------------------------------------------------
-# synthetic: a seeded regression, no download
+# synthetic: a seeded regression, no download (the smallest task function)
 # --------------------------------------------------------------------------
 
 SYNTHETIC_FEATURES = 20
@@ -158,6 +201,14 @@ class SyntheticRegression(Dataset):
         return self.x[index], self.y[index]
 
 
+def synthetic_model(model: str = "mlp") -> nn.Module:
+    """A freshly initialized model (from the global torch RNG) of the synthetic
+    task, float32 (N, 20) -> (N, 1): ``mlp`` (20-64-1, ReLU) or ``linear``."""
+    if model == "linear":
+        return nn.Linear(SYNTHETIC_FEATURES, 1)
+    return nn.Sequential(nn.Linear(SYNTHETIC_FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
 def synthetic_task(args: argparse.Namespace, download: bool) -> Task:
     """The default task: ``SyntheticRegression``, an MLP (or ``--model linear``)
     float32 (N, 20) -> (N, 1), MSE loss. Needs no files, so ``download`` is unused."""
@@ -165,271 +216,4 @@ def synthetic_task(args: argparse.Namespace, download: bool) -> Task:
     full, test = SyntheticRegression(args.seed, "train"), SyntheticRegression(args.seed, "test")
     train_idx, val_idx = split_indices(len(full), VAL_FRACTION, args.seed)
     return Task(Subset(full, train_idx), Subset(full, val_idx), test,
-                build_model("synthetic", model), F.mse_loss, classification=False)
-
-
-# --------------------------------------------------------------------------
-# mnist and cifar10: torchvision datasets
-# --------------------------------------------------------------------------
-
-class MnistCNN(nn.Module):
-    """The 2-conv/2-fc CNN with dropout of pytorch/examples mnist/main.py.
-
-    Input: float32 (N, 1, 28, 28) normalized images. Output: float32 (N, 10)
-    logits (not log-probabilities: pair it with ``F.cross_entropy``).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = torch.flatten(self.dropout1(x), 1)
-        x = self.dropout2(F.relu(self.fc1(x)))
-        return self.fc2(x)
-
-
-def build_model(dataset: str, model: str) -> nn.Module:
-    """A freshly initialized model (from the global torch RNG) of a built-in task.
-
-    synthetic: float32 (N, 20) -> (N, 1). mnist: (N, 1, 28, 28) -> (N, 10)
-    logits. cifar10: (N, 3, 32, 32) -> (N, 10) logits.
-    """
-    if dataset == "synthetic" and model == "linear":
-        return nn.Linear(SYNTHETIC_FEATURES, 1)
-    if dataset == "synthetic":
-        return nn.Sequential(nn.Linear(SYNTHETIC_FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
-    if dataset == "mnist":
-        return MnistCNN()
-    import torchvision
-
-    return getattr(torchvision.models, model)(weights=None, num_classes=10)
-
-
-def _torchvision_class(dataset: str):
-    from torchvision import datasets
-
-    return {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[dataset]
-
-
-def expected_files(dataset: str, data_dir: str) -> tuple[str, list[str]]:
-    """(folder, file names) that torchvision reads for ``dataset`` under ``data_dir``."""
-    cls = _torchvision_class(dataset)
-    if dataset == "mnist":
-        folder = os.path.join(data_dir, "MNIST", "raw")
-        names = [os.path.splitext(name)[0] for name, _md5 in cls.resources]
-    else:
-        folder = os.path.join(data_dir, cls.base_folder)
-        names = [name for name, _md5 in cls.train_list + cls.test_list] + [cls.meta["filename"]]
-    return folder, names
-
-
-def prepare_data(dataset: str, data_dir: str, download: bool) -> None:
-    """Make sure the files of ``dataset`` (mnist, cifar10) are in ``data_dir``.
-
-    With ``download``, torchvision downloads what is missing; without, this
-    only looks for the files (parsing them is the task's job). Raises
-    ConfigError with a one-line message naming the folder, the files expected
-    and how to pre-stage them.
-    """
-    cls = _torchvision_class(dataset)
-    folder, names = expected_files(dataset, data_dir)
-    try:
-        if download:
-            for train in (True, False):
-                cls(data_dir, train=train, download=True)
-            return
-        missing = [name for name in names if not os.path.isfile(os.path.join(folder, name))]
-        if not missing:
-            return
-        reason = f"missing: {', '.join(missing)}"
-    except Exception as exc:  # torchvision raises RuntimeError/URLError/OSError
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = lines[-1] if lines else type(exc).__name__  # torchvision's last line says why
-    raise ConfigError(
-        f"{dataset} not found in {os.path.abspath(folder)} (expected {', '.join(names)}; "
-        f"{'download failed: ' if download else ''}{reason}). Pre-stage it on a machine with "
-        f"network: python -c \"from torchvision import datasets; datasets.{cls.__name__}"
-        f"('{data_dir}', download=True)\" and copy the folder here, or point --data_dir at an "
-        f"existing copy")
-
-
-def vision_task(args: argparse.Namespace, download: bool) -> Task:
-    """mnist or cifar10 (``args.dataset``) from torchvision's classes.
-
-    Validation: a seeded 10% of the official train split, read with the
-    *eval* transform (no augmentation); test: the official test split.
-    ``--input_path torchvision``: per-sample normalized float32 images
-    (augmented for CIFAR-10 training); ``fast``: ``InMemoryImages`` uint8
-    batches that the task's device transforms normalize (and for CIFAR-10
-    training crop and flip) on the device. ResNets are channels-last on CUDA.
-    """
-    from torchvision import transforms
-
-    model_name = choose_model(args, ("cnn",) if args.dataset == "mnist" else ("resnet18", "resnet50"))
-    prepare_data(args.dataset, args.data_dir, download)
-    cls = _torchvision_class(args.dataset)
-    stats = (MNIST_MEAN, MNIST_STD) if args.dataset == "mnist" else (CIFAR10_MEAN, CIFAR10_STD)
-    normalize = [transforms.ToTensor(), transforms.Normalize(*stats)]
-    augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
-    fast = args.input_path == "fast"
-    if fast:  # the files as they are; DeviceTransform does the rest per batch
-        train_tf = eval_tf = None
-    else:
-        eval_tf = transforms.Compose(normalize)
-        train_tf = eval_tf if args.dataset == "mnist" else transforms.Compose(augment + normalize)
-    try:
-        train_view = cls(args.data_dir, train=True, transform=train_tf)
-        # Same decoded images, other transform: a shallow copy, not a second read.
-        eval_view = copy.copy(train_view)
-        eval_view.transform = eval_tf
-        test = cls(args.data_dir, train=False, transform=eval_tf)
-    except RuntimeError as exc:
-        prepare_data(args.dataset, args.data_dir, download=False)  # names what is missing
-        raise ConfigError(str(exc)) from None
-    train_idx, val_idx = split_indices(len(train_view), VAL_FRACTION, args.seed)
-    model = build_model(args.dataset, model_name)
-    # Tensor cores read convolution inputs fastest in NHWC; on a CPU it does not pay.
-    channels_last = model_name.startswith("resnet") and torch.cuda.is_available()
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    train_transform = eval_transform = DeviceTransform(channels_last=channels_last)
-    if fast:
-        train_view = eval_view = decode(train_view)  # one copy, two views (Subsets)
-        test = decode(test)
-        padding = 4 if args.dataset == "cifar10" else 0  # MNIST: no augmentation
-        train_transform = DeviceTransform(stats, padding, channels_last)
-        eval_transform = DeviceTransform(stats, 0, channels_last)
-    return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test, model,
-                F.cross_entropy, True, train_transform, eval_transform)
-
-
-# The tasks --dataset names; the first is the default. Add yours here.
-TASKS: dict[str, Callable[[argparse.Namespace, bool], Task]] = {
-    "synthetic": synthetic_task,
-    "mnist": vision_task,
-    "cifar10": vision_task,
-}
-
-
-# --------------------------------------------------------------------------
-# The fast input path: decoded uint8 images in memory, batches augmented on the device
-# --------------------------------------------------------------------------
-
-class Batch(tuple):
-    """A batch a dataset assembled itself, (images, labels); ``collate`` passes it through."""
-
-
-def collate(batch):
-    """DataLoader ``collate_fn`` of the scripts: a ``Batch`` (from
-    ``InMemoryImages.__getitems__``) passes through as (images, labels); a list
-    of per-sample items is stacked by ``default_collate``."""
-    if isinstance(batch, Batch):
-        return tuple(batch)
-    return default_collate(batch)
-
-
-class InMemoryImages(Dataset):
-    """A whole image dataset decoded once: uint8 (N, C, H, W) images, int64 (N,) labels.
-
-    ``dataset[i]`` is one (uint8 (C, H, W), int64 ()) pair. The DataLoader
-    calls ``__getitems__`` with a batch's indices (``Subset`` forwards it), so
-    a batch is one indexing operation, not ``batch_size`` Python calls and a
-    stack; normalization and augmentation happen later, batched on the device
-    (``DeviceTransform``). Any sampler, DistributedSampler included, still
-    decides which indices each rank gets.
-    """
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        if images.dtype != torch.uint8 or images.dim() != 4 or len(labels) != len(images):
-            raise ValueError(f"expected uint8 (N, C, H, W) images and N labels, got "
-                             f"{images.dtype} {tuple(images.shape)} and {len(labels)} labels")
-        self.images, self.labels = images, labels.to(torch.int64)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int):
-        return self.images[index], self.labels[index]
-
-    def __getitems__(self, indices: list[int]) -> Batch:
-        index = torch.as_tensor(indices, dtype=torch.int64)
-        return Batch((self.images[index], self.labels[index]))
-
-
-def decode(view) -> InMemoryImages:
-    """The images and labels a torchvision MNIST/CIFAR10 object read from disk, as tensors.
-
-    Both classes decode their files when built (MNIST: uint8 (N, 28, 28)
-    tensor; CIFAR10: uint8 (N, 32, 32, 3) numpy array, channels last); this
-    only reshapes them to (N, C, H, W), without going through PIL per image.
-    """
-    images = view.data if isinstance(view.data, torch.Tensor) else torch.from_numpy(view.data)
-    images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)
-    return InMemoryImages(images.contiguous(), torch.as_tensor(view.targets, dtype=torch.int64))
-
-
-def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
-    """torchvision's RandomCrop(size, padding) + RandomHorizontalFlip, for a whole batch.
-
-    images: (N, C, H, W), any dtype, on any device. Each image is zero-padded
-    by ``padding`` pixels on every side, cut back to H x W at an offset drawn
-    uniformly from the (2 * padding + 1)^2 positions, and mirrored left-right
-    with probability 1/2, independently per image (the distribution of the
-    per-sample transforms). One gather over the flattened padded image does
-    crop and flip together (a 4-tensor advanced index was 60x slower on a
-    CPU). Random numbers come from the default generator of ``images.device``,
-    so a snapshot's saved RNG states replay the same augmentations on resume.
-    Returns a new (N, C, H, W) tensor of ``images.dtype``.
-    """
-    n, c, h, w = images.shape
-    device = images.device
-    padded = F.pad(images, (padding,) * 4)  # zeros, as RandomCrop's fill=0
-    padded_w = w + 2 * padding
-    dy = torch.randint(0, 2 * padding + 1, (n,), device=device)
-    dx = torch.randint(0, 2 * padding + 1, (n,), device=device)
-    flip = torch.rand(n, device=device) < 0.5
-    rows = dy[:, None] + torch.arange(h, device=device)  # (N, H)
-    cols = torch.arange(w, device=device).expand(n, w)
-    cols = dx[:, None] + torch.where(flip[:, None], cols.flip(1), cols)  # (N, W)
-    index = (rows[:, :, None] * padded_w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
-    return padded.view(n, c, -1).gather(2, index).view(n, c, h, w)
-
-
-class DeviceTransform:
-    """What happens to a batch after it reached the device, before the model.
-
-    Called with the batch's inputs (N, ...) on the device. With ``normalize``
-    = (mean, std) per channel, the input is uint8 (N, C, H, W) pixels
-    (``InMemoryImages``): optionally ``random_crop_flip`` with ``padding``,
-    then float32 x / 255, minus mean, over std (the arithmetic of ToTensor +
-    Normalize, so the same image gives the same floats). Without it the input
-    is already what the model takes and passes unchanged. ``channels_last``
-    then reorders (N, C, H, W) floats to channels-last memory (same shape and
-    values), which tensor cores prefer (CUDA ResNets).
-    """
-
-    def __init__(self, normalize: Optional[tuple[tuple, tuple]] = None, padding: int = 0,
-                 channels_last: bool = False) -> None:
-        self.normalize, self.padding, self.channels_last = normalize, padding, channels_last
-        self._stats: dict = {}  # device -> (mean, std) tensors, made once, not per batch
-
-    def __call__(self, source: torch.Tensor) -> torch.Tensor:
-        if self.normalize is not None:
-            if self.padding:
-                source = random_crop_flip(source, self.padding)
-            if source.device not in self._stats:  # a copy to the GPU per batch would wait for it
-                self._stats[source.device] = tuple(torch.tensor(v, device=source.device).view(-1, 1, 1)
-                                                   for v in self.normalize)
-            mean, std = self._stats[source.device]
-            source = source.float().div(255).sub_(mean).div_(std)
-        if self.channels_last:
-            source = source.contiguous(memory_format=torch.channels_last)
-        return source
+                synthetic_model(model), F.mse_loss, classification=False)

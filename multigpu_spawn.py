@@ -6,8 +6,10 @@ Launch:
 
 Adds over singlegpu.py: the process group (rank, world_size, backend), DDP,
 DistributedSampler, metrics all-reduced across ranks, exact sharded
-evaluation, and rank 0 alone printing and saving. Your own data and
-model go in common.py; train_utils.py holds machinery you keep as it is.
+evaluation, and rank 0 alone printing and saving.
+
+Your own task goes in its own file (docs/custom-task.md); the train_utils
+package holds the machinery you keep as it is.
 """
 
 import contextlib
@@ -28,21 +30,23 @@ import train_utils
 
 
 def ddp_setup(rank: int, world_size: int, timeout_s: float) -> torch.device:
-    """Join the process group as ``rank`` of ``world_size``, meeting at
-    MASTER_ADDR:MASTER_PORT (see the bottom of this file); return this rank's
-    device. A collective waiting over ``timeout_s`` seconds raises, not hangs."""
+    """Join the process group as ``rank`` of ``world_size`` at MASTER_ADDR:MASTER_PORT (see the
+    bottom of this file); return its device. A collective waiting over ``timeout_s`` s raises."""
     device = train_utils.device_for(rank)  # one node: rank i drives GPU i
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
+        train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
     train_utils.share_cpu_cores(device, world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
     return device
 
 
 class Trainer:
-    """Runs the epochs, evaluates, prints one summary line per epoch and saves.
+    """Runs the epochs, evaluates, prints one summary line per epoch, saves
+    its checkpoint.
 
     ``task`` gives the loss and the batch transforms (see common.Task);
     ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
@@ -83,17 +87,17 @@ class Trainer:
         last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
         if step % accum == 0:
             self.optimizer.zero_grad(set_to_none=True)
-        # DDP all-reduces gradients in backward; under no_sync() it only sums them
-        # locally, so accumulating costs one all-reduce per optimizer step, not per micro-batch.
-        with contextlib.nullcontext() if last else self.model.no_sync():
-            with self.autocast:
-                loss = self.task.loss_fn(self.compiled(source), targets)
-            # Summed over the micro-batches, the gradients of loss / accum are those
-            # of the mean loss over the whole accumulated batch. (No division without
-            # accumulation: an extra autograd op costs a small model ~10%.)
-            (loss / accum if accum > 1 else loss).backward()
+        # DDP's forward decides whether its backward all-reduces the gradients: under
+        # no_sync() they are only summed locally, one all-reduce per optimizer step.
+        with contextlib.nullcontext() if last else self.model.no_sync(), self.autocast:
+            loss = self.task.loss_fn(self.compiled(source), targets)
+        # Summed over the micro-batches, the gradients of loss / accum are those
+        # of the mean loss over the whole accumulated batch. (No division without
+        # accumulation: an extra autograd op costs a small model ~10%.)
+        (loss / accum if accum > 1 else loss).backward()
         if last:
             self.optimizer.step()
+            train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
         return loss.detach()
 
     def _run_epoch(self, epoch: int, max_epochs: int) -> dict:
@@ -101,7 +105,7 @@ class Trainer:
         # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
         self.train_data.sampler.set_epoch(epoch)
         meter = train_utils.EpochMeter(epoch, max_epochs, self.device)  # loss sum, samples, time
-        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args, self.rank)):
+        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args)):
             source = self.task.train_transform(source.to(self.device, non_blocking=True))
             targets = targets.to(self.device, non_blocking=True)
             meter.add(self._run_batch(source, targets, step), len(targets))
@@ -109,8 +113,10 @@ class Trainer:
         return meter.summary()
 
     def _save_checkpoint(self, epoch: int) -> None:
+        if self.rank != 0:  # every rank holds the same weights; one saves them
+            return
         train_utils.atomic_save(self.model.module.state_dict(), self.args.checkpoint_path)  # no DDP
-        train_utils.say(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}")
+        train_utils.print_line(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}")
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
@@ -121,7 +127,7 @@ class Trainer:
                 train_utils.log_metrics(record, self.args)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
-            if self.rank == 0 and ((epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs):
+            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_checkpoint(epoch)
 
 
@@ -132,13 +138,10 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
 
     The loss is weighted by samples (sum of per-sample losses / sample count),
     not a mean of batch means, which would over-weight a short last batch.
-    Collective: each rank scores its shard, the sums are all-reduced. Pass the plain
-    model (``.module``): DDP's forward is a collective, and shards may differ in length.
+    Collective: ranks score their shards, sums all-reduced; pass ``.module``: DDP's forward is one too.
     Returns (loss, accuracy or None).
     """
-    # Each rank holds its own BatchNorm statistics: score with rank 0's, which it saves.
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for source, targets in data:
@@ -163,9 +166,10 @@ def load_train_objs(args, download: bool) -> tuple[common.Task, torch.optim.Opti
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
                        seed: int) -> DataLoader:
-    """Training: each rank its 1/world_size of a permutation drawn from (seed, epoch)
-    (DistributedSampler), last partial batch dropped (a batch of 1 would break BatchNorm).
-    Evaluation: rank r takes samples r, r+W, r+2W, ... unpadded, each sample once."""
+    """Training: reshuffled every epoch from ``seed``, last partial batch dropped
+    (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
+    epoch's permutation (DistributedSampler). Evaluation: rank r takes samples r,
+    r+W, r+2W, ... unpadded, each sample once."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
@@ -181,7 +185,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
     )
 
 
-@train_utils.exit_on_config_error
+@train_utils.one_line_errors
 def main(rank: int, world_size: int, args) -> None:
     device = ddp_setup(rank, world_size, args.startup_timeout_s)
     # Each rank its own random stream, or all would draw the same dropout masks
@@ -192,9 +196,9 @@ def main(rank: int, world_size: int, args) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
-    train_utils.check_run(args, device, train_data, args.checkpoint_path, saves=rank == 0)
+    train_utils.check_before_training(args, device, train_data, args.checkpoint_path, saves=rank == 0)
     if rank == 0:
-        train_utils.say(train_utils.run_line(device, args))
+        train_utils.print_line(train_utils.describe_run(device, args))
     trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, rank, args)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)

@@ -6,8 +6,10 @@ Launch, on every node (N nodes, G processes each; --nproc_per_node=2 on CPUs):
 
 Adds over multigpu_torchrun.py: RANK (0..world_size-1, all nodes) and LOCAL_RANK
 (0..G-1 on this node) differ: LOCAL_RANK picks the GPU and who downloads on each
-node, RANK who prints and saves; every rank prints its line; snapshots on shared storage. Your own data and
-model go in common.py; train_utils.py holds machinery you keep as it is.
+node, RANK who prints and saves; every rank prints its line; snapshots on shared storage.
+
+Your own task goes in its own file (docs/custom-task.md); the train_utils
+package holds the machinery you keep as it is.
 """
 
 import contextlib
@@ -36,10 +38,12 @@ def ddp_setup(timeout_s: float) -> tuple[int, int, torch.device]:
     device = train_utils.device_for(local_rank)  # GPU indices restart at 0 on every node
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
+        train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
     train_utils.share_cpu_cores(device, world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
+    train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
     return rank, local_rank, device
 
 
@@ -75,16 +79,15 @@ class Trainer:
         self.args = args
         self.autocast = train_utils.autocast(device, args.amp)  # made once: a step must stay cheap
         self.config = dict(vars(args), world_size=dist.get_world_size())  # saved in snapshots
-        self.epochs_run = 0  # epochs finished
-        self.steps_run = 0  # steps finished in epoch `epochs_run` (> 0 after a mid-epoch snapshot)
-        self.epoch_totals = None  # that epoch's global (loss sum, samples) up to `steps_run`
+        self.progress = train_utils.Progress(device, train_data, rank)  # epochs, steps, RNG states
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         if train_utils.snapshot_on_every_node(args.snapshot_path):  # or on none
             self._load_snapshot(args.snapshot_path)
         # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward().
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        if self.epochs_run or self.steps_run:  # resumed: DDP's gradient buckets as if never stopped
-            train_utils.rebuild_ddp_buckets(self.model, train_data, task.loss_fn, task.eval_transform, device)
+        if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
+            train_utils.rebuild_ddp_buckets(self.model, train_data, task.loss_fn, task.eval_transform, device,
+                                            self.autocast)  # --amp: under autocast, as the first step ran
         # The compiled module shares the model's weights and runs the training
         # forward; saving and evaluation use the plain model, so what is saved
         # loads without torch.compile.
@@ -97,17 +100,17 @@ class Trainer:
         last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
         if step % accum == 0:
             self.optimizer.zero_grad(set_to_none=True)
-        # DDP all-reduces gradients in backward; under no_sync() it only sums them
-        # locally, so accumulating costs one all-reduce per optimizer step, not per micro-batch.
-        with contextlib.nullcontext() if last else self.model.no_sync():
-            with self.autocast:
-                loss = self.task.loss_fn(self.compiled(source), targets)
-            # Summed over the micro-batches, the gradients of loss / accum are those
-            # of the mean loss over the whole accumulated batch. (No division without
-            # accumulation: an extra autograd op costs a small model ~10%.)
-            (loss / accum if accum > 1 else loss).backward()
+        # DDP's forward decides whether its backward all-reduces the gradients: under
+        # no_sync() they are only summed locally, one all-reduce per optimizer step.
+        with contextlib.nullcontext() if last else self.model.no_sync(), self.autocast:
+            loss = self.task.loss_fn(self.compiled(source), targets)
+        # Summed over the micro-batches, the gradients of loss / accum are those
+        # of the mean loss over the whole accumulated batch. (No division without
+        # accumulation: an extra autograd op costs a small model ~10%.)
+        (loss / accum if accum > 1 else loss).backward()
         if last:
             self.optimizer.step()
+            train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
         return loss.detach()
 
     def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[dict]:
@@ -115,24 +118,24 @@ class Trainer:
         # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
         self.train_data.sampler.set_epoch(epoch)
         # After a mid-epoch resume, skip the batches this rank already trained on.
-        self.train_data.sampler.start = self.steps_run * self.train_data.batch_size
+        self.train_data.sampler.start = self.progress.steps_run * self.train_data.batch_size
         host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
-        train_utils.say(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
-                        f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
-        meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.epoch_totals)
-        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args, self.rank),
-                                                 start=self.steps_run):
+        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
+                               f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
+        meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
+        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args),
+                                                 start=self.progress.steps_run):
             source = self.task.train_transform(source.to(self.device, non_blocking=True))
             targets = targets.to(self.device, non_blocking=True)
             meter.add(self._run_batch(source, targets, step), len(targets))
-            self.steps_run = step + 1
-            if self.steps_run % self.args.grad_accum_steps:
+            self.progress.steps_run = step + 1
+            if self.progress.steps_run % self.args.grad_accum_steps:
                 continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
             if self.stop.poll():  # some rank got the signal; every rank stops after this step
                 self._save_snapshot(meter)
                 return None
             every = self.args.snapshot_every_steps  # and not at the epoch's end: that one comes next
-            if every and self.steps_run % every == 0 and meter.steps_left:
+            if every and self.progress.steps_run % every == 0 and meter.steps_left:
                 self._save_snapshot(meter)
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
         return meter.summary()
@@ -141,40 +144,27 @@ class Trainer:
         snapshot = train_utils.read_snapshot(snapshot_path, self.config)  # refuses another run's
         self.model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
-        for group in self.optimizer.param_groups:  # a new --lr takes over from the snapshot's
-            group["lr"] = self.args.lr
-        self.epochs_run, self.steps_run = snapshot["epochs_run"], snapshot["steps_run"]
-        self.epoch_totals = snapshot["epoch_totals"]
-        # This rank's random streams go on where they were: same dropout, shuffles, augmentations.
-        train_utils.set_rng_state(snapshot["rng_states"][self.rank], self.device,
-                                  self.train_data.generator)
+        train_utils.set_lr(self.optimizer, self.args.lr)  # a new --lr takes over from the snapshot's
+        self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
         if self.rank == 0:
-            train_utils.say(f"resuming from snapshot {snapshot_path} "
-                            f"{train_utils.position(self.epochs_run, self.steps_run)}")
+            train_utils.log_resume(snapshot_path, self.progress.position())
 
     def _save_snapshot(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
         """Collective. Mid-epoch, ``meter`` holds the epoch so far (its totals are saved too)."""
-        epoch_totals = meter.global_totals() if meter else None
-        # Every rank's RNG states travel to rank 0, so that a resumed run draws
-        # the same dropout masks and augmentations on every rank.
-        rng_states = train_utils.gather_rng_states(self.device, self.train_data.generator)
-        if self.rank != 0:
+        progress = self.progress.state_dict(meter)  # every rank's RNG states, gathered
+        if self.rank != 0:  # every rank holds the same weights; one saves them
             return
         snapshot = {
             "model": self.model.module.state_dict(),  # .module: loadable without DDP
             "optimizer": self.optimizer.state_dict(),
-            "epochs_run": self.epochs_run,
-            "steps_run": self.steps_run,
-            "epoch_totals": epoch_totals,
-            "rng_states": rng_states,
+            **progress,  # epochs_run, steps_run, epoch_totals, rng_states
             "config": self.config,
         }
         train_utils.atomic_save(snapshot, self.args.snapshot_path)  # temp file + rename: never torn
-        train_utils.say(f"{train_utils.position(self.epochs_run, self.steps_run, short=True)} | "
-                        f"snapshot saved at {self.args.snapshot_path}")
+        train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
 
     def train(self, max_epochs: int) -> bool:
-        for epoch in range(self.epochs_run, max_epochs):
+        for epoch in range(self.progress.epochs_run, max_epochs):
             record = self._run_epoch(epoch, max_epochs)
             if record is None:  # stopped by the signal, after a snapshot of this step
                 return False
@@ -182,7 +172,7 @@ class Trainer:
                 self.model.module, self.val_data, self.task, self.device)
             if self.rank == 0:  # every rank holds the same numbers; one prints them
                 train_utils.log_metrics(record, self.args)
-            self.epochs_run, self.steps_run, self.epoch_totals = epoch + 1, 0, None
+            self.progress.end_epoch(epoch)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
@@ -197,13 +187,10 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
 
     The loss is weighted by samples (sum of per-sample losses / sample count),
     not a mean of batch means, which would over-weight a short last batch.
-    Collective: each rank scores its shard, the sums are all-reduced. Pass the plain
-    model (``.module``): DDP's forward is a collective, and shards may differ in length.
+    Collective: ranks score their shards, sums all-reduced; pass ``.module``: DDP's forward is one too.
     Returns (loss, accuracy or None).
     """
-    # Each rank holds its own BatchNorm statistics: score with rank 0's, which it saves.
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for source, targets in data:
@@ -228,9 +215,10 @@ def load_train_objs(args, download: bool) -> tuple[common.Task, torch.optim.Opti
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
                        seed: int) -> DataLoader:
-    """Training: each rank its 1/world_size of a permutation drawn from (seed, epoch)
-    (DistributedSampler), last partial batch dropped (a batch of 1 would break BatchNorm).
-    Evaluation: rank r takes samples r, r+W, r+2W, ... unpadded, each sample once."""
+    """Training: reshuffled every epoch from ``seed``, last partial batch dropped
+    (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
+    epoch's permutation (DistributedSampler). Evaluation: rank r takes samples r,
+    r+W, r+2W, ... unpadded, each sample once."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
@@ -249,7 +237,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
     )
 
 
-@train_utils.exit_on_config_error
+@train_utils.one_line_errors
 def main(args) -> None:
     rank, local_rank, device = ddp_setup(args.startup_timeout_s)
     # Each rank its own random stream, or all would draw the same dropout masks
@@ -260,9 +248,9 @@ def main(args) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
-    train_utils.check_run(args, device, train_data, args.snapshot_path, saves=rank == 0)
+    train_utils.check_before_training(args, device, train_data, args.snapshot_path, saves=rank == 0)
     if rank == 0:
-        train_utils.say(train_utils.run_line(device, args))
+        train_utils.print_line(train_utils.describe_run(device, args))
     trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, rank, local_rank, args)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
@@ -274,6 +262,5 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    args = train_utils.parse_args(__doc__, common.TASKS, ["snapshot_path", "snapshot_every_steps",
-                                                          "pg_timeout_s"])
+    args = train_utils.parse_args(__doc__, common.TASKS, ["snapshot_path", "snapshot_every_steps", "pg_timeout_s"])
     main(args)

@@ -6,8 +6,10 @@ Launch:
 
 The baseline: one process on one device, the first GPU or else the CPU.
 Each later script adds one distributed concept; `diff -u singlegpu.py
-multigpu_spawn.py` shows the first. Your own data and
-model go in common.py; train_utils.py holds machinery you keep as it is.
+multigpu_spawn.py` shows the first.
+
+Your own task goes in its own file (docs/custom-task.md); the train_utils
+package holds the machinery you keep as it is.
 """
 
 from typing import Optional
@@ -20,7 +22,8 @@ import train_utils
 
 
 class Trainer:
-    """Runs the epochs, evaluates, prints one summary line per epoch and saves.
+    """Runs the epochs, evaluates, prints one summary line per epoch, saves
+    its checkpoint.
 
     ``task`` gives the loss and the batch transforms (see common.Task);
     ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
@@ -78,7 +81,7 @@ class Trainer:
 
     def _save_checkpoint(self, epoch: int) -> None:
         train_utils.atomic_save(self.model.state_dict(), self.args.checkpoint_path)
-        train_utils.say(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}")
+        train_utils.print_line(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}")
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
@@ -138,15 +141,15 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
     )
 
 
-@train_utils.exit_on_config_error
+@train_utils.one_line_errors
 def main(device: torch.device, args) -> None:
     torch.manual_seed(args.seed)
     task, optimizer = load_train_objs(args, download=True)
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
-    train_utils.check_run(args, device, train_data, args.checkpoint_path, saves=True)
-    train_utils.say(train_utils.run_line(device, args))
+    train_utils.check_before_training(args, device, train_data, args.checkpoint_path, saves=True)
+    train_utils.print_line(train_utils.describe_run(device, args))
     trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, args)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)

@@ -6,7 +6,7 @@
 Prints one table per section, with the machine it ran on, and writes all
 numbers to benchmarks/results/latest.json (``--out`` to change). Not part of
 the test run; needs requirements.txt and requirements-test.txt (it builds its
-datasets with the tests' helpers) and, for sections 3 and 4, the real MNIST
+datasets with tests/dataset_files.py) and, for sections 3 and 4, the real MNIST
 digits in ../shared/data/mnist-t10k (or $MNIST_T10K_DIR).
 
 Sections:
@@ -36,7 +36,9 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import json
 import os
 import platform
@@ -56,17 +58,30 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
+# The repository (the scripts) and tests/ for its two plain helper modules,
+# helpers.py and dataset_files.py (not conftest.py: no pytest fixtures or hooks here).
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import common  # noqa: E402
+import fast_images  # noqa: E402
 import train_utils  # noqa: E402
+import vision_tasks  # noqa: E402
 import multigpu_spawn  # noqa: E402
 import multigpu_torchrun  # noqa: E402
 import multinode  # noqa: E402
 import multinode_fsdp  # noqa: E402
 import singlegpu  # noqa: E402
-from conftest import (EPOCH_LINE, load_task, TORCHRUN, build_cifar10_root, build_mnist_root,  # noqa: E402
-                      free_port, script_trainer)
+from dataset_files import build_cifar10_root, build_mnist_root  # noqa: E402
+from helpers import EPOCH_LINE, TORCHRUN, free_port, load_task, script_env, script_trainer  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def build_model(dataset: str, model_name: str) -> torch.nn.Module:
+    """A fresh model of a built-in task (synthetic, mnist, cifar10), from the global RNG."""
+    if dataset == "synthetic":
+        return common.synthetic_model(model_name)
+    return vision_tasks.build_model(dataset, model_name)
 
 
 def machine() -> dict:
@@ -101,85 +116,151 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
 
 
 # --------------------------------------------------------------------------
+# What the sections share: the process group, a training step, the timing
+# --------------------------------------------------------------------------
+
+def backend_for(device: torch.device = None) -> str:
+    """The process-group backend the scripts use on ``device`` (default: this
+    machine's first GPU where CUDA works, else its CPU): nccl on a GPU, gloo on a CPU."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int, device: torch.device):
+    """Be ``rank`` of a ``world_size``-process group on this machine for a with
+    block, set up as the scripts' ``ddp_setup`` does: this rank's GPU selected
+    first, the CPU cores shared between the processes
+    (``train_utils.share_cpu_cores``: the usable cores over the world size,
+    unless OMP_NUM_THREADS is set), the device's backend. After the block the
+    group is gone and torch's thread count is what it was."""
+    threads = torch.get_num_threads()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    train_utils.share_cpu_cores(device, world_size)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` (on ``device``) in DistributedDataParallel, as the DDP scripts wrap it."""
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def train_step(model, optimizer, loss_fn, x, y, autocast=contextlib.nullcontext(), transform=None):
+    """One bare training step on the batch (``x``, ``y``), as a function of no
+    arguments: zero_grad, forward and loss under ``autocast`` (made once, as in
+    the scripts), backward, optimizer step. ``transform`` runs on ``x`` each step."""
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_fn(model(x if transform is None else transform(x)), y)
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step, steps: int, device: torch.device = CPU, clock=time.perf_counter,
+          barrier: bool = False) -> float:
+    """Seconds per call of ``step()`` over ``steps`` calls, by ``clock``, with the
+    GPU's queued work finished before and after; with ``barrier``, every rank
+    of the process group starts together."""
+    _synchronize(device)
+    if barrier:
+        dist.barrier()
+    start = clock()
+    for _ in range(steps):
+        step()
+    _synchronize(device)
+    return (clock() - start) / steps
+
+
+def interleaved(blocks: dict, reps: int) -> dict:
+    """{name: [what ``blocks[name]()`` returned, per repetition]}: each block once
+    per repetition, in ABBA order (reversed every other repetition): on a shared
+    machine the load drifts over seconds, and every block sees the same drift."""
+    results = {name: [] for name in blocks}
+    for rep in range(reps):
+        for name in (list(blocks) if rep % 2 == 0 else list(reversed(blocks))):
+            results[name].append(blocks[name]())
+    return results
+
+
+# --------------------------------------------------------------------------
 # 1. Overhead of each script's training step over a bare loop
 # --------------------------------------------------------------------------
 
+# Blocks of ~0.2 s or more: much shorter ones measure the clock's and the
+# scheduler's noise (3 CNN steps per block gave pair ratios of 0.85-1.05).
+OVERHEAD_CASES = [("mnist cnn", "mnist", "cnn", (64, 1, 28, 28), 8),
+                  ("synthetic mlp", "synthetic", "mlp", (32, 20), 1500)]
+# Each script and its bare loop: the plain model for singlegpu, the DDP model
+# for the DDP scripts (the same DDP: only the script's code differs).
+OVERHEAD_SCRIPTS = [("singlegpu", singlegpu, "bare"), ("spawn", multigpu_spawn, "bare DDP"),
+                    ("torchrun", multigpu_torchrun, "bare DDP"), ("multinode", multinode, "bare DDP")]
+
+
+def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -> dict:
+    """{name: step()} of the two bare loops and each script's Trainer._run_batch,
+    each on its own copy of one model, on the same batch."""
+    torch.manual_seed(0)
+    base = build_model(dataset, model_name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g)
+    if dataset == "synthetic":
+        y, loss_fn = torch.randn(shape[0], 1, generator=g), F.mse_loss
+    else:
+        y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
+    steps = {}
+    for name, module in [("bare", None), ("bare DDP", None)] + [s[:2] for s in OVERHEAD_SCRIPTS]:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        if module is None:
+            steps[name] = train_step(ddp(model, CPU) if name == "bare DDP" else model, opt, loss_fn, x, y)
+        else:  # micro-batch 0 of an epoch: with --grad_accum_steps 1, every one a whole step
+            steps[name] = functools.partial(script_trainer(module, model, opt, loss_fn, out_dir)._run_batch,
+                                            x, y, 0)
+    return steps
+
+
+def _overhead_pairs(bare, script, steps: int, reps: int) -> dict:
+    """``reps`` adjacent pairs of blocks of ``steps`` steps, ABBA, timed in CPU
+    seconds of this process, not wall time: time the scheduler gives other
+    processes on a busy machine is not counted against either side."""
+    times = interleaved({side: functools.partial(timed, fn, steps, clock=time.process_time)
+                         for side, fn in (("bare", bare), ("script", script))}, reps)
+    ratios = [t_ref / t_script for t_ref, t_script in zip(times["bare"], times["script"])]
+    # Headline: best block of each, as timeit does (the least disturbed by other
+    # processes); the pairs' median ratio and quartiles show the spread.
+    return {"script_steps_per_s": 1 / min(times["script"]), "bare_steps_per_s": 1 / min(times["bare"]),
+            "ratio": min(times["bare"]) / min(times["script"]),
+            "ratio_median_of_pairs": statistics.median(ratios),
+            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2]}
+
 
 def section_overhead(reps: int = 30) -> dict:
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    tmp = tempfile.mkdtemp()
     results = []
-    # Blocks of ~0.2 s or more: much shorter ones measure the clock's and the
-    # scheduler's noise (3 CNN steps per block gave pair ratios of 0.85-1.05).
-    cases = [("mnist cnn", "mnist", "cnn", (64, 1, 28, 28), 8),
-             ("synthetic mlp", "synthetic", "mlp", (32, 20), 1500)]
-    for label, dataset, model_name, shape, steps in cases:
-        torch.manual_seed(0)
-        base = common.build_model(dataset, model_name)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(shape, generator=g)
-        if dataset == "synthetic":
-            y, loss_fn = torch.randn(shape[0], 1, generator=g), F.mse_loss
-        else:
-            y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
-
-        def fresh():
-            model = copy.deepcopy(base)
-            return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-
-        runners = {}
-        # Bare loops: the plain model (singlegpu's reference) and the DDP model
-        # (the DDP scripts' reference: the same DDP, only the script's code differs).
-        for bare in ("bare", "bare DDP"):
-            model, opt = fresh()
-            net = torch.nn.parallel.DistributedDataParallel(model) if bare == "bare DDP" else model
-
-            def bare_step(step, net=net, opt=opt):
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(net(x), y)
-                loss.backward()
-                opt.step()
-            runners[bare] = bare_step
-        for name, module in (("singlegpu", singlegpu), ("spawn", multigpu_spawn),
-                             ("torchrun", multigpu_torchrun), ("multinode", multinode)):
-            model, opt = fresh()
-            trainer = script_trainer(module, model, opt, loss_fn, tmp)
-            runners[name] = lambda step, t=trainer: t._run_batch(x, y, step)
-        for run in runners.values():  # warm-up
-            for step in range(3):
-                run(step)
-
-        def block(name: str) -> float:
-            # CPU seconds of this process, not wall time: time the scheduler gives
-            # other processes on a busy machine is not counted against either side.
-            start = time.process_time()
-            for step in range(steps):
-                runners[name](step)
-            return (time.process_time() - start) / steps
-
-        # Adjacent pairs (bare, script), in ABBA order: on a shared machine the
-        # load drifts over seconds, and both halves of a pair see the same.
-        for name in ("singlegpu", "spawn", "torchrun", "multinode"):
-            reference = "bare" if name == "singlegpu" else "bare DDP"
-            ratios, bare_t, script_t = [], [], []
-            for rep in range(reps):
-                if rep % 2 == 0:
-                    t_ref, t_script = block(reference), block(name)
-                else:
-                    t_script, t_ref = block(name), block(reference)
-                ratios.append(t_ref / t_script)
-                bare_t.append(t_ref)
-                script_t.append(t_script)
-            # Headline: best block of each, as timeit does (the least disturbed
-            # by other processes); the pairs' median ratio and quartiles show the spread.
-            results.append({"case": label, "batch": shape[0], "script": name, "reference": reference,
-                            "script_steps_per_s": 1 / min(script_t),
-                            "bare_steps_per_s": 1 / min(bare_t),
-                            "ratio": min(bare_t) / min(script_t),
-                            "ratio_median_of_pairs": statistics.median(ratios),
-                            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2]})
-    dist.destroy_process_group()
+    with process_group(0, 1, free_port(), CPU):  # the DDP scripts' Trainers need one
+        for label, dataset, model_name, shape, steps in OVERHEAD_CASES:
+            runners = _overhead_steps(dataset, model_name, shape, tempfile.mkdtemp())
+            for step in runners.values():  # warm-up
+                for _ in range(3):
+                    step()
+            for name, _, reference in OVERHEAD_SCRIPTS:
+                results.append({"case": label, "batch": shape[0], "script": name, "reference": reference,
+                                **_overhead_pairs(runners[reference], runners[name], steps, reps)})
     rows = [[r["case"], r["batch"], r["script"], r["reference"], r["bare_steps_per_s"],
              r["script_steps_per_s"], r["ratio_median_of_pairs"],
              "{:.3f}-{:.3f}".format(*r["ratio_quartiles"]),
@@ -199,34 +280,24 @@ def section_overhead(reps: int = 30) -> dict:
 # 1b. bf16 autocast on this CPU
 # --------------------------------------------------------------------------
 
+AMP_CASES = [("synthetic", "mlp", (32, 20), 300), ("mnist", "cnn", (64, 1, 28, 28), 10),
+             ("cifar10", "resnet18", (64, 3, 32, 32), 2)]
+
+
 def section_amp_cpu(reps: int = 3) -> dict:
     results = []
-    for dataset, model_name, shape, steps in (("synthetic", "mlp", (32, 20), 300),
-                                              ("mnist", "cnn", (64, 1, 28, 28), 10),
-                                              ("cifar10", "resnet18", (64, 3, 32, 32), 2)):
+    for dataset, model_name, shape, steps in AMP_CASES:
         torch.manual_seed(0)
-        model = common.build_model(dataset, model_name)
+        model = build_model(dataset, model_name)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         x = torch.randn(shape)
         y = torch.randn(shape[0], 1) if dataset == "synthetic" else torch.randint(0, 10, (shape[0],))
         loss_fn = F.mse_loss if dataset == "synthetic" else F.cross_entropy
-
-        def step(amp):
-            opt.zero_grad(set_to_none=True)
-            with train_utils.autocast(torch.device("cpu"), amp):
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-
-        for amp in (False, True, False, True):
-            step(amp)
-        times = {False: [], True: []}
-        for rep in range(reps):
-            for amp in ((False, True) if rep % 2 == 0 else (True, False)):
-                start = time.perf_counter()
-                for _ in range(steps):
-                    step(amp)
-                times[amp].append((time.perf_counter() - start) / steps)
+        step = {amp: train_step(model, opt, loss_fn, x, y, train_utils.autocast(CPU, amp))
+                for amp in (False, True)}
+        for amp in (False, True, False, True):  # warm-up
+            step[amp]()
+        times = interleaved({amp: functools.partial(timed, step[amp], steps) for amp in step}, reps)
         fp32, bf16 = (shape[0] / statistics.median(times[a]) for a in (False, True))
         results.append({"model": model_name, "batch": shape[0], "fp32_samples_per_s": fp32,
                         "bf16_autocast_samples_per_s": bf16, "speedup": bf16 / fp32})
@@ -283,10 +354,8 @@ def section_input(n_train: int = 10000, batch_size: int = 256, reps: int = 5) ->
              "torchvision per-sample, 0 workers": (slow, 0)}
     for task, workers in paths.values():  # warm-up: allocator, caches, worker start-up code
         _pipeline_images_per_s(task, workers, batch_size, epochs=1)
-    runs = {name: [] for name in paths}
-    for rep in range(reps):  # one epoch each, interleaved
-        for name, (task, workers) in paths.items():
-            runs[name].append(_pipeline_images_per_s(task, workers, batch_size, epochs=1))
+    runs = interleaved({name: functools.partial(_pipeline_images_per_s, task, workers, batch_size, epochs=1)
+                        for name, (task, workers) in paths.items()}, reps)  # one epoch each
     best = {name: max(v) for name, v in runs.items()}
     med = {name: statistics.median(v) for name, v in runs.items()}
     fast_name, slow_name = list(runs)[:2]
@@ -310,63 +379,36 @@ def section_input(n_train: int = 10000, batch_size: int = 256, reps: int = 5) ->
 # --------------------------------------------------------------------------
 
 def _allreduce_worker(rank: int, world_size: int, port: int, steps: int, reps: int, out: str):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as the scripts do
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = train_utils.device_for(rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(
-        common.build_model("mnist", "cnn").to(device),
-        device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x = torch.randn(32, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (32,), device=device)
+    with process_group(rank, world_size, port, device):
+        torch.manual_seed(0)
+        model = ddp(build_model("mnist", "cnn").to(device), device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        x = torch.randn(32, 1, 28, 28, device=device)
+        y = torch.randint(0, 10, (32,), device=device)
+        step = train_step(model, opt, F.cross_entropy, x, y)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    def timed(sync: bool) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            if sync:
+        def step_without_allreduce():
+            with model.no_sync():  # the same step without the gradient all-reduce
                 step()
-            else:
-                with model.no_sync():  # the same step without the gradient all-reduce
-                    step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / steps
 
-    for _ in range(3):
-        step()
-    with_ar, without_ar = [], []
-    for rep in range(reps):
-        with_ar.append(timed(True))
-        without_ar.append(timed(False))
-    # The all-reduce alone: one flat tensor the size of all gradients.
-    flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        dist.all_reduce(flat)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    alone = (time.perf_counter() - start) / steps
-    if rank == 0:
-        torch.save({"with": statistics.median(with_ar), "without": statistics.median(without_ar),
-                    "allreduce_alone": alone, "grad_mb": flat.numel() * 4 / 1e6}, out)
-    dist.destroy_process_group()
+        for _ in range(3):
+            step()
+        times = interleaved({variant: functools.partial(timed, fn, steps, device, barrier=True)
+                             for variant, fn in (("with", step), ("without", step_without_allreduce))},
+                            reps)
+        # The all-reduce alone: one flat tensor the size of all gradients.
+        flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+        alone = timed(lambda: dist.all_reduce(flat), steps, device, barrier=True)
+        if rank == 0:
+            torch.save({"with": statistics.median(times["with"]),
+                        "without": statistics.median(times["without"]),
+                        "allreduce_alone": alone, "grad_mb": flat.numel() * 4 / 1e6}, out)
 
 
 def _metrics_run(cmd: list, cwd: Path, **env: str) -> list[dict]:
-    env = dict({k: v for k, v in os.environ.items() if k != "RANK"}, **env)
-    subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True, env=env)
+    subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True,
+                   env=script_env(**env))
     records = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
     return [record for record in records if "event" not in record]  # not the run's start record
 
@@ -391,7 +433,7 @@ def section_scaling(mnist: Path, epochs: int = 2) -> dict:
         last = [r for r in records if "epoch" in r][-1]
         results.append({"processes": nproc, "threads_per_process": threads or (cores if nproc == 1 else 1),
                         "samples_per_s": last["samples_per_s"], "epoch_seconds": last["epoch_seconds"]})
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_for()
     rows = [[r["processes"], r["threads_per_process"], backend, r.get("samples_per_s", r.get("skipped")),
              r["samples_per_s"] / results[1]["samples_per_s"] if "samples_per_s" in r else "-",
              r.get("epoch_seconds", "-")] for r in results]
@@ -426,7 +468,7 @@ def _time_to_accuracy(mnist: Path, input_path: str, target: float, max_epochs: i
     start = time.perf_counter()
     proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-                            env={k: v for k, v in os.environ.items() if k != "RANK"})
+                            env=script_env())
     result = {"input_path": input_path, "seconds": None, "epoch": None, "train_seconds": 0.0}
     for line in proc.stdout:
         m = EPOCH_LINE.match(line)
@@ -472,73 +514,79 @@ def section_time_to_accuracy(mnist: Path, target: float = 0.95, reps: int = 2) -
 # Dense peak FLOP/s from the vendors' data sheets: (bf16 tensor core, tf32 tensor core).
 GPU_PEAKS = {"H100 80GB HBM3": (989e12, 495e12), "H100 SXM": (989e12, 495e12),
              "H200": (989e12, 495e12), "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 418e12),
+             "H200 NVL": (835e12, 418e12),
              "A100": (312e12, 156e12), "L4": (121e12, 60e12), "A10": (125e12, 62.5e12)}
 
 
 def _gpu_peak(name: str):
     """The data-sheet peaks of the GPU called ``name`` (torch.cuda.get_device_name),
-    matched as whole words, longest key first: "L4" is not "L40S", "A10" not "A100"."""
+    matched as whole words, longest key first: "L4" is not "L40S", "A10" not "A100",
+    "H200 NVL" not "H200". None (unknown) for a MIG slice, which has a fraction of
+    the GPU's units: named "... MIG 1g.10gb", or CUDA_VISIBLE_DEVICES names a MIG-<uuid>."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if re.search(r"\bMIG\b", name) or any(part.strip().startswith("MIG-") for part in visible.split(",")):
+        return None
     for key in sorted(GPU_PEAKS, key=len, reverse=True):
         if re.search(rf"(?<![\w-]){re.escape(key)}(?!\w)", name):
             return GPU_PEAKS[key]
     return None
 
 
+GPU_VARIANTS = [("fp32 (TF32 convs)", False, False, False), ("bf16 autocast", True, False, False),
+                ("bf16 + channels_last", True, True, False),
+                ("bf16 + channels_last + compile", True, True, True)]
+
+
+def _gpu_variant(amp: bool, channels_last: bool, compiled: bool, x8, y, steps: int) -> dict:
+    """Seconds per training step of ResNet-18 on the uint8 batch ``x8`` (on its
+    GPU), the step's FLOPs and the peak memory the timed steps took."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = x8.device
+    torch.manual_seed(0)
+    model = build_model("cifar10", "resnet18").to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    transform = fast_images.DeviceTransform((vision_tasks.CIFAR10_MEAN, vision_tasks.CIFAR10_STD), 4,
+                                            channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    autocast = train_utils.autocast(device, amp)
+    step = train_step(train_utils.compile_model(model, compiled), opt, F.cross_entropy, x8, y,
+                      autocast, transform)
+    for _ in range(5 if not compiled else 10):  # warm-up (and compile)
+        step()
+    _synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    seconds = timed(step, steps, device)
+    # Read now: the FLOP count below runs the plain (uncompiled) model.
+    peak_memory = torch.cuda.max_memory_allocated(device) / 2**20
+    with FlopCounterMode(display=False) as counter:  # forward + backward of one step (SGD's update: none)
+        train_step(model, opt, F.cross_entropy, x8, y, autocast, transform)()
+    return {"seconds": seconds, "flops": counter.get_total_flops(), "peak_memory_mib": peak_memory}
+
+
 def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device", "table": "**5. GPU: ResNet-18 CIFAR-10**\n\nskipped: no CUDA device"}
-    from torch.utils.flop_counter import FlopCounterMode
-
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
     peaks = _gpu_peak(name)
     x8 = torch.randint(0, 256, (batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
     y = torch.randint(0, 10, (batch_size,), device=device)
     results = []
-    variants = [("fp32 (TF32 convs)", False, False, False), ("bf16 autocast", True, False, False),
-                ("bf16 + channels_last", True, True, False),
-                ("bf16 + channels_last + compile", True, True, True)]
-    for label, amp, channels_last, compiled in variants:
+    for label, amp, channels_last, compiled in GPU_VARIANTS:
         try:
-            torch.manual_seed(0)
-            model = common.build_model("cifar10", "resnet18").to(device)
-            if channels_last:
-                model = model.to(memory_format=torch.channels_last)
-            transform = common.DeviceTransform((common.CIFAR10_MEAN, common.CIFAR10_STD), 4, channels_last)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            net = train_utils.compile_model(model, compiled)
-
-            def step():
-                opt.zero_grad(set_to_none=True)
-                with train_utils.autocast(device, amp):
-                    loss = F.cross_entropy(net(transform(x8)), y)
-                loss.backward()
-                opt.step()
-
-            for _ in range(5 if not compiled else 10):  # warm-up (and compile)
-                step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            seconds = (time.perf_counter() - start) / steps
-            # Read now: the FLOP count below runs the plain (uncompiled) model.
-            peak_memory = torch.cuda.max_memory_allocated(device) / 2**20
-            with FlopCounterMode(display=False) as counter:  # forward + backward of one step
-                with train_utils.autocast(device, amp):
-                    loss = F.cross_entropy(model(transform(x8)), y)
-                loss.backward()
-            flops = counter.get_total_flops()
-            peak = None if peaks is None else (peaks[0] if amp else peaks[1])
-            results.append({"variant": label, "images_per_s": batch_size / seconds,
-                            "flops_per_step": flops, "achieved_tflops": flops / seconds / 1e12,
-                            "peak_tflops": peak / 1e12 if peak else None,
-                            "fraction_of_peak": flops / seconds / peak if peak else None,
-                            "peak_memory_mib": peak_memory})
+            run = _gpu_variant(amp, channels_last, compiled, x8, y, steps)
         except Exception as exc:  # record, do not invent a number
             results.append({"variant": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        achieved = run["flops"] / run["seconds"]
+        peak = None if peaks is None else (peaks[0] if amp else peaks[1])
+        results.append({"variant": label, "images_per_s": batch_size / run["seconds"],
+                        "flops_per_step": run["flops"], "achieved_tflops": achieved / 1e12,
+                        "peak_tflops": peak / 1e12 if peak else None,
+                        "fraction_of_peak": achieved / peak if peak else None,
+                        "peak_memory_mib": run["peak_memory_mib"]})
     rows = [[r["variant"], r.get("images_per_s", r.get("error")), r.get("achieved_tflops", "-"),
              r.get("peak_tflops") or "unknown",
              f"{r['fraction_of_peak']:.1%}" if r.get("fraction_of_peak") else "-",
@@ -558,68 +606,51 @@ FSDP_CASES = [("mnist cnn", "mnist", "cnn", (32, 1, 28, 28)),
               ("cifar10 resnet18", "cifar10", "resnet18", (16, 3, 32, 32))]
 
 
+def _fsdp_vs_ddp_case(dataset: str, model_name: str, shape: tuple, device: torch.device, rank: int,
+                      steps: int, reps: int) -> dict:
+    """One model's median step time and training state per rank, DDP and FSDP;
+    on CUDA also each one's peak GPU memory (collectives: every rank calls this)."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(shape, generator=g).to(device)
+    y = torch.randint(0, 10, (shape[0],), generator=g).to(device)
+    step, state = {}, {}
+    for kind in ("DDP", "FSDP"):
+        torch.manual_seed(0)
+        model = build_model(dataset, model_name).to(device)
+        model = ddp(model, device) if kind == "DDP" else multinode_fsdp.shard_model(model, device, bf16=False)
+        opt = common.build_optimizer(model, 1e-3)
+        step[kind] = train_step(model, opt, F.cross_entropy, x, y)
+        step[kind]()  # gradients and momentum buffers exist from here on
+        state[kind] = train_utils.training_state_bytes(model, opt)
+
+    def block(kind: str) -> float:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = timed(step[kind], steps, device, barrier=True)
+        state[kind].update(train_utils.peak_memory_mib(device))  # {} on a CPU
+        return seconds
+
+    times = interleaved({kind: functools.partial(block, kind) for kind in step}, reps)
+    return {**{f"{kind}_step_ms": statistics.median(t) * 1e3 for kind, t in times.items()},
+            **{f"{kind}_state_bytes": state[kind]["total"] for kind in state},
+            **{f"{kind}_peak_gpu_memory_mib": state[kind].get("peak_gpu_memory_mib") for kind in state}}
+
+
 def _fsdp_vs_ddp_worker(rank: int, world_size: int, port: int, steps: int, reps: int, out: str):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as the scripts do
     device = train_utils.device_for(rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    results = []
-    for label, dataset, model_name, shape in FSDP_CASES:
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(shape, generator=g).to(device)
-        y = torch.randint(0, 10, (shape[0],), generator=g).to(device)
-        runners, state = {}, {}
-        for kind in ("DDP", "FSDP"):
-            torch.manual_seed(0)
-            model = common.build_model(dataset, model_name).to(device)
-            if kind == "DDP":
-                model = torch.nn.parallel.DistributedDataParallel(
-                    model, device_ids=[device.index] if device.type == "cuda" else None)
-            else:
-                model = multinode_fsdp.shard_model(model, device, bf16=False)
-            opt = common.build_optimizer(model, 1e-3)
-
-            def step(model=model, opt=opt):
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-
-            step()  # gradients and momentum buffers exist from here on
-            state[kind] = train_utils.training_state_bytes(model, opt)
-            runners[kind] = step
-        times = {kind: [] for kind in runners}
-        for rep in range(reps):  # interleaved blocks, ABBA: both see the same drift in load
-            for kind in (("DDP", "FSDP") if rep % 2 == 0 else ("FSDP", "DDP")):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats(device)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    runners[kind]()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[kind].append((time.perf_counter() - start) / steps)
-                if device.type == "cuda":
-                    state[kind]["peak_gpu_memory_mib"] = train_utils.peak_memory_mib(device)[
-                        "peak_gpu_memory_mib"]
-        results.append({"case": label, "batch_per_rank": shape[0],
-                        **{f"{kind}_step_ms": statistics.median(t) * 1e3 for kind, t in times.items()},
-                        **{f"{kind}_state_bytes": state[kind]["total"] for kind in state},
-                        **{f"{kind}_peak_gpu_memory_mib": state[kind].get("peak_gpu_memory_mib")
-                           for kind in state}})
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    with process_group(rank, world_size, port, device):
+        results = [{"case": label, "batch_per_rank": shape[0],
+                    **_fsdp_vs_ddp_case(dataset, model_name, shape, device, rank, steps, reps)}
+                   for label, dataset, model_name, shape in FSDP_CASES]
+        if rank == 0:
+            torch.save(results, out)
 
 
 def section_fsdp(steps: int = 10, reps: int = 5) -> dict:
     out = os.path.join(tempfile.mkdtemp(), "fsdp.pt")
     mp.spawn(_fsdp_vs_ddp_worker, args=(2, free_port(), steps, reps, out), nprocs=2)
     results = torch.load(out)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_for()
     cuda = torch.cuda.is_available()
     rows = [[r["case"], r["batch_per_rank"], r["DDP_step_ms"], r["FSDP_step_ms"],
              r["FSDP_step_ms"] / r["DDP_step_ms"], r["DDP_state_bytes"] / 2**20,
@@ -637,6 +668,54 @@ def section_fsdp(steps: int = 10, reps: int = 5) -> dict:
 
 # --------------------------------------------------------------------------
 
+def gpus_missing(processes: int) -> str:
+    """Why a section of ``processes`` processes, one GPU each, cannot run on this
+    machine ('' when it can): on CUDA each process needs a GPU of its own; on a
+    CPU any number runs (gloo)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and processes > gpus:
+        return f"needs {processes} GPUs (one per process), this machine has {gpus}"
+    return ""
+
+
+def run_section(key: str, name: str, fn, processes: int = 1) -> dict:
+    """Run one section, ``fn() -> dict`` with a "table"; return its result with
+    "section_seconds". A section this machine cannot run (``gpus_missing``) is
+    not started: {"skipped": reason}. One that raises is recorded, not
+    re-raised: {"error": "<type>: <first line>"}, so the sections after it run."""
+    start = time.perf_counter()
+    missing = gpus_missing(processes)
+    if missing:
+        result = {"skipped": missing}
+    else:
+        try:
+            result = fn()
+        except Exception as exc:  # recorded; the other sections still run
+            first = (str(exc).strip().splitlines() or [""])[0]
+            result = {"error": f"{type(exc).__name__}: {first}"[:500]}
+    result["section_seconds"] = time.perf_counter() - start
+    if "table" not in result:
+        why = f"skipped: {result['skipped']}" if "skipped" in result else f"failed: {result.get('error')}"
+        result["table"] = f"**{key}. {name}**\n\n{why}"
+    return result
+
+
+def run_sections(sections: list, report: dict, out: str) -> None:
+    """Run ``sections`` ((key, name, fn, processes) each) in order with
+    ``run_section``, printing each table and rewriting ``out`` (JSON) after
+    each: a later section that dies loses only its own numbers."""
+    for key, name, fn, processes in sections:
+        result = run_section(key, name, fn, processes)
+        result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
+        report["sections"][name] = result
+        print("\n" + result["table"], flush=True)
+        print(f"\n({result['section_seconds']:.0f} s; load average after: "
+              f"{result['load_avg_1min_after']} on {os.cpu_count()} cores)", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6")
@@ -653,29 +732,15 @@ def main() -> None:
     if wanted & {"3", "4"}:
         try:
             mnist = build_mnist_root(Path(tempfile.mkdtemp()) / "mnist")
-        except BaseException as exc:  # the fixture helpers skip (pytest) when the files are absent
+        except BaseException as exc:  # build_mnist_root skips (pytest.skip) without the files
             print(f"sections 3 and 4 skipped: real MNIST digits not found ({exc})", flush=True)
-    sections = [("1", "overhead", section_overhead), ("1b", "amp_cpu", section_amp_cpu),
-                ("2", "input_pipeline", section_input),
-                ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}),
+    sections = [("1", "overhead", section_overhead, 1), ("1b", "amp_cpu", section_amp_cpu, 1),
+                ("2", "input_pipeline", section_input, 1),
+                ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}, 1),
                 ("4", "time_to_accuracy",
-                 lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}),
-                ("5", "gpu", section_gpu), ("6", "fsdp_vs_ddp", section_fsdp)]
-    for key, name, fn in sections:
-        if key not in wanted:
-            continue
-        start = time.perf_counter()
-        result = fn()
-        result["section_seconds"] = time.perf_counter() - start
-        result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
-        report["sections"][name] = result
-        print("\n" + result.get("table", f"**{key}**: skipped: {result.get('skipped')}"), flush=True)
-        print(f"\n({result['section_seconds']:.0f} s; load average after: "
-              f"{result['load_avg_1min_after']} on {os.cpu_count()} cores)", flush=True)
-        # After every section: a later section that dies loses only its own numbers.
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+                 lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}, 2),
+                ("5", "gpu", section_gpu, 1), ("6", "fsdp_vs_ddp", section_fsdp, 2)]
+    run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")
 
 

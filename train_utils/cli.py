@@ -1,0 +1,139 @@
+"""The command line every script shares: the same flags in the same order,
+plus the few a rung adds (``SCRIPT_FLAGS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Iterable, Optional
+
+from .errors import report_to_torchrun
+
+
+def positive(kind: type) -> Callable[[str], object]:
+    """argparse type: a ``kind`` (int or float) > 0, else a one-line usage error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}")
+        if not value > 0:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0, else a one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+# The flags only some scripts take: name -> (argparse type, default, help).
+SCRIPT_FLAGS = {
+    "checkpoint_path": (str, "checkpoint.pt", "where to save the model's state_dict"),
+    "world_size": (positive(int), None, "processes to start (default: the number of GPUs, "
+                                        "or 2 on a machine without GPUs)"),
+    "snapshot_path": (str, "snapshot.pt", "snapshot to resume from when it exists, and to save to"),
+    "snapshot_every_steps": (non_negative_int, 0, "also snapshot every N steps inside an epoch, "
+                                                  "so a restart loses at most N steps (0: only "
+                                                  "at epoch ends)"),
+    "pg_timeout_s": (positive(float), 600, "once training runs, seconds a collective may wait "
+                                           "for the other ranks before the job fails, naming "
+                                           "the ranks that did not arrive"),
+    "startup_timeout_s": (positive(float), 1800, "the same during start-up and the first training "
+                                                 "step (downloads, compilation)"),
+}
+
+
+class _OneRankParser(argparse.ArgumentParser):
+    """An ArgumentParser that, under torchrun, prints usage, help and errors
+    from rank 0 only (every rank parses the same command line), and makes the
+    error torchrun's root cause. Exit status 2 on an error, as argparse's."""
+
+    def _print_message(self, message, file=None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+    def error(self, message: str):
+        report_to_torchrun(f"error: {message}")  # every rank: see one_line_errors
+        super().error(message)
+
+
+def _task_name(tasks: tuple) -> Callable[[str], str]:
+    """argparse type for --dataset: one of ``tasks``, or a ``module:function``."""
+
+    def parse(text: str) -> str:
+        if text in tasks or (":" in text and all(text.split(":", 1))):
+            return text
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(tasks)}, or module:function)")
+
+    return parse
+
+
+def parse_args(description: Optional[str], tasks: Iterable[str],
+               script_flags: Iterable[str] = ()) -> argparse.Namespace:
+    """Parse the command line: the flags every script shares, in the same
+    order everywhere, then the ``script_flags`` (names of ``SCRIPT_FLAGS``).
+
+    ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``); a
+    ``module:function`` (your own task, see docs/custom-task.md) is accepted
+    too. Invalid values (zero or negative epochs, batch size, lr, save
+    interval; an unknown dataset) end with argparse's usage line and exit 2.
+    """
+    tasks = tuple(tasks)
+    parser = _OneRankParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--total_epochs", type=positive(int), default=10, help="epochs to train (default: 10)")
+    add("--save_every", type=positive(int), default=5,
+        help="save every N epochs; the last epoch is always saved (default: 5)")
+    add("--batch_size", type=positive(int), default=32,
+        help="samples per step *per process*; the global batch size is "
+             "batch_size x grad_accum_steps x world_size (default: 32)")
+    add("--lr", type=positive(float), default=0.05, help="learning rate (default: 0.05)")
+    add("--dataset", type=_task_name(tasks), default=tasks[0],
+        help=f"task to train: {', '.join(tasks)}, or module:function for your own "
+             f"(default: {tasks[0]}, needs no download)")
+    add("--model", default=None, help="model for the task (default: the task's first)")
+    add("--data_dir", default=os.environ.get("DATA_DIR", "data"),
+        help="dataset root, as torchvision expects it (default: $DATA_DIR or ./data)")
+    add("--seed", type=int, default=0, help="seed for data split, model init, shuffling (default: 0)")
+    add("--num_workers", type=non_negative_int, default=0,
+        help="DataLoader worker processes per training process (default: 0)")
+    add("--metrics_path", default=None,
+        help="also write each epoch's summary as one JSON object per line here")
+    add("--tensorboard_dir", default=None,
+        help="also write each epoch's figures for TensorBoard here (needs: pip install tensorboard)")
+    add("--input_path", choices=("fast", "torchvision"), default="fast",
+        help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
+             "whole batches on the device; 'torchvision' is the per-sample Dataset + "
+             "transforms path (default: fast)")
+    add("--amp", action="store_true",
+        help="bf16 autocast for the training forward pass (CUDA; on a CPU only where it "
+             "was measured to help, see docs/performance.md)")
+    add("--compile", action="store_true",
+        help="torch.compile the training model (saved weights stay loadable without it)")
+    add("--grad_accum_steps", type=positive(int), default=1,
+        help="micro-batches of --batch_size per optimizer step (default: 1)")
+    _add_script_flags(parser, list(script_flags))
+    return parser.parse_args()
+
+
+def _add_script_flags(parser: argparse.ArgumentParser, names: list) -> None:
+    """Add the ``SCRIPT_FLAGS`` called ``names`` (--pg_timeout_s brings --startup_timeout_s)."""
+    if "pg_timeout_s" in names:  # the two timeouts go together
+        names.append("startup_timeout_s")
+    for name in names:
+        kind, default, text = SCRIPT_FLAGS[name]
+        parser.add_argument(f"--{name}", type=kind, default=default,
+                            help=text + (f" (default: {default})" if default is not None else ""))

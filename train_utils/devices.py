@@ -1,0 +1,197 @@
+"""This process's device and CPU threads, and the line that says what runs where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from common import ConfigError
+from .output import is_distributed
+
+
+def started_by_srun() -> bool:
+    """True in a task that srun started itself (one task per GPU, no torchrun):
+    SLURM_STEP_ID is set and TORCHELASTIC_RUN_ID, which torchrun gives its
+    workers (also when torchrun itself runs under srun), is not."""
+    return "SLURM_STEP_ID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+def device_for(local_rank: int) -> torch.device:
+    """This process's device: ``cuda:local_rank`` where CUDA works, else the CPU.
+
+    Under srun (``started_by_srun``) a task that sees exactly one GPU takes
+    ``cuda:0``: Slurm bound that GPU to it (``--gpus-per-task=1``); a task that
+    sees all of the node's GPUs takes ``cuda:local_rank`` (SLURM_LOCALID).
+    Raises ConfigError when CUDA works but ``local_rank`` has no GPU of its
+    own on this node (more processes than visible GPUs), worded in the flags
+    of the launcher that started it.
+    """
+    if not cuda_available():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    srun = started_by_srun()
+    if srun and visible == 1:
+        return check_gpu_has_kernels(torch.device("cuda", 0))
+    if local_rank >= visible:
+        shown = (f"local rank {local_rank} needs GPU {local_rank}, but this node shows only {visible} "
+                 f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        if srun:
+            raise ConfigError(f"srun task {shown.replace('local rank', 'with SLURM_LOCALID', 1)}; "
+                              f"start at most {visible} tasks per node (srun --ntasks-per-node="
+                              f"{visible}), or give each task a GPU of its own (srun --gpus-per-task=1)")
+        raise ConfigError(f"{shown}; start at most {visible} processes per node (--nproc_per_node={visible})")
+    return check_gpu_has_kernels(torch.device("cuda", local_rank))
+
+
+def check_gpu_has_kernels(device: torch.device) -> torch.device:
+    """Return ``device`` (a CUDA device) when this torch build has kernels for
+    its compute capability: a ``sm_XY`` of ``torch.cuda.get_arch_list()`` of
+    the same major version and no newer minor (cubins run on later minors of
+    their major), or a PTX ``compute_XY`` no newer (JIT-compiled). Raises
+    ConfigError naming the build to install otherwise: e.g. a V100 (sm_70)
+    under a CUDA 13 wheel (sm_75 and newer), where every kernel would fail
+    with "no kernel image is available". An empty list (unknown) passes."""
+    arches = torch.cuda.get_arch_list()
+    major, minor = torch.cuda.get_device_capability(device)
+    cubins = [int(n) for n in re.findall(r"\bsm_(\d+)\b", " ".join(arches))]
+    ptx = [int(n) for n in re.findall(r"\bcompute_(\d+)\b", " ".join(arches))]
+    capability = major * 10 + minor
+    if not arches or any(c // 10 == major and c <= capability for c in cubins) \
+            or any(p <= capability for p in ptx):
+        return device
+    raise ConfigError(
+        f"{torch.cuda.get_device_name(device)} ({device}) has compute capability {major}.{minor} "
+        f"(sm_{capability}), but torch {torch.__version__} has kernels only for {' '.join(arches)}; "
+        f"install a build for it, e.g. CUDA 12.6's: pip install torch torchvision --index-url "
+        f"https://download.pytorch.org/whl/cu126 (CUDA 13 builds have no kernels older than sm_75)")
+
+
+# NCCL's own diagnosis of a stuck collective, on unless the environment says
+# otherwise (torch's names, documented in docs/runs.md): the flight recorder
+# keeps the last collectives of each rank, and a time-out dumps them. How the
+# watchdog handles a time-out (TORCH_NCCL_ASYNC_ERROR_HANDLING) is left to
+# torch's default.
+NCCL_DIAGNOSTICS = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def nccl_trace_prefix() -> str:
+    """Where the flight recorder's dumps go (TORCH_NCCL_DEBUG_INFO_TEMP_FILE, a
+    path prefix; torch appends the rank): an absolute path in the folder the job
+    was submitted from (SLURM_SUBMIT_DIR), ``nccl_trace_<job id>_rank_``, or
+    outside Slurm in the working folder, ``nccl_trace_rank_``. Not torch's
+    default /tmp, which a Slurm job's private tmpfs loses when the job ends."""
+    if "SLURM_SUBMIT_DIR" in os.environ:
+        name = f"nccl_trace_{os.environ.get('SLURM_JOB_ID', 'job')}_rank_"
+        return os.path.join(os.path.abspath(os.environ["SLURM_SUBMIT_DIR"]), name)
+    return os.path.join(os.getcwd(), "nccl_trace_rank_")
+
+
+def enable_nccl_diagnostics() -> None:
+    """Set ``NCCL_DIAGNOSTICS`` and TORCH_NCCL_DEBUG_INFO_TEMP_FILE
+    (``nccl_trace_prefix``) where the environment does not: before
+    ``init_process_group``, which reads them."""
+    for name, value in {**NCCL_DIAGNOSTICS, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": nccl_trace_prefix()}.items():
+        os.environ.setdefault(name, value)
+
+
+# torch's warnings from its first torch.cuda.is_available() call, which torch gives
+# only once per process: kept for unusable_gpu_reason's note.
+_CUDA_WARNINGS: list = []
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, keeping the first line of each warning it
+    gives (torch's reason, e.g. a driver too old; torch warns once per process,
+    so a later call could no longer tell) for ``unusable_gpu_reason``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    for caught_warning in caught:
+        line = (str(caught_warning.message).strip().splitlines() or [""])[0]
+        if line and line not in _CUDA_WARNINGS:
+            _CUDA_WARNINGS.append(line)
+    return available
+
+
+def gpus_hidden_on_purpose() -> bool:
+    """True where the environment hides the GPUs: CUDA_VISIBLE_DEVICES empty,
+    -1 or Slurm's NoDevFiles, or a Slurm job with no GPU allocated (no
+    SLURM_JOB_GPUS, SLURM_STEP_GPUS or SLURM_GPUS_ON_NODE) on a GPU node."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
+        return True
+    allocated = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE")
+    return "SLURM_JOB_ID" in os.environ and not any(os.environ.get(name) for name in allocated)
+
+
+def unusable_gpu_reason() -> Optional[str]:
+    """Why this machine's NVIDIA GPUs go unused, or None.
+
+    Where GPU device files exist (/dev/nvidia0, ...) but this torch build cannot
+    use them (a CPU-only build, or a driver older than the build needs), the
+    scripts would silently train on the CPU; this returns torch's own reason
+    (its warnings, kept by ``cuda_available`` from the first call). None as
+    well where the GPUs are hidden on purpose (``gpus_hidden_on_purpose``).
+    """
+    if not glob.glob("/dev/nvidia[0-9]*") or gpus_hidden_on_purpose() or cuda_available():
+        return None
+    reasons = list(_CUDA_WARNINGS)
+    if torch.version.cuda is None:
+        reasons.append(f"torch {torch.__version__} is a CPU-only build")
+    return "; ".join(reasons) or "torch.cuda.is_available() is False"
+
+
+# The oldest torch the scripts are tested on (requirements-oldest.txt); see docs/install.md.
+OLDEST_TORCH = (2, 8)
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch, e.g. (2, 8) for "2.8.0+cu128"."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
+
+
+def describe_run(device: torch.device, args: argparse.Namespace) -> str:
+    """The start-up line: what runs where, and the global batch size.
+
+    E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
+    batch_size 32 x grad_accum_steps 1 x world_size 2``; preceded by a
+    ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``),
+    and one when torch is older than ``OLDEST_TORCH``.
+    """
+    world_size = dist.get_world_size() if is_distributed() else 1
+    backend = dist.get_backend() if is_distributed() else "none"
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
+            f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
+            f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
+    reason = unusable_gpu_reason() if device.type == "cpu" else None
+    if reason:
+        line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
+                f"training on the CPU. Install the torch build that matches your driver\n" + line)
+    if torch_version() < OLDEST_TORCH:
+        line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
+                f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
+    return line
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on: its affinity mask (what Slurm, a
+    cgroup cpuset or taskset grant), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def share_cpu_cores(device: torch.device, world_size: int) -> None:
+    """On a CPU ``device``, give each of ``world_size`` processes its share of
+    the usable cores' intra-op threads (unless OMP_NUM_THREADS says
+    otherwise), instead of each process using all of them. Nothing on a GPU."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, usable_cpus() // world_size))

@@ -1,0 +1,114 @@
+"""One training epoch's bookkeeping: loss sum and samples on the device, time,
+peak memory, the progress bar, and the finite-loss check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from common import ConfigError
+from .output import is_distributed
+from .speed import peak_memory_mib
+from .testing import fault_point
+from .timeouts import note_phase
+
+
+class EpochMeter:
+    """The running loss sum and sample count of one training epoch, its time
+    and its peak GPU memory.
+
+    ``totals`` is a float64 (2,) tensor on the device, (loss sum, samples) of
+    this rank: it stays there, since a ``.item()`` per step would make the CPU
+    wait for the GPU at every step. A script all-reduces it before
+    ``summary`` to get the global figures. ``carried`` is the global totals of
+    the steps trained before a mid-epoch resume (None: none), so a resumed
+    epoch's summary still covers the whole epoch. Making one starts the
+    epoch's measurements: its clock, and on CUDA its peak memory.
+    """
+
+    def __init__(self, epoch: int, max_epochs: int, device: torch.device,
+                 carried: Optional[torch.Tensor] = None) -> None:
+        self.epoch, self.max_epochs, self.device = epoch, max_epochs, device
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self.carried = carried
+        self.steps_left = 0
+        self.lr = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.start = time.perf_counter()
+
+    def batches(self, loader: DataLoader, args: argparse.Namespace) -> Iterator:
+        """The epoch's batches: whole optimizer steps only (a last group of fewer
+        than --grad_accum_steps micro-batches is dropped, as ``drop_last`` drops
+        a short batch), with a progress bar on rank 0 when stderr is a
+        terminal (not in logs). ``steps_left`` counts the batches still to
+        come. Before each batch it calls the test hook ``fault_point("step")``,
+        a no-op outside the tests, and under a process group names the step
+        for the collective time-out report (``note_phase``)."""
+        steps = len(loader) - len(loader) % args.grad_accum_steps
+        self.lr = args.lr
+        self.steps_left = steps
+        self.start = time.perf_counter()
+        distributed = is_distributed()
+        for batch in tqdm(itertools.islice(loader, steps), total=steps, leave=False,
+                          desc=f"epoch {self.epoch + 1}/{self.max_epochs}",
+                          disable=None if not distributed or dist.get_rank() == 0 else True):
+            self.steps_left -= 1
+            if distributed:
+                note_phase(f"epoch {self.epoch + 1}, training step {steps - self.steps_left} of this start")
+            fault_point("step")
+            yield batch
+        if distributed:
+            note_phase(f"epoch {self.epoch + 1} after its training steps (evaluation or saving)")
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``."""
+        self.totals[0] += loss * samples
+        self.totals[1] += samples
+
+    def global_totals(self) -> torch.Tensor:
+        """Collective: (loss sum, samples) over all ranks so far, carried part
+        included, float64 (2,) on the CPU (what a mid-epoch snapshot holds).
+        Raises ConfigError when the loss is not finite."""
+        totals = self.totals.clone()
+        if is_distributed():
+            dist.all_reduce(totals)
+        totals = totals.cpu() + (self.carried.cpu() if self.carried is not None else 0)
+        check_finite(totals[0].item() / totals[1].item(), self.epoch)
+        return totals
+
+    def summary(self) -> dict:
+        """The epoch's record: epoch, total_epochs, train_loss (mean over every
+        sample of the epoch), samples_per_s (samples trained since the epoch
+        (re)started / seconds), epoch_seconds, lr (--lr: no schedule), and
+        peak_gpu_memory_mib on CUDA.
+        ``totals`` must already be the global sums. Raises ConfigError when the
+        loss is not finite, before anything is saved."""
+        new_samples = self.totals[1].item()  # waits for the device, so the time is honest
+        seconds = time.perf_counter() - self.start
+        loss_sum, samples = (self.totals.cpu() + (self.carried.cpu() if self.carried is not None
+                                                  else 0)).tolist()
+        check_finite(loss_sum / samples, self.epoch)
+        return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
+                "train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
+                "epoch_seconds": seconds, "lr": self.lr, **peak_memory_mib(self.device)}
+
+
+def check_finite(loss: float, epoch: int) -> None:
+    """Raise ConfigError when the training loss is NaN or infinite.
+
+    Called before anything is saved, so a diverged run never overwrites the
+    last good checkpoint or snapshot.
+    """
+    if not math.isfinite(loss):
+        raise ConfigError(f"training loss became {loss} in epoch {epoch + 1}; stopping without "
+                          f"saving (the last saved state is kept). Lower --lr and resume")

@@ -1,0 +1,94 @@
+"""The one-line errors: a user's mistake, a finished run, a collective time-out.
+
+A script's ``main`` is decorated with ``one_line_errors``; what it catches
+ends the process with one line and an exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from common import ConfigError  # the task contract's one-line error (exit 2)
+from .output import is_distributed, print_line
+from .timeouts import is_timeout, startup_timeout_line, timeout_diagnosis
+
+__all__ = ["ConfigError", "NothingToTrain", "report_to_torchrun", "one_line_errors"]
+
+
+class NothingToTrain(Exception):
+    """The snapshot already holds every epoch asked for: not an error, one
+    line on stdout and exit status 0."""
+
+
+def report_to_torchrun(line: str) -> None:
+    """Make ``line`` the root cause torchrun prints when this worker fails.
+
+    torchrun gives each worker an error file (TORCHELASTIC_ERROR_FILE); what a
+    failed worker wrote there is shown in its "Root Cause" summary instead of
+    "To enable traceback see ...". The JSON layout is the one of torch's own
+    ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``. Nothing
+    happens outside torchrun.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+
+
+def one_line_errors(fn: Callable) -> Callable:
+    """Decorator for a script's ``main``: a ConfigError becomes one line on
+    stderr (``error: ...``), torchrun's root cause, and exit status 2, without
+    a traceback, the process group destroyed; NothingToTrain becomes one line
+    on stdout and exit status 0; a collective that timed out becomes the line
+    of ``timeout_diagnosis`` (which ranks did not arrive), a start-up store
+    that timed out before the process group exists that of
+    ``startup_timeout_line``; exit status 1.
+
+    Under a process group only rank 0 prints, since such errors are raised on
+    every rank alike (see ``downloaders_first``); the other ranks exit quietly.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NothingToTrain as done:
+            if not is_distributed() or dist.get_rank() == 0:
+                print_line(str(done))
+            if is_distributed():
+                dist.destroy_process_group()
+            sys.exit(0)
+        except ConfigError as exc:
+            if not is_distributed() or dist.get_rank() == 0:
+                print_line(f"error: {exc}", sys.stderr)
+            # Every rank gives torchrun the line: it names the failure with the
+            # smallest timestamp (whole seconds) as the root cause, and on a
+            # busy machine a quiet rank can get there before rank 0.
+            report_to_torchrun(f"error: {exc}")
+            if is_distributed():  # else NCCL warns of a leaked process group on every rank
+                with contextlib.suppress(RuntimeError):
+                    dist.destroy_process_group()
+            sys.exit(2)
+        except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
+            if not is_timeout(exc):
+                raise
+            line = timeout_diagnosis(exc) if is_distributed() else startup_timeout_line(exc)
+            if line:
+                print_line(f"error: {line}", sys.stderr)
+                report_to_torchrun(f"error: {line}")
+            # The process group is broken now: leave without tearing it down.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    return wrapper

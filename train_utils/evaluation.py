@@ -1,0 +1,62 @@
+"""Evaluation across ranks: the same BatchNorm statistics on every rank, and
+as many forwards on every rank where the forward is a collective (FSDP).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from common import ConfigError
+from .output import is_distributed
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Collective: every rank takes rank 0's buffers (BatchNorm running
+    statistics), the ones rank 0 saves. Each rank's drift apart in training
+    (DDP broadcasts them only at a forward, FSDP never): scoring with rank 0's
+    makes the evaluation that of the saved model."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def most_batches(loader: DataLoader, device: torch.device) -> int:
+    """Collective: the most batches any rank's ``loader`` gives (evaluation
+    shards differ by up to one sample, so by up to one batch).
+
+    Raises ConfigError on every rank when some rank has no batch at all while
+    another has (fewer samples than processes): FSDP's evaluation forward is
+    a collective, and such a rank would have no input to run it with.
+    """
+    counts = torch.tensor([len(loader), -len(loader)], device=device)
+    if is_distributed():
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (most, -fewest) over ranks
+    most, fewest = counts[0].item(), -counts[1].item()
+    if fewest == 0 < most:
+        world_size = dist.get_world_size() if is_distributed() else 1
+        raise ConfigError(f"an evaluation split has fewer samples than the {world_size} "
+                          f"processes; start fewer processes")
+    return most
+
+
+def batches_for_every_rank(loader: DataLoader, device: torch.device) -> Iterator[tuple]:
+    """Collective: ``loader``'s (source, targets, counted) batches, as many on
+    every rank as the longest shard has (``most_batches``).
+
+    Where a model's forward is itself a collective (FSDP all-gathers each
+    block's parameters), every rank must run as many forwards; evaluation
+    shards differ by one sample at most, so by one batch. A rank past its
+    last batch gets that batch again with ``counted`` False: run the forward,
+    count nothing. ``counted`` is True for every real batch.
+    """
+    batches, last = iter(loader), None
+    for _ in range(most_batches(loader, device)):
+        batch = next(batches, None)
+        if batch is None:  # this shard is done (most_batches refuses an empty one)
+            yield (*last, False)
+        else:
+            last = batch
+            yield (*batch, True)

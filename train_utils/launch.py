@@ -1,0 +1,126 @@
+"""Starting processes and meeting the others: mp.spawn's world size and port,
+the store under torchrun or srun, and the side gloo groups.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+# Imported before any process group exists, on purpose: torch.distributed.nn
+# binds group.WORLD into its functions' default arguments at import time, and
+# DDP imports it lazily. Imported after init_process_group, it would keep the
+# process group alive past destroy_process_group, its gloo threads still
+# running at interpreter exit, where the process can abort after a successful
+# run ("terminate called without an active exception"; docs/pitfalls.md).
+import torch.distributed.nn  # noqa: F401
+
+from common import ConfigError
+from .devices import usable_cpus
+from .output import print_line
+
+
+def spawn_world_size(requested: Optional[int]) -> int:
+    """How many processes multigpu_spawn.py starts: ``requested``, or one per
+    GPU, or 2 on a machine without GPUs. More processes than GPUs exits with
+    one line and status 2, like the other input errors; more processes than
+    usable CPU cores on a CPU-only machine runs, with a one-line warning."""
+    gpus = torch.cuda.device_count()
+    world_size = requested or gpus or 2
+    if gpus and world_size > gpus:  # one process per GPU
+        print_line(f"error: --world_size {world_size} is more than the {gpus} GPUs of this machine",
+                   sys.stderr)
+        sys.exit(2)
+    cpus = usable_cpus()
+    if not gpus and world_size > cpus:
+        print_line(f"warning: {world_size} processes share {cpus} usable CPU cores; each runs slower, "
+                   f"the results are the same", sys.stderr)
+    return world_size
+
+
+def check_port_free(port: int) -> None:
+    """Exit with one line when something on this machine already listens on
+    TCP ``port`` (any address): the process group could not start there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does
+        try:
+            probe.bind(("", port))
+            return
+        except OSError:
+            pass
+    sys.exit(f"error: MASTER_PORT {port} is already in use on this machine (another job?); "
+             f"set the MASTER_PORT environment variable to a free port, "
+             f"e.g. MASTER_PORT={port + 1} python multigpu_spawn.py")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist expression (``SLURM_JOB_NODELIST``):
+    ``gpu[07-09,12],cpu1`` gives ``gpu07``, what ``scontrol show hostnames``
+    prints first (syntax: Slurm's hostlist, man scontrol)."""
+    first = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist).group(0)
+    return re.sub(r"\[([^\]\-,]*)[^\]]*\]", r"\1", first)
+
+
+def launcher_store(timeout: timedelta) -> dist.Store:
+    """The key-value store for ``init_process_group`` under either launcher.
+
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    srun with one task per GPU (no torchrun; the launch of Mila's, Lightning's
+    and submitit's cluster docs) sets SLURM_PROCID, SLURM_LOCALID and
+    SLURM_STEP_NUM_TASKS: they become RANK, LOCAL_RANK and WORLD_SIZE here, and
+    the rendezvous is the job's first host at port 15000 + job id % 15000
+    (what slurm/multi_node.sh derives too) unless MASTER_ADDR/MASTER_PORT are
+    set. Rank 0 then hosts the store.
+
+    torchrun's agent keeps one store at MASTER_ADDR:MASTER_PORT across
+    restarts. Each attempt gets its own key prefix
+    (``attempt_<TORCHELASTIC_RESTART_COUNT>``): without it a restarted rank can
+    read the addresses its failed predecessor left there, then fail or hang
+    connecting (docs/pitfalls.md); ``init_method="env://"`` does not do this.
+    Raises ConfigError when started by neither launcher.
+    """
+    if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:  # a task of an srun step
+        env = os.environ
+        env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
+                   WORLD_SIZE=env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+        if "MASTER_ADDR" not in env:
+            env["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+        if "MASTER_PORT" not in env:
+            env["MASTER_PORT"] = str(15000 + int(env["SLURM_JOB_ID"]) % 15000)
+    if "RANK" not in os.environ:
+        script = os.path.basename(sys.argv[0])
+        raise ConfigError(f"start this script with torchrun (torchrun --standalone "
+                          f"--nproc_per_node=gpu {script}; --nproc_per_node=2 on a CPU) or with "
+                          f"srun, one task per GPU (srun --ntasks-per-node=GPUS python {script})")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def gloo_group() -> dist.ProcessGroup:
+    """Collective: a new gloo (CPU) group of all ranks, also in NCCL jobs.
+
+    gloo finds its own address from this host's name, or from the interface
+    GLOO_SOCKET_IFNAME names; on nodes where that name resolves to an address
+    the others cannot reach, it fails. Raises ConfigError then, naming the
+    variable and what it is set to.
+    """
+    try:
+        return dist.new_group(backend="gloo")
+    except RuntimeError as exc:
+        value = os.environ.get("GLOO_SOCKET_IFNAME")
+        setting = f"GLOO_SOCKET_IFNAME is {value!r}" if value else "GLOO_SOCKET_IFNAME is not set"
+        raise ConfigError(
+            f"gloo cannot set up its network on host {socket.gethostname()} "
+            f"({(str(exc).strip().splitlines() or [type(exc).__name__])[0]}); "
+            f"{setting}: set it to the network interface the nodes reach each other on "
+            f"(`ip -brief addr` lists them), e.g. GLOO_SOCKET_IFNAME=eth0; NCCL jobs need it "
+            f"too, for the CPU groups of the stop signal and the timeout report") from None

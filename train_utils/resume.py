@@ -1,0 +1,174 @@
+"""Exact resume: what a snapshot needs besides the model and optimizer state.
+
+``Progress`` is where training stands (epochs and steps run, the epoch's
+loss so far) and every rank's random streams, with ``state_dict`` /
+``load_state_dict`` for the snapshot; the resumable sampler continues an
+epoch part-way; ``rebuild_ddp_buckets`` lays out DDP's buckets as an
+uninterrupted run has them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from .epoch import EpochMeter
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way.
+
+    Setting ``start`` skips the first ``start`` indices of this rank's share
+    of the epoch, so a run resumed from a mid-epoch snapshot continues the
+    same permutation at the next batch: no sample repeated, none skipped.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def rebuild_ddp_buckets(model: torch.nn.Module, data: DataLoader, loss_fn: Callable,
+                        eval_transform: Callable, device: torch.device,
+                        autocast=contextlib.nullcontext()) -> None:
+    """Collective, after resuming from a snapshot: lay out DDP's gradient
+    buckets as an uninterrupted run has them by now, so that the resumed run
+    stays bitwise equal to it at any world size.
+
+    DDP all-reduces its first backward in buckets of parameters in reverse
+    registration order, records the order in which gradients became ready,
+    and from the second step on uses buckets rebuilt in that order
+    (``Reducer::rebuild_buckets`` in torch/csrc/distributed/c10d/reducer.cpp).
+    A ring all-reduce of 3 or more ranks sums each element in an order that
+    depends on where it lies in the bucket, so without this the first step
+    after a resume rounds differently (~1e-7) from the uninterrupted run's
+    (with 2 ranks the sum of two numbers is the same either way).
+
+    One forward and backward of ``data``'s first batch (shape (B, ...) of
+    ``data.dataset``, each rank the same samples) in eval mode records the
+    order; the RNG states are forked, BatchNorm statistics untouched
+    (eval), and the gradients dropped. ``model`` is the DDP-wrapped model.
+    ``autocast``: the context the training forward runs in (--amp's bf16
+    autocast), since the cast nodes change the order gradients become ready.
+    """
+    first = DataLoader(data.dataset, batch_size=data.batch_size, collate_fn=data.collate_fn)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        source, targets = next(iter(first))
+        model.eval()
+        with autocast:
+            loss = loss_fn(model(eval_transform(source.to(device))), targets.to(device))
+        loss.backward()
+        model.train()
+    for parameter in model.parameters():
+        parameter.grad = None
+
+
+def gather_rng_states(device: torch.device, loader_generator: torch.Generator) -> list:
+    """Collective: every rank's random states (CPU, the device's CUDA
+    generator, the DataLoader's shuffling generator), gathered on every rank
+    as a list indexed by rank; rank 0 saves it in the snapshot."""
+    state = {"cpu": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+             "loader": loader_generator.get_state()}
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def set_rng_state(state: dict, device: torch.device, loader_generator: torch.Generator) -> None:
+    """Restore one rank's states from ``gather_rng_states``: the resumed run
+    draws the same dropout masks, augmentations and shuffles as the original."""
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    loader_generator.set_state(state["loader"])
+
+
+def position(epochs_run: int, steps_run: int) -> str:
+    """Where a snapshot stands, as the resume line says it: "after epoch 2",
+    "in epoch 3 after step 40"."""
+    return f"in epoch {epochs_run + 1} after step {steps_run}" if steps_run else f"after epoch {epochs_run}"
+
+
+def position_tag(epochs_run: int, steps_run: int) -> str:
+    """The same position as a short tag, for the save line and the FSDP rung's
+    folder names: "epoch 2" after epoch 2, "epoch 3 step 40" inside epoch 3."""
+    return f"epoch {epochs_run + 1} step {steps_run}" if steps_run else f"epoch {epochs_run}"
+
+
+class Progress:
+    """Where training stands, and the random streams an exact resume restores.
+
+    ``epochs_run``: epochs finished. ``steps_run``: steps (micro-batches)
+    finished in epoch ``epochs_run`` (> 0 only after a mid-epoch snapshot).
+    ``epoch_totals``: that epoch's global (loss sum, samples) up to
+    ``steps_run``, float64 (2,) on the CPU, or None. ``loader`` is the
+    training DataLoader: its generator (shuffles, loader worker seeds) is one
+    of the streams saved, with the CPU and CUDA generators of ``device``.
+    """
+
+    def __init__(self, device: torch.device, loader: DataLoader, rank: int) -> None:
+        self.device, self.loader, self.rank = device, loader, rank
+        self.epochs_run = 0
+        self.steps_run = 0
+        self.epoch_totals: Optional[torch.Tensor] = None
+
+    @property
+    def resumed(self) -> bool:
+        """True when something was trained before this start."""
+        return bool(self.epochs_run or self.steps_run)
+
+    def end_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch`` (0-based) is finished: the next starts at its first step."""
+        self.epochs_run, self.steps_run, self.epoch_totals = epoch + 1, 0, None
+
+    def state_dict(self, meter: Optional[EpochMeter] = None) -> dict:
+        """Collective: {"epochs_run", "steps_run", "epoch_totals", "rng_states"}.
+
+        Mid-epoch, ``meter`` holds the epoch so far: its global totals are
+        saved (an all-reduce; raises ConfigError when the loss is not finite).
+        ``rng_states`` is every rank's states, a list indexed by rank (an
+        all-gather): a resumed run draws the same dropout masks,
+        augmentations and shuffles on every rank.
+        """
+        return {"epochs_run": self.epochs_run,
+                "steps_run": self.steps_run,
+                "epoch_totals": meter.global_totals() if meter else None,
+                "rng_states": gather_rng_states(self.device, self.loader.generator)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the position and totals of ``state`` (from ``state_dict``) and
+        this rank's random streams; a rank the saving run did not have (the
+        FSDP rung resumed at a larger world size) keeps its fresh seed."""
+        self.epochs_run, self.steps_run = state["epochs_run"], state["steps_run"]
+        self.epoch_totals = state["epoch_totals"]
+        if self.rank < len(state["rng_states"]):
+            set_rng_state(state["rng_states"][self.rank], self.device, self.loader.generator)
+
+    def position(self) -> str:
+        """``position`` of this progress: "after epoch 2", "in epoch 3 after step 40"."""
+        return position(self.epochs_run, self.steps_run)
+
+    def tag(self) -> str:
+        """``position_tag`` of this progress: "epoch 2", "epoch 3 step 40"."""
+        return position_tag(self.epochs_run, self.steps_run)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate to ``lr``: after loading an
+    optimizer's state, so that a resumed run's --lr takes over from the
+    snapshot's (lowered after a divergence, say)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

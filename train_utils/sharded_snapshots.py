@@ -1,0 +1,126 @@
+"""The FSDP rung's snapshots: a folder per save under --snapshot_path, each
+holding every rank's shards (torch.distributed.checkpoint, DCP) and a small
+file written last, whose presence means the folder is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch.distributed as dist
+
+from common import ConfigError
+from .output import is_distributed
+from .snapshots import atomic_save, read_snapshot, snapshot_on_every_node
+
+
+class ShardedSnapshots:
+    """The snapshot folders under ``root`` (--snapshot_path): finding the
+    newest complete one, naming a new one, and completing a save.
+
+    A folder is named by its position (``position_tag``): ``epoch-2`` after
+    epoch 2, ``epoch-3-step-40`` after step 40 of epoch 3. It is complete once
+    it holds ``META`` (epochs_run, steps_run, epoch_totals, rng_states,
+    config, world_size), which rank 0 writes after every rank wrote its
+    shards. One job per ``root``, as ``atomic_save`` assumes one writer per path.
+    """
+
+    META = "meta.pt"
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def folder(self, tag: str) -> str:
+        """The folder of a new snapshot at position ``tag`` ("epoch 3 step 40")."""
+        return os.path.join(self.root, tag.replace(" ", "-"))
+
+    def latest(self) -> Optional[str]:
+        """Collective: the newest complete folder as rank 0 sees it, returned on
+        every rank; None when there is none (start afresh).
+
+        Newest: the furthest position of the folder names. Rank 0 also
+        deletes incomplete folders, what a save killed midway leaves; other
+        entries of ``root`` are left alone. Raises ConfigError on every rank
+        when ``root`` is a file (another script's snapshot?), or when the
+        folder is missing on some nodes (``snapshot_on_every_node``).
+        """
+        found, error = None, ""
+        if dist.get_rank() == 0:
+            if os.path.isfile(self.root):
+                error = (f"--snapshot_path {self.root} is a file; multinode_fsdp.py keeps its "
+                         f"snapshots in a folder there: pass another --snapshot_path")
+            elif os.path.isdir(self.root):
+                complete = []
+                for name, folder, position in self._folders():
+                    if os.path.isfile(os.path.join(folder, self.META)):
+                        complete.append((position, folder))
+                    else:
+                        shutil.rmtree(folder, ignore_errors=True)
+                found = max(complete)[1] if complete else None
+        message = [found, error]
+        dist.broadcast_object_list(message, src=0)
+        if message[1]:
+            raise ConfigError(message[1])
+        if message[0] and snapshot_on_every_node(os.path.join(message[0], self.META)):
+            return message[0]
+        return None
+
+    def read(self, folder: str, config: dict, world_size: int) -> dict:
+        """``read_snapshot`` of ``folder``'s META (the weights are in its DCP
+        shards). ``config["world_size"]`` is None in the FSDP rung, so any world
+        size matches: DCP reshards. Raises ConfigError as ``read_snapshot``
+        does, and for a snapshot taken inside an epoch by another world size
+        than ``world_size`` (this run's):
+        each rank's share of that epoch depends on the world size, so the rest
+        of the epoch cannot be split anew without repeating or skipping samples."""
+        snapshot = read_snapshot(os.path.join(folder, self.META), config)
+        saved = snapshot["world_size"]
+        if snapshot["steps_run"] and saved != world_size:
+            raise ConfigError(f"snapshot {folder} was taken inside an epoch by world_size {saved}; "
+                              f"resume it with {saved} processes (a snapshot taken at an epoch's "
+                              f"end resumes with any number)")
+        return snapshot
+
+    def commit(self, meta: dict, folder: str) -> None:
+        """On rank 0, once every rank's shards are in ``folder``: write ``meta``
+        there last (temp file + rename), which completes the snapshot; then
+        delete every other snapshot folder, the previous one included (until
+        now, it was the one a restart resumed from)."""
+        atomic_save(meta, os.path.join(folder, self.META))
+        for _name, other, _position in self._folders():
+            if os.path.abspath(other) != os.path.abspath(folder):
+                shutil.rmtree(other, ignore_errors=True)
+
+    def _folders(self):
+        """(name, path, (epochs_run, steps_run)) of each snapshot folder under ``root``."""
+        for name in os.listdir(self.root):
+            folder, position = os.path.join(self.root, name), _position(name)
+            if position is not None and os.path.isdir(folder):
+                yield name, folder, position
+
+
+def _position(name: str) -> Optional[tuple]:
+    """(epochs_run, steps_run) of a folder named by ``ShardedSnapshots.folder``, else None."""
+    parts = name.split("-")
+    if len(parts) == 2 and parts[0] == "epoch" and parts[1].isdigit():
+        return int(parts[1]), 0
+    if len(parts) == 4 and parts[0] == "epoch" and parts[2] == "step" and \
+            parts[1].isdigit() and parts[3].isdigit() and int(parts[1]) > 0:
+        return int(parts[1]) - 1, int(parts[3])
+    return None
+
+
+def resharding_note(saved_world_size: int) -> str:
+    """'' when this run's world size is ``saved_world_size``, else the note the
+    FSDP rung's resume line ends with: weights and optimizer state are
+    resharded exactly; only ranks that the saving run also had get their RNG
+    states back (the others start from their seeds), so dropout and
+    augmentation draws differ from those of an uninterrupted run."""
+    world_size = dist.get_world_size() if is_distributed() else 1
+    if saved_world_size == world_size:
+        return ""
+    return (f" (saved by world_size {saved_world_size}, resharded to {world_size}: weights and "
+            f"optimizer state exact; random streams restored on ranks < "
+            f"{min(saved_world_size, world_size)} only)")

@@ -1,0 +1,103 @@
+"""Speed switches: bf16 autocast (--amp), torch.compile (--compile), and
+the peak GPU memory figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import torch
+import torch.distributed as dist
+
+from common import ConfigError
+from .output import is_distributed
+from .stop import STOP_SIGNALS
+
+
+# Models for which bf16 autocast speeds up training on a CPU with native bf16
+# instructions (AVX512-BF16/AMX); the figures are in docs/performance.md.
+AMP_HELPS_ON_CPU = ("cnn",)
+
+
+def check_amp(amp: bool, device: torch.device, model: str) -> None:
+    """Raise ConfigError for --amp on a CPU where bf16 autocast makes training slower.
+
+    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16),
+    refused on GPUs without native bf16 (before Ampere: T4, V100). On a CPU
+    it only helps with native bf16 instructions, and only for some models
+    (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost speed
+    and precision, so it is refused in one line.
+    """
+    if not amp:
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_bf16_supported(including_emulation=False):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ConfigError(f"--amp: {torch.cuda.get_device_name(device)} (compute capability "
+                              f"{major}.{minor}) has no native bf16, which needs 8.0 (Ampere) or "
+                              f"newer; bf16 autocast would be emulated and slower. Run without --amp")
+        return
+    if model not in AMP_HELPS_ON_CPU:
+        raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up --model {model} "
+                          f"on a CPU (measured, see docs/performance.md); "
+                          f"--amp is for CUDA GPUs. Run without --amp")
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise ConfigError("--amp on a CPU: this CPU has no native bf16 instructions "
+                          "(AVX512-BF16 or AMX), so bf16 autocast would be slower; "
+                          "--amp is for CUDA GPUs. Run without --amp")
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on ``device`` when ``enabled`` (the forward pass and the
+    loss; backward follows the forward's dtypes), else a context that does nothing.
+
+    Reusable, one ``with`` after another (not nested): make it once, not per step.
+    """
+    if not enabled:
+        return contextlib.nullcontext()  # cheaper than an autocast(enabled=False) per step
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def compile_model(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
+    """``torch.compile(model)`` when ``enabled``, else ``model`` itself.
+
+    The compiled module shares ``model``'s parameters; the scripts call it for
+    the training forward only, and keep saving ``model`` (or its DDP
+    ``.module``), so saved state_dicts have no ``_orig_mod.`` prefix and load
+    without compile. For DDP, pass the DDP-wrapped model: compiling after
+    wrapping lets TorchDynamo's DDP optimizer split the graph at the gradient
+    buckets, so all-reduce still overlaps with backward.
+    """
+    if not enabled:
+        return model
+    # torchrun signals a rank's whole process group, and Slurm every process of
+    # a job step: inductor's compile workers would die of a stop signal meant
+    # for the rank ("SubprocPool unclean exit"). They start with the stop
+    # signals blocked, a mask they inherit; the rank's own mask is restored.
+    # Some releases start the pool when torch.compile imports inductor, others
+    # on first use: it is started here, under the mask, either way.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        compiled = torch.compile(model)
+        from torch._inductor.async_compile import AsyncCompile
+        AsyncCompile.warm_pool()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return compiled
+
+
+def peak_memory_mib(device: torch.device) -> dict:
+    """{"peak_gpu_memory_mib": MiB} on CUDA, {} on a CPU.
+
+    The most memory tensors held on ``device`` since the last
+    ``torch.cuda.reset_peak_memory_stats`` (``torch.cuda.max_memory_allocated``,
+    MiB = 2**20 bytes), the maximum over all ranks under a process group: a
+    collective on CUDA, so every rank must call it.
+    """
+    if device.type != "cuda":
+        return {}
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20, device=device)
+    if is_distributed():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"peak_gpu_memory_mib": peak.item()}

@@ -1,0 +1,122 @@
+"""Collective time-outs: a long one for start-up, a shorter one once training
+runs, and the one line that names the ranks that did not arrive.
+
+The module's state (where this process is, the side gloo group of the
+report, whether the training time-out is in force) is set only by the calls
+below, each made by a script at the place it names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from .launch import gloo_group
+from .output import is_distributed
+
+
+class _Watch:
+    """This process's state for the time-out report."""
+
+    phase = "start-up (before the first training step)"  # where it is, for the report
+    group: Optional[dist.ProcessGroup] = None  # gloo group of monitored_barrier (watch_collectives)
+    training = False  # use_training_timeout has set --pg_timeout_s
+
+
+_WATCH = _Watch()
+
+
+def watch_collectives() -> None:
+    """Collective, right after ``init_process_group``: make the side gloo
+    group that ``timeout_diagnosis`` uses to find the ranks that did not
+    arrive (NCCL's own diagnostics: ``enable_nccl_diagnostics``, before the
+    process group exists)."""
+    if is_distributed() and _WATCH.group is None:
+        _WATCH.group = gloo_group()
+
+
+def note_phase(phase: str) -> None:
+    """Name where this process is (e.g. "epoch 2, training step 5 of this
+    start"), for the time-out report."""
+    _WATCH.phase = phase
+
+
+def use_training_timeout(timeout_s: Optional[float]) -> None:
+    """Collective the first time: once every rank has finished the first
+    optimizer step (a barrier), a collective may wait ``timeout_s`` seconds
+    (--pg_timeout_s) instead of start-up's --startup_timeout_s, which covers
+    downloads and compilation. Sets it on every process group of the run;
+    later calls return at once. Without the barrier, a rank that lowered its
+    time-out could give up on one still compiling its first step (the race
+    torchtitan's ``set_pg_timeouts`` documents). ``timeout_s`` None: nothing.
+
+    gloo before torch 2.10 ignores a changed time-out (docs/install.md).
+    """
+    if _WATCH.training or timeout_s is None or not is_distributed():
+        return
+    _WATCH.training = True
+    dist.barrier()
+    timeout = timedelta(seconds=timeout_s)
+    # torch.distributed.set_timeout (newer releases) replaced the private _set_pg_timeout.
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout)  # the default group
+    if _WATCH.group is not None:
+        set_timeout(timeout, _WATCH.group)
+
+
+# How torch words a time-out: a collective's ("Timed out waiting 10000ms for recv
+# operation to complete"), the store's ("wait timeout after 1800000ms, keys: ...",
+# a DistStoreError when a rank waits there for the others at start-up).
+TIMEOUT_WORDS = ("timed out", "wait timeout")
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.distributed's time-out: a RuntimeError whose
+    text has one of ``TIMEOUT_WORDS`` (any case), raised in a process group,
+    or a DistError (the store's) before one exists."""
+    text = str(exc).lower()
+    if not isinstance(exc, RuntimeError) or not any(word in text for word in TIMEOUT_WORDS):
+        return False
+    return is_distributed() or isinstance(exc, dist.DistError)
+
+
+def startup_timeout_line(exc: BaseException) -> str:
+    """The one-line error for a time-out before the process group exists: this
+    rank (RANK, or '?') waited in the start-up store for ranks that never came."""
+    detail = str(exc).strip().splitlines()[-1].split("] ")[-1]
+    return (f"rank {os.environ.get('RANK', '?')} timed out during start-up waiting for the other ranks "
+            f"to join the process group ({detail}). A rank that did not start, or failed before "
+            f"joining, holds up all: look at its output (--startup_timeout_s sets the wait)")
+
+
+def timeout_diagnosis(exc: BaseException) -> str:
+    """The one-line error for a collective that timed out on this rank, or ''
+    when another rank reports it.
+
+    Rank 0 runs ``dist.monitored_barrier`` (gloo, ``wait_all_ranks``) on the
+    side group of ``watch_collectives``, which names the ranks that do not
+    arrive within 10 s: those are stuck or dead. Another rank reports only
+    when rank 0 itself does not answer.
+    """
+    rank, group = dist.get_rank(), _WATCH.group
+    detail = str(exc).strip().splitlines()[-1].split("] ")[-1]
+    missing = "unknown (no monitor group)"
+    if group is not None:
+        try:
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=10), wait_all_ranks=True)
+            missing = "none (all arrived later: raise --pg_timeout_s)"
+        except RuntimeError as barrier:
+            found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(barrier))
+            if rank != 0:
+                return (f"rank {rank} timed out in a collective during {_WATCH.phase} ({detail}), "
+                        f"and rank 0 does not answer: look at rank 0's output")
+            missing = f"[{found.group(1)}]" if found else str(barrier).splitlines()[0]
+    if rank != 0:
+        return ""
+    return (f"rank 0 timed out waiting for the other ranks in a collective during {_WATCH.phase} "
+            f"({detail}); ranks that did not arrive: {missing}. A rank that is stuck or died "
+            f"holds up all: look at its output (--pg_timeout_s sets the wait)")

@@ -1,0 +1,186 @@
+"""The built-in image tasks, mnist and cifar10: torchvision's datasets, a CNN or a ResNet.
+
+A task module like yours (docs/custom-task.md): ``common.TASKS`` names its
+functions as ``"vision_tasks:mnist_task"`` and ``"vision_tasks:cifar10_task"``,
+and ``common.load_task`` imports them the way it imports
+``--dataset my_module:my_task``.
+
+  mnist    torchvision MNIST, the 2-conv/2-fc CNN with dropout (``--model
+           cnn``), cross-entropy.
+  cifar10  torchvision CIFAR10 with crop+flip augmentation, torchvision
+           resnet18 (default) or resnet50, cross-entropy.
+
+Both read the files from ``--data_dir`` (``prepare_data`` downloads them, or
+names what is missing) and, with ``--input_path fast`` (the default), keep
+them decoded in memory (fast_images.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Subset
+
+from common import VAL_FRACTION, ConfigError, Task, choose_model, split_indices
+from fast_images import DeviceTransform, decode
+
+# Per-channel mean/std of the training images, the values the torchvision
+# references use (MNIST: pytorch/examples mnist/main.py; CIFAR-10: the
+# widely used kuangliu/pytorch-cifar numbers, as in the seed tutorials).
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
+
+
+class MnistCNN(nn.Module):
+    """The 2-conv/2-fc CNN with dropout of pytorch/examples mnist/main.py.
+
+    Input: float32 (N, 1, 28, 28) normalized images. Output: float32 (N, 10)
+    logits (not log-probabilities: pair it with ``F.cross_entropy``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)
+
+
+def build_model(dataset: str, model: str) -> nn.Module:
+    """A freshly initialized model (from the global torch RNG) of an image task.
+
+    mnist, ``cnn``: float32 (N, 1, 28, 28) -> (N, 10) logits. cifar10,
+    ``resnet18``/``resnet50`` (torchvision, 10 classes): float32
+    (N, 3, 32, 32) -> (N, 10) logits.
+    """
+    if dataset == "mnist":
+        return MnistCNN()
+    import torchvision
+
+    return getattr(torchvision.models, model)(weights=None, num_classes=10)
+
+
+def _torchvision_class(dataset: str):
+    from torchvision import datasets
+
+    return {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[dataset]
+
+
+def expected_files(dataset: str, data_dir: str) -> tuple[str, list[str]]:
+    """(folder, file names) that torchvision reads for ``dataset`` under ``data_dir``."""
+    cls = _torchvision_class(dataset)
+    if dataset == "mnist":
+        folder = os.path.join(data_dir, "MNIST", "raw")
+        names = [os.path.splitext(name)[0] for name, _md5 in cls.resources]
+    else:
+        folder = os.path.join(data_dir, cls.base_folder)
+        names = [name for name, _md5 in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    return folder, names
+
+
+def prepare_data(dataset: str, data_dir: str, download: bool) -> None:
+    """Make sure the files of ``dataset`` (mnist, cifar10) are in ``data_dir``.
+
+    With ``download``, torchvision downloads what is missing; without, this
+    only looks for the files (parsing them is the task's job). Raises
+    ConfigError with a one-line message naming the folder, the files expected
+    and how to pre-stage them.
+    """
+    cls = _torchvision_class(dataset)
+    folder, names = expected_files(dataset, data_dir)
+    try:
+        if download:
+            for train in (True, False):
+                cls(data_dir, train=train, download=True)
+            return
+        missing = [name for name in names if not os.path.isfile(os.path.join(folder, name))]
+        if not missing:
+            return
+        reason = f"missing: {', '.join(missing)}"
+    except Exception as exc:  # torchvision raises RuntimeError/URLError/OSError
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = lines[-1] if lines else type(exc).__name__  # torchvision's last line says why
+    raise ConfigError(
+        f"{dataset} not found in {os.path.abspath(folder)} (expected {', '.join(names)}; "
+        f"{'download failed: ' if download else ''}{reason}). Pre-stage it on a machine with "
+        f"network: python -c \"from torchvision import datasets; datasets.{cls.__name__}"
+        f"('{data_dir}', download=True)\" and copy the folder here, or point --data_dir at an "
+        f"existing copy")
+
+
+def vision_task(dataset: str, args: argparse.Namespace, download: bool) -> Task:
+    """mnist or cifar10 (``dataset``) from torchvision's classes.
+
+    Validation: a seeded 10% of the official train split, read with the
+    *eval* transform (no augmentation); test: the official test split.
+    ``--input_path torchvision``: per-sample normalized float32 images
+    (augmented for CIFAR-10 training); ``fast``: ``InMemoryImages`` uint8
+    batches that the task's device transforms normalize (and for CIFAR-10
+    training crop and flip) on the device. ResNets are channels-last on CUDA.
+    """
+    from torchvision import transforms
+
+    model_name = choose_model(args, ("cnn",) if dataset == "mnist" else ("resnet18", "resnet50"))
+    prepare_data(dataset, args.data_dir, download)
+    cls = _torchvision_class(dataset)
+    stats = (MNIST_MEAN, MNIST_STD) if dataset == "mnist" else (CIFAR10_MEAN, CIFAR10_STD)
+    normalize = [transforms.ToTensor(), transforms.Normalize(*stats)]
+    augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
+    fast = args.input_path == "fast"
+    if fast:  # the files as they are; DeviceTransform does the rest per batch
+        train_tf = eval_tf = None
+    else:
+        eval_tf = transforms.Compose(normalize)
+        train_tf = eval_tf if dataset == "mnist" else transforms.Compose(augment + normalize)
+    try:
+        train_view = cls(args.data_dir, train=True, transform=train_tf)
+        # Same decoded images, other transform: a shallow copy, not a second read.
+        eval_view = copy.copy(train_view)
+        eval_view.transform = eval_tf
+        test = cls(args.data_dir, train=False, transform=eval_tf)
+    except RuntimeError as exc:
+        prepare_data(dataset, args.data_dir, download=False)  # names what is missing
+        raise ConfigError(str(exc)) from None
+    train_idx, val_idx = split_indices(len(train_view), VAL_FRACTION, args.seed)
+    model = build_model(dataset, model_name)
+    # Tensor cores read convolution inputs fastest in NHWC; on a CPU it does not pay.
+    channels_last = model_name.startswith("resnet") and torch.cuda.is_available()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    train_transform = eval_transform = DeviceTransform(channels_last=channels_last)
+    if fast:
+        train_view = eval_view = decode(train_view)  # one copy, two views (Subsets)
+        test = decode(test)
+        padding = 4 if dataset == "cifar10" else 0  # MNIST: no augmentation
+        train_transform = DeviceTransform(stats, padding, channels_last)
+        eval_transform = DeviceTransform(stats, 0, channels_last)
+    return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test, model,
+                F.cross_entropy, True, train_transform, eval_transform)
+
+
+def mnist_task(args: argparse.Namespace, download: bool) -> Task:
+    """``--dataset mnist``: 54,000/6,000/10,000 (train/val/test) digits, uint8
+    (fast) or normalized float32 (N, 1, 28, 28) images, int64 labels 0-9;
+    ``MnistCNN``, cross-entropy."""
+    return vision_task("mnist", args, download)
+
+
+def cifar10_task(args: argparse.Namespace, download: bool) -> Task:
+    """``--dataset cifar10``: 45,000/5,000/10,000 (train/val/test) uint8 (fast)
+    or normalized float32 (N, 3, 32, 32) images, int64 labels 0-9, training
+    images cropped and flipped; a ResNet, cross-entropy."""
+    return vision_task("cifar10", args, download)
