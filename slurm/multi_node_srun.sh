@@ -1,27 +1,15 @@
 #!/bin/bash
-# multi_node_srun.sh: multinode.py on SEVERAL nodes, launched the way many
-# cluster guides do it: srun starts one task per GPU, no torchrun. Each task
-# takes its rank, local rank and world size from Slurm (SLURM_PROCID,
-# SLURM_LOCALID, SLURM_NTASKS; train_utils.launcher_store), and meets the
-# others on the job's first node. Survives preemption, requeue and the time
-# limit like slurm/multi_node.sh.
-#
-# Submit from the project folder; arguments after the script name reach the
-# training script:
-#     sbatch slurm/multi_node_srun.sh
+# multi_node_srun.sh: multinode.py on SEVERAL nodes the way many cluster guides
+# launch it: srun starts one task per GPU, no torchrun; each takes its rank from
+# Slurm and meets the others on the job's first node. Snapshots and requeues on
+# preemption and before the time limit, like multi_node.sh.
+# Submit from the project folder (on storage every node sees); arguments after
+# the name go to the script:
 #     sbatch --nodes=4 slurm/multi_node_srun.sh --dataset cifar10 --total_epochs 30
-# Watch: squeue --me; tail -f multi_node_srun-<job id>.out. Stop: scancel <job id>
-# (the ranks save a snapshot first; the same sbatch command resumes from it).
-# Edit: the #SBATCH lines for your cluster (partition, account, GPUs, time;
-# --ntasks-per-node must equal the GPUs per node), and the environment block.
-# The folder you submit from must be on storage every node sees. Data and
-# snapshot: as in slurm/multi_node.sh.
-#
-# Against torchrun under srun (slurm/multi_node.sh): Slurm signals every task
-# itself, so nothing needs relaying and nothing kills a rank 80 s into its
-# save; but a crashed rank ends the job (no torchrun restarts), and GPUs are
-# bound to tasks by --ntasks-per-node and --gres as the cluster sets them.
-# Stops, preemption and requeue: slurm/stop_and_requeue.sh, docs/slurm.md.
+# Watch: squeue --me; tail -f multi_node_srun-<job id>.out. scancel stops it with
+# a snapshot; the same sbatch command resumes. Edit: the #SBATCH lines (tasks per
+# node = GPUs per node), the environment and network blocks. Against torchrun,
+# data, snapshot and each way Slurm stops a job: docs/slurm.md.
 
 #SBATCH --job-name=multi_node_srun  # the name in squeue, %x in the log file name, and the snapshot's name
 #SBATCH --nodes=2                  # machines
@@ -43,48 +31,65 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     echo "error: this is a Slurm batch script; submit it with: sbatch slurm/multi_node_srun.sh [training args]" >&2
     exit 2
 fi
-
-# sbatch runs a copy of this file from a spool folder, so the project is found
-# from the submission folder, not from this file's location.
+# sbatch runs a copy of this file from a spool folder: the project is the submission folder.
 PROJECT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}"
 SCRIPT="$PROJECT/${SCRIPT_NAME:-multinode.py}"
 if [ ! -f "$SCRIPT" ]; then
-    echo "error: $SCRIPT not found; submit from the project folder (cd ddp-scripts && sbatch slurm/multi_node_srun.sh) or set PROJECT_DIR" >&2
+    echo "error: $SCRIPT not found; run sbatch slurm/multi_node_srun.sh from the project folder, or set PROJECT_DIR" >&2
     exit 2
 fi
-# Traps the stop signals first (they may come during set-up), then run_step below.
+# Traps the stop signals first (they may come during set-up); defines run_step.
 source "$PROJECT/slurm/stop_and_requeue.sh"
 
-# ---- Environment: edit for your cluster ------------------------------------
+# --- environment (identical in every wrapper; edit for your cluster) ---
 set +u  # activation scripts (conda, some module systems) read unset variables
-# Default: the project's virtual environment (README set-up) or the one VENV_DIR
-# names, where it exists. A line below this one takes over from it:
+# Default: the project's .venv (README set-up) or VENV_DIR's, where it exists and
+# no CONTAINER_IMAGE is set. A line below this one takes over from it:
 VENV="${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}"
-if [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
-# module load cuda/12.4 python/3.11          # a module system, or
-# eval "$(conda shell.bash hook)" && conda activate ddp   # conda
+if [ -z "${CONTAINER_IMAGE:-}" ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
+# module load cuda/12.4 python/3.11                       # a module system, or
+# eval "$(conda shell.bash hook)" && conda activate ddp   # conda, or
+# CONTAINER_IMAGE=image.sif: a container instead (the container block below)
+set -u
+# --- end environment ---
+
+# --- network (identical in every multi-node wrapper) ---
 # Nodes with several networks: the one the nodes reach each other on. gloo
 # needs it even in NCCL jobs (the stop signal's CPU group); `ip -brief addr`.
 # export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0
-set -u
-# ---------------------------------------------------------------------------
-if ! command -v python >/dev/null; then
-    echo "error: no python found; activate the environment in the wrapper's environment block" >&2
+# --- end network ---
+
+# --- container (identical in every wrapper) ---
+# CONTAINER_IMAGE=image.sif: the training command runs in the image (docs/containers.md);
+# CONTAINER_RUN replaces the command before the image (split at spaces).
+CONTAINER=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    BINDS="$SLURM_SUBMIT_DIR,$PROJECT${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+    # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
+    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
+fi
+# ${CONTAINER[@]+"${CONTAINER[@]}"}: that command, or nothing (also under set -u in bash < 4.4).
+# --- end container ---
+
+# --- python check (identical in every wrapper that runs python itself) ---
+if ! ${CONTAINER[@]+"${CONTAINER[@]}"} python -c '' 2>/dev/null; then
+    echo "error: no working python${CONTAINER_IMAGE:+ in the container}; activate the environment in the wrapper's environment block" >&2
     exit 2
 fi
+# --- end python check ---
 
 # The rendezvous: the job's first node, at a port derived from the job id
 # (what each task would derive by itself; exported so the log shows it).
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))
 export MASTER_ADDR MASTER_PORT
-
 echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x ${SLURM_NTASKS_PER_NODE:-?} tasks | rendezvous $MASTER_ADDR:$MASTER_PORT | $(date -Is)"
 
+# Node-local data (each node's local rank 0 downloads a copy), unless DATA_DIR names one.
 DATA="${DATA_DIR:-${SLURM_TMPDIR:-/tmp/${USER:-$(id -un)}/ddp-data}}"
 
-# One rank per task; --kill-on-bad-exit: one rank failing ends every rank.
-# --cpus-per-task: srun of Slurm 22.05-23.02 does not inherit it from sbatch.
-run_step srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+# The training step: srun starts one rank per task, each in its own container
+# when there is one; one rank failing ends every rank (--kill-on-bad-exit).
+run_step srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${CONTAINER[@]+"${CONTAINER[@]}"} \
     python "$SCRIPT" --data_dir "$DATA" \
     --snapshot_path "snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}.pt" "$@"

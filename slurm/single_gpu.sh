@@ -1,18 +1,12 @@
 #!/bin/bash
 # single_gpu.sh: singlegpu.py on one GPU (or, on a node without one, the CPU).
-#
-# Submit from the project folder; arguments after the script name reach the
-# training script:
-#     sbatch slurm/single_gpu.sh
+# Submit from the project folder; arguments after the name go to the script:
 #     sbatch slurm/single_gpu.sh --dataset mnist --total_epochs 5
-# Edit: the #SBATCH lines for your cluster (partition, time), and the
-# environment block below. Output: single_gpu-<job id>.out in the folder you
-# submitted from; the checkpoint: checkpoint-<job id>.pt there.
-#
-# No --requeue and no warning signal here, on purpose: singlegpu.py saves
-# checkpoints but never resumes from one, so a requeued job would start over.
-# For long runs use slurm/multi_gpu.sh with --gres=gpu:1: one worker, with
-# snapshots, resume, and a clean stop before the time limit.
+# Output: single_gpu-<job id>.out and checkpoint-<job id>.pt, in the folder you
+# submitted from. Edit: the #SBATCH lines (partition, account, time), the
+# environment block. No --requeue and no warning signal, on purpose: singlegpu.py
+# never resumes, so a requeued job would start over; for long runs use
+# sbatch --gres=gpu:1 slurm/multi_gpu.sh (docs/slurm.md).
 
 #SBATCH --job-name=single_gpu       # the name in squeue, and %x in the log file name
 #SBATCH --nodes=1                  # one machine
@@ -22,6 +16,8 @@
 #SBATCH --mem=16G                  # host memory
 #SBATCH --time=01:00:00            # wall-clock limit; the job is killed after it
 #SBATCH --output=%x-%j.out         # %x = job name, %j = job id; stdout and stderr together
+##SBATCH --partition=gpu           # many clusters want a partition: remove one # and name yours
+##SBATCH --account=my-project      # and an account to charge: likewise
 
 set -euo pipefail
 
@@ -29,42 +25,47 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     echo "error: this is a Slurm batch script; submit it with: sbatch slurm/single_gpu.sh [training args]" >&2
     exit 2
 fi
-
-# ---- Environment: edit for your cluster ------------------------------------
-set +u  # activation scripts (conda, some module systems) read unset variables
-# module load cuda/12.4                      # a module system, or
-# eval "$(conda shell.bash hook)"; conda activate ddp   # conda, or
-# CONTAINER_IMAGE=image.sif: a container instead (see "Container" below)
-# Default: the project's own virtual environment (README set-up), or VENV_DIR;
-# with CONTAINER_IMAGE, the image's Python (nothing to activate out here).
-[ -n "${CONTAINER_IMAGE:-}" ] || source "${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}/bin/activate"
-set -u
-# ---------------------------------------------------------------------------
-
-# sbatch runs a copy of this file from a spool folder, so the training script
-# is found from the submission folder, not from this file's location.
-SCRIPT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}/singlegpu.py"
+# sbatch runs a copy of this file from a spool folder: the project is the submission folder.
+PROJECT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}"
+SCRIPT="$PROJECT/singlegpu.py"
 if [ ! -f "$SCRIPT" ]; then
-    echo "error: $SCRIPT not found; submit from the project folder (cd ddp-scripts && sbatch slurm/single_gpu.sh) or set PROJECT_DIR" >&2
+    echo "error: $SCRIPT not found; run sbatch slurm/single_gpu.sh from the project folder, or set PROJECT_DIR" >&2
     exit 2
 fi
 
-# ---- Container (optional) ---------------------------------------------------
-# CONTAINER_IMAGE=/path/ddp-scripts.sif sbatch slurm/single_gpu.sh ...: the
-# script runs inside the image (docs/containers.md), with the submission and
-# project folders, $DATA_DIR and $CONTAINER_BINDS (comma-separated) bound at
-# the same paths. CONTAINER_RUN replaces the command before the image (split
-# at spaces; e.g. a podman run ... line).
+# --- environment (identical in every wrapper; edit for your cluster) ---
+set +u  # activation scripts (conda, some module systems) read unset variables
+# Default: the project's .venv (README set-up) or VENV_DIR's, where it exists and
+# no CONTAINER_IMAGE is set. A line below this one takes over from it:
+VENV="${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}"
+if [ -z "${CONTAINER_IMAGE:-}" ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
+# module load cuda/12.4 python/3.11                       # a module system, or
+# eval "$(conda shell.bash hook)" && conda activate ddp   # conda, or
+# CONTAINER_IMAGE=image.sif: a container instead (the container block below)
+set -u
+# --- end environment ---
+
+# --- container (identical in every wrapper) ---
+# CONTAINER_IMAGE=image.sif: the training command runs in the image (docs/containers.md);
+# CONTAINER_RUN replaces the command before the image (split at spaces).
 CONTAINER=()
 if [ -n "${CONTAINER_IMAGE:-}" ]; then
-    BINDS="$SLURM_SUBMIT_DIR,${PROJECT_DIR:-$SLURM_SUBMIT_DIR}${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+    BINDS="$SLURM_SUBMIT_DIR,$PROJECT${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
     # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
     CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
 fi
-# Below, ${CONTAINER[@]+"${CONTAINER[@]}"} is that command, or nothing at all
-# without a container (also under set -u in bash before 4.4).
+# ${CONTAINER[@]+"${CONTAINER[@]}"}: that command, or nothing (also under set -u in bash < 4.4).
+# --- end container ---
+
+# --- python check (identical in every wrapper that runs python itself) ---
+if ! ${CONTAINER[@]+"${CONTAINER[@]}"} python -c '' 2>/dev/null; then
+    echo "error: no working python${CONTAINER_IMAGE:+ in the container}; activate the environment in the wrapper's environment block" >&2
+    exit 2
+fi
+# --- end python check ---
 
 echo "job $SLURM_JOB_ID on $(hostname) | GPUs ${CUDA_VISIBLE_DEVICES:-none} | $(date -Is)"
-# Defaults first, so that the same flag in "$@" overrides them.
+
+# The training step: one python process. Defaults first: the same flag in "$@" overrides them.
 ${CONTAINER[@]+"${CONTAINER[@]}"} python "$SCRIPT" --checkpoint_path "checkpoint-$SLURM_JOB_ID.pt" "$@"
 echo "$(date -Is) done"

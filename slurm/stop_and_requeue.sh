@@ -1,28 +1,12 @@
 # stop_and_requeue.sh: sourced by slurm/multi_gpu.sh, multi_node.sh and
 # multi_node_srun.sh (not run on its own). What the batch shell does so that
-# every way Slurm stops a job ends with a snapshot and, where the job should
-# run again, a requeue. docs/slurm.md has the table; in short:
-#
-#   time-limit warning   SIGUSR1 to this shell (the wrapper's --signal=B:USR1@90):
-#                        relayed to the training step; after it stopped, requeue.
-#   preemption           SIGTERM to the training step only (not this shell), or
-#                        SIGUSR1 to this shell where the cluster sets
-#                        preempt_send_user_signal (22.05) / send_user_signal
-#                        (23.02+): the step stops; this shell sees PreemptTime in
-#                        `scontrol show job` and requeues. It must not just exit:
-#                        a batch script that ends during the grace time ends the
-#                        job for good.
-#   scontrol requeue     SIGTERM to every process of the job, this shell too:
-#                        the step stops; Slurm requeues by itself.
-#   scancel              the same, and Slurm does not requeue (you asked).
-#
-# The ranks treat SIGUSR1, SIGTERM and SIGINT alike (train_utils.StopSignal):
-# every rank finishes its step, all stop after the same one, rank 0 saves the
-# snapshot. What must fit between the signal and the SIGKILL that follows it:
-# the rest of a step, one more step and the save (plus an evaluation or an
-# epoch-end save when the signal lands in one). The SIGKILL comes KillWait
-# after a SIGTERM (cluster setting, often 30 s), at the grace's end after a
-# preemption (GraceTime), at the time limit after the warning (90 s here).
+# every way Slurm stops a job ends with a snapshot and, where the job should run
+# again, a requeue: the time-limit warning (SIGUSR1 here) is relayed to the
+# training step, and after the step stopped the job is requeued; a preemption
+# (SIGTERM to the step only) is seen as PreemptTime and requeued too, since a
+# batch script that just ended during the grace time would end the job for good;
+# on scontrol requeue and scancel (SIGTERM here too) Slurm decides. The table,
+# and what must fit before the SIGKILL: docs/slurm.md.
 
 # The signal this shell got: USR1 or TERM; empty while none came.
 STOP_SIGNAL=""
