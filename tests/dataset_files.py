@@ -1,0 +1,103 @@
+"""Small datasets in the real on-disk formats torchvision reads: MNIST from
+the real t10k digits written back as IDX files, and a tiny CIFAR-10 in its
+python-pickle layout. Used by the tests (conftest.py's fixtures) and by
+benchmarks/run.py."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import IN_CI, REPO
+
+# The real MNIST test set (10,000 digits) lives beside the project; see its README.
+MNIST_T10K = Path(os.environ.get("MNIST_T10K_DIR", REPO.parent / "shared" / "data" / "mnist-t10k"))
+
+
+# --------------------------------------------------------------------------
+# MNIST from the real t10k files, written back in IDX format
+# --------------------------------------------------------------------------
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read a (gzipped) IDX file (http://yann.lecun.com/exdb/mnist/ format) as uint8."""
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+        data = f.read()
+    magic, = struct.unpack(">i", data[:4])
+    ndim = magic & 0xFF
+    shape = struct.unpack(f">{ndim}i", data[4:4 + 4 * ndim])
+    return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).reshape(shape)
+
+
+def write_idx(path: Path, tensor: torch.Tensor) -> None:
+    """Write uint8 images (N, 28, 28) (magic 2051) or labels (N,) (magic 2049)."""
+    magic = 2051 if tensor.dim() == 3 else 2049
+    with open(path, "wb") as f:
+        f.write(struct.pack(">i", magic))
+        f.write(struct.pack(f">{tensor.dim()}i", *tensor.shape))
+        f.write(tensor.contiguous().numpy().tobytes())
+
+
+def require_mnist_t10k() -> Path:
+    if not (MNIST_T10K / "t10k-images-idx3-ubyte.gz").exists():
+        message = (f"real MNIST fixture absent: {MNIST_T10K}/t10k-images-idx3-ubyte.gz "
+                   f"(set MNIST_T10K_DIR or place ../shared beside the repo)")
+        if IN_CI:
+            pytest.fail(message + "; CI must run this test")
+        pytest.skip(message)
+    return MNIST_T10K
+
+
+def build_mnist_root(root: Path, n_train: int = 8000, n_test: int = 2000) -> Path:
+    """A torchvision MNIST root made of the real t10k digits: the first
+    ``n_train`` as the train split, the last ``n_test`` as the test split."""
+    source = require_mnist_t10k()
+    images = read_idx(source / "t10k-images-idx3-ubyte.gz")
+    labels = read_idx(source / "t10k-labels-idx1-ubyte.gz")
+    assert images.shape == (10000, 28, 28) and labels.shape == (10000,)
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    write_idx(raw / "train-images-idx3-ubyte", images[:n_train])
+    write_idx(raw / "train-labels-idx1-ubyte", labels[:n_train])
+    write_idx(raw / "t10k-images-idx3-ubyte", images[-n_test:])
+    write_idx(raw / "t10k-labels-idx1-ubyte", labels[-n_test:])
+    return root
+
+
+# --------------------------------------------------------------------------
+# CIFAR-10 in its real python-pickle format
+# --------------------------------------------------------------------------
+
+def build_cifar10_root(root: Path, per_batch: int = 12, n_test: int = 20, seed: int = 0) -> Path:
+    """A tiny CIFAR-10 in the layout of cifar-10-python.tar.gz, unpacked:
+    cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}, each a pickle
+    of a dict with "data" uint8 (N, 3072) rows (R, G, B planes of 32x32) and
+    "labels" list[int], as https://www.cs.toronto.edu/~kriz/cifar.html describes
+    (the originals were pickled by Python 2; torchvision reads them with
+    encoding="latin1", which yields the same str keys as these).
+    Each image is a flat color (its class's hue) plus noise, so it is learnable."""
+    g = torch.Generator().manual_seed(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    palette = torch.randint(0, 256, (10, 3, 1), generator=g)
+
+    def batch(n: int, name: str) -> None:
+        labels = torch.randint(0, 10, (n,), generator=g)
+        noise = torch.randint(-30, 31, (n, 3, 1024), generator=g)
+        data = (palette[labels] + noise).clamp(0, 255).to(torch.uint8).reshape(n, 3072)
+        with open(folder / name, "wb") as f:
+            pickle.dump({"batch_label": name, "labels": labels.tolist(),
+                         "data": data.numpy(), "filenames": ["x.png"] * n}, f)
+
+    for i in range(1, 6):
+        batch(per_batch, f"data_batch_{i}")
+    batch(n_test, "test_batch")
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": names, "num_cases_per_batch": per_batch, "num_vis": 3072}, f)
+    return root

@@ -1,0 +1,203 @@
+"""Shared test helpers: run the scripts the way users do, parse their output,
+read their snapshots, and build a script's Trainer. Plain functions, no pytest
+fixtures or hooks (those are in conftest.py); the datasets written in the real
+on-disk formats are in dataset_files.py."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # so tests can import common and the scripts
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
+
+EPOCH_LINE = re.compile(
+    r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "
+    r"val_loss (?P<val_loss>\S+)(?: \| val_acc (?P<val_acc>\S+))? \| "
+    r"samples/s (?P<samples_per_s>\S+) \| epoch_s (?P<epoch_s>\S+)"
+    r"(?: \| peak_mem_mib (?P<peak_mem_mib>\S+))?$", re.M)  # peak memory: CUDA only
+TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# What a launcher (torchrun, srun) tells a script; a test's scripts never
+# inherit them from the environment pytest runs in.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def script_env(**extra: str) -> dict:
+    """This environment without inherited launcher variables, then ``extra``
+    (a test's own MASTER_PORT, say, survives)."""
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run a command as a user would; return it with stdout/stderr as text."""
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=script_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Assert exit status 0, showing the output tail when not."""
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
+    return result
+
+
+def epochs(stdout: str) -> list[dict]:
+    """The epoch summary lines of a run, as dicts of floats."""
+    return [{k: float(v) for k, v in m.groupdict().items() if v is not None}
+            for m in EPOCH_LINE.finditer(stdout)]
+
+
+def parse_test(stdout: str) -> dict:
+    m = TEST_LINE.search(stdout)
+    assert m, f"no test line in:\n{stdout[-2000:]}"
+    return {k: float(v) for k, v in m.groupdict().items() if v is not None}
+
+
+def stdout_lines(stdout: str) -> list[str]:
+    """A run's stdout lines, less gloo's "[Gloo] Rank 0 is connected to 1 peer
+    ranks. Expected number of connected peer ranks is : 1" banner, which torch
+    2.8 prints there in some cases, each rank in pieces: two ranks' banners can
+    interleave into lines that start mid-banner, or leave an empty line."""
+    return [line for line in stdout.splitlines()
+            if line and "[Gloo] " not in line and "connected peer ranks is" not in line]
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The scripts' one-line errors ("error: ...") in a run's stderr."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def snapshot_tensors(path: Path, rng: bool = False) -> tuple[int, dict]:
+    """(epochs_run, {name: tensor}) of a snapshot: model weights, momentum
+    buffers and, with ``rng``, every rank's CPU RNG state."""
+    snapshot = torch.load(path, weights_only=True)
+    tensors = dict(snapshot["model"])
+    for key, state in snapshot["optimizer"]["state"].items():
+        tensors[f"optimizer.{key}"] = state["momentum_buffer"]
+    if rng:
+        for rank, states in enumerate(snapshot["rng_states"]):
+            tensors[f"rng.{rank}"] = states["cpu"]
+    return snapshot["epochs_run"], tensors
+
+
+def assert_same_snapshot(path_a: Path, path_b: Path) -> None:
+    """Two snapshots hold the same training: epochs run, and weights and momentum
+    buffers bitwise equal."""
+    epochs_a, a = snapshot_tensors(path_a)
+    epochs_b, b = snapshot_tensors(path_b)
+    assert epochs_a == epochs_b
+    assert a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def signal_when(launch: list, cwd: Path, line: str, signum: int, start_s: float = 120,
+                stop_s: float = 60) -> str:
+    """Run ``launch`` in ``cwd`` (stdout and stderr to cwd/log.txt), send it
+    ``signum`` once ``line`` appears in its output (within ``start_s`` seconds),
+    wait up to ``stop_s`` seconds for it to end; return the whole log."""
+    log = cwd / "log.txt"
+    with open(log, "w") as out:
+        agent = subprocess.Popen([str(part) for part in launch], cwd=cwd, env=script_env(),
+                                 stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + start_s
+            while line not in log.read_text():
+                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            agent.send_signal(signum)
+            agent.wait(timeout=stop_s)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    return log.read_text()
+
+
+def run_together(cmds: list[list], cwds: list[Path], env: dict, timeout: float = 300) -> list[tuple]:
+    """Start every command at once, each in its folder (torchrun agents of one
+    job, say), wait for all; return (returncode, stdout, stderr) per command.
+    On a timeout, kills those still running before raising."""
+    procs = [subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for cmd, cwd in zip(cmds, cwds)]
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            outputs.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return outputs
+
+
+def task_args(dataset: str, data_dir="data", input_path: str = "torchvision", seed: int = 0,
+              model=None, **flags) -> argparse.Namespace:
+    """The parsed command line a script would pass to ``common.load_task``
+    (the task's fields), plus any other ``flags``."""
+    return argparse.Namespace(dataset=dataset, data_dir=str(data_dir), input_path=input_path,
+                              seed=seed, model=model, **flags)
+
+
+def load_task(dataset: str, data_dir="data", input_path: str = "torchvision", seed: int = 0):
+    """``common.load_task`` as a script calls it, without downloading (the
+    per-sample torchvision path by default)."""
+    import common
+
+    return common.load_task(task_args(dataset, data_dir, input_path, seed), download=False)
+
+
+def plain_task(loss_fn, classification: bool):
+    """A ``common.Task`` with no data: a loss, and whether it is a classification."""
+    import common
+
+    return common.Task(None, None, None, None, loss_fn, classification)
+
+
+def script_trainer(module, model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: int = 0,
+                   grad_accum_steps: int = 1):
+    """The Trainer of script ``module`` (singlegpu, multigpu_spawn, multigpu_torchrun,
+    multinode) around ``model`` on the CPU, with no data and no snapshot to resume:
+    for calling its ``_run_batch`` directly. All but singlegpu need a process group.
+
+    Built by keyword from the constructor's own parameter names, each given only
+    where the constructor takes it (``rank``, ``local_rank``), so a script's
+    constructor can change its order or parameters without this changing."""
+    args = argparse.Namespace(
+        grad_accum_steps=grad_accum_steps, amp=False, compile=False, save_every=1, lr=0.1,
+        metrics_path=None, checkpoint_path=os.path.join(out_dir, "unused.pt"),
+        snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, pg_timeout_s=600)
+    available = dict(model=model, train_data=None, val_data=None, optimizer=optimizer,
+                     task=plain_task(loss_fn, False), device=torch.device("cpu"),
+                     rank=rank, local_rank=rank, args=args)
+    parameters = inspect.signature(module.Trainer).parameters
+    missing = [name for name, p in parameters.items()
+               if name not in available and p.default is p.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    assert not missing, f"{module.__name__}.Trainer takes {missing}, which script_trainer does not give"
+    return module.Trainer(**{name: value for name, value in available.items() if name in parameters})
