@@ -73,6 +73,21 @@ def _run(*cmd: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess
     return subprocess.run(cmd, check=check, capture_output=True, text=True, **kwargs)
 
 
+def _query(*cmd: str, env: dict, attempts: int = 5) -> str:
+    """stdout of a read-only client command (``scontrol show``, ``sinfo``),
+    retried: under load slurmctld may drop a connection mid-reply, and the
+    client then dies (seen: ``scontrol`` killed by SIGPIPE). The last failure
+    is raised (subprocess.CalledProcessError)."""
+    for attempt in range(attempts):
+        try:
+            return _run(*cmd, env=env).stdout
+        except subprocess.CalledProcessError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -249,12 +264,12 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
 
     def node_states(self) -> dict:
         """{node name: sinfo's short state}, e.g. ``idle``, ``alloc``, ``comp``."""
-        text = _run("sinfo", "-h", "-N", "-o", "%N %t", env=self.env).stdout
+        text = _query("sinfo", "-h", "-N", "-o", "%N %t", env=self.env)
         return dict(line.split() for line in text.splitlines())
 
     def job(self, job_id: int) -> dict:
         """``scontrol show job`` as a dict (JobState, Restarts, NodeList, ExitCode, ...)."""
-        text = _run("scontrol", "-o", "show", "job", str(job_id), env=self.env).stdout
+        text = _query("scontrol", "-o", "show", "job", str(job_id), env=self.env)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
     def wait(self, job_id: int, timeout_s: float, states=("COMPLETED", "FAILED", "CANCELLED",
