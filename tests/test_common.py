@@ -1,4 +1,9 @@
-"""Focused tests of common.py: tasks, splits, models, the missing-data message."""
+"""Focused tests of the task modules (common.py, vision_tasks.py): the contract and how
+--dataset finds a task, splits, models, the missing-data message."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -6,7 +11,8 @@ import torch.nn.functional as F
 
 import common
 import train_utils
-from conftest import load_task, task_args
+import vision_tasks
+from helpers import load_task, task_args
 
 
 def test_synthetic_data_is_identical_for_the_same_seed_and_ignores_global_rng():
@@ -48,7 +54,9 @@ def test_validation_split_is_seeded_disjoint_and_complete():
     ("cifar10", "resnet50", (2, 3, 32, 32), (2, 10)),
 ])
 def test_models_have_the_documented_shapes(dataset, model, shape, out):
-    assert common.build_model(dataset, model)(torch.randn(shape)).shape == out
+    built = (common.synthetic_model(model) if dataset == "synthetic"
+             else vision_tasks.build_model(dataset, model))
+    assert built(torch.randn(shape)).shape == out
 
 
 def test_unknown_model_for_dataset_is_a_config_error():
@@ -69,9 +77,48 @@ def test_mnist_task_reads_the_real_digits(mnist_root):
 
 def test_missing_files_message_is_one_line_with_folder_files_and_fix(tmp_path):
     with pytest.raises(train_utils.ConfigError) as info:
-        common.prepare_data("cifar10", str(tmp_path), download=False)
+        vision_tasks.prepare_data("cifar10", str(tmp_path), download=False)
     message = str(info.value)
     assert "\n" not in message
     assert str(tmp_path / "cifar-10-batches-py") in message
     assert "data_batch_1" in message and "test_batch" in message and "batches.meta" in message
     assert "datasets.CIFAR10(" in message and "--data_dir" in message
+
+
+def test_built_in_tasks_are_found_the_way_a_users_task_is(tmp_path, monkeypatch):
+    """TASKS maps each short name to a "module:function" string, and load_task
+    imports it through the code path of --dataset my_module:my_task: pointing
+    a built-in name at another module's function makes --dataset mnist build that."""
+    assert common.TASKS == {"synthetic": "common:synthetic_task", "mnist": "vision_tasks:mnist_task",
+                            "cifar10": "vision_tasks:cifar10_task"}
+    assert list(common.TASKS)[0] == "synthetic"  # the default of --dataset
+    assert common.task_function(common.TASKS["mnist"]) is vision_tasks.mnist_task
+    assert common.task_function(common.TASKS["cifar10"]) is vision_tasks.cifar10_task
+    assert common.task_function(common.TASKS["synthetic"]) is common.synthetic_task
+    (tmp_path / "probe_task.py").write_text(
+        "import common\n"
+        "def build(args, download):\n"
+        "    return common.Task(None, None, None, None, None, classification=download)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(common.TASKS, "mnist", "probe_task:build")
+    assert load_task("mnist").classification is False  # built by probe_task.build, download=False
+    assert load_task("probe_task:build").classification is False
+
+
+def test_dataset_flag_accepts_the_task_names_and_module_function(monkeypatch):
+    for given in ("synthetic", "mnist", "cifar10", "my_task:build_task"):
+        monkeypatch.setattr(sys, "argv", ["singlegpu.py", "--dataset", given])
+        assert train_utils.parse_args(None, common.TASKS).dataset == given
+    monkeypatch.setattr(sys, "argv", ["singlegpu.py"])
+    assert train_utils.parse_args(None, common.TASKS).dataset == "synthetic"
+
+
+def test_the_contract_imports_no_machinery():
+    """A task module imports common alone: no train_utils, no torchvision, no
+    image task comes with it (the built-ins are imported when named)."""
+    probe = ("import sys, common\n"
+             "loaded = {'train_utils', 'vision_tasks', 'fast_images', 'torchvision'} & set(sys.modules)\n"
+             "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=os.path.dirname(common.__file__),
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -37,8 +37,8 @@ from typing import Optional
 
 import pytest
 
-from conftest import IN_CI, REPO, build_mnist_root, check, epochs, free_port, parse_test, run, \
-    run_together
+from dataset_files import build_mnist_root
+from helpers import IN_CI, REPO, check, epochs, free_port, parse_test, run, run_together
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 TOOLS = ("podman", "runc", "debootstrap")
@@ -274,7 +274,8 @@ def test_image_holds_the_project(image):
     cwd, version, files, python = result.stdout.splitlines()[-4:]
     assert cwd == "/workspace"
     assert tuple(int(part) for part in version.split(".")[:2]) >= (2, 13)
-    for script in ("common.py", "singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py"):
+    for script in ("common.py", "vision_tasks.py", "fast_images.py", "singlegpu.py", "multigpu_spawn.py",
+                   "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"):
         assert f"'{script}'" in files
     assert python.startswith("Python 3.")
 
@@ -342,7 +343,7 @@ def test_two_containers_as_two_nodes(image, tmp_path):
 
 
 def _podman_env(image: Image) -> dict:
-    """The variables that point podman at the test's settings, for conftest.run."""
+    """The variables that point podman at the test's settings, for helpers.run."""
     return {name: image.podman.env[name] for name in ("CONTAINERS_CONF", "CONTAINERS_STORAGE_CONF", "TMPDIR")}
 
 

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from conftest import REPO, TORCHRUN, check, epochs, error_lines, parse_test, run
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, parse_test, run
 
 
 def guide_task_module(folder) -> None:
@@ -40,3 +40,25 @@ def test_unknown_task_module_is_one_line(tmp_path):
     assert result.returncode == 2
     assert error_lines(result.stderr) == [result.stderr.strip()]
     assert "cannot load task function 'build' from module 'no_such_module'" in result.stderr
+    assert "put no_such_module.py beside the scripts, in the folder you run from, or on PYTHONPATH" \
+        in result.stderr
+
+
+def test_task_module_in_the_current_folder_needs_no_pythonpath(tmp_path):
+    """python /path/to/singlegpu.py --dataset my_task:build_task, run from the
+    folder holding my_task.py: found, though Python searches only the script's folder."""
+    guide_task_module(tmp_path)
+    result = check(run([sys.executable, REPO / "singlegpu.py", "--dataset", "my_task:build_task",
+                        "--total_epochs", "1"], tmp_path, PYTHONPATH=""))
+    assert [int(e["epoch"]) for e in epochs(result.stdout)] == [1]
+    assert "val_acc" in result.stdout  # the guide's task: a classification
+
+
+def test_module_that_fails_to_import_is_named_without_the_placement_hint(tmp_path):
+    """A task module that is there but imports something missing: the error
+    names what is missing, not where to put the task module."""
+    (tmp_path / "broken_task.py").write_text("import no_such_dependency\n")
+    result = run([sys.executable, REPO / "singlegpu.py", "--dataset", "broken_task:build"], tmp_path)
+    assert result.returncode == 2
+    assert "No module named 'no_such_dependency'" in result.stderr
+    assert "beside the scripts" not in result.stderr

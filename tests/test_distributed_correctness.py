@@ -9,7 +9,8 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import REPO, plain_task, TORCHRUN, build_mnist_root, check, error_lines, free_port, run, snapshot_tensors
+from dataset_files import build_mnist_root
+from helpers import REPO, plain_task, TORCHRUN, check, error_lines, free_port, run, snapshot_tensors
 
 import multigpu_spawn
 import multigpu_torchrun
@@ -45,7 +46,7 @@ def test_ddp_matches_single_process_with_the_global_batch(launcher, tmp_path):
             check(run(cmd + common_flags, out))
             finals[world_size] = _weights(out / "snapshot.pt")
     assert finals[1].keys() == finals[2].keys()
-    start = singlegpu.common.build_model("synthetic", "mlp").state_dict()
+    start = singlegpu.common.synthetic_model("mlp").state_dict()
     for name in finals[1]:
         difference = (finals[1][name] - finals[2][name]).abs().max().item()
         assert difference <= 1e-5, (name, difference)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TORCHRUN, script_env
+from helpers import REPO, TORCHRUN, script_env
 from test_custom_task import guide_task_module
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -62,7 +62,7 @@ def covered_elsewhere(block: str):
 
 @pytest.fixture(scope="module")
 def docs_data(tmp_path_factory):
-    from conftest import build_mnist_root
+    from dataset_files import build_mnist_root
 
     return build_mnist_root(tmp_path_factory.mktemp("docs_mnist"), n_train=2000, n_test=500)
 
@@ -78,8 +78,10 @@ def test_documented_commands_run_as_written(doc, number, block, docs_data, tmp_p
             assert wrapper.split("/")[1] in (REPO / "tests" / "test_slurm.py").read_text()
         pytest.skip(f"not run here: {reason}")
     assert not re.search(r"\b[A-Z][A-Z_]*_HOST\b|\bJOB_ID\b", block), "placeholders belong in ```text"
-    for script in REPO.glob("*.py"):
+    for script in REPO.glob("*.py"):  # the scripts and the task modules
         shutil.copy(script, tmp_path)
+    shutil.copytree(REPO / "train_utils", tmp_path / "train_utils",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     guide_task_module(tmp_path)
     bin_dir = tmp_path / "bin"  # `python` and `torchrun` as a user's activated environment has them
     bin_dir.mkdir()

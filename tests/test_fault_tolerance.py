@@ -1,7 +1,7 @@
 """Real faults under real launchers: killed workers, torn and corrupt
 snapshots, crafted files, failing and hanging ranks, uneven data, bad input.
 
-Faults are injected with the test hook train_utils.fault_point, switched on by the
+Faults are injected with the test hook train_utils.testing.fault_point, switched on by the
 DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
 (truncated files, crafted pickles, busy paths)."""
 
@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, run, script_env)
+from dataset_files import build_mnist_root
+from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs, error_lines,
+                     free_port, parse_test, run, script_env)
 
 import train_utils
 
@@ -341,3 +342,88 @@ def test_a_second_ctrl_c_quits_at_once_without_a_snapshot(tmp_path):
     assert text.count("Ctrl-C: every rank stops after the current step") == 1, text
     assert "second stop request: quitting at once, without a snapshot" in text, text
     assert not (tmp_path / "snapshot.pt").exists()
+
+
+# --------------------------------------------------------------------------
+# DDP's bucket layout after a resume under --amp
+# --------------------------------------------------------------------------
+
+def _bucket_layout_worker(rank, world_size, port, out):
+    """Rank 0 of a 1-rank gloo group: the parameter order of DDP's buckets from
+    the third step on, for an uninterrupted run under bf16 autocast and for a
+    resumed one (rebuild_ddp_buckets, then two steps under autocast)."""
+    import os
+
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import vision_tasks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    cpu = torch.device("cpu")
+    data = torch.utils.data.TensorDataset(torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    x, y = next(iter(loader))
+
+    def layout(rebuild: bool) -> list:
+        torch.manual_seed(0)
+        net = vision_tasks.MnistCNN()
+        names = {id(p): n for n, p in net.named_parameters()}
+        model, buckets = DDP(net), []
+
+        def hook(state, bucket):
+            buckets.append([names[id(p)] for p in bucket.parameters()])
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, hook)
+        amp = train_utils.autocast(cpu, True)
+        if rebuild:
+            train_utils.rebuild_ddp_buckets(model, loader, F.cross_entropy, lambda t: t, cpu, amp)
+        for _ in range(2 if rebuild else 3):
+            buckets.clear()
+            with amp:
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        return buckets
+
+    torch.save({"uninterrupted": layout(False), "resumed": layout(True)}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_a_resume_under_amp_lays_out_ddps_buckets_as_the_autocast_run(tmp_path):
+    """Under bf16 autocast the cast nodes change the order in which gradients become
+    ready (here fc1.bias moves to the second bucket, fc2's weight and bias swap), so
+    the buckets rebuilt after a resume must come from a pass under the same autocast:
+    with 3 or more ranks a different layout sums in another order (not bitwise).
+    One rank shows the layout; the bitwise consequence needs 3 ranks and --amp."""
+    import torch.multiprocessing as mp
+
+    from helpers import free_port
+
+    out = tmp_path / "layout.pt"
+    mp.spawn(_bucket_layout_worker, args=(1, free_port(), str(out)), nprocs=1)
+    layouts = torch.load(out)
+    print(layouts)
+    assert layouts["resumed"] == layouts["uninterrupted"]
+
+
+def test_a_three_rank_amp_run_resumed_mid_epoch_is_bitwise_unchanged(small_mnist, tmp_path):
+    """The end-to-end consequence, where this CPU allows --amp (bf16 instructions;
+    the MNIST CNN): 3 ranks, one killed mid-epoch under --max-restarts, the resumed
+    run ends bitwise where the uninterrupted one does."""
+    try:
+        train_utils.check_amp(True, torch.device("cpu"), "cnn")
+    except train_utils.ConfigError as refused:
+        pytest.skip(f"--amp refused on this CPU: {refused}")
+    flags = ["--total_epochs", "2", "--snapshot_every_steps", "2", "--dataset", "mnist",
+             "--data_dir", small_mnist, "--amp"]
+    three = TORCHRUN + ["--standalone", "--nproc_per_node=3", "--max-restarts=3", REPO / "multigpu_torchrun.py"]
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "killed").mkdir()
+    check(run(three + flags, tmp_path / "clean"))
+    killed = check(run(three + flags, tmp_path / "killed", DDP_TEST_FAULT="step:1:9:kill"))
+    assert "DDP_TEST_FAULT: kill at step 9 on rank 1" in killed.stderr
+    assert re.search(r"resuming from snapshot snapshot\.pt in epoch 2 after step \d", killed.stdout), killed.stdout
+    assert_same_snapshot(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")

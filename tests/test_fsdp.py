@@ -15,12 +15,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import (REPO, TORCHRUN, build_mnist_root, check, epochs, error_lines, free_port,
-                      parse_test, plain_task, run, signal_when, stdout_lines)
+from dataset_files import build_mnist_root
+from helpers import (REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, plain_task, run,
+                     signal_when, stdout_lines)
 from test_distributed_correctness import N_EVAL, _eval_problem
 
 import common
 import train_utils
+import vision_tasks
 
 FSDP = REPO / "multinode_fsdp.py"
 # These tests run on the CPU, where multinode_fsdp.py refuses gloo before torch 2.10 (it
@@ -105,7 +107,7 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
                             "--grad_accum_steps", accum, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
     reference = torch.load(tmp_path / "one" / "snapshot.pt", weights_only=True)["model"]
     weights, _ = full_state(snapshot_folder(tmp_path / "fsdp" / "snapshot.pt"), tmp_path / "gathered")
-    start = common.build_model("synthetic", "mlp").state_dict()
+    start = common.synthetic_model("mlp").state_dict()
     assert weights.keys() == reference.keys()
     worst = max((weights[name] - reference[name]).abs().max().item() for name in reference)
     print(f"world size {world_size}: max |FSDP - one process| = {worst:.2e}")
@@ -118,7 +120,7 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
     assert len(epochs(result.stdout)) == 1 and parse_test(result.stdout)["loss"] < 0.1
     # Memory: exactly the bytes of rank 0's shards; DDP's, the full tensors.
     mem = memory(result.stdout)
-    largest, full = expected_state_bytes(common.build_model("synthetic", "mlp"), world_size)
+    largest, full = expected_state_bytes(common.synthetic_model("mlp"), world_size)
     assert (mem["bytes"], mem["ddp"], mem["rank"], mem["world"]) == (largest, full, 0, world_size)
     print(f"world size {world_size}: state per rank {largest} bytes, DDP {full} bytes")
 
@@ -139,7 +141,7 @@ def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_pa
     print(f"FSDP real MNIST held-out accuracy: {accuracy:.4f}; state per rank {mem['bytes']:.0f} "
           f"bytes vs DDP {mem['ddp']:.0f} bytes")
     assert accuracy >= 0.95
-    assert mem["bytes"] * 2 == mem["ddp"] == expected_state_bytes(common.MnistCNN(), 2)[1]
+    assert mem["bytes"] * 2 == mem["ddp"] == expected_state_bytes(vision_tasks.MnistCNN(), 2)[1]
     assert mem["ratio"] == 2.0
 
 
@@ -190,7 +192,7 @@ def _bf16_worker(rank, world_size, port, out_dir):
     losses = {}
     for bf16 in (False, True):
         torch.manual_seed(0)
-        model = multinode_fsdp.shard_model(common.build_model("cifar10", "resnet18"),
+        model = multinode_fsdp.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
                                            torch.device("cpu"), bf16)
         optimizer = common.build_optimizer(model, 0.01)
         g = torch.Generator().manual_seed(rank)
@@ -216,6 +218,36 @@ def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path)
         print(f"rank {rank}: loss fp32 {fp32_loss:.5f}, bf16 {bf16_loss:.5f}")
         assert dtype == torch.float32 and params == grads == {torch.float32}
         assert abs(bf16_loss - fp32_loss) <= 0.03 * fp32_loss
+
+
+def _channels_last_worker(rank, world_size, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    import multinode_fsdp
+
+    torch.manual_seed(0)
+    model = vision_tasks.build_model("cifar10", "resnet18").to(memory_format=torch.channels_last)
+    plain = vision_tasks.build_model("cifar10", "resnet18")
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    expected = plain(x).sum().item()
+    try:
+        sharded = multinode_fsdp.shard_model(model, torch.device("cpu"), bf16=False)
+        result = sharded(x.contiguous(memory_format=torch.channels_last)).sum().item()
+    except NotImplementedError as exc:
+        result = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    torch.save({"expected": expected, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_shard_model_takes_a_channels_last_resnet(tmp_path):
+    """vision_tasks makes ResNets channels-last where CUDA is available (the GPU-only
+    condition, applied here by hand): fully_shard refuses parameters with those strides,
+    so shard_model makes them contiguous first, and the output is the unsharded model's."""
+    mp.spawn(_channels_last_worker, args=(1, free_port(), str(tmp_path)), nprocs=1)
+    outcome = torch.load(tmp_path / "0.pt")
+    assert isinstance(outcome["result"], float), outcome["result"]
+    assert abs(outcome["result"] - outcome["expected"]) <= 1e-4 * abs(outcome["expected"])
 
 
 # --------------------------------------------------------------------------
@@ -248,7 +280,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     # The gathered weights are a checkpoint of singlegpu.py's model: loaded as they are
     # (strict) and scored by singlegpu.py's evaluation, they give the test loss the run printed.
     import singlegpu
-    from conftest import load_task
+    from helpers import load_task
 
     task = load_task("mnist", data_dir, "fast")
     task.model.load_state_dict(weights)
@@ -276,7 +308,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
                                               options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
     if rank == 0:
-        torch.save({"weights": weights, "optimizer": optimizer_state, "epochs_run": trainer.epochs_run}, out)
+        torch.save({"weights": weights, "optimizer": optimizer_state, "epochs_run": trainer.progress.epochs_run}, out)
     trainer.stop.close()
     torch.distributed.destroy_process_group()
 
@@ -318,10 +350,10 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
     shutil.copytree(saved, mid)
     meta.update(epochs_run=1, steps_run=5)
     torch.save(meta, mid / train_utils.SHARDED_SNAPSHOT_META)
-    monkeypatch.setitem(train_utils.RUN, "resumed_from", None)  # read_snapshot records the position
     with pytest.raises(train_utils.ConfigError, match=r"taken inside an epoch by world_size 2; "
                                                       r"resume it with 2 processes"):
-        train_utils.read_sharded_snapshot(str(mid), dict(meta["config"], total_epochs=3), 3)
+        train_utils.ShardedSnapshots(str(tmp_path / "mid")).read(
+            str(mid), dict(meta["config"], total_epochs=3), 3)
 
 
 # The reference of the fault tests: 2 epochs of 115 steps, a snapshot every 40.

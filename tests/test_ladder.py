@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run, stdout_lines
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run, stdout_lines
 
 LAUNCHES = {
     "singlegpu": lambda: [[sys.executable, REPO / "singlegpu.py"], {}],
@@ -54,7 +54,7 @@ def test_script_trains_synthetic_task(script, tmp_path):
     import common
     saved = tmp_path / ("checkpoint.pt" if script in ("singlegpu", "spawn") else "snapshot.pt")
     state = torch.load(saved, weights_only=True)
-    model = common.build_model("synthetic", "mlp")
+    model = common.synthetic_model("mlp")
     model.load_state_dict(state["model"] if "model" in state else state)
     if "epochs_run" in state:
         assert state["epochs_run"] == 6

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TORCHRUN, check, epochs, error_lines, run
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, run
 
 
 def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):

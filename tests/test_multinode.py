@@ -1,7 +1,7 @@
 """multinode.py as two nodes on this machine: two torchrun agents, one process
 each, meeting through c10d rendezvous on localhost, as the README shows."""
 
-from conftest import REPO, TORCHRUN, epochs, error_lines, free_port, parse_test, run_together, script_env
+from helpers import REPO, TORCHRUN, epochs, error_lines, free_port, parse_test, run_together, script_env
 
 
 def _start_nodes(port, cwds, extra=()):

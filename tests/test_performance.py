@@ -16,9 +16,12 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+import fast_images
 import train_utils
-from conftest import (load_task, REPO, TORCHRUN, build_cifar10_root, check, epochs, error_lines, free_port,
-                      parse_test, run, script_trainer, snapshot_tensors)
+import vision_tasks
+from dataset_files import build_cifar10_root
+from helpers import (load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
+                     script_trainer, snapshot_tensors)
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
 
@@ -47,7 +50,7 @@ def test_batched_crop_and_flip_are_exact_crops_of_the_padded_image():
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2000, 3, 32, 32), generator=g, dtype=torch.uint8)
     torch.manual_seed(1)
-    out = common.random_crop_flip(images, padding=4)
+    out = fast_images.random_crop_flip(images, padding=4)
     assert out.shape == images.shape and out.dtype == torch.uint8
     found = _match_crops(images, out, padding=4)
     assert (found >= 0).all(), "some output is not a crop (or mirrored crop) of its padded input"
@@ -58,9 +61,9 @@ def test_batched_crop_and_flip_are_exact_crops_of_the_padded_image():
     assert abs(found[:, 2].float().mean().item() - 0.5) < 0.05
     # Deterministic under the seed of the device's generator; another seed differs.
     torch.manual_seed(1)
-    assert torch.equal(common.random_crop_flip(images, padding=4), out)
+    assert torch.equal(fast_images.random_crop_flip(images, padding=4), out)
     torch.manual_seed(2)
-    assert not torch.equal(common.random_crop_flip(images, padding=4), out)
+    assert not torch.equal(fast_images.random_crop_flip(images, padding=4), out)
 
 
 def test_device_transform_normalizes_exactly_like_torchvision():
@@ -71,11 +74,11 @@ def test_device_transform_normalizes_exactly_like_torchvision():
 
     images = torch.randint(0, 256, (16, 3, 32, 32), generator=torch.Generator().manual_seed(0),
                            dtype=torch.uint8)
-    reference = transforms.Compose([transforms.ToTensor(),
-                                    transforms.Normalize(common.CIFAR10_MEAN, common.CIFAR10_STD)])
+    stats = (vision_tasks.CIFAR10_MEAN, vision_tasks.CIFAR10_STD)
+    reference = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*stats)])
     expected = torch.stack([reference(Image.fromarray(image.permute(1, 2, 0).numpy()))
                             for image in images])
-    fast = common.DeviceTransform((common.CIFAR10_MEAN, common.CIFAR10_STD))
+    fast = fast_images.DeviceTransform(stats)
     assert torch.equal(fast(images), expected)
 
 
@@ -115,8 +118,8 @@ def test_cifar10_fast_path_reads_the_real_format(tmp_path, monkeypatch):
     torch.manual_seed(0)
     augmented = fast.train_transform(x)
     torch.manual_seed(0)
-    assert torch.equal(augmented, common.DeviceTransform((common.CIFAR10_MEAN, common.CIFAR10_STD))(
-        common.random_crop_flip(x, 4)))
+    stats = (vision_tasks.CIFAR10_MEAN, vision_tasks.CIFAR10_STD)
+    assert torch.equal(augmented, fast_images.DeviceTransform(stats)(fast_images.random_crop_flip(x, 4)))
 
 
 # --------------------------------------------------------------------------
@@ -283,7 +286,7 @@ def test_snapshot_written_with_compile_loads_without_it(tmp_path):
     check(run(launch + ["--total_epochs", "1", "--compile"], tmp_path))
     state = torch.load(tmp_path / "snapshot.pt", weights_only=True)["model"]
     assert not [key for key in state if "_orig_mod" in key or key.startswith("module.")]
-    common.build_model("synthetic", "mlp").load_state_dict(state)  # a plain model takes it
+    common.synthetic_model("mlp").load_state_dict(state)  # a plain model takes it
     resumed = check(run(launch + ["--total_epochs", "2"], tmp_path))  # no --compile
     assert "resuming from snapshot snapshot.pt after epoch 1" in resumed.stdout
     assert [int(e["epoch"]) for e in epochs(resumed.stdout)] == [2]
@@ -325,6 +328,46 @@ def test_benchmark_matches_gpu_names_to_their_own_data_sheet():
     assert benchmark._gpu_peak("NVIDIA H100 PCIe") == benchmark.GPU_PEAKS["H100 PCIe"]
 
 
+def test_benchmark_gives_h200_nvl_its_own_peak_and_a_mig_slice_none(monkeypatch):
+    """The H200 NVL's dense bf16 peak is 835 TFLOP/s, not the SXM's 989; a MIG
+    slice has a fraction of the GPU's units, so no whole-GPU peak (unknown)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import run as benchmark
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert benchmark._gpu_peak("NVIDIA H200 NVL") == (835e12, 418e12)
+    assert benchmark._gpu_peak("NVIDIA H200") == benchmark.GPU_PEAKS["H200"] == (989e12, 495e12)
+    assert benchmark._gpu_peak("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c2b6a7e-0000-0000-0000-000000000000")
+    assert benchmark._gpu_peak("NVIDIA H100 80GB HBM3") is None
+
+
+def test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus(monkeypatch, tmp_path):
+    """One GPU: the sections of two processes are skipped with the reason; a section
+    that raises is recorded with its error, and the sections after it still run."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import run as benchmark
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def broken():
+        raise RuntimeError("NCCL error: unhandled cuda error\nmore lines")
+
+    def never():
+        raise AssertionError("a section needing 2 GPUs was started on 1")
+
+    report = {"sections": {}}
+    out = tmp_path / "latest.json"
+    benchmark.run_sections([("5", "gpu", broken, 1), ("6", "fsdp_vs_ddp", never, 2),
+                            ("7", "after", lambda: {"table": "after ran"}, 1)], report, str(out))
+    sections = json.loads(out.read_text())["sections"]
+    assert sections["gpu"]["error"] == "RuntimeError: NCCL error: unhandled cuda error"
+    assert sections["gpu"]["table"] == "**5. gpu**\n\nfailed: RuntimeError: NCCL error: unhandled cuda error"
+    assert sections["fsdp_vs_ddp"]["skipped"] == "needs 2 GPUs (one per process), this machine has 1"
+    assert sections["after"]["table"] == "after ran"
+
+
 def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
     cpu = torch.device("cpu")
     train_utils.check_amp(False, cpu, "resnet18")  # no --amp: nothing to check
@@ -342,7 +385,7 @@ def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
 
 
 def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
-    from conftest import EPOCH_LINE
+    from helpers import EPOCH_LINE
 
     train_utils.log_metrics({"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0,
                         "epoch_seconds": 1.0, "val_loss": 0.5, "val_accuracy": None,

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, load_task, TORCHRUN, build_cifar10_root, check, epochs, run, parse_test
+from dataset_files import build_cifar10_root
+from helpers import REPO, load_task, TORCHRUN, check, epochs, run, parse_test
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
 
@@ -66,7 +67,7 @@ def test_cifar10_views(cifar_root, monkeypatch):
 
     import torchvision.datasets.cifar as cifar
 
-    import common
+    import vision_tasks
 
     monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: __import__("os").path.isfile(path))
     task = load_task("cifar10", cifar_root)
@@ -77,8 +78,8 @@ def test_cifar10_views(cifar_root, monkeypatch):
         with open(cifar_root / "cifar-10-batches-py" / f"data_batch_{i}", "rb") as f:
             entry = pickle.load(f, encoding="latin1")
         raw += list(zip(torch.tensor(entry["data"]).reshape(-1, 3, 32, 32), entry["labels"]))
-    mean = torch.tensor(common.CIFAR10_MEAN).view(3, 1, 1)
-    std = torch.tensor(common.CIFAR10_STD).view(3, 1, 1)
+    mean = torch.tensor(vision_tasks.CIFAR10_MEAN).view(3, 1, 1)
+    std = torch.tensor(vision_tasks.CIFAR10_STD).view(3, 1, 1)
 
     def normalized(pixels):
         return (pixels.float() / 255 - mean) / std

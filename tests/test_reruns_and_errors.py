@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from conftest import (REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
-                      run_together, script_env, stdout_lines)
+from helpers import (REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run, run_together,
+                     script_env, stdout_lines)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
 

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from conftest import LAUNCHER_VARIABLES, REPO, TORCHRUN, build_mnist_root, epochs, parse_test, \
-    run_together, script_env
+from dataset_files import build_mnist_root
+from helpers import LAUNCHER_VARIABLES, REPO, TORCHRUN, epochs, parse_test, run_together, script_env
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
@@ -111,6 +111,31 @@ def test_srun_wrapper_one_task_per_gpu_on_two_hosts(cluster, tmp_path):
     assert torch.load(tmp_path / "snapshot-multi_node_srun.pt", weights_only=True)["config"]["world_size"] == 4
 
 
+def test_srun_wrapper_runs_each_task_in_the_container(cluster, tmp_path):
+    """slurm/multi_node_srun.sh with CONTAINER_IMAGE: srun wraps each task's
+    python in the container command. A stand-in for ``apptainer exec IMAGE``
+    (CONTAINER_RUN) says where it ran and puts the test's Python first on PATH,
+    as an image would; VENV_DIR points nowhere, so the job succeeds only if the
+    wrapper left the virtual environment alone and ran python through it.
+    A real image: tests/test_container.py (torchrun wrappers)."""
+    stand_in = tmp_path / "container-exec"
+    stand_in.write_text("#!/bin/sh\nimage=$1; shift\n"
+                        "echo \"in container $image on $(hostname) as task ${SLURM_PROCID:-none}\"\n"
+                        f"PATH={sys.prefix}/bin:$PATH exec \"$@\"\n")
+    stand_in.chmod(0o755)
+    job = submit(cluster, tmp_path, "multi_node_srun.sh", "--total_epochs", "1",
+                 sbatch=[*MULTI, "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"],
+                 env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "VENV_DIR": str(tmp_path / "no-venv"),
+                      "CONTAINER_IMAGE": "ddp.sif", "CONTAINER_RUN": str(stand_in)})
+    _, log = finished(cluster, tmp_path, job, "multi_node_srun")
+    ran = set(re.findall(r"^in container ddp\.sif on (\S+) as task (\d+)$", log, re.M))
+    # every rank through the container (and the batch shell's python check, as task 0)
+    assert {(host, int(task)) for host, task in ran} >= {("ddp-node1", 0), ("ddp-node1", 1),
+                                                         ("ddp-node2", 2), ("ddp-node2", 3)}, log
+    assert [e["epoch"] for e in epochs(log)] == [1]
+    assert torch.load(tmp_path / "snapshot-multi_node_srun.pt", weights_only=True)["config"]["world_size"] == 4
+
+
 def test_srun_task_gets_its_rank_from_slurm(monkeypatch):
     """launcher_store under srun without torchrun: rank, local rank and world
     size from the task's Slurm variables, the rendezvous from the job."""
@@ -152,8 +177,8 @@ def test_submitted_from_the_wrong_folder_fails_clearly(cluster, tmp_path):
     log = (tmp_path / f"multi_gpu-{job}.out").read_text()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     assert log.strip().splitlines() == [
-        f"error: {tmp_path}/multigpu_torchrun.py not found; submit from the project folder "
-        f"(cd ddp-scripts && sbatch slurm/multi_gpu.sh) or set PROJECT_DIR"]
+        f"error: {tmp_path}/multigpu_torchrun.py not found; run sbatch slurm/multi_gpu.sh "
+        f"from the project folder, or set PROJECT_DIR"]
 
 
 @pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"])

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import pytest
 
-from conftest import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env
+from helpers import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env
 from slurm_cluster import NODE_IFACE
 
 SMALL = ["--mem=1G", "--cpus-per-task=1"]

@@ -1,4 +1,4 @@
-"""Focused tests of train_utils.py: device choice, the start-up and epoch
+"""Focused tests of the train_utils package: device choice, the start-up and epoch
 lines, atomic saves."""
 
 import glob
@@ -10,20 +10,98 @@ import pytest
 import torch
 
 import train_utils
-from conftest import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
+from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
+
+
+def show_gpus(monkeypatch, count: int, capability: tuple = (9, 0), arches: str = "sm_75 sm_80 sm_86 sm_90"):
+    """What torch.cuda answers on a machine with ``count`` GPUs of ``capability``
+    and a build with kernels for ``arches``: the only parts replaced."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arches.split())
 
 
 def test_device_for_refuses_a_local_rank_without_its_own_gpu(monkeypatch):
     """Three processes on a node showing two GPUs: local rank 2 gets one line
     naming what it asked for and what is visible, not a raw CUDA error."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    show_gpus(monkeypatch, 2)
     assert train_utils.device_for(1) == torch.device("cuda", 1)
     with pytest.raises(train_utils.ConfigError) as info:
         train_utils.device_for(2)
     message = str(info.value)
     assert "local rank 2 needs GPU 2" in message and "only 2 GPU(s)" in message
     assert "--nproc_per_node=2" in message and "\n" not in message
+
+
+def test_device_for_under_srun_with_one_gpu_bound_per_task(monkeypatch):
+    """srun --ntasks-per-node=4 --gpus-per-task=1: Slurm binds one GPU to each
+    task, so every task sees one GPU, its own, whatever its SLURM_LOCALID."""
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    show_gpus(monkeypatch, 1)
+    assert [train_utils.device_for(local) for local in range(4)] == [torch.device("cuda", 0)] * 4
+
+
+def test_device_for_under_srun_where_every_task_sees_the_node(monkeypatch):
+    """srun --ntasks-per-node=4 --gres=gpu:4 without binding: each task sees all
+    four and takes the one of its SLURM_LOCALID; a fifth task is refused in
+    srun's flags, not torchrun's."""
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    show_gpus(monkeypatch, 4)
+    assert train_utils.device_for(3) == torch.device("cuda", 3)
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.device_for(4)
+    message = str(info.value)
+    assert message.startswith("srun task with SLURM_LOCALID 4 needs GPU 4, but this node shows only 4 GPU(s)")
+    assert "srun --ntasks-per-node=4" in message and "--gpus-per-task=1" in message
+    assert "nproc_per_node" not in message and "\n" not in message
+
+
+def test_torchrun_under_srun_keeps_local_rank_and_torchruns_words(monkeypatch):
+    """The Slurm wrappers run torchrun inside an srun step: its workers have
+    SLURM_STEP_ID too, but TORCHELASTIC_RUN_ID says torchrun started them."""
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1234")
+    show_gpus(monkeypatch, 1)
+    with pytest.raises(train_utils.ConfigError, match=r"--nproc_per_node=1\)$"):
+        train_utils.device_for(1)
+
+
+def test_a_gpu_the_build_has_no_kernels_for_is_refused_in_one_line(monkeypatch):
+    """A V100 (sm_70) under a CUDA 13 wheel (sm_75 and newer): refused before any
+    kernel runs, naming the build to install."""
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    show_gpus(monkeypatch, 1, capability=(7, 0), arches="sm_75 sm_80 sm_86 sm_90 sm_100 sm_120")
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.device_for(0)
+    message = str(info.value)
+    assert message.startswith("Tesla V100-SXM2-32GB (cuda:0) has compute capability 7.0 (sm_70), but torch ")
+    assert "kernels only for sm_75 sm_80 sm_86 sm_90 sm_100 sm_120" in message
+    assert "--index-url https://download.pytorch.org/whl/cu126" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("capability, arches", [
+    ((7, 0), "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90"),  # the CUDA 12.6 wheel
+    ((8, 9), "sm_75 sm_80 sm_86 sm_90"),  # an L40S runs sm_86's cubins (same major)
+    ((12, 1), "sm_75 sm_80 sm_90 sm_100 compute_120"),  # PTX of an older one JIT-compiles
+    ((7, 0), ""),  # an empty list: unknown, not refused
+])
+def test_a_gpu_the_build_can_run_is_taken(monkeypatch, capability, arches):
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    show_gpus(monkeypatch, 1, capability=capability, arches=arches)
+    assert train_utils.device_for(0) == torch.device("cuda", 0)
+
+
+def test_a_newer_major_without_ptx_is_refused(monkeypatch):
+    """sm_90's cubins do not run on sm_100 (another major), and no PTX to compile."""
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    show_gpus(monkeypatch, 1, capability=(10, 0), arches="sm_80 sm_90")
+    with pytest.raises(train_utils.ConfigError, match=r"compute capability 10\.0 \(sm_100\)"):
+        train_utils.device_for(0)
 
 
 def test_device_for_is_the_cpu_without_cuda(monkeypatch):
@@ -39,11 +117,13 @@ def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch):
                       "(found version 11040).\nPlease update your GPU driver.")
         return False
 
+    for name in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
     monkeypatch.setattr(torch.cuda, "is_available", unavailable)
     reason = train_utils.unusable_gpu_reason()
     assert reason.startswith("CUDA initialization: The NVIDIA driver on your system is too old")
-    line = train_utils.run_line(torch.device("cpu"), task_args("synthetic", batch_size=32,
+    line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=32,
                                                                grad_accum_steps=1))
     note, start = line.split("\n")
     assert note.startswith("note: this machine has NVIDIA GPUs, but torch cannot use them (CUDA")
@@ -51,13 +131,148 @@ def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch):
     assert start.startswith("device cpu | backend none | world_size 1 | global batch size 32")
 
 
+def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
+    """torch warns about an unusable driver once per process, at the first
+    is_available() call, which the scripts make in device_for, before the start-up
+    line: the note still names torch's reason, not "is_available() is False"."""
+    from train_utils import devices
+
+    calls = []
+
+    def warns_once():
+        if not calls:
+            warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old "
+                          "(found version 11040).\nPlease update your GPU driver.")
+        calls.append(1)
+        return False
+
+    for name in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(devices, "_CUDA_WARNINGS", [], raising=False)
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setattr(torch.cuda, "is_available", warns_once)
+    assert train_utils.device_for(0) == torch.device("cpu")
+    assert train_utils.unusable_gpu_reason() == ("CUDA initialization: The NVIDIA driver on your system is "
+                                                 "too old (found version 11040).")
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("env, noted", [
+    ({"CUDA_VISIBLE_DEVICES": ""}, False),  # hidden by the user
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, False),
+    ({"SLURM_JOB_ID": "7"}, False),  # a Slurm job without GPUs on a GPU node
+    ({"SLURM_JOB_ID": "7", "SLURM_JOB_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"}, True),
+    ({}, True),
+])
+def test_gpus_hidden_on_purpose_get_no_note(monkeypatch, env, noted):
+    from train_utils import devices
+
+    for name in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(devices, "_CUDA_WARNINGS", [], raising=False)
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (train_utils.unusable_gpu_reason() is not None) == noted
+
+
 def test_no_gpu_files_means_nothing_to_report(monkeypatch):
     monkeypatch.setattr(glob, "glob", lambda pattern: [])
     assert train_utils.unusable_gpu_reason() is None
-    line = train_utils.run_line(torch.device("cpu"), task_args("synthetic", batch_size=8,
+    line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=8,
                                                                grad_accum_steps=4))
     assert line == ("device cpu | backend none | world_size 1 | global batch size 32 = "
                     "batch_size 8 x grad_accum_steps 4 x world_size 1")
+
+
+def test_nccl_diagnostics_keep_torchs_error_handling_and_dump_where_the_job_was_submitted(monkeypatch,
+                                                                                           tmp_path):
+    """torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (3, skip the communicator's
+    clean-up) is left alone; the flight recorder dumps into the submit folder (Slurm)
+    or the working folder, not a node-local /tmp; what the user set is kept."""
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "SLURM_SUBMIT_DIR"):
+        monkeypatch.setenv(name, "")  # so that monkeypatch also undoes what the call sets
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    train_utils.enable_nccl_diagnostics()
+    import os
+
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    monkeypatch.setenv("SLURM_SUBMIT_DIR", str(tmp_path / "submit"))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    train_utils.enable_nccl_diagnostics()
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "submit" / "nccl_trace_4242_rank_")
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
+def test_a_rank_that_never_joins_at_start_up_gives_one_timeout_line(tmp_path):
+    """srun's path (no torchrun rendezvous): rank 1 reaches the start-up store but
+    never init_process_group; rank 0 waits there --startup_timeout_s and the store
+    raises "wait timeout after 3000ms, keys: ...": one line, exit 1, no traceback."""
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    port = free_port()
+    stuck = subprocess.Popen([sys.executable, "-c", (
+        "import datetime, time, torch.distributed as d\n"
+        f"s = d.TCPStore('127.0.0.1', {port}, 2, is_master=False, timeout=datetime.timedelta(seconds=60))\n"
+        "time.sleep(60)")])
+    try:
+        result = run([sys.executable, REPO / "multinode.py", "--startup_timeout_s", "3"], tmp_path,
+                     timeout=120, SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0",
+                     SLURM_STEP_NUM_TASKS="2", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    finally:
+        stuck.kill()
+        stuck.wait()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    [line] = error_lines(result.stderr)
+    assert re.fullmatch(r"error: rank 0 timed out during start-up waiting for the other ranks to join the "
+                        r"process group \(wait timeout after 3000ms, keys: \S+\)\. A rank that did not "
+                        r"start, or failed before joining, holds up all: look at its output "
+                        r"\(--startup_timeout_s sets the wait\)", line), line
+
+
+CONFIG_ERROR_IN_A_GROUP = """
+import atexit, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+import train_utils
+
+atexit.register(lambda: print(f"group left at exit: {dist.is_initialized()}", flush=True))
+
+
+@train_utils.one_line_errors
+def main():
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+    raise train_utils.ConfigError("a bad flag, found after start-up")
+
+
+main()
+"""
+
+
+def test_a_config_error_after_start_up_destroys_the_process_group(tmp_path):
+    """Exit 2 with one line, and no process group left at exit (with NCCL one
+    left over makes torch warn of a leak on every rank; gloo shows the mechanism)."""
+    import sys
+
+    from helpers import free_port
+
+    (tmp_path / "bad.py").write_text(CONFIG_ERROR_IN_A_GROUP)
+    result = run([sys.executable, "bad.py", REPO, free_port()], tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert error_lines(result.stderr) == ["error: a bad flag, found after start-up"]
+    assert "group left at exit: False" in result.stdout, result.stdout
 
 
 def test_log_metrics_prints_the_parsable_line_and_writes_json(tmp_path, capsys, monkeypatch):
@@ -65,7 +280,6 @@ def test_log_metrics_prints_the_parsable_line_and_writes_json(tmp_path, capsys, 
     record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,
               "epoch_seconds": 2.25, "val_loss": 0.25, "val_accuracy": 0.875}
     args = task_args("synthetic", metrics_path=str(path), tensorboard_dir=None)
-    monkeypatch.setitem(train_utils.RUN, "started", False)
     train_utils.log_metrics(record, args)
     train_utils.log_metrics({"test_loss": 0.3, "test_accuracy": None}, args)
     out = capsys.readouterr().out.splitlines()
@@ -130,7 +344,7 @@ def test_compile_workers_start_with_the_stop_signals_blocked(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO, script_env
+    from helpers import REPO, script_env
 
     result = subprocess.run([sys.executable, "-c", COMPILE_WORKERS_PROBE, str(REPO)], capture_output=True,
                             text=True, timeout=300, cwd=tmp_path,
@@ -184,9 +398,9 @@ def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
 
 def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch):
     args = task_args("synthetic", batch_size=32, grad_accum_steps=1)
-    plain = train_utils.run_line(torch.device("cpu"), args)
+    plain = train_utils.describe_run(torch.device("cpu"), args)
     monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
-    assert train_utils.run_line(torch.device("cpu"), args).splitlines() == [
+    assert train_utils.describe_run(torch.device("cpu"), args).splitlines() == [
         "note: torch 2.7.1+cpu is untested here (oldest tested: torch 2.8); older ones can hang at exit, "
         "see docs/install.md", *plain.splitlines()]
 

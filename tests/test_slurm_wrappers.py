@@ -1,0 +1,119 @@
+"""The sbatch wrappers in slurm/ as text: no cluster, no torch, a second or so.
+
+What Slurm does with them is tests/test_slurm.py and tests/test_stop_paths.py;
+here, what keeps them readable and keeps their copies from drifting apart:
+the blocks marked ``# --- NAME (identical in ...) ---`` ... ``# --- end NAME ---``
+are the same, byte for byte, in every wrapper that has them (and the wrappers
+named below do have them), each header is short, every ``#SBATCH`` line says
+what it is for, and every wrapper parses (``bash -n``) and runs strict.
+"""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WRAPPERS = ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"]
+
+# Which wrapper must carry which shared block.
+MUST_HAVE = {
+    "environment": WRAPPERS,
+    "container": WRAPPERS,
+    "network": ["multi_node.sh", "multi_node_srun.sh"],
+    "python check": ["single_gpu.sh", "multi_node_srun.sh"],
+}
+MAX_HEADER_LINES = 12
+BEGIN = re.compile(r"^# --- (?P<name>[a-z ]+?) \(identical in [^)]*\) ---$")
+
+
+def shared_blocks(text: str) -> dict:
+    """{block name: its text, markers included} of one wrapper; each block
+    opened must be closed, and appear once."""
+    blocks, lines = {}, text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        begin = BEGIN.match(line.rstrip("\n"))
+        if not begin:
+            continue
+        name = begin["name"]
+        assert name not in blocks, f"block {name!r} appears twice"
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip("\n") == f"# --- end {name} ---"),
+                   None)
+        assert end is not None, f"block {name!r} has no '# --- end {name} ---' line"
+        blocks[name] = "".join(lines[i:end + 1])
+    return blocks
+
+
+def read(wrapper: str) -> str:
+    return (REPO / "slurm" / wrapper).read_text()
+
+
+def test_each_wrapper_has_the_blocks_it_must():
+    for name, wrappers in MUST_HAVE.items():
+        for wrapper in wrappers:
+            assert name in shared_blocks(read(wrapper)), f"{wrapper} lacks the {name!r} block"
+
+
+def test_shared_blocks_are_identical_in_every_wrapper():
+    found = {}  # block name -> {block text: [wrappers]}
+    for wrapper in WRAPPERS:
+        for name, block in shared_blocks(read(wrapper)).items():
+            found.setdefault(name, {}).setdefault(block, []).append(wrapper)
+    assert set(found) >= set(MUST_HAVE), found.keys()
+    for name, versions in found.items():
+        assert len(versions) == 1, f"the {name!r} block differs between " + " | ".join(
+            ", ".join(wrappers) for wrappers in versions.values())
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_header_is_short(wrapper):
+    """What it runs, how to submit, what to edit: at most 12 comment lines
+    between the #! line and the first #SBATCH; the details are in docs/slurm.md."""
+    lines = read(wrapper).splitlines()
+    assert lines[0] == "#!/bin/bash"
+    first = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    header = [line for line in lines[1:first] if line.startswith("#")]
+    assert header and len(header) <= MAX_HEADER_LINES, f"{len(header)} header lines:\n" + "\n".join(header)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_every_sbatch_line_has_an_explanation(wrapper):
+    """``#SBATCH --option   # what it is for``, the commented-out ``##SBATCH``
+    ones too."""
+    directives = [line for line in read(wrapper).splitlines() if re.match(r"##?SBATCH", line)]
+    assert directives
+    unexplained = [line for line in directives if not re.match(r"##?SBATCH \S+ +# \S", line)]
+    assert not unexplained, unexplained
+    for option in ("--partition", "--account"):  # waiting for the cluster's names
+        assert any(line.startswith(f"##SBATCH {option}=") for line in directives), option
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrapper_parses_and_runs_strict(wrapper):
+    text = read(wrapper)
+    result = subprocess.run(["bash", "-n", str(REPO / "slurm" / wrapper)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^set -euo pipefail$", text, re.M)
+    # The training step is found at a glance.
+    assert re.search(r"^# The training step:", text, re.M)
+    # The error for a wrong submission folder assumes no folder name.
+    assert "cd ddp-scripts" not in text and "from the project folder" in text
+
+
+def test_multi_node_takes_each_nodes_worker_count_on_that_node():
+    """--gpus=6 over 2 nodes can grant 4 and 2: each node's torchrun must start
+    as many workers as its own node's SLURM_GPUS_ON_NODE, read inside the step,
+    not the batch host's. The wrapper's own PER_NODE prefix, run as srun would on
+    a node (printf in torchrun's place); one worker where the node has no GPU."""
+    import os
+
+    text = read("multi_node.sh")
+    [per_node] = [line for line in text.splitlines() if line.startswith("PER_NODE=(")]
+    assert "--nproc_per_node=@NPROC@" in text and '"${PER_NODE[@]}"' in text
+    command = per_node + '\n"${PER_NODE[@]}" printf "%s\\n" --nnodes=2 --nproc_per_node=@NPROC@ multinode.py'
+    for gpus, workers in (("2", "2"), ("4", "4"), (None, "1")):
+        env = {key: value for key, value in os.environ.items() if key != "SLURM_GPUS_ON_NODE"}
+        env.update({"SLURM_GPUS_ON_NODE": gpus} if gpus else {})
+        result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True)
+        assert result.stdout.split() == ["--nnodes=2", f"--nproc_per_node={workers}", "multinode.py"], result
