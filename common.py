@@ -1,8 +1,8 @@
-"""The task contract: what a task is, how ``--dataset`` finds one, the optimizer.
+"""The task contract: what a task is, how ``--dataset`` finds one, its recipe's defaults.
 
 Every script trains a ``Task`` (three datasets, a model, a loss, whether it
-is a classification) built by a task function ``(args, download) -> Task``,
-and an optimizer from ``build_optimizer``. ``--dataset`` names the task
+is a classification, the recipe it trains best with) built by a task
+function ``(args, download) -> Task``. ``--dataset`` names the task
 function as ``module:function``, or by a short name in ``TASKS``:
 
   synthetic  common:synthetic_task (below): seeded regression, 20 features
@@ -13,9 +13,9 @@ function as ``module:function``, or by a short name in ``TASKS``:
 
 Your own task goes in its own file (see docs/custom-task.md), found the same
 way as the built-ins: ``--dataset my_module:my_task``. The scripts, the
-train_utils package and this file need no edit (unless you want another optimizer
-than ``build_optimizer``'s). This module imports no training machinery, so a
-task module can import it alone.
+train_utils package and this file need no edit (another optimizer than
+those --optimizer offers is one line in train_utils/recipe.py). This module
+imports no training machinery, so a task module can import it alone.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class Task:
     int64 (N,) class indices; evaluation then also reports accuracy.
     ``train_transform``/``eval_transform`` turn a batch's inputs, once on the
     device, into the model's input (e.g. ``fast_images.DeviceTransform``).
+    ``recipe``: the task's defaults for the recipe flags (keys of
+    ``RECIPE_DEFAULTS``: optimizer, lr, weight_decay, lr_schedule,
+    warmup_epochs, lr_step_epochs, lr_gamma); the command line overrides them.
     """
 
     train_set: Dataset
@@ -71,6 +74,13 @@ class Task:
     classification: bool
     train_transform: Callable[[torch.Tensor], torch.Tensor] = field(default=identity)
     eval_transform: Callable[[torch.Tensor], torch.Tensor] = field(default=identity)
+    recipe: dict = field(default_factory=dict)
+
+
+# The recipe flags' values where neither the command line nor the task's
+# ``Task.recipe`` sets one (the mechanism is train_utils.recipe).
+RECIPE_DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0, "lr_schedule": "constant",
+                   "warmup_epochs": 0.0, "lr_step_epochs": 1, "lr_gamma": 0.1}
 
 
 class Batch(tuple):
@@ -84,15 +94,6 @@ def collate(batch):
     if isinstance(batch, Batch):
         return tuple(batch)
     return default_collate(batch)
-
-
-def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The optimizer every script uses: SGD, momentum 0.9, learning rate ``lr``.
-
-    Swap it here for your own; snapshots save and restore whatever optimizer
-    this returns (its ``state_dict``), and a resumed run sets ``lr`` anew.
-    """
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
 # The short names --dataset accepts, each a task function as "module:function",
@@ -133,14 +134,24 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
     The task function reads what it needs from ``args`` (data_dir, seed,
     model, input_path) and sets ``args.model`` to the model it chose; it
     downloads missing files only when ``download`` (see
-    ``train_utils.downloaders_first``). Raises ConfigError (one line) for an
-    unknown task or model, or missing data.
+    ``train_utils.downloaders_first``). The recipe flags left unset on the
+    command line (None) are then set from the task's ``recipe``, else from
+    ``RECIPE_DEFAULTS``. Raises ConfigError (one line) for an unknown task
+    or model, missing data, or a ``recipe`` key that is no recipe flag.
     """
     try:
         task_fn = task_function(TASKS.get(args.dataset, args.dataset))
     except ConfigError as exc:
         raise ConfigError(f"--dataset {args.dataset}: {exc}") from None
-    return task_fn(args, download)
+    task = task_fn(args, download)
+    unknown = sorted(set(task.recipe) - set(RECIPE_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"--dataset {args.dataset}: Task.recipe sets {', '.join(unknown)}, which "
+                          f"is no recipe flag; use keys of {', '.join(RECIPE_DEFAULTS)}")
+    for name, default in RECIPE_DEFAULTS.items():  # the command line first, then the task
+        if getattr(args, name, None) is None:
+            setattr(args, name, task.recipe.get(name, default))
+    return task
 
 
 def choose_model(args: argparse.Namespace, choices: tuple[str, ...]) -> str:

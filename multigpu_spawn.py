@@ -37,7 +37,7 @@ def ddp_setup(rank: int, world_size: int, timeout_s: float) -> torch.device:
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
         train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
     train_utils.share_cpu_cores(device, world_size)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
@@ -58,7 +58,7 @@ class Trainer:
         model: torch.nn.Module,
         train_data: DataLoader,
         val_data: DataLoader,
-        optimizer: torch.optim.Optimizer,
+        recipe: train_utils.Recipe,
         task: common.Task,
         device: torch.device,
         rank: int,
@@ -69,7 +69,8 @@ class Trainer:
         self.model = model.to(device)
         self.train_data = train_data
         self.val_data = val_data
-        self.optimizer = optimizer
+        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
+        self.optimizer = recipe.optimizer
         self.task = task
         self.args = args
         self.autocast = train_utils.autocast(device, args.amp)  # made once: a step must stay cheap
@@ -94,9 +95,9 @@ class Trainer:
         # Summed over the micro-batches, the gradients of loss / accum are those
         # of the mean loss over the whole accumulated batch. (No division without
         # accumulation: an extra autograd op costs a small model ~10%.)
-        (loss / accum if accum > 1 else loss).backward()
+        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
         if last:
-            self.optimizer.step()
+            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
             train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
         return loss.detach()
 
@@ -110,7 +111,7 @@ class Trainer:
             targets = targets.to(self.device, non_blocking=True)
             meter.add(self._run_batch(source, targets, step), len(targets))
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
-        return meter.summary()
+        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
 
     def _save_checkpoint(self, epoch: int) -> None:
         if self.rank != 0:  # every rank holds the same weights; one saves them
@@ -160,7 +161,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
 
 def load_train_objs(args, download: bool) -> tuple[common.Task, torch.optim.Optimizer]:
     task = train_utils.downloaders_first(common.load_task, args, download)
-    optimizer = common.build_optimizer(task.model, args.lr)
+    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
     return task, optimizer
 
 
@@ -194,12 +195,13 @@ def main(rank: int, world_size: int, args) -> None:
     # Rank 0 downloads while the others wait, so no two write the same files.
     task, optimizer = load_train_objs(args, download=rank == 0)
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
+    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     train_utils.check_before_training(args, device, train_data, args.checkpoint_path, saves=rank == 0)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
-    trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, rank, args)
+    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, args)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
     if rank == 0:

@@ -40,7 +40,7 @@ def ddp_setup(timeout_s: float) -> tuple[int, torch.device]:
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
         train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
     train_utils.share_cpu_cores(device, world_size)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
@@ -61,7 +61,7 @@ class Trainer:
         model: torch.nn.Module,
         train_data: DataLoader,
         val_data: DataLoader,
-        optimizer: torch.optim.Optimizer,
+        recipe: train_utils.Recipe,
         task: common.Task,
         device: torch.device,
         rank: int,
@@ -72,7 +72,8 @@ class Trainer:
         self.model = model.to(device)
         self.train_data = train_data
         self.val_data = val_data
-        self.optimizer = optimizer
+        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
+        self.optimizer = recipe.optimizer
         self.task = task
         self.args = args
         self.autocast = train_utils.autocast(device, args.amp)  # made once: a step must stay cheap
@@ -105,9 +106,9 @@ class Trainer:
         # Summed over the micro-batches, the gradients of loss / accum are those
         # of the mean loss over the whole accumulated batch. (No division without
         # accumulation: an extra autograd op costs a small model ~10%.)
-        (loss / accum if accum > 1 else loss).backward()
+        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
         if last:
-            self.optimizer.step()
+            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
             train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
         return loss.detach()
 
@@ -133,13 +134,13 @@ class Trainer:
             if every and self.progress.steps_run % every == 0 and meter.steps_left:
                 self._save_snapshot(meter)
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
-        return meter.summary()
+        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
 
     def _load_snapshot(self, snapshot_path: str) -> None:
         snapshot = train_utils.read_snapshot(snapshot_path, self.config)  # refuses another run's
         self.model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
-        train_utils.set_lr(self.optimizer, self.args.lr)  # a new --lr takes over from the snapshot's
+        self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
         self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
         if self.rank == 0:
             train_utils.log_resume(snapshot_path, self.progress.position())
@@ -153,6 +154,7 @@ class Trainer:
             "model": self.model.module.state_dict(),  # .module: loadable without DDP
             "optimizer": self.optimizer.state_dict(),
             **progress,  # epochs_run, steps_run, epoch_totals, rng_states
+            **self.recipe.state_dict(),  # lr_schedule, loss_scaler
             "config": self.config,
         }
         train_utils.atomic_save(snapshot, self.args.snapshot_path)  # temp file + rename: never torn
@@ -204,7 +206,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
 
 def load_train_objs(args, download: bool) -> tuple[common.Task, torch.optim.Optimizer]:
     task = train_utils.downloaders_first(common.load_task, args, download)
-    optimizer = common.build_optimizer(task.model, args.lr)
+    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
     return task, optimizer
 
 
@@ -241,12 +243,13 @@ def main(args) -> None:
     # Rank 0 downloads while the others wait, so no two write the same files.
     task, optimizer = load_train_objs(args, download=rank == 0)
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
+    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     train_utils.check_before_training(args, device, train_data, args.snapshot_path, saves=rank == 0)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
-    trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, rank, args)
+    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, args)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
         if rank == 0:

@@ -44,7 +44,7 @@ def ddp_setup(timeout_s: float) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
         train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
     train_utils.share_cpu_cores(device, world_size)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
@@ -66,7 +66,7 @@ class Trainer:
         model: torch.nn.Module,
         train_data: DataLoader,
         val_data: DataLoader,
-        optimizer: torch.optim.Optimizer,
+        recipe: train_utils.Recipe,
         task: common.Task,
         device: torch.device,
         rank: int,
@@ -79,7 +79,8 @@ class Trainer:
         self.model = model  # sharded, on the device (load_train_objs)
         self.train_data = train_data
         self.val_data = val_data
-        self.optimizer = optimizer
+        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
+        self.optimizer = recipe.optimizer
         self.task = task
         self.args = args
         self.config = dict(vars(args), world_size=None)  # saved; any world size resumes (DCP reshards)
@@ -110,9 +111,9 @@ class Trainer:
         # Summed over the micro-batches, the gradients of loss / accum are those
         # of the mean loss over the whole accumulated batch. (No division without
         # accumulation: an extra autograd op costs a small model ~10%.)
-        (loss / accum if accum > 1 else loss).backward()
+        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
         if last:
-            self.optimizer.step()
+            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
             train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
         return loss.detach()
 
@@ -144,7 +145,7 @@ class Trainer:
             if every and self.progress.steps_run % every == 0 and meter.steps_left:
                 self._save_snapshot(meter)
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
-        return meter.summary()
+        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
 
     def _load_snapshot(self, folder: str) -> None:
         snapshot = self.snapshots.read(folder, self.config, dist.get_world_size())  # or refuses it
@@ -155,7 +156,7 @@ class Trainer:
         dcp.load(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
         set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
                        optim_state_dict=optimizer_state)
-        train_utils.set_lr(self.optimizer, self.args.lr)  # a new --lr takes over from the snapshot's
+        self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
         self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
         if self.rank == 0:
             train_utils.log_resume(folder, self.progress.position(),
@@ -176,6 +177,7 @@ class Trainer:
             return
         snapshot = {
             **progress,  # epochs_run, steps_run, epoch_totals, rng_states
+            **self.recipe.state_dict(),  # lr_schedule, loss_scaler
             "config": self.config,
             "world_size": dist.get_world_size(),
         }
@@ -231,18 +233,17 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> torch.nn.Module:
     """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
 
     Each of ``train_utils.fsdp_blocks`` becomes one FSDP unit, then the root takes the
     parameters left; a unit's are all-gathered just before its forward and backward.
-    ``bf16`` (--amp): gathered and used in bf16, reduced and kept in fp32; BatchNorm stays
-    fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
+    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
+    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
     train_utils.contiguous_parameters(model)  # fully_shard refuses channels-last weights
     # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    dtype = torch.bfloat16 if bf16 else None
-    if bf16:
+    if dtype:
         norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         for norm in norms:
             fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
@@ -256,8 +257,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool) -> tor
 def load_train_objs(args, download: bool, device: torch.device) -> tuple[common.Task, torch.optim.Optimizer]:
     task = train_utils.downloaders_first(common.load_task, args, download)
     # Before the optimizer: fully_shard replaces the parameters with sharded ones.
-    task.model = shard_model(task.model.to(device), device, args.amp)
-    optimizer = common.build_optimizer(task.model, args.lr)
+    task.model = shard_model(task.model.to(device), device, train_utils.amp_dtype(device, args.amp))
+    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
     return task, optimizer
 
 
@@ -297,13 +298,14 @@ def main(args) -> None:
     # Then each rank its own random stream, or all would draw the same dropout masks.
     torch.manual_seed(args.seed + rank)
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
+    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     train_utils.check_before_training(args, device, train_data,  # every rank writes its shards there
                                       os.path.join(args.snapshot_path, "meta.pt"), saves=True)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
-    trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, rank, local_rank, args)
+    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, args)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
         if rank == 0:

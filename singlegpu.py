@@ -35,7 +35,7 @@ class Trainer:
         model: torch.nn.Module,
         train_data: DataLoader,
         val_data: DataLoader,
-        optimizer: torch.optim.Optimizer,
+        recipe: train_utils.Recipe,
         task: common.Task,
         device: torch.device,
         args,
@@ -44,7 +44,8 @@ class Trainer:
         self.model = model.to(device)
         self.train_data = train_data
         self.val_data = val_data
-        self.optimizer = optimizer
+        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
+        self.optimizer = recipe.optimizer
         self.task = task
         self.args = args
         self.autocast = train_utils.autocast(device, args.amp)  # made once: a step must stay cheap
@@ -65,9 +66,9 @@ class Trainer:
         # Summed over the micro-batches, the gradients of loss / accum are those
         # of the mean loss over the whole accumulated batch. (No division without
         # accumulation: an extra autograd op costs a small model ~10%.)
-        (loss / accum if accum > 1 else loss).backward()
+        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
         if last:
-            self.optimizer.step()
+            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
         return loss.detach()
 
     def _run_epoch(self, epoch: int, max_epochs: int) -> dict:
@@ -77,7 +78,7 @@ class Trainer:
             source = self.task.train_transform(source.to(self.device, non_blocking=True))
             targets = targets.to(self.device, non_blocking=True)
             meter.add(self._run_batch(source, targets, step), len(targets))
-        return meter.summary()
+        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
 
     def _save_checkpoint(self, epoch: int) -> None:
         train_utils.atomic_save(self.model.state_dict(), self.args.checkpoint_path)
@@ -121,7 +122,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
 
 def load_train_objs(args, download: bool) -> tuple[common.Task, torch.optim.Optimizer]:
     task = common.load_task(args, download)
-    optimizer = common.build_optimizer(task.model, args.lr)
+    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
     return task, optimizer
 
 
@@ -146,11 +147,12 @@ def main(device: torch.device, args) -> None:
     torch.manual_seed(args.seed)
     task, optimizer = load_train_objs(args, download=True)
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
+    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     train_utils.check_before_training(args, device, train_data, args.checkpoint_path, saves=True)
     train_utils.print_line(train_utils.describe_run(device, args))
-    trainer = Trainer(task.model, train_data, val_data, optimizer, task, device, args)
+    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, args)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
     train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
@@ -158,4 +160,4 @@ def main(device: torch.device, args) -> None:
 
 if __name__ == "__main__":
     args = train_utils.parse_args(__doc__, common.TASKS, ["checkpoint_path"])
-    main(train_utils.device_for(0), args)
+    main(train_utils.device_for(0, one_process=True), args)  # a GPU, another accelerator, or the CPU

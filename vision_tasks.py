@@ -7,8 +7,12 @@ and ``common.load_task`` imports them the way it imports
 
   mnist    torchvision MNIST, the 2-conv/2-fc CNN with dropout (``--model
            cnn``), cross-entropy.
-  cifar10  torchvision CIFAR10 with crop+flip augmentation, torchvision
-           resnet18 (default) or resnet50, cross-entropy.
+  cifar10  torchvision CIFAR10 with crop+flip augmentation, a ResNet-18
+           (default) or ResNet-50 with the CIFAR stem (``cifar_resnet``), or
+           torchvision's ImageNet-stem one by name (``resnet18_imagenet``),
+           cross-entropy.
+
+Each task also gives its recipe's defaults (``Task.recipe``; docs/recipes.md).
 
 Both read the files from ``--data_dir`` (``prepare_data`` downloads them, or
 names what is missing) and, with ``--input_path fast`` (the default), keep
@@ -60,18 +64,52 @@ class MnistCNN(nn.Module):
         return self.fc2(x)
 
 
+# --model for cifar10: the CIFAR-stem ResNets first (the default), then torchvision's own.
+CIFAR10_MODELS = ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet")
+# The recipes the built-in tasks train with unless a flag says otherwise (docs/recipes.md).
+# MNIST: SGD with momentum, half an epoch of warm-up, x0.7 per epoch (the decay of
+# pytorch/examples mnist/main.py). CIFAR-10: the widely reproduced ResNet recipe of
+# kuangliu/pytorch-cifar: SGD 0.1, momentum 0.9, weight decay 5e-4, cosine to 0.
+MNIST_RECIPE = {"optimizer": "sgd", "lr": 0.05, "warmup_epochs": 0.5, "lr_schedule": "step",
+                "lr_step_epochs": 1, "lr_gamma": 0.7}
+CIFAR10_RECIPE = {"optimizer": "sgd", "lr": 0.1, "weight_decay": 5e-4, "lr_schedule": "cosine"}
+
+
+def cifar_resnet(name: str) -> nn.Module:
+    """A torchvision ResNet (``resnet18``, ``resnet50``) for 32x32 images, 10 classes:
+    float32 (N, 3, 32, 32) -> (N, 10) logits.
+
+    The ImageNet stem (7x7 stride-2 convolution, then a stride-2 max-pool)
+    shrinks a 32x32 image to 8x8 before the first block; the CIFAR stem of He
+    et al. 2016 (section 4.2) and of the published CIFAR-10 ResNet-18/50
+    results (kuangliu/pytorch-cifar) is one 3x3 stride-1 convolution and no
+    max-pool, so the blocks see 32x32. Parameters: 11,173,962 (resnet18) and
+    23,520,842 (resnet50), those of kuangliu's ResNet18 and ResNet50.
+    """
+    import torchvision
+
+    model = getattr(torchvision.models, name)(weights=None, num_classes=10)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision's
+    model.maxpool = nn.Identity()
+    return model
+
+
 def build_model(dataset: str, model: str) -> nn.Module:
     """A freshly initialized model (from the global torch RNG) of an image task.
 
-    mnist, ``cnn``: float32 (N, 1, 28, 28) -> (N, 10) logits. cifar10,
-    ``resnet18``/``resnet50`` (torchvision, 10 classes): float32
-    (N, 3, 32, 32) -> (N, 10) logits.
+    mnist, ``cnn``: float32 (N, 1, 28, 28) -> (N, 10) logits. cifar10
+    (``CIFAR10_MODELS``): float32 (N, 3, 32, 32) -> (N, 10) logits,
+    ``resnet18``/``resnet50`` with the CIFAR stem (``cifar_resnet``),
+    ``resnet18_imagenet``/``resnet50_imagenet`` torchvision's as they are.
     """
     if dataset == "mnist":
         return MnistCNN()
+    if not model.endswith("_imagenet"):
+        return cifar_resnet(model)
     import torchvision
 
-    return getattr(torchvision.models, model)(weights=None, num_classes=10)
+    return getattr(torchvision.models, model.removesuffix("_imagenet"))(weights=None, num_classes=10)
 
 
 def _torchvision_class(dataset: str):
@@ -134,7 +172,7 @@ def vision_task(dataset: str, args: argparse.Namespace, download: bool) -> Task:
     """
     from torchvision import transforms
 
-    model_name = choose_model(args, ("cnn",) if dataset == "mnist" else ("resnet18", "resnet50"))
+    model_name = choose_model(args, ("cnn",) if dataset == "mnist" else CIFAR10_MODELS)
     prepare_data(dataset, args.data_dir, download)
     cls = _torchvision_class(dataset)
     stats = (MNIST_MEAN, MNIST_STD) if dataset == "mnist" else (CIFAR10_MEAN, CIFAR10_STD)
@@ -169,18 +207,20 @@ def vision_task(dataset: str, args: argparse.Namespace, download: bool) -> Task:
         train_transform = DeviceTransform(stats, padding, channels_last)
         eval_transform = DeviceTransform(stats, 0, channels_last)
     return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test, model,
-                F.cross_entropy, True, train_transform, eval_transform)
+                F.cross_entropy, True, train_transform, eval_transform,
+                recipe=MNIST_RECIPE if dataset == "mnist" else CIFAR10_RECIPE)
 
 
 def mnist_task(args: argparse.Namespace, download: bool) -> Task:
     """``--dataset mnist``: 54,000/6,000/10,000 (train/val/test) digits, uint8
     (fast) or normalized float32 (N, 1, 28, 28) images, int64 labels 0-9;
-    ``MnistCNN``, cross-entropy."""
+    ``MnistCNN``, cross-entropy; ``MNIST_RECIPE``."""
     return vision_task("mnist", args, download)
 
 
 def cifar10_task(args: argparse.Namespace, download: bool) -> Task:
     """``--dataset cifar10``: 45,000/5,000/10,000 (train/val/test) uint8 (fast)
     or normalized float32 (N, 3, 32, 32) images, int64 labels 0-9, training
-    images cropped and flipped; a ResNet, cross-entropy."""
+    images cropped and flipped; a ResNet (``CIFAR10_MODELS``), cross-entropy;
+    ``CIFAR10_RECIPE``."""
     return vision_task("cifar10", args, download)

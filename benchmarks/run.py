@@ -293,7 +293,7 @@ def section_amp_cpu(reps: int = 3) -> dict:
         x = torch.randn(shape)
         y = torch.randn(shape[0], 1) if dataset == "synthetic" else torch.randint(0, 10, (shape[0],))
         loss_fn = F.mse_loss if dataset == "synthetic" else F.cross_entropy
-        step = {amp: train_step(model, opt, loss_fn, x, y, train_utils.autocast(CPU, amp))
+        step = {amp: train_step(model, opt, loss_fn, x, y, train_utils.autocast(CPU, "bf16" if amp else None))
                 for amp in (False, True)}
         for amp in (False, True, False, True):  # warm-up
             step[amp]()
@@ -617,8 +617,8 @@ def _fsdp_vs_ddp_case(dataset: str, model_name: str, shape: tuple, device: torch
     for kind in ("DDP", "FSDP"):
         torch.manual_seed(0)
         model = build_model(dataset, model_name).to(device)
-        model = ddp(model, device) if kind == "DDP" else multinode_fsdp.shard_model(model, device, bf16=False)
-        opt = common.build_optimizer(model, 1e-3)
+        model = ddp(model, device) if kind == "DDP" else multinode_fsdp.shard_model(model, device, dtype=None)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         step[kind] = train_step(model, opt, F.cross_entropy, x, y)
         step[kind]()  # gradients and momentum buffers exist from here on
         state[kind] = train_utils.training_state_bytes(model, opt)

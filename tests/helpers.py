@@ -28,6 +28,7 @@ EPOCH_LINE = re.compile(
     r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "
     r"val_loss (?P<val_loss>\S+)(?: \| val_acc (?P<val_acc>\S+))? \| "
     r"samples/s (?P<samples_per_s>\S+) \| epoch_s (?P<epoch_s>\S+)"
+    r"(?: \| lr (?P<lr>\S+))?(?: \| skipped_steps (?P<skipped_steps>\d+))?"  # skipped: fp16 only
     r"(?: \| peak_mem_mib (?P<peak_mem_mib>\S+))?$", re.M)  # peak memory: CUDA only
 TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)
 
@@ -93,12 +94,21 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def snapshot_tensors(path: Path, rng: bool = False) -> tuple[int, dict]:
-    """(epochs_run, {name: tensor}) of a snapshot: model weights, momentum
-    buffers and, with ``rng``, every rank's CPU RNG state."""
+    """(epochs_run, {name: tensor}) of a snapshot: model weights, the
+    optimizer's state (SGD's momentum buffers, AdamW's moments and step
+    counts, ...), the learning rate of each parameter group, the lr schedule's
+    and the loss scaler's state, and with ``rng`` every rank's CPU RNG state."""
     snapshot = torch.load(path, weights_only=True)
     tensors = dict(snapshot["model"])
     for key, state in snapshot["optimizer"]["state"].items():
-        tensors[f"optimizer.{key}"] = state["momentum_buffer"]
+        for name, value in state.items():
+            tensors[f"optimizer.{key}.{name}"] = torch.as_tensor(value)
+    for index, group in enumerate(snapshot["optimizer"]["param_groups"]):
+        tensors[f"optimizer.lr.{index}"] = torch.tensor(group["lr"], dtype=torch.float64)
+    schedule = snapshot.get("lr_schedule") or {}
+    tensors["lr_schedule.step"] = torch.tensor(schedule.get("last_epoch", -1))
+    for name, value in (snapshot.get("loss_scaler") or {}).items():
+        tensors[f"loss_scaler.{name}"] = torch.as_tensor(value)
     if rng:
         for rank, states in enumerate(snapshot["rng_states"]):
             tensors[f"rng.{rank}"] = states["cpu"]
@@ -106,8 +116,8 @@ def snapshot_tensors(path: Path, rng: bool = False) -> tuple[int, dict]:
 
 
 def assert_same_snapshot(path_a: Path, path_b: Path) -> None:
-    """Two snapshots hold the same training: epochs run, and weights and momentum
-    buffers bitwise equal."""
+    """Two snapshots hold the same training: epochs run, and weights, optimizer
+    state, learning rates, schedule step and loss scale bitwise equal."""
     epochs_a, a = snapshot_tensors(path_a)
     epochs_b, b = snapshot_tensors(path_b)
     assert epochs_a == epochs_b
@@ -180,7 +190,7 @@ def plain_task(loss_fn, classification: bool):
 
 
 def script_trainer(module, model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: int = 0,
-                   grad_accum_steps: int = 1):
+                   grad_accum_steps: int = 1, **recipe):
     """The Trainer of script ``module`` (singlegpu, multigpu_spawn, multigpu_torchrun,
     multinode) around ``model`` on the CPU, with no data and no snapshot to resume:
     for calling its ``_run_batch`` directly. All but singlegpu need a process group.
@@ -188,12 +198,19 @@ def script_trainer(module, model: torch.nn.Module, optimizer, loss_fn, out_dir: 
     Built by keyword from the constructor's own parameter names, each given only
     where the constructor takes it (``rank``, ``local_rank``), so a script's
     constructor can change its order or parameters without this changing."""
+    import common
+    import train_utils
+
     args = argparse.Namespace(
-        grad_accum_steps=grad_accum_steps, amp=False, compile=False, save_every=1, lr=0.1,
+        grad_accum_steps=grad_accum_steps, amp=None, compile=False, save_every=1, total_epochs=1,
         metrics_path=None, checkpoint_path=os.path.join(out_dir, "unused.pt"),
-        snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, pg_timeout_s=600)
-    available = dict(model=model, train_data=None, val_data=None, optimizer=optimizer,
-                     task=plain_task(loss_fn, False), device=torch.device("cpu"),
+        snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, pg_timeout_s=600,
+        **{**common.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
+           "optimizer": type(optimizer).__name__.lower(), **recipe})
+    device = torch.device("cpu")
+    available = dict(model=model, train_data=None, val_data=None,
+                     recipe=train_utils.Recipe(optimizer, args, steps_per_epoch=1, device=device),
+                     task=plain_task(loss_fn, False), device=device,
                      rank=rank, local_rank=rank, args=args)
     parameters = inspect.signature(module.Trainer).parameters
     missing = [name for name, p in parameters.items()

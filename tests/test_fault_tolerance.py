@@ -37,7 +37,9 @@ def small_mnist(tmp_path_factory):
 
 @pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
 def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(dataset, small_mnist, tmp_path):
-    flags = ["--total_epochs", "3", "--snapshot_every_steps", "3", "--dataset", dataset]
+    # A recipe with state of its own: the cosine schedule's step, AdamW's moments.
+    flags = ["--total_epochs", "3", "--snapshot_every_steps", "3", "--dataset", dataset, "--optimizer", "adamw",
+             "--lr", "0.003", "--lr_schedule", "cosine", "--warmup_epochs", "0.5", "--clip_grad_norm", "1"]
     if dataset == "mnist":  # dropout: needs every rank's RNG state restored mid-epoch
         flags += ["--data_dir", small_mnist]
     # The 15th step (of 8 per epoch) or the 37th (of 28): epoch 2, after 6 steps and a snapshot.
@@ -281,16 +283,17 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     """What slurm/multi_gpu.sh does on a warning or a preemption, without Slurm
     (tests/test_stop_paths.py runs the real thing): torchrun relays the signal to
     the workers, which stop after the same step and snapshot it; the same command
-    then finishes the run, with the weights of a run never interrupted. With
-    gradient accumulation the stop waits for the end of an optimizer step (no
-    half-accumulated gradients lost)."""
+    then finishes the run, with the weights, optimizer state, learning-rate
+    schedule of a run never interrupted. With gradient accumulation the stop
+    waits for the end of an optimizer step (no half-accumulated gradients lost)."""
     relay = []  # torchrun relays SIGTERM and SIGINT by default; SIGUSR1 only when asked (torch 2.10+)
     if signum == signal.SIGUSR1:
         if train_utils.torch_version() < (2, 10):
             pytest.skip(f"torch {torch.__version__}'s torchrun has no --signals-to-handle (2.10)")
         relay = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     args = ["--total_epochs", "12", "--batch_size", "8", "--grad_accum_steps", str(accum),
-            "--num_workers", str(workers)]
+            "--num_workers", str(workers),  # and a recipe whose state must resume too:
+            "--lr_schedule", "cosine", "--warmup_epochs", "1", "--weight_decay", "1e-4", "--clip_grad_norm", "1"]
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     interrupted.mkdir()
     reference.mkdir()
@@ -378,7 +381,7 @@ def _bucket_layout_worker(rank, world_size, port, out):
             return default_hooks.allreduce_hook(state, bucket)
 
         model.register_comm_hook(None, hook)
-        amp = train_utils.autocast(cpu, True)
+        amp = train_utils.autocast(cpu, "bf16")
         if rebuild:
             train_utils.rebuild_ddp_buckets(model, loader, F.cross_entropy, lambda t: t, cpu, amp)
         for _ in range(2 if rebuild else 3):
@@ -414,7 +417,7 @@ def test_a_three_rank_amp_run_resumed_mid_epoch_is_bitwise_unchanged(small_mnist
     the MNIST CNN): 3 ranks, one killed mid-epoch under --max-restarts, the resumed
     run ends bitwise where the uninterrupted one does."""
     try:
-        train_utils.check_amp(True, torch.device("cpu"), "cnn")
+        train_utils.check_amp("auto", torch.device("cpu"), "cnn")
     except train_utils.ConfigError as refused:
         pytest.skip(f"--amp refused on this CPU: {refused}")
     flags = ["--total_epochs", "2", "--snapshot_every_steps", "2", "--dataset", "mnist",

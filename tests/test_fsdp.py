@@ -48,8 +48,9 @@ def snapshot_folder(root) -> str:
 
 def full_state(folder, out_dir) -> tuple[dict, dict]:
     """(weights, everything) of a sharded snapshot folder, gathered into plain tensors with
-    DCP's converter: model state_dict, momentum buffers ("optimizer.<name>"), and every
-    rank's CPU RNG state ("rng.<rank>") from its meta file."""
+    DCP's converter: model state_dict, momentum buffers ("optimizer.<name>") or other
+    optimizer state ("optimizer.<name>.<key>"), and from its meta file every rank's CPU
+    RNG state ("rng.<rank>"), the lr schedule's step and the loss scaler's state."""
     os.makedirs(out_dir, exist_ok=True)
     for part in ("model", "optimizer"):
         dcp_to_torch_save(os.path.join(folder, part), os.path.join(out_dir, f"{part}.pt"))
@@ -58,10 +59,14 @@ def full_state(folder, out_dir) -> tuple[dict, dict]:
     meta = torch.load(os.path.join(folder, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
     tensors = dict(weights)
     for name, state in optimizer["state"].items():
-        tensors[f"optimizer.{name}"] = state["momentum_buffer"]
+        for key, value in state.items():  # SGD's momentum_buffer; AdamW's exp_avg, exp_avg_sq, step
+            tensors[f"optimizer.{name}" + ("" if key == "momentum_buffer" else f".{key}")] = torch.as_tensor(value)
     for rank, states in enumerate(meta["rng_states"]):
         tensors[f"rng.{rank}"] = states["cpu"]
     tensors["position"] = torch.tensor([meta["epochs_run"], meta["steps_run"]])
+    tensors["lr_schedule.step"] = torch.tensor(meta["lr_schedule"]["last_epoch"])
+    for key, value in (meta["loss_scaler"] or {}).items():
+        tensors[f"loss_scaler.{key}"] = torch.as_tensor(value)
     return weights, tensors
 
 
@@ -157,7 +162,7 @@ def _fsdp_eval_worker(rank, world_size, port, out_dir):
     dataset, model = _eval_problem()
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
-    model = multinode_fsdp.shard_model(model, torch.device("cpu"), bf16=False)
+    model = multinode_fsdp.shard_model(model, torch.device("cpu"), dtype=None)
     loader = multinode_fsdp.prepare_dataloader(dataset, 8, 0, False, 0)
     loss, accuracy = multinode_fsdp.evaluate(model, loader, plain_task(F.cross_entropy, True),
                                              torch.device("cpu"))
@@ -193,8 +198,8 @@ def _bf16_worker(rank, world_size, port, out_dir):
     for bf16 in (False, True):
         torch.manual_seed(0)
         model = multinode_fsdp.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
-                                           torch.device("cpu"), bf16)
-        optimizer = common.build_optimizer(model, 0.01)
+                                           torch.device("cpu"), torch.bfloat16 if bf16 else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
         x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
         output = model(x)
@@ -232,7 +237,7 @@ def _channels_last_worker(rank, world_size, port, out_dir):
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     expected = plain(x).sum().item()
     try:
-        sharded = multinode_fsdp.shard_model(model, torch.device("cpu"), bf16=False)
+        sharded = multinode_fsdp.shard_model(model, torch.device("cpu"), dtype=None)
         result = sharded(x.contiguous(memory_format=torch.channels_last)).sum().item()
     except NotImplementedError as exc:
         result = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

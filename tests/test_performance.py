@@ -297,23 +297,28 @@ def test_amp_on_cpu_is_refused_in_one_line_where_it_does_not_help(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: --amp on a CPU: bf16 autocast does not speed up --model mlp on a CPU (measured, "
-        "see docs/performance.md); --amp is for CUDA GPUs. Run without --amp")
+        "see docs/performance.md); --amp is for GPUs (--amp bf16 or fp16 forces it). Run without --amp")
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
-def test_amp_on_a_gpu_without_native_bf16_is_refused(monkeypatch):
-    """A T4 (compute capability 7.5) would emulate bf16: slower, so refused in one line;
-    an Ampere or newer GPU is accepted. (Faked here: no GPU on the test machines.)"""
+def test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused(monkeypatch):
+    """A T4 (compute capability 7.5) would emulate bf16: slower, so plain --amp is
+    fp16 there (with a loss scaler) and a forced --amp bf16 is refused in one line;
+    an Ampere or newer GPU gets bf16. (Faked here: no GPU on the test machines.)"""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    gpu = torch.device("cuda", 0)
     with pytest.raises(train_utils.ConfigError) as info:
-        train_utils.check_amp(True, torch.device("cuda", 0), "resnet18")
-    assert str(info.value) == ("--amp: Tesla T4 (compute capability 7.5) has no native bf16, which "
-                               "needs 8.0 (Ampere) or newer; bf16 autocast would be emulated and "
-                               "slower. Run without --amp")
+        train_utils.check_amp("bf16", gpu, "resnet18")
+    assert str(info.value) == ("--amp bf16: Tesla T4 (compute capability 7.5) has no native bf16, "
+                               "which needs 8.0 (Ampere) or newer; bf16 autocast would be emulated "
+                               "and slower. Use --amp (fp16 with a loss scaler on this GPU)")
+    train_utils.check_amp("auto", gpu, "resnet18")
+    assert train_utils.amp_dtype(gpu, "auto") == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    train_utils.check_amp(True, torch.device("cuda", 0), "resnet18")  # e.g. an A100: accepted
+    train_utils.check_amp("bf16", gpu, "resnet18")  # e.g. an A100: accepted
+    assert train_utils.amp_dtype(gpu, "auto") == torch.bfloat16
 
 
 def test_benchmark_matches_gpu_names_to_their_own_data_sheet():
@@ -370,14 +375,15 @@ def test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus(monke
 
 def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
     cpu = torch.device("cpu")
-    train_utils.check_amp(False, cpu, "resnet18")  # no --amp: nothing to check
+    train_utils.check_amp(None, cpu, "resnet18")  # no --amp: nothing to check
+    train_utils.check_amp("fp16", cpu, "resnet18")  # forced: runs anyway
     with pytest.raises(train_utils.ConfigError, match="does not speed up --model resnet18"):
-        train_utils.check_amp(True, cpu, "resnet18")
+        train_utils.check_amp("auto", cpu, "resnet18")
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         with pytest.raises(train_utils.ConfigError, match="no native bf16 instructions"):
-            train_utils.check_amp(True, cpu, "cnn")
+            train_utils.check_amp("auto", cpu, "cnn")
         return
-    train_utils.check_amp(True, cpu, "cnn")  # measured faster on a CPU with native bf16
+    train_utils.check_amp("auto", cpu, "cnn")  # measured faster on a CPU with native bf16
     # ...and it trains: one epoch of bf16 autocast on 7,200 real digits.
     result = check(run([sys.executable, REPO / "singlegpu.py", "--dataset", "mnist", "--data_dir",
                         mnist_root, "--total_epochs", "1", "--amp"], tmp_path))

@@ -17,6 +17,8 @@ or stop signal through its calls.
   epoch              the epoch's loss sums, time, progress bar                  singlegpu
   checks             downloads first, checks before training                    singlegpu
   metrics            the epoch line, JSON lines, TensorBoard, the resume line   singlegpu
+  recipe             optimizer, weight decay, lr schedule and warm-up, fp16's   singlegpu
+                     loss scaler, gradient clipping; their state in snapshots
   snapshots          atomic save; reading a snapshot, "same run?" checks        singlegpu (save),
                                                                                 torchrun (read)
   launch             mp.spawn's world size and port, the store under torchrun   spawn
@@ -38,9 +40,9 @@ docs/custom-task.md.
 from .checks import PER_PROCESS_FLAGS, check_before_training, check_same_settings, \
     downloaders_first, first_error
 from .cli import SCRIPT_FLAGS, non_negative_int, parse_args, positive
-from .devices import NCCL_DIAGNOSTICS, OLDEST_TORCH, check_gpu_has_kernels, cuda_available, \
+from .devices import NCCL_DIAGNOSTICS, OLDEST_TORCH, backend_for, check_gpu_has_kernels, cuda_available, \
     describe_run, device_for, enable_nccl_diagnostics, gpus_hidden_on_purpose, nccl_trace_prefix, \
-    share_cpu_cores, started_by_srun, torch_version, unusable_gpu_reason, usable_cpus
+    other_accelerator, share_cpu_cores, started_by_srun, torch_version, unusable_gpu_reason, usable_cpus
 from .epoch import EpochMeter, check_finite
 from .errors import ConfigError, NothingToTrain, one_line_errors, report_to_torchrun
 from .evaluation import batches_for_every_rank, broadcast_buffers, most_batches
@@ -49,12 +51,14 @@ from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, contiguous_parame
 from .launch import check_port_free, first_host, gloo_group, launcher_store, spawn_world_size
 from .metrics import RUN, log_metrics, log_resume
 from .output import is_distributed, print_line
+from .recipe import LR_SCHEDULES, OPTIMIZERS, RECIPE_FLAGS, Recipe, build_optimizer, clip_grad_norm, \
+    lr_factor
 from .resume import Progress, ResumableDistributedSampler, gather_rng_states, position, \
-    position_tag, rebuild_ddp_buckets, set_lr, set_rng_state
+    position_tag, rebuild_ddp_buckets, set_rng_state
 from .sharded_snapshots import ShardedSnapshots, resharding_note
 from .snapshots import SNAPSHOT_MUST_MATCH, START_AFRESH, atomic_save, read_snapshot, \
     snapshot_on_every_node
-from .speed import AMP_HELPS_ON_CPU, autocast, check_amp, compile_model, peak_memory_mib
+from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib
 from .stop import STOP_SIGNALS, StopSignal, ignore_stop_signal
 from .timeouts import use_training_timeout, watch_collectives
 

@@ -9,6 +9,7 @@ import os
 from typing import Callable, Iterable, Optional
 
 from .errors import report_to_torchrun
+from .recipe import LR_SCHEDULES, OPTIMIZERS
 
 
 def positive(kind: type) -> Callable[[str], object]:
@@ -24,6 +25,17 @@ def positive(kind: type) -> Callable[[str], object]:
         return value
 
     return parse
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a float >= 0, else a one-line usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a float, got {text!r}")
+    if not value >= 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def non_negative_int(text: str) -> int:
@@ -100,7 +112,8 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
     add("--batch_size", type=positive(int), default=32,
         help="samples per step *per process*; the global batch size is "
              "batch_size x grad_accum_steps x world_size (default: 32)")
-    add("--lr", type=positive(float), default=0.05, help="learning rate (default: 0.05)")
+    add("--lr", type=positive(float), default=None,
+        help="peak learning rate (default: the task's; synthetic 0.05)")
     add("--dataset", type=_task_name(tasks), default=tasks[0],
         help=f"task to train: {', '.join(tasks)}, or module:function for your own "
              f"(default: {tasks[0]}, needs no download)")
@@ -118,13 +131,31 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
         help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
              "whole batches on the device; 'torchvision' is the per-sample Dataset + "
              "transforms path (default: fast)")
-    add("--amp", action="store_true",
-        help="bf16 autocast for the training forward pass (CUDA; on a CPU only where it "
-             "was measured to help, see docs/performance.md)")
+    add("--amp", nargs="?", const="auto", choices=("auto", "bf16", "fp16"), default=None,
+        help="autocast for the training forward pass: bf16 where the GPU has it, else fp16 "
+             "with a loss scaler; 'bf16' or 'fp16' forces one, also on a CPU (plain --amp on "
+             "a CPU only where it was measured to help, see docs/performance.md)")
     add("--compile", action="store_true",
         help="torch.compile the training model (saved weights stay loadable without it)")
     add("--grad_accum_steps", type=positive(int), default=1,
         help="micro-batches of --batch_size per optimizer step (default: 1)")
+    # The recipe (train_utils.recipe): each default is the task's choice (Task.recipe),
+    # else common.RECIPE_DEFAULTS; see docs/recipes.md.
+    add("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+        help="optimizer (default: the task's; synthetic sgd, momentum 0.9)")
+    add("--weight_decay", type=non_negative_float, default=None,
+        help="weight decay (default: the task's; synthetic 0)")
+    add("--lr_schedule", choices=LR_SCHEDULES, default=None,
+        help="learning rate over the run: constant, cosine (to 0 at the last step) or step "
+             "(x --lr_gamma every --lr_step_epochs) (default: the task's; synthetic constant)")
+    add("--warmup_epochs", type=non_negative_float, default=None,
+        help="linear warm-up over this many (fractional) epochs of steps (default: the task's; 0)")
+    add("--lr_step_epochs", type=positive(int), default=None,
+        help="step schedule: epochs between decays (default: the task's; 1)")
+    add("--lr_gamma", type=positive(float), default=None,
+        help="step schedule: factor per decay (default: the task's; 0.1)")
+    add("--clip_grad_norm", type=positive(float), default=None,
+        help="clip the gradients' total L2 norm, over all ranks, to this (default: no clipping)")
     _add_script_flags(parser, list(script_flags))
     return parser.parse_args()
 

@@ -24,18 +24,52 @@ def started_by_srun() -> bool:
     return "SLURM_STEP_ID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
 
 
-def device_for(local_rank: int) -> torch.device:
-    """This process's device: ``cuda:local_rank`` where CUDA works, else the CPU.
+def other_accelerator() -> Optional[torch.device]:
+    """The accelerator ``torch.accelerator`` finds when it is not CUDA (XPU,
+    MPS, ...), as a device type without index; None where there is none or
+    the installed torch has no ``torch.accelerator``."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return None
+    found = accelerator.current_accelerator()
+    return None if found is None or found.type == "cuda" else torch.device(found.type)
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group backend for ``device``: torch's default for its type
+    (``dist.get_default_backend_for_device``: nccl for CUDA, xccl for XPU,
+    gloo for the CPU) where the installed torch has it, else nccl or gloo."""
+    if hasattr(dist, "get_default_backend_for_device"):
+        return dist.get_default_backend_for_device(device)
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def device_for(local_rank: int, one_process: bool = False) -> torch.device:
+    """This process's device: ``cuda:local_rank`` where CUDA works, else another
+    accelerator ``torch.accelerator`` finds (``xpu:local_rank``; ``mps`` for
+    one process, singlegpu.py: ``one_process``), else the CPU.
 
     Under srun (``started_by_srun``) a task that sees exactly one GPU takes
     ``cuda:0``: Slurm bound that GPU to it (``--gpus-per-task=1``); a task that
     sees all of the node's GPUs takes ``cuda:local_rank`` (SLURM_LOCALID).
     Raises ConfigError when CUDA works but ``local_rank`` has no GPU of its
     own on this node (more processes than visible GPUs), worded in the flags
-    of the launcher that started it.
+    of the launcher that started it, and for MPS outside one process.
     """
     if not cuda_available():
-        return torch.device("cpu")
+        other = other_accelerator()
+        if other is None:
+            return torch.device("cpu")
+        if other.type == "mps":  # one device, no collective backend
+            if not one_process:
+                raise ConfigError("this machine's accelerator is MPS, one device with no process group "
+                                  "backend: train on it with singlegpu.py")
+            return other
+        if local_rank >= torch.accelerator.device_count():
+            raise ConfigError(f"local rank {local_rank} needs {other.type} device {local_rank}, but this "
+                              f"node shows only {torch.accelerator.device_count()}; start at most that "
+                              f"many processes per node")
+        return torch.device(other.type, local_rank)
     visible = torch.cuda.device_count()
     srun = started_by_srun()
     if srun and visible == 1:

@@ -41,7 +41,6 @@ class EpochMeter:
         self.totals = torch.zeros(2, dtype=torch.float64, device=device)
         self.carried = carried
         self.steps_left = 0
-        self.lr = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.start = time.perf_counter()
@@ -55,7 +54,6 @@ class EpochMeter:
         a no-op outside the tests, and under a process group names the step
         for the collective time-out report (``note_phase``)."""
         steps = len(loader) - len(loader) % args.grad_accum_steps
-        self.lr = args.lr
         self.steps_left = steps
         self.start = time.perf_counter()
         distributed = is_distributed()
@@ -89,8 +87,8 @@ class EpochMeter:
     def summary(self) -> dict:
         """The epoch's record: epoch, total_epochs, train_loss (mean over every
         sample of the epoch), samples_per_s (samples trained since the epoch
-        (re)started / seconds), epoch_seconds, lr (--lr: no schedule), and
-        peak_gpu_memory_mib on CUDA.
+        (re)started / seconds), epoch_seconds, and peak_gpu_memory_mib on
+        CUDA (the scripts add the recipe's figures: ``Recipe.epoch_figures``).
         ``totals`` must already be the global sums. Raises ConfigError when the
         loss is not finite, before anything is saved."""
         new_samples = self.totals[1].item()  # waits for the device, so the time is honest
@@ -100,7 +98,7 @@ class EpochMeter:
         check_finite(loss_sum / samples, self.epoch)
         return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
                 "train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
-                "epoch_seconds": seconds, "lr": self.lr, **peak_memory_mib(self.device)}
+                "epoch_seconds": seconds, **peak_memory_mib(self.device)}
 
 
 def check_finite(loss: float, epoch: int) -> None:

@@ -49,6 +49,7 @@ def _tensorboard(record: dict, log_dir: str) -> None:
     writer = _writers[log_dir]
     names = {"train_loss": "loss/train", "val_loss": "loss/val", "val_accuracy": "accuracy/val",
              "test_loss": "loss/test", "test_accuracy": "accuracy/test", "lr": "lr",
+             "skipped_steps": "loss_scaler/skipped_steps",
              "samples_per_s": "speed/samples_per_s", "epoch_seconds": "speed/epoch_seconds",
              "peak_gpu_memory_mib": "memory/peak_gpu_mib"}
     for key, tag in names.items():
@@ -63,11 +64,14 @@ def log_metrics(record: dict, args: argparse.Namespace) -> None:
 
     Epoch records print as
       ``epoch 3/10 | train_loss 0.012345 | val_loss 0.012345 | val_acc 0.9512 |
-      samples/s 12345.6 | epoch_s 0.52 | peak_mem_mib 1234.5``  (val_acc only for
-    classification, peak_mem_mib only on CUDA); the final test record as
+      samples/s 12345.6 | epoch_s 0.52 | lr 0.05 | skipped_steps 0 |
+      peak_mem_mib 1234.5``  (val_acc only for classification, skipped_steps
+      only under fp16, peak_mem_mib only on CUDA); the final test record as
     ``test | loss 0.012345 | acc 0.9600``.
     Units: samples/s is global training samples per second over the training
-    part of the epoch; epoch_s is that part's wall-clock seconds; peak_mem_mib
+    part of the epoch; epoch_s is that part's wall-clock seconds; lr the
+    learning rate of the epoch's last optimizer step; skipped_steps
+    the optimizer steps the fp16 loss scaler skipped (inf/nan gradients); peak_mem_mib
     the epoch's peak GPU memory held by tensors, MiB, the maximum over ranks.
     Each JSON line also carries ``run`` (this run's id), ``time`` (Unix
     seconds) and ``resumed_from`` (the snapshot position a resumed run
@@ -81,6 +85,10 @@ def log_metrics(record: dict, args: argparse.Namespace) -> None:
         if record.get("val_accuracy") is not None:
             parts.append(f"val_acc {record['val_accuracy']:.4f}")
         parts += [f"samples/s {record['samples_per_s']:.1f}", f"epoch_s {record['epoch_seconds']:.2f}"]
+        if record.get("lr") is not None:
+            parts.append(f"lr {record['lr']:.6g}")
+        if record.get("skipped_steps") is not None:
+            parts.append(f"skipped_steps {record['skipped_steps']}")
         if record.get("peak_gpu_memory_mib") is not None:
             parts.append(f"peak_mem_mib {record['peak_gpu_memory_mib']:.1f}")
     else:

@@ -164,11 +164,3 @@ class Progress:
     def tag(self) -> str:
         """``position_tag`` of this progress: "epoch 2", "epoch 3 step 40"."""
         return position_tag(self.epochs_run, self.steps_run)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every parameter group's learning rate to ``lr``: after loading an
-    optimizer's state, so that a resumed run's --lr takes over from the
-    snapshot's (lowered after a divergence, say)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr

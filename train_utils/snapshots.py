@@ -19,10 +19,11 @@ from .testing import fault_point
 # A snapshot made with other values of these trained something else, or on
 # other data (the seed also draws the validation split): refuse it. Not
 # compared: what may change between runs of the same training, like paths
-# (a node-local --data_dir), --total_epochs, --lr (lowered after a
-# divergence), --num_workers, --compile and --amp.
+# (a node-local --data_dir), the schedule (--total_epochs, --lr lowered after
+# a divergence: see Recipe.resume), --num_workers, --compile and --amp.
+# Another --optimizer is refused: its state holds other buffers.
 SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "world_size", "batch_size",
-                       "grad_accum_steps")
+                       "grad_accum_steps", "optimizer")
 START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
 
 

@@ -1,4 +1,4 @@
-"""Speed switches: bf16 autocast (--amp), torch.compile (--compile), and
+"""Speed switches: bf16 or fp16 autocast (--amp), torch.compile (--compile), and
 the peak GPU memory figure.
 """
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -20,43 +21,69 @@ from .stop import STOP_SIGNALS
 AMP_HELPS_ON_CPU = ("cnn",)
 
 
-def check_amp(amp: bool, device: torch.device, model: str) -> None:
-    """Raise ConfigError for --amp on a CPU where bf16 autocast makes training slower.
+def _native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` runs bf16 natively: a CUDA GPU of compute capability
+    8.0 (Ampere) or newer, or a CPU with AVX512-BF16/AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
-    On CUDA, --amp is bf16 autocast (no loss scaling needed, unlike fp16),
-    refused on GPUs without native bf16 (before Ampere: T4, V100). On a CPU
-    it only helps with native bf16 instructions, and only for some models
-    (``AMP_HELPS_ON_CPU``, measured); elsewhere it would silently cost speed
-    and precision, so it is refused in one line.
+
+def amp_dtype(device: torch.device, amp: Optional[str]) -> Optional[torch.dtype]:
+    """The autocast dtype --amp asks for on ``device``: None without --amp;
+    ``bf16`` or ``fp16`` when forced; ``auto`` (plain --amp): bf16 where
+    ``device`` runs it natively, else fp16 on a GPU (with a loss scaler, see
+    ``Recipe``) and bf16 on a CPU (which ``check_amp`` then refuses)."""
+    if amp is None:
+        return None
+    if amp == "auto":
+        amp = "bf16" if device.type != "cuda" or _native_bf16(device) else "fp16"
+    return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+def check_amp(amp: Optional[str], device: torch.device, model: str) -> None:
+    """Raise ConfigError for an --amp that would make training slower.
+
+    On CUDA, plain --amp is bf16 autocast where the GPU has native bf16
+    (Ampere or newer) and fp16 with a loss scaler before (T4, V100);
+    ``--amp bf16`` forced on a GPU without native bf16 is refused (emulated,
+    slower). On a CPU plain --amp only helps with native bf16 instructions,
+    and only for some models (``AMP_HELPS_ON_CPU``, measured); elsewhere it
+    would silently cost speed and precision, so it is refused in one line.
+    A forced ``--amp bf16``/``--amp fp16`` runs on a CPU anyway (to try the
+    path before a GPU job).
     """
-    if not amp:
+    if amp is None or (device.type == "cpu" and amp != "auto"):
         return
     if device.type == "cuda":
-        if not torch.cuda.is_bf16_supported(including_emulation=False):
+        if amp == "bf16" and not _native_bf16(device):
             major, minor = torch.cuda.get_device_capability(device)
-            raise ConfigError(f"--amp: {torch.cuda.get_device_name(device)} (compute capability "
+            raise ConfigError(f"--amp bf16: {torch.cuda.get_device_name(device)} (compute capability "
                               f"{major}.{minor}) has no native bf16, which needs 8.0 (Ampere) or "
-                              f"newer; bf16 autocast would be emulated and slower. Run without --amp")
+                              f"newer; bf16 autocast would be emulated and slower. Use --amp "
+                              f"(fp16 with a loss scaler on this GPU)")
         return
     if model not in AMP_HELPS_ON_CPU:
         raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up --model {model} "
                           f"on a CPU (measured, see docs/performance.md); "
-                          f"--amp is for CUDA GPUs. Run without --amp")
-    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                          f"--amp is for GPUs (--amp bf16 or fp16 forces it). Run without --amp")
+    if not _native_bf16(device):
         raise ConfigError("--amp on a CPU: this CPU has no native bf16 instructions "
                           "(AVX512-BF16 or AMX), so bf16 autocast would be slower; "
-                          "--amp is for CUDA GPUs. Run without --amp")
+                          "--amp is for GPUs (--amp bf16 or fp16 forces it). Run without --amp")
 
 
-def autocast(device: torch.device, enabled: bool):
-    """bf16 autocast on ``device`` when ``enabled`` (the forward pass and the
-    loss; backward follows the forward's dtypes), else a context that does nothing.
+def autocast(device: torch.device, amp: Optional[str]):
+    """Autocast on ``device`` to ``amp_dtype(device, amp)`` (the forward pass
+    and the loss; backward follows the forward's dtypes), or, without --amp,
+    a context that does nothing.
 
     Reusable, one ``with`` after another (not nested): make it once, not per step.
     """
-    if not enabled:
+    dtype = amp_dtype(device, amp)
+    if dtype is None:
         return contextlib.nullcontext()  # cheaper than an autocast(enabled=False) per step
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def compile_model(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:

@@ -1,0 +1,314 @@
+"""The training recipe (train_utils/recipe.py): optimizer and weight decay by
+flag, learning-rate schedules with warm-up, gradient clipping over all ranks,
+fp16 with a loss scaler, the task's defaults, the CIFAR-stem ResNet, and a
+stopped run that resumes all of it bitwise."""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import common
+import train_utils
+import vision_tasks
+from dataset_files import build_cifar10_root
+from helpers import (REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, free_port,
+                     parse_test, run, script_trainer, signal_when)
+
+TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+
+
+def recipe_args(**flags) -> argparse.Namespace:
+    return argparse.Namespace(**{**common.RECIPE_DEFAULTS, "total_epochs": 4, "clip_grad_norm": None,
+                                 "amp": None, **flags})
+
+
+def lrs(scheduler_class, steps: int, **options) -> list:
+    """The learning rate of each of ``steps`` optimizer steps under one of torch's schedulers."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = scheduler_class(optimizer, **options)
+    found = []
+    for _ in range(steps):
+        found.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return found
+
+
+def test_schedules_give_the_learning_rates_of_torchs_own_schedulers():
+    """lr_factor against torch's CosineAnnealingLR (stepped per step), StepLR (per
+    epoch) and LinearLR (the warm-up): the same learning rate at every step."""
+    per_epoch, total = 5, 4 * 5
+    factor = train_utils.lr_factor(recipe_args(lr_schedule="cosine"), per_epoch)
+    assert [0.1 * factor(k) for k in range(total)] == pytest.approx(
+        lrs(torch.optim.lr_scheduler.CosineAnnealingLR, total, T_max=total), abs=1e-12)
+    factor = train_utils.lr_factor(recipe_args(lr_schedule="step", lr_step_epochs=2, lr_gamma=0.7), per_epoch)
+    by_epoch = lrs(torch.optim.lr_scheduler.StepLR, 4, step_size=2, gamma=0.7)
+    assert [0.1 * factor(k) for k in range(total)] == pytest.approx(
+        [lr for lr in by_epoch for _ in range(per_epoch)], abs=1e-12)
+    factor = train_utils.lr_factor(recipe_args(warmup_epochs=0.8), per_epoch)  # 4 steps of warm-up
+    assert [0.1 * factor(k) for k in range(8)] == pytest.approx(
+        lrs(torch.optim.lr_scheduler.LinearLR, 8, start_factor=0.25, total_iters=3), abs=1e-12)
+    factor = train_utils.lr_factor(recipe_args(lr_schedule="cosine", warmup_epochs=1), per_epoch)
+    assert factor(4) == 1.0 and factor(5) == 1.0 and 0 < factor(total - 1) < 0.02 and factor(total) == 0.0
+    with pytest.raises(train_utils.ConfigError, match="lr_schedule 'linear' .* is not one of"):
+        train_utils.lr_factor(recipe_args(lr_schedule="linear"), per_epoch)
+
+
+def test_optimizer_and_weight_decay_by_flag():
+    model = torch.nn.Linear(3, 1)
+    for name, cls in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW),
+                      ("adadelta", torch.optim.Adadelta)):
+        optimizer = train_utils.build_optimizer(model, recipe_args(optimizer=name, lr=0.3, weight_decay=0.01))
+        assert type(optimizer) is cls
+        assert optimizer.param_groups[0]["lr"] == 0.3 and optimizer.param_groups[0]["weight_decay"] == 0.01
+    with pytest.raises(train_utils.ConfigError, match="optimizer 'lamb' .* is not one of sgd, adamw, adadelta"):
+        train_utils.build_optimizer(model, recipe_args(optimizer="lamb"))
+
+
+def test_the_task_gives_the_recipe_defaults_and_the_command_line_overrides_them(tmp_path, monkeypatch):
+    (tmp_path / "recipe_task.py").write_text(
+        "import common\n"
+        "def task(args, download):\n"
+        "    t = common.synthetic_task(args, download)\n"
+        "    t.recipe = {'optimizer': 'adamw', 'lr': 0.003, 'weight_decay': 0.1}\n"
+        "    return t\n"
+        "def bad(args, download):\n"
+        "    t = common.synthetic_task(args, download)\n"
+        "    t.recipe = {'learning_rate': 0.1}\n"
+        "    return t\n")
+    monkeypatch.chdir(tmp_path)
+    flags = dict(dataset="recipe_task:task", data_dir="data", input_path="fast", seed=0, model=None,
+                 **{name: None for name in common.RECIPE_DEFAULTS})
+    args = argparse.Namespace(**dict(flags, lr=0.01))
+    common.load_task(args, download=False)
+    assert (args.optimizer, args.lr, args.weight_decay, args.lr_schedule) == ("adamw", 0.01, 0.1, "constant")
+    assert vision_tasks.CIFAR10_RECIPE["weight_decay"] == 5e-4  # the CIFAR-10 usual, set by the task
+    with pytest.raises(train_utils.ConfigError, match="Task.recipe sets learning_rate, which is no recipe flag"):
+        common.load_task(argparse.Namespace(**dict(flags, dataset="recipe_task:bad")), download=False)
+
+
+def test_epoch_line_metrics_and_tensorboard_show_the_learning_rate(tmp_path):
+    """Step decay x0.5 per epoch: the epoch line, the JSON record and TensorBoard's
+    "lr" scalar give each epoch's learning rate."""
+    result = check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "3", "--lr", "0.08",
+                        "--lr_schedule", "step", "--lr_gamma", "0.5", "--metrics_path", "m.jsonl",
+                        "--tensorboard_dir", "tb"], tmp_path))
+    assert [e["lr"] for e in epochs(result.stdout)] == [0.08, 0.04, 0.02]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records if "epoch" in r] == [0.08, 0.04, 0.02]
+    assert records[0]["config"]["lr_schedule"] == "step"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("lr")] == [(1, 0.08), (2, 0.04), (3, 0.02)]
+
+
+# --------------------------------------------------------------------------
+# Resume: the schedule and the loss scale go on exactly; changes are said
+# --------------------------------------------------------------------------
+
+COSINE = ["--batch_size", "16", "--lr_schedule", "cosine", "--warmup_epochs", "0.5"]
+
+
+def test_a_resume_says_what_a_new_horizon_or_lr_changes_and_refuses_another_optimizer(tmp_path):
+    check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "2"], tmp_path))
+    before = (tmp_path / "snapshot.pt").read_bytes()
+    refused = run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--optimizer", "adamw"], tmp_path)
+    assert refused.returncode != 0
+    assert set(error_lines(refused.stderr)) == {
+        "error: snapshot snapshot.pt comes from a different run (optimizer sgd -> adamw); resume with "
+        "its settings, or delete it or pass another --snapshot_path to start afresh"}
+    assert (tmp_path / "snapshot.pt").read_bytes() == before
+
+    resumed = check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--lr", "0.02"], tmp_path))
+    # 1844 samples, 2 ranks of batch 16: 57 steps per epoch, 28 of warm-up, 171 in all
+    factor = train_utils.lr_factor(recipe_args(lr_schedule="cosine", warmup_epochs=0.5, total_epochs=3), 57)
+    assert ("recipe changed at resume (lr 0.05 -> 0.02, total_epochs 2 -> 3): the cosine schedule now "
+            f"runs to epoch 3; the next step's learning rate is {0.02 * factor(114):.6g}") in resumed.stdout
+    assert resumed.stdout.count("recipe changed") == 1  # rank 0 says it
+    assert epochs(resumed.stdout)[0]["lr"] == pytest.approx(0.02 * factor(170), rel=1e-5)
+
+
+def test_fp16_with_clipping_stopped_by_sigterm_resumes_bitwise(tmp_path):
+    """Forced fp16 on the CPU: GradScaler scales the loss, unscales before clipping,
+    skips the steps whose gradients overflow (the epoch line counts them); SIGTERM
+    mid-run, the same command resumes the schedule and the loss scale, and ends
+    bitwise equal to an uninterrupted run (2 ranks, 2 micro-batches per step)."""
+    flags = ["--total_epochs", "6", "--batch_size", "8", "--grad_accum_steps", "2", "--amp", "fp16",
+             "--lr_schedule", "step", "--lr_gamma", "0.8", "--warmup_epochs", "0.5", "--clip_grad_norm", "1"]
+    interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
+    interrupted.mkdir()
+    reference.mkdir()
+    straight = check(run(TORCHRUN_2 + flags, reference))
+    lines = epochs(straight.stdout)
+    assert lines[0]["skipped_steps"] >= 1  # GradScaler's first scale, 65536, overflows fp16
+    assert sum(e["skipped_steps"] for e in lines[1:]) < lines[0]["skipped_steps"] + 5
+    text = signal_when(TORCHRUN_2 + flags, interrupted, "epoch 2/6", signal.SIGTERM)
+    assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
+    resumed = check(run(TORCHRUN_2 + flags, interrupted))
+    assert "resuming from snapshot snapshot.pt in epoch" in resumed.stdout
+    snapshot = torch.load(interrupted / "snapshot.pt", weights_only=True)
+    assert snapshot["loss_scaler"]["scale"] < 65536.0 and snapshot["lr_schedule"]["last_epoch"] > 0
+    assert_same_snapshot(interrupted / "snapshot.pt", reference / "snapshot.pt")
+    assert parse_test(resumed.stdout) == parse_test(straight.stdout)
+
+
+@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+                    reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
+def test_fsdp_recipe_killed_and_restarted_ends_bitwise(tmp_path):
+    """The FSDP rung: AdamW, cosine with warm-up, clipping of sharded (DTensor)
+    gradients, fp16 with the loss scaler, 2 micro-batches per step; a rank
+    SIGKILLed mid-epoch, torchrun restarts all, the sharded snapshot resumes the
+    schedule and the scale: the final shards are bitwise the uninterrupted run's."""
+    from test_fsdp import assert_bitwise, fsdp, full_state, snapshot_folder
+
+    flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "40",
+             "--optimizer", "adamw", "--lr", "0.01", "--weight_decay", "0.05", "--lr_schedule", "cosine",
+             "--warmup_epochs", "0.5", "--clip_grad_norm", "0.5", "--amp", "fp16"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    check(run(fsdp(2, *flags), tmp_path / "a"))
+    killed = check(run(fsdp(2, *flags, restarts=1), tmp_path / "b", DDP_TEST_FAULT="step:1:150:kill"))
+    # 115 micro-batches per epoch; killed at the 150th, the restart goes back to the last snapshot
+    assert "resuming from snapshot snapshot.pt/epoch-1-step-80 in epoch 1 after step 80" in killed.stdout
+    assert epochs(killed.stdout)[0] == {**epochs(killed.stdout)[1], "epoch_s": epochs(killed.stdout)[0]["epoch_s"],
+                                        "samples_per_s": epochs(killed.stdout)[0]["samples_per_s"]}
+    straight = full_state(snapshot_folder(tmp_path / "a" / "snapshot.pt"), tmp_path / "ga")[1]
+    restarted = full_state(snapshot_folder(tmp_path / "b" / "snapshot.pt"), tmp_path / "gb")[1]
+    assert "optimizer.0.weight.exp_avg_sq" in straight and straight["loss_scaler.scale"] < 65536.0
+    assert_bitwise(straight, restarted)
+
+
+# --------------------------------------------------------------------------
+# Clipping: the total norm over every rank's gradients
+# --------------------------------------------------------------------------
+
+MAX_NORM = 0.05
+
+
+def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    import multigpu_torchrun
+    import multinode_fsdp
+
+    x, y = torch.load(os.path.join(out, "batch.pt"))
+    mine = slice(rank * 8, rank * 8 + 8)  # each rank its half of the global batch of 16
+    # DDP, as multigpu_torchrun's Trainer runs it: 2 micro-batches of 4, then one clipped step.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    trainer = script_trainer(multigpu_torchrun, model, torch.optim.SGD(model.parameters(), lr=1.0),
+                             F.mse_loss, out, rank, grad_accum_steps=2, clip_grad_norm=MAX_NORM)
+    for step, part in enumerate((slice(mine.start, mine.start + 4), slice(mine.start + 4, mine.stop))):
+        trainer._run_batch(x[part], y[part], step)
+    ddp = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
+    # FSDP: the same model sharded, the same half batch, one step through the Recipe.
+    torch.manual_seed(0)
+    model = multinode_fsdp.shard_model(
+        torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
+        torch.device("cpu"), dtype=None)
+    recipe = train_utils.Recipe(torch.optim.SGD(model.parameters(), lr=1.0),
+                                recipe_args(lr=1.0, clip_grad_norm=MAX_NORM), 1, torch.device("cpu"))
+    recipe.backward(F.mse_loss(model(x[mine]), y[mine]))
+    recipe.step()
+    fsdp = {name: p.full_tensor() for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"ddp": ddp, "fsdp": fsdp}, os.path.join(out, "result.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_clip_grad_norm_clips_the_global_norm_under_ddp_accumulation_and_fsdp(tmp_path):
+    """One SGD step (lr 1) clipped to norm 0.05, from the same weights and the same
+    global batch of 16: one process with torch's clip_grad_norm_, two DDP ranks
+    with 2 micro-batches each, two FSDP ranks holding half of each gradient. The
+    weights after the step agree (summation order aside): each clipped the norm
+    of the whole gradient, not of its rank's part."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g) * 5
+    torch.save((x, y), tmp_path / "batch.pt")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    F.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    assert norm > 10 * MAX_NORM  # the clipping matters
+    expected = {name: start[name] - p.grad for name, p in model.named_parameters()}
+    mp.spawn(_clip_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    result = torch.load(tmp_path / "result.pt")
+    for kind in ("ddp", "fsdp"):
+        for name, value in expected.items():
+            torch.testing.assert_close(result[kind][name], value, rtol=1e-5, atol=1e-6, msg=f"{kind} {name}")
+
+
+# --------------------------------------------------------------------------
+# The CIFAR-10 ResNet
+# --------------------------------------------------------------------------
+
+def test_cifar_resnets_have_the_cifar_stem_and_the_published_parameter_counts():
+    """11,173,962 and 23,520,842 parameters: kuangliu/pytorch-cifar's ResNet18 and
+    ResNet50; the 3x3 stride-1 stem keeps 32x32 into the first block. torchvision's
+    ImageNet stem stays available by name."""
+    counts = {name: sum(p.numel() for p in vision_tasks.build_model("cifar10", name).parameters())
+              for name in vision_tasks.CIFAR10_MODELS}
+    assert counts == {"resnet18": 11_173_962, "resnet50": 23_520_842,
+                      "resnet18_imagenet": 11_181_642, "resnet50_imagenet": 23_528_522}
+    model = vision_tasks.build_model("cifar10", "resnet18")
+    seen = {}
+    model.layer1.register_forward_hook(lambda module, inputs, output: seen.update(shape=output.shape))
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert seen["shape"] == (2, 64, 32, 32)  # the ImageNet stem gives 8x8 here
+    imagenet = vision_tasks.build_model("cifar10", "resnet18_imagenet")
+    imagenet.layer1.register_forward_hook(lambda module, inputs, output: seen.update(shape=output.shape))
+    imagenet(torch.randn(2, 3, 32, 32))
+    assert seen["shape"] == (2, 64, 8, 8)
+
+
+def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
+    """The cifar10 defaults (ResNet-18 with the CIFAR stem, SGD 0.1, weight decay
+    5e-4, cosine) on CIFAR-shaped synthetic images in the real file format: the
+    training loss falls, the run resumes from its snapshot and continues."""
+    data = build_cifar10_root(tmp_path / "data", per_batch=32, n_test=20)
+    launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py", REPO / "multigpu_torchrun.py"]
+    flags = ["--dataset", "cifar10", "--data_dir", data, "--batch_size", "16", "--lr", "0.02"]
+    first = check(run(launch + flags + ["--total_epochs", "2"], tmp_path))
+    assert "device cpu" in first.stdout
+    lines = epochs(first.stdout)
+    assert lines[1]["train_loss"] < lines[0]["train_loss"]
+    config = torch.load(tmp_path / "snapshot.pt", weights_only=True)["config"]
+    assert (config["model"], config["optimizer"], config["weight_decay"], config["lr_schedule"]) == \
+        ("resnet18", "sgd", 5e-4, "cosine")
+    second = check(run(launch + flags + ["--total_epochs", "3"], tmp_path))
+    assert "resuming from snapshot snapshot.pt after epoch 2" in second.stdout
+    assert "recipe changed at resume (total_epochs 2 -> 3)" in second.stdout
+
+
+# --------------------------------------------------------------------------
+# Any accelerator
+# --------------------------------------------------------------------------
+
+def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
+    """Here: the CPU and gloo. An XPU (faked: none on these machines) gives
+    xpu:LOCAL_RANK, MPS one device for singlegpu.py only, refused in one line
+    for the process-group rungs."""
+    assert train_utils.device_for(0) == torch.device("cpu")
+    assert train_utils.backend_for(torch.device("cpu")) == "gloo"
+    if not hasattr(torch, "accelerator"):
+        pytest.skip(f"torch {torch.__version__} has no torch.accelerator")
+    monkeypatch.setattr(train_utils.devices, "cuda_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("xpu"))
+    assert train_utils.device_for(1) == torch.device("xpu", 1)
+    with pytest.raises(train_utils.ConfigError, match="local rank 2 needs xpu device 2"):
+        train_utils.device_for(2)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("mps"))
+    assert train_utils.device_for(0, one_process=True) == torch.device("mps")
+    with pytest.raises(train_utils.ConfigError, match="MPS, one device with no process group backend"):
+        train_utils.device_for(0)

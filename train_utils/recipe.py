@@ -1,0 +1,206 @@
+"""The training recipe: optimizer and weight decay (--optimizer, --weight_decay),
+the learning-rate schedule with warm-up (--lr_schedule, --warmup_epochs), the
+loss scaler for fp16 (--amp fp16) and gradient clipping (--clip_grad_norm).
+
+The scripts make one ``Recipe`` and call ``backward`` and ``step`` where a
+plain loop calls ``loss.backward()`` and ``optimizer.step()``; its
+``state_dict`` goes into every snapshot, so a resumed run continues the
+schedule and the loss scale exactly where the stopped one left them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from common import ConfigError
+
+from .output import is_distributed, print_line
+from .speed import amp_dtype
+
+# --optimizer: name -> (class, keyword arguments besides lr and weight_decay).
+# SGD's momentum 0.9 is the usual one for image classification (He et al. 2016);
+# AdamW and Adadelta keep torch's defaults. Add your own here.
+OPTIMIZERS: dict[str, tuple[type, dict]] = {
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {}),
+    "adadelta": (torch.optim.Adadelta, {}),
+}
+LR_SCHEDULES = ("constant", "cosine", "step")
+# What a resumed run may change in the recipe; the resume line says what it did.
+RECIPE_FLAGS = ("lr", "total_epochs", "lr_schedule", "warmup_epochs", "lr_step_epochs", "lr_gamma",
+                "weight_decay", "clip_grad_norm")
+
+
+def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The optimizer --optimizer names (``OPTIMIZERS``), over all of ``model``'s
+    parameters, at --lr with --weight_decay (decoupled for AdamW, added to the
+    gradient for SGD and Adadelta, as torch defines them). Build it after the
+    parameters are final (the FSDP rung: after ``fully_shard``). Raises
+    ConfigError for an optimizer name not in ``OPTIMIZERS``."""
+    if args.optimizer not in OPTIMIZERS:  # a task's default; the command line is checked already
+        raise ConfigError(f"optimizer {args.optimizer!r} (the task's recipe) is not one of "
+                          f"{', '.join(OPTIMIZERS)}; pass --optimizer, or add it to OPTIMIZERS "
+                          f"in train_utils/recipe.py")
+    optimizer_class, options = OPTIMIZERS[args.optimizer]
+    return optimizer_class(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **options)
+
+
+def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int], float]:
+    """The schedule as a function: optimizer step k (0-based) -> the factor of
+    --lr it uses.
+
+    Warm-up: linear from 1/W to 1 over the first W = round(--warmup_epochs x
+    steps_per_epoch) steps (the gradual warm-up of Goyal et al. 2017, "Accurate,
+    Large Minibatch SGD"). Then ``constant`` 1; ``cosine`` from 1 to 0 over
+    the steps left until --total_epochs end (Loshchilov & Hutter 2017, SGDR,
+    without restarts); ``step`` --lr_gamma ** (epoch // --lr_step_epochs), the
+    epoch being k // steps_per_epoch (torch's StepLR stepped once per epoch).
+    The factor of step decay multiplies the warm-up's; cosine starts after it.
+    Raises ConfigError for a schedule name not in ``LR_SCHEDULES``.
+    """
+    if args.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"lr_schedule {args.lr_schedule!r} (the task's recipe) is not one of "
+                          f"{', '.join(LR_SCHEDULES)}; pass --lr_schedule")
+    warmup = round(args.warmup_epochs * steps_per_epoch)
+    total = args.total_epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        ramp = (step + 1) / warmup if step < warmup else 1.0
+        if args.lr_schedule == "cosine":
+            progress = max(0, step - warmup) / max(1, total - warmup)
+            return ramp * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        if args.lr_schedule == "step":
+            return ramp * args.lr_gamma ** (step // steps_per_epoch // args.lr_step_epochs)
+        return ramp
+
+    return factor  # a function, not an object: LambdaLR then saves none of its settings
+
+
+def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` so that their total L2 norm, over
+    all ranks, is at most ``max_norm``; return that norm before clipping
+    (0-dim float32 tensor).
+
+    Under DDP every rank holds the same all-reduced gradients, so the local
+    norm is the global one. Under FSDP each rank holds a shard of each gradient
+    (a DTensor): the norm of DTensors is reduced over the mesh (``full_tensor``)
+    before any gradient is scaled. The same arithmetic as
+    ``torch.nn.utils.clip_grad_norm_``, which it calls in two halves, as
+    torchtitan's ``clip_grad_norm_`` does.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
+
+
+class Recipe:
+    """One optimizer step's arithmetic: the loss scaler (fp16), gradient
+    clipping, the optimizer and its learning-rate schedule.
+
+    ``optimizer`` from ``build_optimizer``; ``args`` the run's flags (--lr,
+    --total_epochs, --lr_schedule, --warmup_epochs, --lr_step_epochs,
+    --lr_gamma, --clip_grad_norm, --amp); ``steps_per_epoch`` optimizer steps
+    in one epoch (micro-batches // --grad_accum_steps); ``device`` where the
+    model runs. The schedule is torch's LambdaLR over ``lr_factor``, stepped
+    after every optimizer step; the loss scaler is torch's GradScaler, on for
+    fp16 autocast only (bf16 has fp32's range and needs none).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+                 steps_per_epoch: int, device: torch.device) -> None:
+        self.optimizer, self.args, self.steps_per_epoch = optimizer, args, steps_per_epoch
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args, steps_per_epoch))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, args.amp) == torch.float16)
+        self.skipped_steps = 0  # this epoch's steps the scaler skipped (inf/nan gradients)
+        self.last_lr = self.lr  # the learning rate of the last optimizer step
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses (the first group's)."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, of the loss times the loss scale under fp16."""
+        self.scaler.scale(loss).backward()
+
+    def step(self) -> None:
+        """One optimizer step on the accumulated gradients: unscale them (fp16),
+        clip their total norm (--clip_grad_norm), step the optimizer (skipped
+        when a gradient is inf/nan under fp16, the scale then halved, as
+        GradScaler does), then move the schedule to the next step."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)  # before clipping: clip the true gradients
+            scale = self.scaler.get_scale()
+        if self.args.clip_grad_norm:
+            clip_grad_norm([p for group in self.optimizer.param_groups for p in group["params"]],
+                           self.args.clip_grad_norm)
+        self.last_lr = self.lr
+        self.scaler.step(self.optimizer)  # without fp16: optimizer.step()
+        if not self.scaler.is_enabled():
+            self.schedule.step()
+            return
+        self.scaler.update()
+        skipped = self.scaler.get_scale() < scale  # the scale drops only on a skip
+        self.skipped_steps += skipped
+        with warnings.catch_warnings():  # a skipped step is still a step of the schedule
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
+            self.schedule.step()
+
+    def epoch_figures(self) -> dict:
+        """For the epoch's record: {"lr": the learning rate of the epoch's last
+        optimizer step}, plus
+        "skipped_steps" (the epoch's steps skipped on inf/nan gradients) under
+        fp16; the count starts again at zero."""
+        figures = {"lr": self.last_lr}
+        if self.scaler.is_enabled():
+            figures["skipped_steps"], self.skipped_steps = self.skipped_steps, 0
+        return figures
+
+    def state_dict(self) -> dict:
+        """{"lr_schedule": LambdaLR's state (its step count and base lr),
+        "loss_scaler": GradScaler's (scale, growth tracker) and the epoch's
+        skipped steps so far, None without fp16}: plain numbers, which
+        snapshots save beside the optimizer's state."""
+        scaler = dict(self.scaler.state_dict(), skipped_steps=self.skipped_steps) if self.scaler.is_enabled() else None
+        return {"lr_schedule": self.schedule.state_dict(), "loss_scaler": scaler}
+
+    def resume(self, snapshot: dict) -> None:
+        """After the optimizer's state is loaded: continue the snapshot's schedule
+        and loss scale (its "lr_schedule" and "loss_scaler").
+
+        Every group's learning rate becomes --lr x the schedule's factor at
+        the step reached (the very number LambdaLR gives an unstopped run) and
+        its weight decay --weight_decay, so flags of ``RECIPE_FLAGS`` that
+        differ from the snapshot's config take over from the next step (a new
+        --lr, a longer --total_epochs, another schedule); rank 0 then prints
+        one line saying what changed and the learning rate the next step uses.
+        """
+        config = snapshot["config"]
+        if snapshot.get("lr_schedule"):
+            self.schedule.load_state_dict(snapshot["lr_schedule"])
+        if snapshot.get("loss_scaler") and self.scaler.is_enabled():
+            scaler = dict(snapshot["loss_scaler"])
+            self.skipped_steps = scaler.pop("skipped_steps")
+            self.scaler.load_state_dict(scaler)
+        self.schedule.base_lrs = [self.args.lr for _ in self.optimizer.param_groups]
+        factor, step = self.schedule.lr_lambdas[0], self.schedule.last_epoch
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.args.lr * factor(step)
+            group["weight_decay"] = self.args.weight_decay  # loading the optimizer set the saved one
+        changed = [f"{name} {config.get(name)} -> {getattr(self.args, name)}" for name in RECIPE_FLAGS
+                   if config.get(name) != getattr(self.args, name)]
+        if changed and (not is_distributed() or dist.get_rank() == 0):
+            print_line(f"recipe changed at resume ({', '.join(changed)}): the {self.args.lr_schedule} "
+                       f"schedule now runs to epoch {self.args.total_epochs}; the next step's "
+                       f"learning rate is {self.lr:.6g}")
