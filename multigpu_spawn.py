@@ -195,12 +195,12 @@ def main(rank: int, world_size: int, args) -> None:
     # Rank 0 downloads while the others wait, so no two write the same files.
     task, optimizer = load_train_objs(args, download=rank == 0)
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
-    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     train_utils.check_before_training(args, device, train_data, args.checkpoint_path, saves=rank == 0)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
+    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, args)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)

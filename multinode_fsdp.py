@@ -298,13 +298,13 @@ def main(args) -> None:
     # Then each rank its own random stream, or all would draw the same dropout masks.
     torch.manual_seed(args.seed + rank)
     train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
-    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
     train_utils.check_before_training(args, device, train_data,  # every rank writes its shards there
                                       os.path.join(args.snapshot_path, "meta.pt"), saves=True)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
+    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, args)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)

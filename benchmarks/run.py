@@ -281,7 +281,7 @@ def section_overhead(reps: int = 30) -> dict:
 # --------------------------------------------------------------------------
 
 AMP_CASES = [("synthetic", "mlp", (32, 20), 300), ("mnist", "cnn", (64, 1, 28, 28), 10),
-             ("cifar10", "resnet18", (64, 3, 32, 32), 2)]
+             ("cifar10", "resnet18_imagenet", (64, 3, 32, 32), 2)]
 
 
 def section_amp_cpu(reps: int = 3) -> dict:

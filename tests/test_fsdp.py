@@ -307,7 +307,8 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     device = torch.device("cpu")
     task, optimizer = multinode_fsdp.load_train_objs(args, False, device)
     train_data = multinode_fsdp.prepare_dataloader(task.train_set, 32, 0, True, 0)
-    trainer = multinode_fsdp.Trainer(task.model, train_data, None, optimizer, task, device, rank,
+    recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
+    trainer = multinode_fsdp.Trainer(task.model, train_data, None, recipe, task, device, rank,
                                      rank, args)
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,

@@ -312,3 +312,47 @@ def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     assert train_utils.device_for(0, one_process=True) == torch.device("mps")
     with pytest.raises(train_utils.ConfigError, match="MPS, one device with no process group backend"):
         train_utils.device_for(0)
+
+
+# --------------------------------------------------------------------------
+# The tutorials' recipes, as docs/recipes.md gives them
+# --------------------------------------------------------------------------
+
+def documented_cifar10_commands() -> list:
+    """The python/torchrun command lines of docs/recipes.md's ```bash blocks that
+    train --dataset cifar10 (the sbatch lines pass the same flags to the wrappers)."""
+    import re
+
+    from test_docs import commands
+
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "docs" / "recipes.md").read_text(), re.S)
+    return [command for block in blocks for command in commands(block)
+            if "--dataset cifar10" in command and command.split()[0] in ("python", "torchrun")]
+
+
+def test_the_seed_recipes_for_cifar10_run_as_documented(tmp_path):
+    """Each documented CIFAR-10 command, as written but for one epoch, on CIFAR-10
+    files in the real format (synthetic images; torchvision's md5 check of the
+    official archive patched out for the processes of this test only)."""
+    import shutil
+
+    found = documented_cifar10_commands()
+    assert [c.split()[0] for c in found] == ["python", "torchrun"], found  # tutorials 000 and 003
+    data = build_cifar10_root(tmp_path / "data", per_batch=64, n_test=20)  # 288 to train: 1 step of 128 per rank
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(
+        "import os\nimport torchvision.datasets.cifar as cifar\n"
+        "cifar.check_integrity = lambda fpath, md5=None: os.path.isfile(fpath)\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    for script in REPO.glob("*.py"):
+        shutil.copy(script, work)
+    shutil.copytree(REPO / "train_utils", work / "train_utils", ignore=shutil.ignore_patterns("__pycache__"))
+    launcher = {"python": [sys.executable], "torchrun": TORCHRUN}
+    for command in found:
+        words = command.split()
+        words[words.index("--total_epochs") + 1] = "1"
+        result = check(run(launcher[words[0]] + words[1:], work, DATA_DIR=str(data), PYTHONPATH=str(patch),
+                           MASTER_PORT=str(free_port())))
+        assert len(epochs(result.stdout)) == 1 and "test | loss" in result.stdout, command

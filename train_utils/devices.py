@@ -29,10 +29,10 @@ def other_accelerator() -> Optional[torch.device]:
     MPS, ...), as a device type without index; None where there is none or
     the installed torch has no ``torch.accelerator``."""
     accelerator = getattr(torch, "accelerator", None)
-    if accelerator is None or not accelerator.is_available():
+    found = accelerator.current_accelerator() if accelerator else None  # what torch was built for
+    if found is None or found.type == "cuda" or not accelerator.is_available():  # CUDA: cuda_available
         return None
-    found = accelerator.current_accelerator()
-    return None if found is None or found.type == "cuda" else torch.device(found.type)
+    return torch.device(found.type)
 
 
 def backend_for(device: torch.device) -> str:

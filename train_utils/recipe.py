@@ -159,9 +159,8 @@ class Recipe:
 
     def epoch_figures(self) -> dict:
         """For the epoch's record: {"lr": the learning rate of the epoch's last
-        optimizer step}, plus
-        "skipped_steps" (the epoch's steps skipped on inf/nan gradients) under
-        fp16; the count starts again at zero."""
+        optimizer step}, plus "skipped_steps" (the epoch's steps skipped on
+        inf/nan gradients) under fp16, whose count then starts again at zero."""
         figures = {"lr": self.last_lr}
         if self.scaler.is_enabled():
             figures["skipped_steps"], self.skipped_steps = self.skipped_steps, 0
