@@ -85,6 +85,7 @@ def cifar_resnet(name: str) -> nn.Module:
     results (kuangliu/pytorch-cifar) is one 3x3 stride-1 convolution and no
     max-pool, so the blocks see 32x32. Parameters: 11,173,962 (resnet18) and
     23,520,842 (resnet50), those of kuangliu's ResNet18 and ResNet50.
+    Raises AttributeError for a name torchvision.models does not have.
     """
     import torchvision
 

@@ -322,11 +322,13 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
 def test_resume_with_another_world_size(tmp_path, monkeypatch):
     """A world-size-2 snapshot resumed by 3 processes: each rank loads its new shard
     (DCP reshards), and gathered again the weights and momentum buffers are bitwise
-    the saved ones; training goes on at world size 3. A snapshot taken inside an
-    epoch is refused at another world size (the ranks' shares of that epoch would
-    change)."""
+    the saved ones; training goes on at world size 3, its step schedule at epoch 2
+    (x0.5 once), though an epoch now has 19 optimizer steps, not 57. A snapshot
+    taken inside an epoch is refused at another world size (the ranks' shares of
+    that epoch would change)."""
     (tmp_path / "two").mkdir()
-    first = check(run(fsdp(2, "--total_epochs", 1), tmp_path / "two"))
+    halving = ["--lr_schedule", "step", "--lr_gamma", "0.5"]
+    first = check(run(fsdp(2, "--total_epochs", 1, *halving), tmp_path / "two"))
     shutil.copytree(tmp_path / "two", tmp_path / "three")
     saved = snapshot_folder(tmp_path / "two" / "snapshot.pt")
     weights, tensors = full_state(saved, tmp_path / "gathered")
@@ -342,11 +344,12 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
                    {f"optimizer.{k}": v["momentum_buffer"] for k, v in loaded["optimizer"]["state"].items()})
 
     # End to end: 3 ranks resume and train epoch 2 on.
-    more = check(run(fsdp(3, "--total_epochs", 2), tmp_path / "three"))
+    more = check(run(fsdp(3, "--total_epochs", 2, *halving), tmp_path / "three"))
     assert ("resuming from snapshot snapshot.pt/epoch-1 after epoch 1 (saved by world_size 2, "
             "resharded to 3: weights and optimizer state exact; random streams restored on "
             "ranks < 2 only)") in more.stdout
     assert [e["epoch"] for e in epochs(more.stdout)] == [2]
+    assert epochs(first.stdout)[0]["lr"] == 0.05 and epochs(more.stdout)[0]["lr"] == 0.025
     assert epochs(more.stdout)[0]["train_loss"] < epochs(first.stdout)[0]["train_loss"]
     assert sorted(os.listdir(tmp_path / "three" / "snapshot.pt")) == ["epoch-2"]
 

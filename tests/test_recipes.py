@@ -94,6 +94,18 @@ def test_the_task_gives_the_recipe_defaults_and_the_command_line_overrides_them(
         common.load_task(argparse.Namespace(**dict(flags, dataset="recipe_task:bad")), download=False)
 
 
+def test_a_snapshot_from_before_the_optimizer_flag_is_sgds(tmp_path):
+    """Snapshots written before --optimizer existed hold no "optimizer" in their
+    config: they trained SGD, so SGD resumes them and another is refused by name."""
+    path = tmp_path / "old.pt"
+    config = {"dataset": "synthetic", "model": "mlp", "seed": 0, "input_path": "fast", "world_size": 2,
+              "batch_size": 32, "grad_accum_steps": 1}
+    torch.save({"config": config, "epochs_run": 1, "steps_run": 0}, path)
+    assert train_utils.read_snapshot(str(path), dict(config, optimizer="sgd", total_epochs=2))["epochs_run"] == 1
+    with pytest.raises(train_utils.ConfigError, match=r"different run \(optimizer sgd -> adamw\)"):
+        train_utils.read_snapshot(str(path), dict(config, optimizer="adamw", total_epochs=2))
+
+
 def test_epoch_line_metrics_and_tensorboard_show_the_learning_rate(tmp_path):
     """Step decay x0.5 per epoch: the epoch line, the JSON record and TensorBoard's
     "lr" scalar give each epoch's learning rate."""
@@ -147,6 +159,7 @@ def test_fp16_with_clipping_stopped_by_sigterm_resumes_bitwise(tmp_path):
     interrupted.mkdir()
     reference.mkdir()
     straight = check(run(TORCHRUN_2 + flags, reference))
+    assert "| amp fp16 with a loss scaler" in straight.stdout.splitlines()[0]  # the start-up line
     lines = epochs(straight.stdout)
     assert lines[0]["skipped_steps"] >= 1  # GradScaler's first scale, 65536, overflows fp16
     assert sum(e["skipped_steps"] for e in lines[1:]) < lines[0]["skipped_steps"] + 5

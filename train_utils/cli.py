@@ -33,8 +33,8 @@ def non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a float, got {text!r}")
-    if not value >= 0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < float("inf"):  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0 and finite, got {text}")
     return value
 
 
@@ -146,7 +146,7 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
     add("--weight_decay", type=non_negative_float, default=None,
         help="weight decay (default: the task's; synthetic 0)")
     add("--lr_schedule", choices=LR_SCHEDULES, default=None,
-        help="learning rate over the run: constant, cosine (to 0 at the last step) or step "
+        help="learning rate over the run: constant, cosine (down to 0 one step after the last) or step "
              "(x --lr_gamma every --lr_step_epochs) (default: the task's; synthetic constant)")
     add("--warmup_epochs", type=non_negative_float, default=None,
         help="linear warm-up over this many (fractional) epochs of steps (default: the task's; 0)")

@@ -197,7 +197,8 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     """The start-up line: what runs where, and the global batch size.
 
     E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
-    batch_size 32 x grad_accum_steps 1 x world_size 2``; preceded by a
+    batch_size 32 x grad_accum_steps 1 x world_size 2``, then ``| amp bf16``
+    or ``| amp fp16 with a loss scaler`` under --amp; preceded by a
     ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``),
     and one when torch is older than ``OLDEST_TORCH``.
     """
@@ -207,6 +208,11 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
             f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
             f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
+    from .speed import amp_dtype  # imported here: speed -> stop -> launch imports this module
+
+    dtype = amp_dtype(device, getattr(args, "amp", None))
+    if dtype is not None:  # what plain --amp chose on this device
+        line += " | amp bf16" if dtype == torch.bfloat16 else " | amp fp16 with a loss scaler"
     reason = unusable_gpu_reason() if device.type == "cpu" else None
     if reason:
         line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "

@@ -92,9 +92,10 @@ def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
     Under DDP every rank holds the same all-reduced gradients, so the local
     norm is the global one. Under FSDP each rank holds a shard of each gradient
     (a DTensor): the norm of DTensors is reduced over the mesh (``full_tensor``)
-    before any gradient is scaled. The same arithmetic as
-    ``torch.nn.utils.clip_grad_norm_``, which it calls in two halves, as
-    torchtitan's ``clip_grad_norm_`` does.
+    before any gradient is scaled: a collective then, which every rank calls.
+    The same arithmetic as ``torch.nn.utils.clip_grad_norm_``, which it calls
+    in two halves, as torchtitan's ``clip_grad_norm_`` does; an inf/NaN norm
+    (an fp16 overflow, whose step GradScaler then skips) makes the gradients NaN.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
@@ -114,7 +115,9 @@ class Recipe:
     in one epoch (micro-batches // --grad_accum_steps); ``device`` where the
     model runs. The schedule is torch's LambdaLR over ``lr_factor``, stepped
     after every optimizer step; the loss scaler is torch's GradScaler, on for
-    fp16 autocast only (bf16 has fp32's range and needs none).
+    fp16 autocast only (bf16 has fp32's range and needs none). Making it sets
+    every group's learning rate to --lr x the schedule's first factor (and
+    LambdaLR's ``initial_lr``); ``steps_per_epoch`` must be >= 1.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
@@ -138,7 +141,9 @@ class Recipe:
         """One optimizer step on the accumulated gradients: unscale them (fp16),
         clip their total norm (--clip_grad_norm), step the optimizer (skipped
         when a gradient is inf/nan under fp16, the scale then halved, as
-        GradScaler does), then move the schedule to the next step."""
+        GradScaler does), then move the schedule to the next step.
+        Collective under FSDP (the norm and the inf/nan check span the shards):
+        every rank calls it."""
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)  # before clipping: clip the true gradients
             scale = self.scaler.get_scale()
@@ -188,6 +193,11 @@ class Recipe:
         config = snapshot["config"]
         if snapshot.get("lr_schedule"):
             self.schedule.load_state_dict(snapshot["lr_schedule"])
+        # The schedule's step from the position, in this run's steps per epoch: the saved
+        # count at the same world size; the FSDP rung may resume (at an epoch's end) at
+        # another, where an epoch has another number of steps.
+        self.schedule.last_epoch = (snapshot["epochs_run"] * self.steps_per_epoch
+                                    + snapshot["steps_run"] // self.args.grad_accum_steps)
         if snapshot.get("loss_scaler") and self.scaler.is_enabled():
             scaler = dict(snapshot["loss_scaler"])
             self.skipped_steps = scaler.pop("skipped_steps")

@@ -25,6 +25,8 @@ from .testing import fault_point
 SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "world_size", "batch_size",
                        "grad_accum_steps", "optimizer")
 START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
+# What snapshots written before --optimizer existed trained with.
+BEFORE_RECIPES = {"optimizer": "sgd"}
 
 
 def read_snapshot(path: str, config: dict) -> dict:
@@ -45,8 +47,9 @@ def read_snapshot(path: str, config: dict) -> dict:
             f"cannot read snapshot {path} ({type(exc).__name__}: "
             f"{detail.splitlines()[0] if detail else 'no detail'}); "
             f"move it away to start afresh, or pass another --snapshot_path") from None
-    changed = [f"{key} {snapshot['config'].get(key)} -> {config[key]}"
-               for key in SNAPSHOT_MUST_MATCH if snapshot["config"].get(key) != config[key]]
+    saved = {**BEFORE_RECIPES, **snapshot["config"]}
+    changed = [f"{key} {saved.get(key)} -> {config[key]}"
+               for key in SNAPSHOT_MUST_MATCH if saved.get(key) != config[key]]
     if changed:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
                           f"resume with its settings, or {START_AFRESH}")

@@ -31,11 +31,14 @@ def _native_bf16(device: torch.device) -> bool:
 
 def amp_dtype(device: torch.device, amp: Optional[str]) -> Optional[torch.dtype]:
     """The autocast dtype --amp asks for on ``device``: None without --amp;
-    ``bf16`` or ``fp16`` when forced; ``auto`` (plain --amp): bf16 where
-    ``device`` runs it natively, else fp16 on a GPU (with a loss scaler, see
-    ``Recipe``) and bf16 on a CPU (which ``check_amp`` then refuses)."""
+    ``bf16`` or ``fp16`` when forced; ``auto`` (plain --amp): on CUDA bf16
+    where the GPU runs it natively, else fp16 (with a loss scaler, see
+    ``Recipe``); elsewhere bf16 (on a CPU without native bf16 ``check_amp``
+    refuses it). Raises ValueError for another value of ``amp``."""
     if amp is None:
         return None
+    if amp not in ("auto", "bf16", "fp16"):
+        raise ValueError(f"amp must be None, 'auto', 'bf16' or 'fp16', not {amp!r}")
     if amp == "auto":
         amp = "bf16" if device.type != "cuda" or _native_bf16(device) else "fp16"
     return torch.bfloat16 if amp == "bf16" else torch.float16
@@ -54,6 +57,8 @@ def check_amp(amp: Optional[str], device: torch.device, model: str) -> None:
     path before a GPU job).
     """
     if amp is None or (device.type == "cpu" and amp != "auto"):
+        return
+    if device.type not in ("cpu", "cuda"):  # XPU, MPS: autocast as asked; untested here
         return
     if device.type == "cuda":
         if amp == "bf16" and not _native_bf16(device):
