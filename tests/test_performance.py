@@ -379,6 +379,8 @@ def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
     cpu = torch.device("cpu")
     train_utils.check_amp(None, cpu, "resnet18")  # no --amp: nothing to check
     train_utils.check_amp("fp16", cpu, "resnet18")  # forced: runs anyway
+    with pytest.raises(train_utils.ConfigError, match=r"does not speed up this task's model \(measured: only"):
+        train_utils.check_amp("auto", cpu, None)  # a task of yours that names no --model
     with pytest.raises(train_utils.ConfigError, match="does not speed up --model resnet18"):
         train_utils.check_amp("auto", cpu, "resnet18")
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):

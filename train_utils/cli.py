@@ -5,6 +5,7 @@ plus the few a rung adds (``SCRIPT_FLAGS``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from typing import Callable, Iterable, Optional
 
@@ -76,8 +77,28 @@ class _OneRankParser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
     def error(self, message: str):
+        message += self._did_you_mean(message)
         report_to_torchrun(f"error: {message}")  # every rank: see one_line_errors
         super().error(message)
+
+    def _did_you_mean(self, message: str) -> str:
+        """For unrecognized flags, the flags meant: dashes for underscores
+        (pytorch/examples' ``--batch-size``), ``--epochs`` for ``--total_epochs``,
+        or a close spelling (difflib); '' when none is close."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [flag for action in self._actions for flag in action.option_strings]
+        meant = []
+        for word in message.split(":", 1)[1].split():
+            if not word.startswith("--"):
+                continue
+            flag = word.split("=")[0]
+            underscored = "--" + flag[2:].replace("-", "_")
+            guess = (underscored if underscored in known else "--total_epochs" if flag == "--epochs"
+                     else next(iter(difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)), None))
+            if guess:
+                meant.append(f"{flag} -> {guess}")
+        return f" (did you mean: {', '.join(meant)}?)" if meant else ""
 
 
 def _task_name(tasks: tuple) -> Callable[[str], str]:

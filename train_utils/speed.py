@@ -69,7 +69,8 @@ def check_amp(amp: Optional[str], device: torch.device, model: str) -> None:
                               f"(fp16 with a loss scaler on this GPU)")
         return
     if model not in AMP_HELPS_ON_CPU:
-        raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up --model {model} "
+        name = f"--model {model}" if model else "this task's model (measured: only --model cnn)"
+        raise ConfigError(f"--amp on a CPU: bf16 autocast does not speed up {name} "
                           f"on a CPU (measured, see docs/performance.md); "
                           f"--amp is for GPUs (--amp bf16 or fp16 forces it). Run without --amp")
     if not _native_bf16(device):
@@ -108,7 +109,10 @@ def compile_model(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     # for the rank ("SubprocPool unclean exit"). They start with the stop
     # signals blocked, a mask they inherit; the rank's own mask is restored.
     # Some releases start the pool when torch.compile imports inductor, others
-    # on first use: it is started here, under the mask, either way.
+    # on first use: it is started here, under the mask, either way. (Windows
+    # has no signal masks, nor Slurm: compile plainly there.)
+    if not hasattr(signal, "pthread_sigmask"):
+        return torch.compile(model)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         compiled = torch.compile(model)

@@ -16,8 +16,8 @@ from .output import print_line, write_from_signal_handler
 
 # The signals that ask for a stop: Slurm's time-limit warning (the wrappers'
 # --signal=B:USR1@90, relayed), SIGTERM (preemption, `scontrol requeue`,
-# `scancel`, torchrun stopping its workers) and Ctrl-C.
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# `scancel`, torchrun stopping its workers) and Ctrl-C. Windows has no SIGUSR1.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGUSR1", "SIGTERM", "SIGINT") if hasattr(signal, name))
 
 
 class StopSignal:
