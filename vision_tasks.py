@@ -131,6 +131,26 @@ def expected_files(dataset: str, data_dir: str) -> tuple[str, list[str]]:
     return folder, names
 
 
+def _missing_folders(folder: str) -> list[str]:
+    """``folder`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing
+
+
+def _remove_if_empty(folders: list[str]) -> None:
+    """Remove each of ``folders`` (deepest first) that exists and is empty:
+    a failed download leaves no empty ``MNIST/raw`` that looks like data."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)  # only an empty folder; a partial file keeps it, for a retry to see
+        except OSError:
+            return
+
+
 def prepare_data(dataset: str, data_dir: str, download: bool) -> None:
     """Make sure the files of ``dataset`` (mnist, cifar10) are in ``data_dir``.
 
@@ -141,10 +161,15 @@ def prepare_data(dataset: str, data_dir: str, download: bool) -> None:
     """
     cls = _torchvision_class(dataset)
     folder, names = expected_files(dataset, data_dir)
+    created = _missing_folders(folder)  # what a failed download must not leave behind
     try:
         if download:
-            for train in (True, False):
-                cls(data_dir, train=train, download=True)
+            try:
+                for train in (True, False):
+                    cls(data_dir, train=train, download=True)
+            except Exception:
+                _remove_if_empty(created)
+                raise
             return
         missing = [name for name in names if not os.path.isfile(os.path.join(folder, name))]
         if not missing:

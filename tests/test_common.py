@@ -122,3 +122,23 @@ def test_the_contract_imports_no_machinery():
     result = subprocess.run([sys.executable, "-c", probe], cwd=os.path.dirname(common.__file__),
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_failed_download_leaves_no_empty_dataset_folder(tmp_path, monkeypatch):
+    """torchvision makes MNIST/raw before it downloads; when every mirror fails
+    (here: a closed local port, whatever network the machine has), the error
+    is one line and no empty folder is left to look like a data set."""
+    from torchvision import datasets
+
+    monkeypatch.setattr(datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])
+    data_dir = tmp_path / "data"
+    with pytest.raises(train_utils.ConfigError) as info:
+        vision_tasks.prepare_data("mnist", str(data_dir), download=True)
+    assert "\n" not in str(info.value) and "download failed" in str(info.value)
+    assert not data_dir.exists(), sorted(str(p) for p in data_dir.rglob("*"))
+    # A folder the user made stays, with what is in it.
+    data_dir.mkdir()
+    (data_dir / "notes.txt").write_text("mine")
+    with pytest.raises(train_utils.ConfigError):
+        vision_tasks.prepare_data("mnist", str(data_dir), download=True)
+    assert sorted(p.name for p in data_dir.iterdir()) == ["notes.txt"]

@@ -292,7 +292,10 @@ def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
     array_task = f"{info['ArrayJobId']}_7"
     assert "batch shell got SIGUSR1" in texts[0] and f"requeueing job {array_task}" in texts[0], texts[0]
     stops = check_resumes_exactly(texts, 300)
-    assert stops and "stopped by SIGUSR1" in texts[0]
+    # Slurm's timer, not the test, picks the moment: on a loaded machine the
+    # first warning can land while the ranks still start (no handler yet, no
+    # snapshot), so the run it stops by SIGUSR1 may be a later one.
+    assert stops and any("stopped by SIGUSR1" in text for text in texts), texts
     print(f"time-limit: {len(texts)} runs, stops at {stops}")
     assert_same_snapshot(folders["time-limit"] / "snapshot-time-limit-7.pt",
                          references[(*scenario.reference, tuple(scenario.args))])
