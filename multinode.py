@@ -195,7 +195,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets in data:
+    for source, targets in train_utils.evaluating(data):  # with a progress bar where stderr is a terminal
         source = task.eval_transform(source.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         output = model(source)

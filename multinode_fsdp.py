@@ -216,7 +216,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets, counted in train_utils.batches_for_every_rank(data, device):
+    for source, targets, counted in train_utils.evaluating(train_utils.batches_for_every_rank(data, device)):
         source = task.eval_transform(source.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         output = model(source)

@@ -107,7 +107,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets in data:
+    for source, targets in train_utils.evaluating(data):  # with a progress bar where stderr is a terminal
         source = task.eval_transform(source.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         output = model(source)

@@ -14,7 +14,7 @@ or stop signal through its calls.
   output             one-write lines from several processes                     singlegpu
   devices            device choice, CPU threads, the start-up line              singlegpu
   speed              --amp, --compile, peak GPU memory                          singlegpu
-  epoch              the epoch's loss sums, time, progress bar                  singlegpu
+  epoch              the epoch's loss sums, time, progress bars                 singlegpu
   checks             downloads first, checks before training                    singlegpu
   metrics            the epoch line, JSON lines, TensorBoard, the resume line   singlegpu
   recipe             optimizer, weight decay, lr schedule and warm-up, fp16's   singlegpu
@@ -43,7 +43,7 @@ from .cli import SCRIPT_FLAGS, non_negative_int, parse_args, positive
 from .devices import NCCL_DIAGNOSTICS, OLDEST_TORCH, backend_for, check_gpu_has_kernels, cuda_available, \
     describe_run, device_for, enable_nccl_diagnostics, gpus_hidden_on_purpose, nccl_trace_prefix, \
     other_accelerator, share_cpu_cores, started_by_srun, torch_version, unusable_gpu_reason, usable_cpus
-from .epoch import EpochMeter, check_finite
+from .epoch import EpochMeter, check_finite, evaluating, progress_bar
 from .errors import ConfigError, NothingToTrain, one_line_errors, report_to_torchrun
 from .evaluation import batches_for_every_rank, broadcast_buffers, most_batches
 from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, contiguous_parameters, \

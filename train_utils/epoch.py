@@ -8,7 +8,7 @@ import argparse
 import itertools
 import math
 import time
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ class EpochMeter:
         self.totals = torch.zeros(2, dtype=torch.float64, device=device)
         self.carried = carried
         self.steps_left = 0
+        self._bar, self._bar_loss_at = None, 0.0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.start = time.perf_counter()
@@ -57,9 +58,9 @@ class EpochMeter:
         self.steps_left = steps
         self.start = time.perf_counter()
         distributed = is_distributed()
-        for batch in tqdm(itertools.islice(loader, steps), total=steps, leave=False,
-                          desc=f"epoch {self.epoch + 1}/{self.max_epochs}",
-                          disable=None if not distributed or dist.get_rank() == 0 else True):
+        self._bar = progress_bar(itertools.islice(loader, steps), f"epoch {self.epoch + 1}/{self.max_epochs}",
+                                 total=steps)
+        for batch in self._bar:
             self.steps_left -= 1
             if distributed:
                 note_phase(f"epoch {self.epoch + 1}, training step {steps - self.steps_left} of this start")
@@ -69,9 +70,15 @@ class EpochMeter:
             note_phase(f"epoch {self.epoch + 1} after its training steps (evaluation or saving)")
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
-        """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``."""
+        """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``.
+        Where the progress bar shows, it also shows this rank's running mean
+        loss, read from the device at most every ``BAR_LOSS_EVERY_S`` seconds."""
         self.totals[0] += loss * samples
         self.totals[1] += samples
+        bar = self._bar
+        if bar is not None and not bar.disable and time.perf_counter() - self._bar_loss_at > BAR_LOSS_EVERY_S:
+            self._bar_loss_at = time.perf_counter()
+            bar.set_postfix_str(f"rank 0 loss {(self.totals[0] / self.totals[1]).item():.4f}")
 
     def global_totals(self) -> torch.Tensor:
         """Collective: (loss sum, samples) over all ranks so far, carried part
@@ -99,6 +106,24 @@ class EpochMeter:
         return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
                 "train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
                 "epoch_seconds": seconds, **peak_memory_mib(self.device)}
+
+
+# The bar's running loss costs a device-to-host copy (a wait for the GPU): rarely.
+BAR_LOSS_EVERY_S = 1.0
+
+
+def progress_bar(iterable: Iterable, desc: str, total: Optional[int] = None) -> tqdm:
+    """``iterable`` wrapped in a tqdm bar labelled ``desc``, shown on global
+    rank 0 only and only when stderr is a terminal (a log file gets none);
+    the bar is removed when the loop ends (the epoch line says the rest)."""
+    rank0 = not is_distributed() or dist.get_rank() == 0
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=None if rank0 else True)
+
+
+def evaluating(batches: Iterable) -> Iterable:
+    """An evaluation loop's ``batches``, with a progress bar labelled
+    "evaluating" (``progress_bar``: rank 0, terminals only)."""
+    return progress_bar(batches, "evaluating", total=len(batches) if hasattr(batches, "__len__") else None)
 
 
 def check_finite(loss: float, epoch: int) -> None:
