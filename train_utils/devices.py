@@ -47,24 +47,22 @@ def backend_for(device: torch.device) -> str:
 def device_for(local_rank: int, one_process: bool = False) -> torch.device:
     """This process's device: ``cuda:local_rank`` where CUDA works, else another
     accelerator ``torch.accelerator`` finds (``xpu:local_rank``; ``mps`` for
-    one process, singlegpu.py: ``one_process``), else the CPU.
+    one process, singlegpu.py: ``one_process``; the process-group rungs run on
+    a Mac's CPU, since MPS has no process group backend), else the CPU.
 
     Under srun (``started_by_srun``) a task that sees exactly one GPU takes
     ``cuda:0``: Slurm bound that GPU to it (``--gpus-per-task=1``); a task that
     sees all of the node's GPUs takes ``cuda:local_rank`` (SLURM_LOCALID).
     Raises ConfigError when CUDA works but ``local_rank`` has no GPU of its
     own on this node (more processes than visible GPUs), worded in the flags
-    of the launcher that started it, and for MPS outside one process.
+    of the launcher that started it.
     """
     if not cuda_available():
         other = other_accelerator()
         if other is None:
             return torch.device("cpu")
-        if other.type == "mps":  # one device, no collective backend
-            if not one_process:
-                raise ConfigError("this machine's accelerator is MPS, one device with no process group "
-                                  "backend: train on it with singlegpu.py")
-            return other
+        if other.type == "mps":  # one device, no collective backend: the processes use the CPU
+            return other if one_process else torch.device("cpu")
         if local_rank >= torch.accelerator.device_count():
             raise ConfigError(f"local rank {local_rank} needs {other.type} device {local_rank}, but this "
                               f"node shows only {torch.accelerator.device_count()}; start at most that "
