@@ -202,6 +202,7 @@ def main(rank: int, world_size: int, args) -> None:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, args)
+    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
     if rank == 0:

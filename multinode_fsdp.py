@@ -306,6 +306,7 @@ def main(args) -> None:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, args)
+    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
         if rank == 0:

@@ -153,6 +153,7 @@ def main(device: torch.device, args) -> None:
     train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, args)
+    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
     train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)

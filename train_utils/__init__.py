@@ -17,6 +17,8 @@ or stop signal through its calls.
   epoch              the epoch's loss sums, time, progress bar                  singlegpu
   checks             downloads first, checks before training                    singlegpu
   metrics            the epoch line, JSON lines, TensorBoard, the resume line   singlegpu
+  wandb_run          Weights & Biases: one run per training, from rank 0; its   singlegpu (log),
+                     id in snapshots, so a resumed run continues it             torchrun (resume)
   recipe             optimizer, weight decay, lr schedule and warm-up, fp16's   singlegpu
                      loss scaler, gradient clipping; their state in snapshots
   snapshots          atomic save; reading a snapshot, "same run?" checks        singlegpu (save),
@@ -61,5 +63,6 @@ from .snapshots import SNAPSHOT_MUST_MATCH, START_AFRESH, atomic_save, read_snap
 from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib
 from .stop import STOP_SIGNALS, StopSignal, ignore_stop_signal
 from .timeouts import use_training_timeout, watch_collectives
+from .wandb_run import start_wandb_run
 
 SHARDED_SNAPSHOT_META = ShardedSnapshots.META
