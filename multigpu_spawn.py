@@ -50,7 +50,7 @@ class Trainer:
 
     ``task`` gives the loss and the batch transforms (see common.Task);
     ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
-    --compile, --metrics_path, --tensorboard_dir, the save path).
+    --compile, --metrics_path, --tensorboard_dir, --profile_dir, the save path).
     """
 
     def __init__(
@@ -80,6 +80,7 @@ class Trainer:
         # forward; saving and evaluation use the plain model, so what is saved
         # loads without torch.compile.
         self.compiled = train_utils.compile_model(self.model, args.compile)
+        self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
         """Forward and backward of one micro-batch (``step`` counts them from 0 in
@@ -110,6 +111,7 @@ class Trainer:
             source = self.task.train_transform(source.to(self.device, non_blocking=True))
             targets = targets.to(self.device, non_blocking=True)
             meter.add(self._run_batch(source, targets, step), len(targets))
+            self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
         return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
 
@@ -202,6 +204,7 @@ def main(rank: int, world_size: int, args) -> None:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, args)
+    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
     trainer.train(args.total_epochs)
     test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
     if rank == 0:

@@ -17,6 +17,9 @@ or stop signal through its calls.
   epoch              the epoch's loss sums, time, progress bars                 singlegpu
   checks             downloads first, checks before training                    singlegpu
   metrics            the epoch line, JSON lines, TensorBoard, the resume line   singlegpu
+  wandb_run          Weights & Biases: one run per training, from rank 0; its   singlegpu (log),
+                     id in snapshots, so a resumed run continues it             torchrun (resume)
+  profiling          torch.profiler over a few steps, one trace per rank        singlegpu
   recipe             optimizer, weight decay, lr schedule and warm-up, fp16's   singlegpu
                      loss scaler, gradient clipping; their state in snapshots
   snapshots          atomic save; reading a snapshot, "same run?" checks        singlegpu (save),
@@ -51,6 +54,7 @@ from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, contiguous_parame
 from .launch import check_port_free, first_host, gloo_group, launcher_store, spawn_world_size
 from .metrics import RUN, log_metrics, log_resume
 from .output import is_distributed, print_line
+from .profiling import StepProfiler
 from .recipe import LR_SCHEDULES, OPTIMIZERS, RECIPE_FLAGS, Recipe, build_optimizer, clip_grad_norm, \
     lr_factor
 from .resume import Progress, ResumableDistributedSampler, gather_rng_states, position, \
@@ -61,5 +65,6 @@ from .snapshots import SNAPSHOT_MUST_MATCH, START_AFRESH, atomic_save, read_snap
 from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib
 from .stop import STOP_SIGNALS, StopSignal, ignore_stop_signal
 from .timeouts import use_training_timeout, watch_collectives
+from .wandb_run import start_wandb_run
 
 SHARDED_SNAPSHOT_META = ShardedSnapshots.META

@@ -148,6 +148,13 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
         help="also write each epoch's summary as one JSON object per line here")
     add("--tensorboard_dir", default=None,
         help="also write each epoch's figures for TensorBoard here (needs: pip install tensorboard)")
+    add("--wandb_project", default=None,
+        help="also log the flags, each epoch's figures and the test figures to a Weights & Biases run "
+             "in this project, from rank 0; a resumed run continues it; WANDB_MODE=offline, "
+             "WANDB_ENTITY etc. apply (needs: pip install wandb)")
+    add("--profile_dir", default=None,
+        help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
+             "here, for Perfetto or chrome://tracing (default: no profiler)")
     add("--input_path", choices=("fast", "torchvision"), default="fast",
         help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
              "whole batches on the device; 'torchvision' is the per-sample Dataset + "

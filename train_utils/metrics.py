@@ -1,5 +1,5 @@
-"""The epoch line, and the same figures as JSON lines (--metrics_path) and
-TensorBoard scalars (--tensorboard_dir).
+"""The epoch line, and the same figures as JSON lines (--metrics_path),
+TensorBoard scalars (--tensorboard_dir) and a W&B run (--wandb_project).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import time
 
 from .output import print_line
+from .wandb_run import log_to_wandb
 
 # This run, as its metrics records name it: an id (start time and process id),
 # and where it resumed from (set by log_resume; None for a fresh start).
@@ -60,7 +61,8 @@ def _tensorboard(record: dict, log_dir: str) -> None:
 
 def log_metrics(record: dict, args: argparse.Namespace) -> None:
     """Print one fixed-format line; append ``record`` as JSON to
-    --metrics_path and write it to TensorBoard under --tensorboard_dir.
+    --metrics_path, write it to TensorBoard under --tensorboard_dir and to
+    the W&B run of --wandb_project (``start_wandb_run``; ``log_to_wandb``).
 
     Epoch records print as
       ``epoch 3/10 | train_loss 0.012345 | val_loss 0.012345 | val_acc 0.9512 |
@@ -105,6 +107,7 @@ def log_metrics(record: dict, args: argparse.Namespace) -> None:
             f.write(json.dumps({**record, **stamp}) + "\n")
     if getattr(args, "tensorboard_dir", None):
         _tensorboard(record, args.tensorboard_dir)
+    log_to_wandb(record)  # a no-op unless start_wandb_run started one here
 
 
 def log_resume(path: str, position: str, note: str = "") -> None:

@@ -1,0 +1,77 @@
+"""--profile_dir: a few training steps traced with torch.profiler, one trace
+per rank, read back as the JSON that Perfetto and TensorBoard's profiler
+plugin open; the profiled run trains bitwise as an unprofiled one."""
+
+import collections
+import json
+import sys
+
+import torch
+
+from helpers import REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, run
+
+PROFILED_STEPS = ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]  # training steps 3-5
+
+
+def traces(folder) -> dict:
+    """{file name: (the trace's rank, Counter of its complete events' names)} of --profile_dir."""
+    found = {}
+    for path in sorted(folder.glob("*.pt.trace.json")):
+        trace = json.loads(path.read_text())
+        names = collections.Counter(event["name"] for event in trace["traceEvents"] if event.get("ph") == "X")
+        found[path.name] = (trace.get("distributedInfo", {}).get("rank", 0), names)
+    return found
+
+
+def test_singlegpu_traces_three_steps_and_trains_as_without(tmp_path):
+    profiled, plain = tmp_path / "profiled", tmp_path / "plain"
+    for folder in (profiled, plain):
+        folder.mkdir()
+    result = check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "2", "--profile_dir", "prof"],
+                       profiled))
+    assert result.stdout.count("profiler: steps 3-5 of this start traced on every rank") == 1
+    (name, (rank, names)), = traces(profiled / "prof").items()
+    assert name.startswith("rank0.") and rank == 0
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == PROFILED_STEPS
+    assert names["aten::addmm"] >= 3 * 2  # the MLP's two Linear layers, forward, in each step
+    assert names["Optimizer.step#SGD.step"] == 3
+
+    check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "2"], plain))
+    saved = [torch.load(folder / "checkpoint.pt", weights_only=True) for folder in (profiled, plain)]
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.equal(saved[0][key], saved[1][key]) for key in saved[0])
+
+
+def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp_path):
+    """Two ranks, two traces a start, each of its own rank, with the step's
+    operators and DDP's gradient all-reduce; resumed with the flag, the run
+    ends bitwise where an unprofiled, uninterrupted one does."""
+    profiled, plain = tmp_path / "profiled", tmp_path / "plain"
+    for folder in (profiled, plain):
+        folder.mkdir()
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+    check(run(launch + ["--total_epochs", "1", "--profile_dir", "prof"], profiled))
+    first = traces(profiled / "prof")
+    assert sorted(rank for rank, _ in first.values()) == [0, 1]
+    for name, (rank, names) in first.items():
+        assert name.startswith(f"rank{rank}.")
+        assert sorted(n for n in names if n.startswith("ProfilerStep#")) == PROFILED_STEPS
+        assert names["aten::addmm"] >= 3 * 2
+        assert names["c10d::allreduce_"] >= 3  # DDP's gradients, at least one bucket a step
+
+    resumed = check(run(launch + ["--total_epochs", "2", "--profile_dir", "prof"], profiled))
+    assert "resuming from snapshot snapshot.pt after epoch 1" in resumed.stdout
+    assert resumed.stdout.count("profiler: steps 3-5 of this start") == 1
+    assert sorted(rank for rank, _ in traces(profiled / "prof").values()) == [0, 0, 1, 1]
+
+    check(run(launch + ["--total_epochs", "2"], plain))
+    assert_same_snapshot(profiled / "snapshot.pt", plain / "snapshot.pt")
+
+
+def test_an_unwritable_profile_dir_stops_before_training_in_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    result = run([sys.executable, REPO / "singlegpu.py", "--profile_dir", "a_file/prof"], tmp_path)
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [result.stderr.strip()] == [
+        "error: cannot write --profile_dir a_file/prof (Not a directory); choose another path"]
+    assert not epochs(result.stdout)
