@@ -28,6 +28,10 @@ def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
     starts = [r for r in records if r.get("event") == "start"]
     assert [s["resumed_from"] for s in starts] == [None, "after epoch 2"]
     assert len({s["run"] for s in starts}) == 2
+    # A start record's time is its run's start, before the first epoch it logged ended.
+    for start in starts:
+        first = next(r for r in records if r.get("run") == start["run"] and "epoch" in r)
+        assert start["time"] < first["time"], (start, first)
     per_epoch = [(r["epoch"], r["resumed_from"]) for r in records if "epoch" in r]
     assert per_epoch == [(1, None), (2, None), (3, None), (3, "after epoch 2"), (4, "after epoch 2")]
     last = {r["epoch"]: r for r in records if "epoch" in r}  # the curve: the last record per epoch

@@ -16,7 +16,8 @@ from .wandb_run import log_to_wandb
 # and where it resumed from (set by log_resume; None for a fresh start).
 RUN = {"run": f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}",
        "resumed_from": None,
-       "last_epoch": 0}  # the last epoch it logged (TensorBoard's step for the test figures)
+       "last_epoch": 0,  # the last epoch it logged (TensorBoard's step for the test figures)
+       "started_at": time.time()}  # Unix seconds: the start record's time (this process's start)
 _started: set = set()  # the --metrics_path files this process has written its start record to
 _writers: dict = {}  # tensorboard_dir -> SummaryWriter of this process
 
@@ -78,8 +79,9 @@ def log_metrics(record: dict, args: argparse.Namespace) -> None:
     Each JSON line also carries ``run`` (this run's id), ``time`` (Unix
     seconds) and ``resumed_from`` (the snapshot position a resumed run
     started at, else null); a run's first line is ``{"event": "start", ...,
-    "config": {the flags}}``. A resumed run repeats the epochs after its
-    snapshot: for a curve keep the last record of each epoch.
+    "config": {the flags}}`` whose ``time`` is when the process started. A
+    resumed run repeats the epochs after its snapshot: for a curve keep the
+    last record of each epoch.
     """
     if "epoch" in record:
         parts = [f"epoch {record['epoch']}/{record['total_epochs']}",
@@ -102,7 +104,8 @@ def log_metrics(record: dict, args: argparse.Namespace) -> None:
         stamp = {"run": RUN["run"], "time": time.time(), "resumed_from": RUN["resumed_from"]}
         with open(args.metrics_path, "a") as f:
             if args.metrics_path not in _started:  # each run opens with its settings
-                f.write(json.dumps({"event": "start", **stamp, "config": vars(args)}) + "\n")
+                f.write(json.dumps({"event": "start", **stamp, "time": RUN["started_at"],
+                                    "config": vars(args)}) + "\n")
                 _started.add(args.metrics_path)
             f.write(json.dumps({**record, **stamp}) + "\n")
     if getattr(args, "tensorboard_dir", None):
