@@ -49,8 +49,8 @@ class ShardedSnapshots:
         found, error = None, ""
         if dist.get_rank() == 0:
             if os.path.isfile(self.root):
-                error = (f"--snapshot_path {self.root} is a file; multinode_fsdp.py keeps its "
-                         f"snapshots in a folder there: pass another --snapshot_path")
+                error = (f"cannot write --snapshot_path {self.root}: it is a file, where a "
+                         f"snapshot folder is expected; pass another --snapshot_path")
             elif os.path.isdir(self.root):
                 complete = []
                 for name, folder, position in self._folders():
