@@ -5,6 +5,7 @@ advice and --help text a user reads around them.
 
 Every run is a real script on the CPU, from a folder other than the scripts'."""
 
+import io
 import os
 import shlex
 import subprocess
@@ -114,34 +115,34 @@ def test_a_rerun_replaces_its_own_checkpoint(tmp_path):
 # Snapshots: damage found by the zip archive's CRCs, one short line
 # --------------------------------------------------------------------------
 
-def entry_data(path, name: str) -> tuple[int, int]:
-    """(offset, size) of entry ``name``'s bytes in zip archive ``path``: after
-    its local header (30 bytes, the name, an extra field torch uses to align data)."""
-    with zipfile.ZipFile(path) as archive:
-        info = archive.getinfo(name)
-    with open(path, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_length, extra_length = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-    return info.header_offset + 30 + name_length + extra_length, info.compress_size
+def zero_inside_largest_tensor(data: bytearray, start: int = 0, length: int = 0) -> str:
+    """Zero 8 bytes in the middle of the largest tensor of the torch.save
+    archive at ``data[start:start + length]`` (all of ``data`` by default),
+    as a bad disk block or a broken copy does; return that entry's name. Its
+    bytes follow its local header: 30 bytes, the name, and an extra field
+    (torch's alignment), whose lengths the header holds."""
+    with zipfile.ZipFile(io.BytesIO(bytes(data[start:start + length] if length else data))) as archive:
+        entry = max((info for info in archive.infolist() if "/data/" in info.filename),
+                    key=lambda info: info.file_size)
+    header = start + entry.header_offset
+    name_length, extra_length = (int.from_bytes(data[header + at:header + at + 2], "little") for at in (26, 28))
+    middle = header + 30 + name_length + extra_length + entry.compress_size // 2
+    data[middle:middle + 8] = bytes(8)
+    return entry.filename
 
 
-def zero_inside_largest_tensor(path) -> str:
-    """Zero 8 bytes in the middle of the largest tensor of a torch.save archive
-    (what a bad disk block or a broken copy does); return that entry's name."""
-    with zipfile.ZipFile(path) as archive:
-        name = max((info for info in archive.infolist() if "/data/" in info.filename),
-                   key=lambda info: info.file_size).filename
-    offset, size = entry_data(path, name)
+def zero_inside_largest_tensor_of(path) -> str:
+    """``zero_inside_largest_tensor`` of the file ``path``, written back."""
     data = bytearray(open(path, "rb").read())
-    data[offset + size // 2: offset + size // 2 + 8] = bytes(8)
+    entry = zero_inside_largest_tensor(data)
     open(path, "wb").write(data)
-    return name
+    return entry
 
 
 def test_a_snapshot_damaged_inside_its_tensors_is_refused_naming_the_entry(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
     path = tmp_path / "snapshot.pt"
-    entry = zero_inside_largest_tensor(path)
+    entry = zero_inside_largest_tensor_of(path)
     torch.load(path, weights_only=True)  # torch alone loads it, damaged tensor and all
     damaged = path.read_bytes()
     error = refused_before_training(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path))
@@ -157,12 +158,36 @@ def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(tmp_path):
     check(run(FSDP_SCRIPT + ["--total_epochs", "1"], tmp_path))
     (folder,) = os.listdir(tmp_path / "snapshot.pt")
     meta = tmp_path / "snapshot.pt" / folder / train_utils.SHARDED_SNAPSHOT_META
-    entry = zero_inside_largest_tensor(meta)
+    entry = zero_inside_largest_tensor_of(meta)
     damaged = meta.read_bytes()
     error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "2"], tmp_path))
     assert error.startswith(f"error: cannot read snapshot snapshot.pt/{folder}/meta.pt (damaged: its entry "
                             f"{entry} fails its CRC-32 check)")
     assert meta.read_bytes() == damaged
+
+
+@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+                    reason="FSDP on gloo needs torch 2.10")
+def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(tmp_path):
+    """DCP keeps no checksum; each tensor in its .distcp files is a torch.save
+    archive, whose CRCs catch what dcp.load would load without a word."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    check(run(FSDP_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    (folder,) = os.listdir(tmp_path / "snapshot.pt")
+    model = tmp_path / "snapshot.pt" / folder / "model"
+    index, item = max(FileSystemReader(str(model)).read_metadata().storage_data.items(),
+                      key=lambda pair: pair[1].length)
+    shard = model / item.relative_path
+    data = bytearray(shard.read_bytes())
+    entry = zero_inside_largest_tensor(data, item.offset, item.length)
+    shard.write_bytes(bytes(data))
+    error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "2"], tmp_path))
+    assert error == (f"error: cannot read snapshot snapshot.pt/{folder} (a damaged shard: model/"
+                     f"{item.relative_path} item {index.fqn}: its entry {entry} fails its CRC-32 "
+                     f"check); move it away to start afresh (or put back a good copy), or pass another "
+                     f"--snapshot_path")
+    assert shard.read_bytes() == bytes(data)
 
 
 def test_random_bytes_as_a_snapshot_give_one_short_line_without_unsafe_advice(tmp_path):

@@ -31,10 +31,10 @@ START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
 BEFORE_RECIPES = {"optimizer": "sgd"}
 
 
-def archive_damage(path: str) -> str:
-    """'' when ``path`` is a whole zip archive, the format ``torch.save``
-    writes, whose every entry matches the CRC-32 stored for it; else what is
-    wrong, in a few words.
+def archive_damage(path) -> str:
+    """'' when ``path`` (a file name, or a binary file object) is a whole zip
+    archive, the format ``torch.save`` writes, whose every entry matches the
+    CRC-32 stored for it; else what is wrong, in a few words.
 
     The CRCs cover every byte of a snapshot's entries, its tensors' data
     included: a file damaged on disk or in a copy is caught here, where
