@@ -121,8 +121,10 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
         reason = str(exc)
         missing = getattr(exc, "name", None)
         if isinstance(exc, ModuleNotFoundError) and missing and (module_name + ".").startswith(missing + "."):
-            reason += (f"; put {module_name.replace('.', '/')}.py beside the scripts, in the folder "
-                       f"you run from, or on PYTHONPATH")
+            scripts = os.path.abspath(sys.path[0]) if sys.path and sys.path[0] else os.getcwd()
+            reason = (f"no {module_name.replace('.', '/')}.py beside the scripts ({scripts}), in the "
+                      f"current folder ({os.getcwd()}) or on PYTHONPATH "
+                      f"({os.environ.get('PYTHONPATH') or 'not set'}); put it in one of them")
         raise ConfigError(f"cannot load task function {function!r} from module "
                           f"{module_name!r} ({reason})") from None
 
@@ -130,6 +132,11 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
 def load_task(args: argparse.Namespace, download: bool) -> Task:
     """The task ``args.dataset`` names (a key of ``TASKS``, or ``module:function``),
     built by its task function: built-in or yours, found the same way.
+
+    A ``module:function`` is imported from beside the scripts, from
+    PYTHONPATH, or from the current folder (``task_function``), so
+    ``python /path/to/singlegpu.py --dataset my_task:build_task`` run from the
+    folder holding my_task.py finds it without PYTHONPATH.
 
     The task function reads what it needs from ``args`` (data_dir, seed,
     model, input_path) and sets ``args.model`` to the model it chose; it

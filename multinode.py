@@ -1,4 +1,4 @@
-"""Data-parallel training on several machines under torchrun: global vs local ranks.
+r"""Data-parallel training on several machines under torchrun: global vs local ranks.
 
 Launch, on every node (N nodes, G processes each; --nproc_per_node=2 on CPUs):
     torchrun --nnodes=N --nproc_per_node=gpu --rdzv-backend=c10d \

@@ -1,4 +1,4 @@
-"""Fully sharded data parallel (FSDP2) on several machines: each rank holds 1/world_size of the model.
+r"""Fully sharded data parallel (FSDP2) on several machines: each rank holds 1/world_size of the model.
 
 Launch, on every node (N nodes, G processes each; --nproc_per_node=2 on CPUs):
     torchrun --nnodes=N --nproc_per_node=gpu --rdzv-backend=c10d \

@@ -36,12 +36,14 @@ def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path)
 
 
 def test_unknown_task_module_is_one_line(tmp_path):
-    result = run([sys.executable, REPO / "singlegpu.py", "--dataset", "no_such_module:build"], tmp_path)
+    """The line names where the module was looked for."""
+    result = run([sys.executable, REPO / "singlegpu.py", "--dataset", "no_such_module:build"], tmp_path,
+                 PYTHONPATH="")
     assert result.returncode == 2
     assert error_lines(result.stderr) == [result.stderr.strip()]
     assert "cannot load task function 'build' from module 'no_such_module'" in result.stderr
-    assert "put no_such_module.py beside the scripts, in the folder you run from, or on PYTHONPATH" \
-        in result.stderr
+    assert (f"no no_such_module.py beside the scripts ({REPO}), in the current folder ({tmp_path.resolve()}) or on "
+            f"PYTHONPATH (not set); put it in one of them") in result.stderr
 
 
 def test_task_module_in_the_current_folder_needs_no_pythonpath(tmp_path):

@@ -233,7 +233,7 @@ def test_unwritable_save_folder_is_refused_before_training(script, tmp_path):
     result = run(cmd, tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
-    assert len(errors) == 1 and "is not writable" in errors[0] and "a_file" in errors[0]
+    assert len(errors) == 1 and "a_file is a file, not a folder" in errors[0]
     assert "epoch 1/" not in result.stdout  # refused before training
     assert (tmp_path / "a_file").read_text() == "not a folder"
 

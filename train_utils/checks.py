@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import zipfile
 from typing import Callable
 
 import torch
@@ -80,17 +81,80 @@ def check_same_settings(args: argparse.Namespace) -> None:
                               f"same arguments")
 
 
-def _folder_error(path: str) -> str:
-    """'' when ``path``'s folder exists (made if missing) and takes new files,
-    else why not. ``path`` itself is never touched."""
-    folder = os.path.dirname(os.path.abspath(path))
+def is_torch_save(path: str) -> bool:
+    """True when ``path`` looks like a file ``torch.save`` wrote: a zip
+    archive holding a ``<name>/data.pkl`` entry (reads its directory only)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def _folder_takes_files(folder: str) -> str:
+    """'' when ``folder`` exists (made if missing) and takes new files, else
+    why not, truthfully: the part of it that is a file, the folder that could
+    not be made, or what creating a file there raised."""
+    existing = folder
+    while existing and not os.path.exists(existing):  # the nearest part that exists
+        existing = os.path.dirname(existing)
+    if existing and not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder"
     try:
         os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create folder {folder} ({exc.strerror or type(exc).__name__})"
+    try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        return f"folder {folder} is not writable ({exc.strerror or type(exc).__name__})"
+        return (f"folder {folder} takes no new files (creating one fails: "
+                f"{exc.strerror or type(exc).__name__})")
     return ""
+
+
+def output_path_error(flag: str, path: str, folder: bool = False) -> str:
+    """'' when the run can write ``path`` (the value of --``flag``), else the
+    one-line error: ``cannot write --flag path: why; what to do``.
+
+    ``folder``: ``path`` is a folder the run fills (--tensorboard_dir, the
+    FSDP rung's --snapshot_path), else a file. Refused: a folder where a file
+    is expected and a file where a folder is; a parent that is a file, cannot
+    be created, or takes no new files; an existing --metrics_path that is not
+    writable (it is appended to); an existing --checkpoint_path that
+    ``torch.save`` did not write (saving would replace it, and it is never
+    read first). Missing folders are created; no file is written or changed.
+    """
+    fix = f"pass another --{flag}"
+    snapshot = "snapshot " if flag == "snapshot_path" else ""
+    if folder:
+        why = (f"it is a file, where a {snapshot}folder is expected" if os.path.isfile(path)
+               else _folder_takes_files(path))
+    elif os.path.isdir(path):
+        why = f"it is a folder, where a {snapshot}file is expected"
+    else:
+        why = _folder_takes_files(os.path.dirname(path) or ".")
+        if not why and os.path.isfile(path):
+            if flag == "metrics_path" and not os.access(path, os.W_OK):
+                why = "the file is not writable (Permission denied)"
+            elif flag == "checkpoint_path" and not is_torch_save(path):
+                why = "it is a file torch.save did not write, which saving would replace"
+                fix = f"move it away, or {fix}"
+    return f"cannot write --{flag} {path}: {why}; {fix}" if why else ""
+
+
+def output_paths(args: argparse.Namespace, save_path: str) -> list:
+    """(flag, path, folder) of each output the run writes: --checkpoint_path
+    or --snapshot_path (a folder when ``save_path`` lies inside it, as the
+    FSDP rung's snapshots do), --metrics_path and --tensorboard_dir when set."""
+    outputs = []
+    for flag in ("checkpoint_path", "snapshot_path"):
+        path = getattr(args, flag, None)
+        if path and path in (save_path, os.path.dirname(save_path)):
+            outputs.append((flag, path, path != save_path))
+    outputs.append(("metrics_path", args.metrics_path, False))
+    outputs.append(("tensorboard_dir", getattr(args, "tensorboard_dir", None), True))
+    return [(flag, path, folder) for flag, path, folder in outputs if path]
 
 
 def check_before_training(args: argparse.Namespace, device: torch.device,
@@ -101,8 +165,11 @@ def check_before_training(args: argparse.Namespace, device: torch.device,
     it would slow training down (``check_amp``); a training loader with fewer
     batches than one optimizer step needs; --snapshot_every_steps not a
     multiple of --grad_accum_steps; and, on the processes that ``saves``,
-    the folders of ``save_path``, --metrics_path and --tensorboard_dir take
-    files (missing ones are created), and tensorboard imports where asked for.
+    every output path (``output_paths``: ``save_path``'s flag, --metrics_path,
+    --tensorboard_dir) can be written (``output_path_error``; missing folders
+    are created), and tensorboard imports where asked for. ``save_path`` is
+    --checkpoint_path or --snapshot_path, or a file inside the folder
+    --snapshot_path (the FSDP rung's snapshot folders).
     Collective under a process group. Raises ConfigError (one line).
     """
     check_same_settings(args)
@@ -117,16 +184,10 @@ def check_before_training(args: argparse.Namespace, device: torch.device,
                           f"of --grad_accum_steps {args.grad_accum_steps}; a snapshot must fall "
                           f"between optimizer steps")
     error = ""
-    tensorboard_dir = getattr(args, "tensorboard_dir", None)
     if saves:
-        for what, path, probe in (("save to", save_path, save_path),
-                                  ("write --metrics_path", args.metrics_path, args.metrics_path),
-                                  ("write --tensorboard_dir", tensorboard_dir,
-                                   tensorboard_dir and os.path.join(tensorboard_dir, "events"))):
-            why = _folder_error(probe) if probe else ""
-            if why and not error:
-                error = f"cannot {what} {path}: {why}; choose another path"
-        if tensorboard_dir and not error:
+        for flag, path, folder in output_paths(args, save_path):
+            error = error or output_path_error(flag, path, folder)
+        if getattr(args, "tensorboard_dir", None) and not error:
             error = tensorboard_missing()
     error = first_error(error)
     if error:

@@ -67,6 +67,15 @@ SCRIPT_FLAGS = {
 }
 
 
+# The models each built-in task accepts, first the default (what its task
+# function passes to common.choose_model), for --model's help.
+TASK_MODELS = {
+    "synthetic": ("mlp", "linear"),
+    "mnist": ("cnn",),
+    "cifar10": ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet"),
+}
+
+
 class _OneRankParser(argparse.ArgumentParser):
     """An ArgumentParser that, under torchrun, prints usage, help and errors
     from rank 0 only (every rank parses the same command line), and makes the
@@ -138,7 +147,10 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
     add("--dataset", type=_task_name(tasks), default=tasks[0],
         help=f"task to train: {', '.join(tasks)}, or module:function for your own "
              f"(default: {tasks[0]}, needs no download)")
-    add("--model", default=None, help="model for the task (default: the task's first)")
+    models = "; ".join(f"{task} {', '.join(TASK_MODELS[task])}" for task in tasks if task in TASK_MODELS)
+    add("--model", default=None,
+        help=f"model for the task: {models}; your own task: what its task function accepts "
+             f"(default: the task's first)")
     add("--data_dir", default=os.environ.get("DATA_DIR", "data"),
         help="dataset root, as torchvision expects it (default: $DATA_DIR or ./data)")
     add("--seed", type=int, default=0, help="seed for data split, model init, shuffling (default: 0)")

@@ -42,6 +42,7 @@ class EpochMeter:
         self.carried = carried
         self.steps_left = 0
         self._bar, self._bar_loss_at = None, 0.0
+        self.resumes = True  # the script resumes from snapshots (set by ``batches``)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.start = time.perf_counter()
@@ -55,6 +56,7 @@ class EpochMeter:
         a no-op outside the tests, and under a process group names the step
         for the collective time-out report (``note_phase``)."""
         steps = len(loader) - len(loader) % args.grad_accum_steps
+        self.resumes = getattr(args, "snapshot_path", None) is not None  # for check_finite's advice
         self.steps_left = steps
         self.start = time.perf_counter()
         distributed = is_distributed()
@@ -88,7 +90,7 @@ class EpochMeter:
         if is_distributed():
             dist.all_reduce(totals)
         totals = totals.cpu() + (self.carried.cpu() if self.carried is not None else 0)
-        check_finite(totals[0].item() / totals[1].item(), self.epoch)
+        check_finite(totals[0].item() / totals[1].item(), self.epoch, self.resumes)
         return totals
 
     def summary(self) -> dict:
@@ -102,7 +104,7 @@ class EpochMeter:
         seconds = time.perf_counter() - self.start
         loss_sum, samples = (self.totals.cpu() + (self.carried.cpu() if self.carried is not None
                                                   else 0)).tolist()
-        check_finite(loss_sum / samples, self.epoch)
+        check_finite(loss_sum / samples, self.epoch, self.resumes)
         return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
                 "train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
                 "epoch_seconds": seconds, **peak_memory_mib(self.device)}
@@ -126,12 +128,16 @@ def evaluating(batches: Iterable) -> Iterable:
     return progress_bar(batches, "evaluating", total=len(batches) if hasattr(batches, "__len__") else None)
 
 
-def check_finite(loss: float, epoch: int) -> None:
+def check_finite(loss: float, epoch: int, resumes: bool = True) -> None:
     """Raise ConfigError when the training loss is NaN or infinite.
 
     Called before anything is saved, so a diverged run never overwrites the
-    last good checkpoint or snapshot.
+    last good checkpoint or snapshot. ``resumes``: the script resumes from
+    its snapshots (--snapshot_path), so the advice is to resume with a lower
+    --lr; else (singlegpu, multigpu_spawn) to train again with one.
     """
     if not math.isfinite(loss):
+        advice = ("Lower --lr and resume" if resumes else
+                  "Lower --lr and train again (this script does not resume from its checkpoint)")
         raise ConfigError(f"training loss became {loss} in epoch {epoch + 1}; stopping without "
-                          f"saving (the last saved state is kept). Lower --lr and resume")
+                          f"saving (the last saved state is kept). {advice}")

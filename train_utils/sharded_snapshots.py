@@ -5,6 +5,7 @@ file written last, whose presence means the folder is complete.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from typing import Optional
@@ -12,8 +13,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from common import ConfigError
+from .checks import first_error
 from .output import is_distributed
-from .snapshots import atomic_save, read_snapshot, snapshot_on_every_node
+from .snapshots import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
 
 
 class ShardedSnapshots:
@@ -49,8 +51,8 @@ class ShardedSnapshots:
         found, error = None, ""
         if dist.get_rank() == 0:
             if os.path.isfile(self.root):
-                error = (f"--snapshot_path {self.root} is a file; multinode_fsdp.py keeps its "
-                         f"snapshots in a folder there: pass another --snapshot_path")
+                error = (f"cannot write --snapshot_path {self.root}: it is a file, where a "
+                         f"snapshot folder is expected; pass another --snapshot_path")
             elif os.path.isdir(self.root):
                 complete = []
                 for name, folder, position in self._folders():
@@ -71,11 +73,16 @@ class ShardedSnapshots:
         """``read_snapshot`` of ``folder``'s META (the weights are in its DCP
         shards). ``config["world_size"]`` is None in the FSDP rung, so any world
         size matches: DCP reshards. Raises ConfigError as ``read_snapshot``
-        does, and for a snapshot taken inside an epoch by another world size
-        than ``world_size`` (this run's):
+        does, for damaged shards (``shard_damage``), and for a snapshot taken
+        inside an epoch by another world size than ``world_size`` (this run's):
         each rank's share of that epoch depends on the world size, so the rest
         of the epoch cannot be split anew without repeating or skipping samples."""
         snapshot = read_snapshot(os.path.join(folder, self.META), config)
+        rank, ranks = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+        damage = first_error(shard_damage(folder, rank, ranks))  # each rank checks its share
+        if damage:
+            raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
+                              f"to start afresh (or put back a good copy), or pass another --snapshot_path")
         saved = snapshot["world_size"]
         if snapshot["steps_run"] and saved != world_size:
             raise ConfigError(f"snapshot {folder} was taken inside an epoch by world_size {saved}; "
@@ -99,6 +106,45 @@ class ShardedSnapshots:
             folder, position = os.path.join(self.root, name), _position(name)
             if position is not None and os.path.isdir(folder):
                 yield name, folder, position
+
+
+def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:
+    """'' when the DCP shard files of snapshot ``folder`` pass their integrity
+    check, else which file and item fails, in a few words.
+
+    DCP keeps no checksum of its own; but its file writer stores each tensor
+    as a ``torch.save`` zip archive at the offset and length that the
+    ``.metadata`` index records, and each holds the CRC-32 of its data. Each
+    such item (every ``ranks``-th, from the ``rank``-th, so that ranks share
+    the reading) is checked with ``archive_damage``; items in another form
+    (none in torch 2.8-2.15) are not checked. A damaged ``.metadata`` is
+    reported too. Reads the files; never writes them.
+    """
+    from torch.distributed.checkpoint import FileSystemReader  # only the FSDP rung needs DCP
+
+    for part in ("model", "optimizer"):
+        path = os.path.join(folder, part)
+        try:
+            items = sorted(FileSystemReader(path).read_metadata().storage_data.items(), key=str)
+        except Exception as exc:
+            return f"{part}/.metadata cannot be read: {type(exc).__name__}"
+        for index, info in items[rank::ranks]:
+            name = f"{part}/{getattr(info, 'relative_path', '?')} item {getattr(index, 'fqn', index)}"
+            if getattr(info, "transform_descriptors", None):
+                continue  # stored transformed (compressed, say): no zip archive to check
+            try:
+                with open(os.path.join(path, info.relative_path), "rb") as f:
+                    f.seek(info.offset)
+                    data = f.read(info.length)
+            except (OSError, AttributeError) as exc:
+                return f"{name} cannot be read: {type(exc).__name__}"
+            if len(data) < info.length:
+                return f"{name} is truncated"
+            if data.startswith(b"PK\x03\x04"):  # a zip archive's first local header
+                damage = archive_damage(io.BytesIO(data))
+                if damage:
+                    return f"{name}: {damage.removeprefix('damaged: ')}"
+    return ""
 
 
 def _position(name: str) -> Optional[tuple]:

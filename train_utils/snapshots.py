@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import tempfile
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -29,24 +31,65 @@ START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
 BEFORE_RECIPES = {"optimizer": "sgd"}
 
 
+def archive_damage(path) -> str:
+    """'' when ``path`` (a file name, or a binary file object) is a whole zip
+    archive, the format ``torch.save`` writes, whose every entry matches the
+    CRC-32 stored for it; else what is wrong, in a few words.
+
+    The CRCs cover every byte of a snapshot's entries, its tensors' data
+    included: a file damaged on disk or in a copy is caught here, where
+    ``torch.load`` would load the damaged tensors without a word. Reads the
+    whole file once; never writes it.
+    """
+    if not zipfile.is_zipfile(path):
+        return "not a zip archive as torch.save writes: truncated, or another kind of file"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # the first entry whose data fails its CRC-32
+    except Exception as exc:  # a damaged local header: BadZipFile, or zlib/EOF/OS errors
+        return f"a damaged zip archive: {type(exc).__name__}: {_first_line(str(exc))}"
+    if damaged:
+        return f"damaged: its entry {damaged} fails its CRC-32 check"
+    return ""
+
+
+def _first_line(text: str) -> str:
+    """The first non-empty line of ``text`` that is not torch's advice about
+    ``weights_only`` (retrying with weights_only=False would run whatever a
+    crafted file holds), cut to 160 characters; 'no detail' if none."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line and "weights_only" not in line and "Weights only" not in line and \
+                not line.startswith(("Please file an issue", "Check the documentation")):
+            return line[:160]
+    return "no detail"
+
+
 def read_snapshot(path: str, config: dict) -> dict:
     """Load a snapshot on the CPU for the run described by ``config``.
 
-    ``weights_only=True`` unpickles tensors and plain containers only, never
-    arbitrary objects, so a crafted file cannot run code here. Raises
-    ConfigError (one line, the file left as it is) when the file cannot be
-    read, when it comes from a run whose ``SNAPSHOT_MUST_MATCH`` settings
-    differ from ``config``'s, or when it holds more epochs than
-    ``config["total_epochs"]``; NothingToTrain when it holds exactly those.
+    First its integrity (``archive_damage``: the zip archive's CRC-32 of each
+    entry), then ``torch.load`` with ``weights_only=True``, which unpickles
+    tensors and plain containers only, never arbitrary objects, so a crafted
+    file cannot run code here. Raises ConfigError (one line, the file left as
+    it is) when the file is damaged or cannot be read, when it comes from a
+    run whose ``SNAPSHOT_MUST_MATCH`` settings differ from ``config``'s, or
+    when it holds more epochs than ``config["total_epochs"]``; NothingToTrain
+    when it holds exactly those.
     """
+    unreadable = ("; move it away to start afresh (or put back a good copy), or pass another "
+                  "--snapshot_path")
+    damage = archive_damage(path)
+    if damage:
+        raise ConfigError(f"cannot read snapshot {path} ({damage}){unreadable}")
     try:
         snapshot = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only refused an object, or not a pickle
+        raise ConfigError(f"cannot read snapshot {path} (torch's weights-only unpickler, which "
+                          f"runs no code, refused it: {_first_line(str(exc))}){unreadable}") from None
     except Exception as exc:
-        detail = str(exc).strip()
-        raise ConfigError(
-            f"cannot read snapshot {path} ({type(exc).__name__}: "
-            f"{detail.splitlines()[0] if detail else 'no detail'}); "
-            f"move it away to start afresh, or pass another --snapshot_path") from None
+        raise ConfigError(f"cannot read snapshot {path} ({type(exc).__name__}: "
+                          f"{_first_line(str(exc))}){unreadable}") from None
     saved = {**BEFORE_RECIPES, **snapshot["config"]}
     changed = [f"{key} {saved.get(key)} -> {config[key]}"
                for key in SNAPSHOT_MUST_MATCH if saved.get(key) != config[key]]

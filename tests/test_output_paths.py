@@ -1,0 +1,258 @@
+"""Where a run writes, and what it reads back: every output path checked
+before training with one wording, files that are not the run's never
+overwritten, damaged snapshots refused by their zip archive's CRCs, and the
+advice and --help text a user reads around them.
+
+Every run is a real script on the CPU, from a folder other than the scripts'."""
+
+import io
+import os
+import shlex
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from helpers import REPO, TORCHRUN, check, error_lines, run, task_args
+
+import common
+import train_utils
+
+SINGLEGPU = [sys.executable, REPO / "singlegpu.py", "--total_epochs", "1"]
+TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+FSDP_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multinode_fsdp.py"]
+SCRIPTS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
+
+
+def refused_before_training(result: subprocess.CompletedProcess) -> str:
+    """The one error line of a run that stopped before its first epoch; run
+    without torchrun (whose own report follows it), that line is all of stderr."""
+    assert result.returncode != 0, result.stdout
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr
+    assert "epoch 1/" not in result.stdout
+    if "Root Cause" not in result.stderr:
+        assert result.stderr.strip() == errors[0]
+    return errors[0]
+
+
+# --------------------------------------------------------------------------
+# Output paths: checked up front, one wording
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--checkpoint_path", "--metrics_path"])
+def test_a_folder_given_as_an_output_file_is_refused_before_training(flag, tmp_path):
+    (tmp_path / "runs").mkdir()
+    result = run(SINGLEGPU + [flag, "runs"], tmp_path)
+    assert result.returncode == 2
+    assert refused_before_training(result) == (
+        f"error: cannot write {flag} runs: it is a folder, where a file is expected; pass another {flag}")
+    assert os.listdir(tmp_path / "runs") == []
+
+
+def test_a_folder_given_as_a_snapshot_file_is_refused_before_training(tmp_path):
+    """multigpu_torchrun.py's --snapshot_path is a file (multinode_fsdp.py's is a folder)."""
+    (tmp_path / "snapshot.pt").mkdir()
+    error = refused_before_training(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    assert error == ("error: cannot write --snapshot_path snapshot.pt: it is a folder, where a snapshot "
+                     "file is expected; pass another --snapshot_path")
+
+
+@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+                    reason="FSDP on gloo needs torch 2.10")
+def test_a_file_where_the_fsdp_snapshot_folder_goes_is_refused_and_kept(tmp_path):
+    (tmp_path / "snapshot.pt").write_bytes(b"a multinode.py snapshot file")
+    error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    assert error == ("error: cannot write --snapshot_path snapshot.pt: it is a file, where a snapshot "
+                     "folder is expected; pass another --snapshot_path")
+    assert (tmp_path / "snapshot.pt").read_bytes() == b"a multinode.py snapshot file"
+
+
+def test_a_file_given_as_the_tensorboard_folder_is_refused_before_training(tmp_path):
+    (tmp_path / "tb").write_text("notes")
+    error = refused_before_training(run(SINGLEGPU + ["--tensorboard_dir", "tb"], tmp_path))
+    assert error == ("error: cannot write --tensorboard_dir tb: it is a file, where a folder is expected; "
+                     "pass another --tensorboard_dir")
+    assert (tmp_path / "tb").read_text() == "notes"
+
+
+def test_a_file_in_the_path_is_named_as_a_file_not_an_unwritable_folder(tmp_path):
+    (tmp_path / "notes").write_text("not a folder")
+    error = refused_before_training(run(SINGLEGPU + ["--checkpoint_path", "notes/run1/checkpoint.pt"],
+                                        tmp_path))
+    assert error == ("error: cannot write --checkpoint_path notes/run1/checkpoint.pt: notes is a file, "
+                     "not a folder; pass another --checkpoint_path")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_folder_that_takes_no_files_says_what_fails(tmp_path):
+    """/proc exists and is listable; creating a file there fails with ENOENT,
+    not with 'not writable'."""
+    error = refused_before_training(run(SINGLEGPU + ["--checkpoint_path", "/proc/x.pt"], tmp_path))
+    assert error == ("error: cannot write --checkpoint_path /proc/x.pt: folder /proc takes no new files "
+                     "(creating one fails: No such file or directory); pass another --checkpoint_path")
+
+
+def test_a_file_torch_save_did_not_write_is_never_overwritten(tmp_path):
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    error = refused_before_training(run(SINGLEGPU + ["--checkpoint_path", "notes.txt"], tmp_path))
+    assert error == ("error: cannot write --checkpoint_path notes.txt: it is a file torch.save did not write, "
+                     "which saving would replace; move it away, or pass another --checkpoint_path")
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_a_rerun_replaces_its_own_checkpoint(tmp_path):
+    check(run(SINGLEGPU + ["--checkpoint_path", "c.pt"], tmp_path))
+    first = (tmp_path / "c.pt").read_bytes()
+    check(run(SINGLEGPU + ["--checkpoint_path", "c.pt", "--seed", "1"], tmp_path))
+    assert (tmp_path / "c.pt").read_bytes() != first  # replaced by the new run's weights
+    assert train_utils.checks.is_torch_save(str(tmp_path / "c.pt"))
+
+
+# --------------------------------------------------------------------------
+# Snapshots: damage found by the zip archive's CRCs, one short line
+# --------------------------------------------------------------------------
+
+def zero_inside_largest_tensor(data: bytearray, start: int = 0, length: int = 0) -> str:
+    """Zero 8 bytes in the middle of the largest tensor of the torch.save
+    archive at ``data[start:start + length]`` (all of ``data`` by default),
+    as a bad disk block or a broken copy does; return that entry's name. Its
+    bytes follow its local header: 30 bytes, the name, and an extra field
+    (torch's alignment), whose lengths the header holds."""
+    with zipfile.ZipFile(io.BytesIO(bytes(data[start:start + length] if length else data))) as archive:
+        entry = max((info for info in archive.infolist() if "/data/" in info.filename),
+                    key=lambda info: info.file_size)
+    header = start + entry.header_offset
+    name_length, extra_length = (int.from_bytes(data[header + at:header + at + 2], "little") for at in (26, 28))
+    middle = header + 30 + name_length + extra_length + entry.compress_size // 2
+    data[middle:middle + 8] = bytes(8)
+    return entry.filename
+
+
+def zero_inside_largest_tensor_of(path) -> str:
+    """``zero_inside_largest_tensor`` of the file ``path``, written back."""
+    data = bytearray(open(path, "rb").read())
+    entry = zero_inside_largest_tensor(data)
+    open(path, "wb").write(data)
+    return entry
+
+
+def test_a_snapshot_damaged_inside_its_tensors_is_refused_naming_the_entry(tmp_path):
+    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    path = tmp_path / "snapshot.pt"
+    entry = zero_inside_largest_tensor_of(path)
+    torch.load(path, weights_only=True)  # torch alone loads it, damaged tensor and all
+    damaged = path.read_bytes()
+    error = refused_before_training(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path))
+    assert error == (f"error: cannot read snapshot snapshot.pt (damaged: its entry {entry} fails its CRC-32 "
+                     f"check); move it away to start afresh (or put back a good copy), or pass another "
+                     f"--snapshot_path")
+    assert path.read_bytes() == damaged
+
+
+@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+                    reason="FSDP on gloo needs torch 2.10")
+def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(tmp_path):
+    check(run(FSDP_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    (folder,) = os.listdir(tmp_path / "snapshot.pt")
+    meta = tmp_path / "snapshot.pt" / folder / train_utils.SHARDED_SNAPSHOT_META
+    entry = zero_inside_largest_tensor_of(meta)
+    damaged = meta.read_bytes()
+    error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "2"], tmp_path))
+    assert error.startswith(f"error: cannot read snapshot snapshot.pt/{folder}/meta.pt (damaged: its entry "
+                            f"{entry} fails its CRC-32 check)")
+    assert meta.read_bytes() == damaged
+
+
+@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+                    reason="FSDP on gloo needs torch 2.10")
+def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(tmp_path):
+    """DCP keeps no checksum; each tensor in its .distcp files is a torch.save
+    archive, whose CRCs catch what dcp.load would load without a word."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    check(run(FSDP_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    (folder,) = os.listdir(tmp_path / "snapshot.pt")
+    model = tmp_path / "snapshot.pt" / folder / "model"
+    index, item = max(FileSystemReader(str(model)).read_metadata().storage_data.items(),
+                      key=lambda pair: pair[1].length)
+    shard = model / item.relative_path
+    data = bytearray(shard.read_bytes())
+    entry = zero_inside_largest_tensor(data, item.offset, item.length)
+    shard.write_bytes(bytes(data))
+    error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "2"], tmp_path))
+    assert error == (f"error: cannot read snapshot snapshot.pt/{folder} (a damaged shard: model/"
+                     f"{item.relative_path} item {index.fqn}: its entry {entry} fails its CRC-32 "
+                     f"check); move it away to start afresh (or put back a good copy), or pass another "
+                     f"--snapshot_path")
+    assert shard.read_bytes() == bytes(data)
+
+
+def test_random_bytes_as_a_snapshot_give_one_short_line_without_unsafe_advice(tmp_path):
+    (tmp_path / "snapshot.pt").write_bytes(os.urandom(36_000))
+    error = refused_before_training(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    assert error == ("error: cannot read snapshot snapshot.pt (not a zip archive as torch.save writes: "
+                     "truncated, or another kind of file); move it away to start afresh (or put back a "
+                     "good copy), or pass another --snapshot_path")
+
+
+def test_a_crafted_snapshot_is_refused_without_the_advice_to_load_it_unsafely(tmp_path, monkeypatch):
+    """torch's own message says to retry with weights_only=False, which would
+    run the file's code; the line keeps only what was refused."""
+    crafted = tmp_path / "snapshot.pt"
+    subprocess.run([sys.executable, "-c", f"""
+import os, torch
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("true",))
+torch.save({{"model": Payload()}}, {str(crafted)!r})
+"""], check=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(common.ConfigError) as info:
+        train_utils.read_snapshot("snapshot.pt", {})
+    message = str(info.value)
+    assert "weights_only" not in message and "\n" not in message and len(message) < 300
+    assert "refused it: Trying to load unsupported GLOBAL posix.system" in message
+
+
+# --------------------------------------------------------------------------
+# Advice and help that fit the script
+# --------------------------------------------------------------------------
+
+def test_a_diverged_run_of_a_script_without_snapshots_is_not_told_to_resume(tmp_path):
+    result = run([sys.executable, REPO / "singlegpu.py", "--lr", "1e6"], tmp_path)
+    assert result.returncode == 2
+    (error,) = error_lines(result.stderr)
+    assert error.startswith("error: training loss became ") and "and resume" not in error
+    assert error.endswith("Lower --lr and train again (this script does not resume from its checkpoint)")
+
+
+@pytest.mark.parametrize("script", ["multinode.py", "multinode_fsdp.py"])
+def test_help_keeps_the_launch_command_as_written(script, tmp_path):
+    """The torchrun line and its backslash continuation, each on its own
+    line: pasted into a shell, it is the documented command."""
+    result = check(run([sys.executable, REPO / script, "--help"], tmp_path))
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("torchrun --nnodes"))
+    assert lines[start].endswith(" \\") and lines[start + 1].startswith("        --rdzv-endpoint")
+    command = shlex.split(lines[start][:-1] + lines[start + 1])
+    assert command[0] == "torchrun" and command[-1] == script and "--rdzv-id=JOB_ID" in command
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_sends_your_task_to_its_own_file_and_lists_each_tasks_models(script, tmp_path):
+    text = " ".join(check(run([sys.executable, REPO / script, "--help"], tmp_path)).stdout.split())
+    assert "common.py" not in text and "docs/custom-task.md" in text
+    assert ("model for the task: synthetic mlp, linear; mnist cnn; cifar10 resnet18, resnet50, "
+            "resnet18_imagenet, resnet50_imagenet; your own task: what its task function accepts") in text
+
+
+@pytest.mark.parametrize("task", list(common.TASKS))
+def test_the_models_in_help_are_those_each_task_accepts(task):
+    """--model's help (train_utils.cli.TASK_MODELS) against the task itself:
+    an unknown model's error lists the task's choices, before any data is read."""
+    with pytest.raises(common.ConfigError) as info:
+        common.load_task(task_args(task, model="no_such_model"), download=False)
+    assert str(info.value).endswith(f"choose one of {', '.join(train_utils.cli.TASK_MODELS[task])}")
