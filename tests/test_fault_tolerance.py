@@ -302,7 +302,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     launch = TORCHRUN + ["--standalone", nprocs, *relay, str(REPO / "multigpu_torchrun.py"), *args]
     text = signal_when(launch, interrupted, "epoch 2/12", signum)
     name = signal.Signals(signum).name
-    stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt$", text, re.M)
+    stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_multigpu_torchrun\.pt$", text, re.M)
     assert len(stops) == 1 and text.count(f"stopped by {name}") == 1, text
     assert "test | loss" not in text  # stopped, not finished
     if signum == signal.SIGINT:  # one line says what happens, no worker traceback
@@ -429,5 +429,5 @@ def test_a_three_rank_amp_run_resumed_mid_epoch_is_bitwise_unchanged(small_mnist
     check(run(three + flags, tmp_path / "clean"))
     killed = check(run(three + flags, tmp_path / "killed", DDP_TEST_FAULT="step:1:9:kill"))
     assert "DDP_TEST_FAULT: kill at step 9 on rank 1" in killed.stderr
-    assert re.search(r"resuming from snapshot snapshot\.pt in epoch 2 after step \d", killed.stdout), killed.stdout
+    assert re.search(rf"resuming from snapshot {SNAPSHOT} in epoch 2 after step \d", killed.stdout), killed.stdout
     assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)

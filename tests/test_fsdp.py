@@ -396,7 +396,7 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
     text = signal_when(launch, tmp_path, "epoch 1/2", signal.SIGUSR1, start_s=180, stop_s=120)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text
     after_stop = text.split("stopped by SIGUSR1")[1]
-    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt/epoch-\1-step-\2$",
+    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_multinode_fsdp/epoch-\1-step-\2$",
                             after_stop, re.M).groups()
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1  # stopped inside the next epoch
     resumed = check(run(fsdp(2, *FAULT_FLAGS), tmp_path))
