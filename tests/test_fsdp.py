@@ -406,9 +406,9 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
 
 
 def test_a_multinode_snapshot_file_is_refused_in_one_line(tmp_path):
-    (tmp_path / "snapshot_multinode_fsdp").write_bytes(b"a multinode.py snapshot file")
-    result = run(fsdp(1, "--total_epochs", 1), tmp_path)
+    (tmp_path / "snapshot_multinode.pt").write_bytes(b"a multinode.py snapshot file")
+    result = run(fsdp(1, "--total_epochs", 1, "--snapshot_path", "snapshot_multinode.pt"), tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
-    assert len(errors) == 1 and "cannot save to snapshot.pt/meta.pt" in errors[0], result.stderr
-    assert (tmp_path / "snapshot.pt").read_bytes() == b"a multinode.py snapshot file"
+    assert len(errors) == 1 and "cannot save to snapshot_multinode.pt/meta.pt" in errors[0], result.stderr
+    assert (tmp_path / "snapshot_multinode.pt").read_bytes() == b"a multinode.py snapshot file"
