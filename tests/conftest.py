@@ -1,5 +1,6 @@
 """pytest's fixtures and hooks for the tests: the real-MNIST fixture, the
-session's one Slurm cluster, and each test file's time at the end of the run.
+session's one Slurm cluster, the quick tier (``-m quick``), and each test
+file's time at the end of the run.
 The helpers the tests call are in helpers.py (running the scripts, parsing
 their output, snapshots) and dataset_files.py (datasets on disk)."""
 
@@ -49,6 +50,53 @@ def slurm_cluster(tmp_path_factory):
         cluster.stop()
     # The harness promises to leave the machine as it found it.
     assert cluster.leftovers() == []
+
+
+# --------------------------------------------------------------------------
+# The quick tier: `python -m pytest -m quick tests`
+# --------------------------------------------------------------------------
+
+# The tests `-m quick` selects: every rung end to end, resume, bad input, the
+# README's promises; a few minutes on 2 CPU cores, no root, no Slurm, no
+# podman, no network. An entry is a file (all its tests) or a test id, with or
+# without its parameters. The full suite (.ci/run) is the rest.
+QUICK = [
+    "test_ladder.py",  # singlegpu, spawn, torchrun, multinode end to end; bad flags and data
+    "test_ladder_diffs.py",
+    "test_package_map.py",
+    "test_readme.py",
+    "test_multinode.py::test_two_nodes_train_together",
+    "test_fsdp.py::test_resume_equals_uninterrupted_run",  # the FSDP rung, stopped and resumed
+    "test_distributed_correctness.py::test_resume_equals_uninterrupted_run[multigpu_torchrun.py-synthetic]",
+    "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",
+    "test_reruns_and_errors.py::test_fewer_epochs_than_the_snapshot_holds_is_refused",
+    "test_reruns_and_errors.py::test_a_typo_under_torchrun_prints_usage_once_and_is_the_root_cause",
+    "test_reruns_and_errors.py::test_flags_spelled_as_in_pytorch_examples_get_the_flag_meant",
+    "test_fault_tolerance.py::test_truncated_snapshot_stops_with_one_line_and_is_kept",
+]
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "quick: the few-minute tier (tests/conftest.py's QUICK): "
+                                       "python -m pytest -m quick tests")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests QUICK names ``quick``. An entry naming a file that was
+    collected whole but none of its tests (a test renamed) is an error, not a
+    silently smaller tier."""
+    used = set()
+    for item in items:
+        file_name, _, test_id = item.nodeid.rpartition("/")[2].partition("::")
+        for entry in QUICK:
+            if entry in (file_name, f"{file_name}::{test_id}", f"{file_name}::{test_id.split('[')[0]}"):
+                item.add_marker(pytest.mark.quick)
+                used.add(entry)
+    files = {item.nodeid.rpartition("/")[2].partition("::")[0] for item in items}
+    stale = [entry for entry in QUICK if entry.partition("::")[0] in files and entry not in used]
+    if stale and not any("::" in arg for arg in config.args):
+        raise pytest.UsageError(f"tests/conftest.py's QUICK names tests that do not exist: {stale}")
 
 
 # --------------------------------------------------------------------------

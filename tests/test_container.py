@@ -339,7 +339,7 @@ def test_two_containers_as_two_nodes(image, tmp_path):
     # Each container ran one process: global ranks 0 and 1, local rank 0 on both.
     ranks = [(int(rank), int(local)) for rank, local, _, _ in RANK_LINE.findall(everything)]
     assert sorted(set(ranks)) == [(0, 0), (1, 0)] and len(ranks) == 4  # 2 ranks x 2 epochs
-    assert (shared / "snapshot.pt").is_file()
+    assert (shared / "snapshot_multinode.pt").is_file()  # multinode.py's default --snapshot_path
 
 
 def _podman_env(image: Image) -> dict:

@@ -30,7 +30,7 @@ def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path)
     assert lines[-1]["train_loss"] < lines[0]["train_loss"]
     assert parse_test(result.stdout)["acc"] >= 0.9
     assert "world_size 2" in result.stdout
-    snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
+    snapshot = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)
     assert snapshot["config"]["dataset"] == "my_task:build_task"
     assert snapshot["model"]["2.weight"].shape == (3, 32)  # the guide's model, 3 classes
 

@@ -40,11 +40,11 @@ def test_ddp_matches_single_process_with_the_global_batch(launcher, tmp_path):
         if launcher == "spawn":
             cmd = [sys.executable, REPO / "multigpu_spawn.py", "--world_size", str(world_size)]
             check(run(cmd + common_flags, out, MASTER_PORT=str(free_port())))
-            finals[world_size] = _weights(out / "checkpoint.pt")
+            finals[world_size] = _weights(out / "checkpoint_multigpu_spawn.pt")
         else:
             cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={world_size}", REPO / "multigpu_torchrun.py"]
             check(run(cmd + common_flags, out))
-            finals[world_size] = _weights(out / "snapshot.pt")
+            finals[world_size] = _weights(out / "snapshot_multigpu_torchrun.pt")
     assert finals[1].keys() == finals[2].keys()
     start = singlegpu.common.synthetic_model("mlp").state_dict()
     for name in finals[1]:
@@ -141,11 +141,12 @@ def test_resume_equals_uninterrupted_run(dataset, script, tmp_path):
     first = check(run(launch + flags + ["--total_epochs", "2"], tmp_path / "resumed"))
     assert "resuming" not in first.stdout
     second = check(run(launch + flags + ["--total_epochs", "4"], tmp_path / "resumed"))
-    assert "resuming from snapshot snapshot.pt after epoch 2" in second.stdout
+    snapshot = f"snapshot_{script[:-3]}.pt"  # named after the script
+    assert f"resuming from snapshot {snapshot} after epoch 2" in second.stdout
     assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
 
-    epochs_a, straight = snapshot_tensors(tmp_path / "straight" / "snapshot.pt", rng=True)
-    epochs_b, resumed = snapshot_tensors(tmp_path / "resumed" / "snapshot.pt", rng=True)
+    epochs_a, straight = snapshot_tensors(tmp_path / "straight" / snapshot, rng=True)
+    epochs_b, resumed = snapshot_tensors(tmp_path / "resumed" / snapshot, rng=True)
     assert epochs_a == epochs_b == 4
     assert straight.keys() == resumed.keys()
     unequal = [name for name in straight if not torch.equal(straight[name], resumed[name])]
@@ -155,9 +156,10 @@ def test_resume_equals_uninterrupted_run(dataset, script, tmp_path):
 def test_resume_refuses_a_snapshot_from_another_run(tmp_path):
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
     check(run(launch + ["--total_epochs", "1"], tmp_path))
-    before = (tmp_path / "snapshot.pt").read_bytes()
+    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
     result = run(launch + ["--total_epochs", "2", "--batch_size", "64", "--model", "linear"], tmp_path)
     assert result.returncode != 0
-    assert error_lines(result.stderr) == ["error: snapshot snapshot.pt comes from a different run (model mlp -> linear, "
-                      "batch_size 32 -> 64); resume with its settings, or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / "snapshot.pt").read_bytes() == before  # untouched
+    assert error_lines(result.stderr) == [
+        "error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (model mlp -> linear, "
+        "batch_size 32 -> 64); resume with its settings, or delete it or pass another --snapshot_path to start afresh"]
+    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before  # untouched

@@ -7,6 +7,9 @@ torchrun first on PATH and DATA_DIR pointing at real MNIST digits, so that
 `--dataset mnist` works offline. Blocks that need what a test machine is not
 (a Slurm submission, a container engine, a fresh install) are named with the
 test that covers them instead. Output shown in ```text blocks is not run.
+
+Each block runs once alone, and once more in a walk through README.md and
+then the pages in reading order, all in one folder, as a newcomer runs them.
 """
 
 import os
@@ -20,6 +23,7 @@ import pytest
 
 from helpers import REPO, TORCHRUN, script_env
 from test_custom_task import guide_task_module
+from test_readme import check_shown_output
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -81,20 +85,60 @@ def test_documented_commands_run_as_written(doc, number, block, docs_data, tmp_p
             assert wrapper.split("/")[1] in (REPO / "tests" / "test_slurm.py").read_text()
         pytest.skip(f"not run here: {reason}")
     assert not re.search(r"\b[A-Z][A-Z_]*_HOST\b|\bJOB_ID\b", block), "placeholders belong in ```text"
+    _run_block(doc, number, block, tmp_path, _workspace(tmp_path, docs_data))
+
+
+def _workspace(folder, data_dir) -> dict:
+    """Make ``folder`` a user's checkout as the docs assume it (the scripts, the
+    task modules, train_utils, the guide's my_task.py); return the environment
+    of a shell with the test environment activated and DATA_DIR set."""
     for script in REPO.glob("*.py"):  # the scripts and the task modules
-        shutil.copy(script, tmp_path)
-    shutil.copytree(REPO / "train_utils", tmp_path / "train_utils",
+        shutil.copy(script, folder)
+    shutil.copytree(REPO / "train_utils", folder / "train_utils",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    guide_task_module(tmp_path)
-    bin_dir = tmp_path / "bin"  # `python` and `torchrun` as a user's activated environment has them
+    guide_task_module(folder)
+    bin_dir = folder / "bin"  # `python` and `torchrun` as a user's activated environment has them
     bin_dir.mkdir()
     for name, command in (("python", [sys.executable]), ("torchrun", TORCHRUN)):
         (bin_dir / name).write_text(f"#!/bin/sh\nexec {' '.join(map(str, command))} \"$@\"\n")
         (bin_dir / name).chmod(0o755)
-    env = script_env(DATA_DIR=str(docs_data), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return script_env(DATA_DIR=str(data_dir), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def _run_block(doc: str, number: int, block: str, folder, env: dict) -> str:
+    """Run one ```bash block as a script (set -euo pipefail) in ``folder``;
+    assert it exits 0 without a traceback; return its stdout."""
     start = time.monotonic()
-    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=env,
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=folder, env=env,
                             capture_output=True, text=True, timeout=600)
     print(f"{doc} block {number}: {time.monotonic() - start:.1f} s")
-    assert result.returncode == 0, f"{block}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0, (f"{doc} block {number}:\n{block}\n--- stdout\n{result.stdout[-3000:]}"
+                                    f"\n--- stderr\n{result.stderr[-3000:]}")
+    assert "Traceback" not in result.stderr, f"{doc} block {number}:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def reading_order() -> list:
+    """README.md, then the docs pages in the order the README first links them
+    (a page it does not link comes last)."""
+    readme = (REPO / "README.md").read_text()
+    linked = list(dict.fromkeys(re.findall(r"\]\((docs/[\w-]+\.md)\)", readme)))
+    pages = [doc.relative_to(REPO).as_posix() for doc in DOCS[1:]]
+    return ["README.md"] + sorted(pages, key=lambda page: linked.index(page) if page in linked else len(linked))
+
+
+def test_a_newcomer_runs_the_readme_then_every_page_in_one_folder(docs_data, tmp_path):
+    """As a newcomer does: the README's commands, then each page's, in reading
+    order, all in the same folder, so that what one block leaves behind
+    (snapshots, checkpoints, metrics files, curves) meets the next. The blocks
+    run elsewhere (Slurm, containers, a fresh install) are left out here too.
+    The output the README shows for its Steps 1 and 3 is compared with what
+    their blocks print here (tests/test_readme.py's check_shown_output)."""
+    env = _workspace(tmp_path, docs_data)
+    blocks = bash_blocks()
+    for page in reading_order():
+        for doc, number, block in blocks:
+            if doc == page and not covered_elsewhere(block):
+                stdout = _run_block(doc, number, block, tmp_path, env)
+                if doc == "README.md":
+                    check_shown_output(block, stdout)

@@ -22,6 +22,7 @@ from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapsho
 import train_utils
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+SNAPSHOT = "snapshot_multigpu_torchrun.pt"  # its default --snapshot_path
 
 
 
@@ -52,9 +53,9 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(dataset,
                        tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
     assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
     # It resumed inside an epoch, from the last mid-epoch snapshot.
-    assert "resuming from snapshot snapshot.pt in epoch 2 after step 6" in killed.stdout
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch 2 after step 6" in killed.stdout
     assert "epoch 3/3" in killed.stdout
-    assert_same_snapshot(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
+    assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)
 
 
 def test_mid_epoch_resume_repeats_and_skips_no_batch(tmp_path):
@@ -90,9 +91,9 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
                                       REPO / "multigpu_torchrun.py"] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT="save:0:3:kill"))
     assert "DDP_TEST_FAULT: kill at save 3 on rank 0" in killed.stderr
-    assert "resuming from snapshot snapshot.pt in epoch 1 after step 20" in killed.stdout
-    assert_same_snapshot(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
-    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot.pt"]  # no stale temp
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch 1 after step 20" in killed.stdout
+    assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot_multigpu_torchrun.pt"]  # no stale temp
 
 
 # --------------------------------------------------------------------------
@@ -101,13 +102,13 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
 
 def test_truncated_snapshot_stops_with_one_line_and_is_kept(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    path = tmp_path / "snapshot.pt"
+    path = tmp_path / "snapshot_multigpu_torchrun.pt"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     torn = path.read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
-    assert len(errors) == 1 and errors[0].startswith("error: cannot read snapshot snapshot.pt (")
+    assert len(errors) == 1 and errors[0].startswith("error: cannot read snapshot snapshot_multigpu_torchrun.pt (")
     assert "move it away to start afresh" in errors[0]
     assert path.read_bytes() == torn  # never silently replaced by a fresh start
     assert "epoch 1/2" not in result.stdout
@@ -115,7 +116,7 @@ def test_truncated_snapshot_stops_with_one_line_and_is_kept(tmp_path):
 
 def test_crafted_snapshot_is_refused_and_its_code_never_runs(tmp_path):
     marker = tmp_path / "payload_ran"
-    crafted = tmp_path / "snapshot.pt"
+    crafted = tmp_path / "snapshot_multigpu_torchrun.pt"
     # A pickle whose unpickling calls os.system: what a hostile snapshot looks like.
     subprocess.run([sys.executable, "-c", f"""
 import os, torch
@@ -127,7 +128,7 @@ torch.save({{"model": Payload()}}, "{crafted}")
     assert not marker.exists()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path)
     assert result.returncode != 0
-    assert len(error_lines(result.stderr)) == 1 and "cannot read snapshot snapshot.pt" in result.stderr
+    assert len(error_lines(result.stderr)) == 1 and f"cannot read snapshot {SNAPSHOT}" in result.stderr
     assert not marker.exists()
     # Control: the same file loaded the unsafe way does run the payload.
     subprocess.run([sys.executable, "-c", f"import torch; torch.load('{crafted}', weights_only=False)"],
@@ -137,14 +138,14 @@ torch.save({{"model": Payload()}}, "{crafted}")
 
 def test_snapshot_from_another_world_size_is_refused(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    before = (tmp_path / "snapshot.pt").read_bytes()
+    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
     result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multigpu_torchrun.py",
                              "--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        "error: snapshot snapshot.pt comes from a different run (world_size 2 -> 1); "
+        "error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (world_size 2 -> 1); "
         "resume with its settings, or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / "snapshot.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
 
 
 # --------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def test_uneven_data_trains_and_evaluates_exactly(tmp_path):
 
     task = load_task("mnist", root)
     model = task.model
-    model.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True)["model"])
+    model.load_state_dict(torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)["model"])
     loader = singlegpu.prepare_dataloader(task.test_set, 64, 0, False, 0)
     loss, accuracy = singlegpu.evaluate(model, loader, task, torch.device("cpu"))
     assert abs(reported["test_loss"] - loss) <= 1e-6
@@ -247,21 +248,21 @@ def test_missing_save_folder_is_created(tmp_path):
 @pytest.mark.parametrize("snapshot_every_steps", ["0", "10"])
 def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    before = (tmp_path / "snapshot.pt").read_bytes()
+    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "3", "--lr", "1e6",
                                     "--snapshot_every_steps", snapshot_every_steps], tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: training loss became ")
     assert "in epoch 2" in errors[0] and "Lower --lr" in errors[0]
-    assert (tmp_path / "snapshot.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
 
 
 def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
     result = run([sys.executable, REPO / "singlegpu.py", "--lr", "1e6"], tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("error: training loss became ")
-    assert not (tmp_path / "checkpoint.pt").exists()
+    assert not (tmp_path / "checkpoint_singlegpu.pt").exists()
 
 
 # --------------------------------------------------------------------------
@@ -301,7 +302,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     launch = TORCHRUN + ["--standalone", nprocs, *relay, str(REPO / "multigpu_torchrun.py"), *args]
     text = signal_when(launch, interrupted, "epoch 2/12", signum)
     name = signal.Signals(signum).name
-    stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt$", text, re.M)
+    stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_multigpu_torchrun\.pt$", text, re.M)
     assert len(stops) == 1 and text.count(f"stopped by {name}") == 1, text
     assert "test | loss" not in text  # stopped, not finished
     if signum == signal.SIGINT:  # one line says what happens, no worker traceback
@@ -313,10 +314,10 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
 
     resumed = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "multigpu_torchrun.py", *args],
                         interrupted))
-    assert f"resuming from snapshot snapshot.pt in epoch {epoch} after step {step}" in resumed.stdout
+    assert f"resuming from snapshot snapshot_multigpu_torchrun.pt in epoch {epoch} after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 13))
     check(run(TORCHRUN + ["--standalone", nprocs, REPO / "multigpu_torchrun.py", *args], reference))
-    assert_same_snapshot(interrupted / "snapshot.pt", reference / "snapshot.pt")
+    assert_same_snapshot(interrupted / "snapshot_multigpu_torchrun.pt", reference / "snapshot_multigpu_torchrun.pt")
 
 
 def test_a_second_ctrl_c_quits_at_once_without_a_snapshot(tmp_path):
@@ -344,7 +345,7 @@ def test_a_second_ctrl_c_quits_at_once_without_a_snapshot(tmp_path):
     text = log.read_text()
     assert text.count("Ctrl-C: every rank stops after the current step") == 1, text
     assert "second stop request: quitting at once, without a snapshot" in text, text
-    assert not (tmp_path / "snapshot.pt").exists()
+    assert not (tmp_path / "snapshot_multigpu_torchrun.pt").exists()
 
 
 # --------------------------------------------------------------------------
@@ -428,5 +429,5 @@ def test_a_three_rank_amp_run_resumed_mid_epoch_is_bitwise_unchanged(small_mnist
     check(run(three + flags, tmp_path / "clean"))
     killed = check(run(three + flags, tmp_path / "killed", DDP_TEST_FAULT="step:1:9:kill"))
     assert "DDP_TEST_FAULT: kill at step 9 on rank 1" in killed.stderr
-    assert re.search(r"resuming from snapshot snapshot\.pt in epoch 2 after step \d", killed.stdout), killed.stdout
-    assert_same_snapshot(tmp_path / "clean" / "snapshot.pt", tmp_path / "killed" / "snapshot.pt")
+    assert re.search(rf"resuming from snapshot {SNAPSHOT} in epoch 2 after step \d", killed.stdout), killed.stdout
+    assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)

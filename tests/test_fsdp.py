@@ -110,8 +110,8 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
                           "--total_epochs", "1", "--batch_size", str(global_batch)], tmp_path / "one"))
     result = check(run(fsdp(world_size, "--total_epochs", 1, "--batch_size", batch_size,
                             "--grad_accum_steps", accum, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
-    reference = torch.load(tmp_path / "one" / "snapshot.pt", weights_only=True)["model"]
-    weights, _ = full_state(snapshot_folder(tmp_path / "fsdp" / "snapshot.pt"), tmp_path / "gathered")
+    reference = torch.load(tmp_path / "one" / "snapshot_multinode.pt", weights_only=True)["model"]
+    weights, _ = full_state(snapshot_folder(tmp_path / "fsdp" / "snapshot_multinode_fsdp"), tmp_path / "gathered")
     start = common.synthetic_model("mlp").state_dict()
     assert weights.keys() == reference.keys()
     worst = max((weights[name] - reference[name]).abs().max().item() for name in reference)
@@ -274,11 +274,11 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     first = check(run(fsdp(2, *flags, "--total_epochs", 2), tmp_path / "resumed"))
     assert "resuming" not in first.stdout
     second = check(run(fsdp(2, *flags, "--total_epochs", 4), tmp_path / "resumed"))
-    assert "resuming from snapshot snapshot.pt/epoch-2 after epoch 2\n" in second.stdout
+    assert "resuming from snapshot snapshot_multinode_fsdp/epoch-2 after epoch 2\n" in second.stdout
     assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
 
-    weights, straight = full_state(snapshot_folder(tmp_path / "straight" / "snapshot.pt"), tmp_path / "a")
-    _, resumed = full_state(snapshot_folder(tmp_path / "resumed" / "snapshot.pt"), tmp_path / "b")
+    weights, straight = full_state(snapshot_folder(tmp_path / "straight" / "snapshot_multinode_fsdp"), tmp_path / "a")
+    _, resumed = full_state(snapshot_folder(tmp_path / "resumed" / "snapshot_multinode_fsdp"), tmp_path / "b")
     assert straight["position"].tolist() == [4, 0]
     assert_bitwise(straight, resumed)
 
@@ -330,12 +330,12 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
     halving = ["--lr_schedule", "step", "--lr_gamma", "0.5"]
     first = check(run(fsdp(2, "--total_epochs", 1, *halving), tmp_path / "two"))
     shutil.copytree(tmp_path / "two", tmp_path / "three")
-    saved = snapshot_folder(tmp_path / "two" / "snapshot.pt")
+    saved = snapshot_folder(tmp_path / "two" / "snapshot_multinode_fsdp")
     weights, tensors = full_state(saved, tmp_path / "gathered")
 
     # Loaded by the script's own Trainer in 3 processes, gathered again: bitwise.
     out = tmp_path / "loaded.pt"
-    mp.spawn(_resharded_load_worker, args=(3, free_port(), str(tmp_path / "two" / "snapshot.pt"), str(out)),
+    mp.spawn(_resharded_load_worker, args=(3, free_port(), str(tmp_path / "two" / "snapshot_multinode_fsdp"), str(out)),
              nprocs=3)
     loaded = torch.load(out, weights_only=True)
     assert loaded["epochs_run"] == 1
@@ -345,13 +345,13 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
 
     # End to end: 3 ranks resume and train epoch 2 on.
     more = check(run(fsdp(3, "--total_epochs", 2, *halving), tmp_path / "three"))
-    assert ("resuming from snapshot snapshot.pt/epoch-1 after epoch 1 (saved by world_size 2, "
+    assert ("resuming from snapshot snapshot_multinode_fsdp/epoch-1 after epoch 1 (saved by world_size 2, "
             "resharded to 3: weights and optimizer state exact; random streams restored on "
             "ranks < 2 only)") in more.stdout
     assert [e["epoch"] for e in epochs(more.stdout)] == [2]
     assert epochs(first.stdout)[0]["lr"] == 0.05 and epochs(more.stdout)[0]["lr"] == 0.025
     assert epochs(more.stdout)[0]["train_loss"] < epochs(first.stdout)[0]["train_loss"]
-    assert sorted(os.listdir(tmp_path / "three" / "snapshot.pt")) == ["epoch-2"]
+    assert sorted(os.listdir(tmp_path / "three" / "snapshot_multinode_fsdp")) == ["epoch-2"]
 
     # Mid-epoch at another world size: refused with one line, the snapshot kept.
     meta = torch.load(os.path.join(saved, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
@@ -373,7 +373,7 @@ FAULT_FLAGS = ["--total_epochs", "2", "--batch_size", "8", "--snapshot_every_ste
 def reference_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("reference")
     check(run(fsdp(2, *FAULT_FLAGS), cwd))
-    return full_state(snapshot_folder(cwd / "snapshot.pt"), cwd / "gathered")[1]
+    return full_state(snapshot_folder(cwd / "snapshot_multinode_fsdp"), cwd / "gathered")[1]
 
 
 def test_kill_during_a_save_keeps_the_previous_snapshot(reference_run, tmp_path):
@@ -383,9 +383,9 @@ def test_kill_during_a_save_keeps_the_previous_snapshot(reference_run, tmp_path)
     ends bitwise where the uninterrupted run ends."""
     killed = check(run(fsdp(2, *FAULT_FLAGS, restarts=1), tmp_path, DDP_TEST_FAULT="save:0:2:kill"))
     assert "DDP_TEST_FAULT: kill at save 2 on rank 0" in killed.stderr
-    assert "resuming from snapshot snapshot.pt/epoch-1-step-40 in epoch 1 after step 40" in killed.stdout
-    assert sorted(os.listdir(tmp_path / "snapshot.pt")) == ["epoch-2"]
-    assert_bitwise(reference_run, full_state(tmp_path / "snapshot.pt" / "epoch-2", tmp_path / "g")[1])
+    assert "resuming from snapshot snapshot_multinode_fsdp/epoch-1-step-40 in epoch 1 after step 40" in killed.stdout
+    assert sorted(os.listdir(tmp_path / "snapshot_multinode_fsdp")) == ["epoch-2"]
+    assert_bitwise(reference_run, full_state(tmp_path / "snapshot_multinode_fsdp" / "epoch-2", tmp_path / "g")[1])
 
 
 def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp_path):
@@ -396,21 +396,21 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
     text = signal_when(launch, tmp_path, "epoch 1/2", signal.SIGUSR1, start_s=180, stop_s=120)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text
     after_stop = text.split("stopped by SIGUSR1")[1]
-    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot\.pt/epoch-\1-step-\2$",
+    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_multinode_fsdp/epoch-\1-step-\2$",
                             after_stop, re.M).groups()
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1  # stopped inside the next epoch
     resumed = check(run(fsdp(2, *FAULT_FLAGS), tmp_path))
-    assert f"resuming from snapshot snapshot.pt/epoch-{epoch}-step-{step} in epoch {epoch} after step {step}" \
-        in resumed.stdout
-    assert_bitwise(reference_run, full_state(snapshot_folder(tmp_path / "snapshot.pt"), tmp_path / "g")[1])
+    assert (f"resuming from snapshot snapshot_multinode_fsdp/epoch-{epoch}-step-{step} in epoch {epoch} "
+            f"after step {step}") in resumed.stdout
+    assert_bitwise(reference_run, full_state(snapshot_folder(tmp_path / "snapshot_multinode_fsdp"), tmp_path / "g")[1])
 
 
 def test_a_multinode_snapshot_file_is_refused_in_one_line(tmp_path):
-    (tmp_path / "snapshot.pt").write_bytes(b"a multinode.py snapshot file")
-    result = run(fsdp(1, "--total_epochs", 1), tmp_path)
+    (tmp_path / "snapshot_multinode.pt").write_bytes(b"a multinode.py snapshot file")
+    result = run(fsdp(1, "--total_epochs", 1, "--snapshot_path", "snapshot_multinode.pt"), tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr
-    assert "cannot write --snapshot_path snapshot.pt: it is a file, where a snapshot folder is expected" \
+    assert "cannot write --snapshot_path snapshot_multinode.pt: it is a file, where a snapshot folder is expected" \
         in errors[0]
-    assert (tmp_path / "snapshot.pt").read_bytes() == b"a multinode.py snapshot file"
+    assert (tmp_path / "snapshot_multinode.pt").read_bytes() == b"a multinode.py snapshot file"

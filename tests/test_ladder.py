@@ -52,7 +52,8 @@ def test_script_trains_synthetic_task(script, tmp_path):
 
     # What was saved loads into a plain model (no DDP prefixes).
     import common
-    saved = tmp_path / ("checkpoint.pt" if script in ("singlegpu", "spawn") else "snapshot.pt")
+    saved = tmp_path / {"singlegpu": "checkpoint_singlegpu.pt", "spawn": "checkpoint_multigpu_spawn.pt",
+                        "torchrun": "snapshot_multigpu_torchrun.pt", "multinode": "snapshot_multinode.pt"}[script]
     state = torch.load(saved, weights_only=True)
     model = common.synthetic_model("mlp")
     model.load_state_dict(state["model"] if "model" in state else state)
@@ -107,7 +108,7 @@ def test_batch_larger_than_dataset_is_one_line(tmp_path):
     result = run([sys.executable, REPO / "singlegpu.py", "--batch_size", "5000"], tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("error: the training split gives each process 1844 samples")
-    assert not (tmp_path / "checkpoint.pt").exists()
+    assert not (tmp_path / "checkpoint_singlegpu.pt").exists()
 
 
 def test_missing_dataset_names_folder_files_and_fix(tmp_path):

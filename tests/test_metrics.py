@@ -23,7 +23,7 @@ def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
     result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
                                    REPO / "multigpu_torchrun.py", *flags], tmp_path,
                        DDP_TEST_FAULT="step:0:89:kill"))
-    assert "resuming from snapshot snapshot.pt after epoch 2" in result.stdout
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 2" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     starts = [r for r in records if r.get("event") == "start"]
     assert [s["resumed_from"] for s in starts] == [None, "after epoch 2"]

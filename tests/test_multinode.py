@@ -26,7 +26,7 @@ def test_two_nodes_train_together(tmp_path):
     summary = [out for _, out, _ in outputs if epochs(out)]
     assert len(summary) == 1 and len(epochs(summary[0])) == 2
     assert parse_test(summary[0])["loss"] < 0.1
-    assert (tmp_path / "snapshot.pt").exists()
+    assert (tmp_path / "snapshot_multinode.pt").exists()
     # The global batch is 2 x 32: 1844 samples -> 922 per rank -> 28 steps of 32
     assert "batch_size 32 | steps 28" in everything
 
@@ -41,11 +41,11 @@ def test_snapshot_visible_on_one_node_only_is_refused(tmp_path):
     # A real snapshot on node 0's disk, from a finished two-node run there.
     first = _start_nodes(free_port(), [node0, node0])
     assert all(code == 0 for code, _, _ in first)
-    before = (node0 / "snapshot.pt").read_bytes()
+    before = (node0 / "snapshot_multinode.pt").read_bytes()
     outputs = _start_nodes(free_port(), [node0, node1], extra=["--total_epochs", "3"])
     assert all(code != 0 for code, _, _ in outputs)
     errors = [line for _, _, err in outputs for line in error_lines(err)]
-    assert errors == ["error: snapshot snapshot.pt is missing on ranks [1] but present on others; "
+    assert errors == ["error: snapshot snapshot_multinode.pt is missing on ranks [1] but present on others; "
                       "--snapshot_path must be on storage that every node shares"]
-    assert (node0 / "snapshot.pt").read_bytes() == before
-    assert not (node1 / "snapshot.pt").exists()
+    assert (node0 / "snapshot_multinode.pt").read_bytes() == before
+    assert not (node1 / "snapshot_multinode.pt").exists()

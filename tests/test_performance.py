@@ -159,9 +159,9 @@ def test_cifar10_fast_path_resumes_bitwise(tmp_path):
     check(run(launch + ["--total_epochs", "2"], tmp_path / "straight"))
     check(run(launch + ["--total_epochs", "1"], tmp_path / "resumed"))
     second = check(run(launch + ["--total_epochs", "2"], tmp_path / "resumed"))
-    assert "resuming from snapshot snapshot.pt after epoch 1" in second.stdout
-    _, straight = snapshot_tensors(tmp_path / "straight" / "snapshot.pt", rng=True)
-    _, resumed = snapshot_tensors(tmp_path / "resumed" / "snapshot.pt", rng=True)
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in second.stdout
+    _, straight = snapshot_tensors(tmp_path / "straight" / "snapshot_multigpu_torchrun.pt", rng=True)
+    _, resumed = snapshot_tensors(tmp_path / "resumed" / "snapshot_multigpu_torchrun.pt", rng=True)
     assert [name for name in straight if not torch.equal(straight[name], resumed[name])] == []
 
 
@@ -183,10 +183,10 @@ def test_accumulating_two_half_batches_equals_one_full_batch(script, tmp_path):
     """batch 8 x 2 micro-batches ends with the weights of batch 16 x 1 (same
     samples per optimizer step, mean loss over them); batch 8 x 1 does not."""
     if script == "singlegpu":
-        launch, saved, world = [sys.executable, REPO / "singlegpu.py"], "checkpoint.pt", 1
+        launch, saved, world = [sys.executable, REPO / "singlegpu.py"], "checkpoint_singlegpu.pt", 1
     else:
         launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
-        saved, world = "snapshot.pt", 2
+        saved, world = "snapshot_multigpu_torchrun.pt", 2
     accumulated, a = _final_weights(tmp_path, "accum", launch, 8, 2, saved)
     _, b = _final_weights(tmp_path, "full", launch, 16, 1, saved)
     _, c = _final_weights(tmp_path, "half", launch, 8, 1, saved)
@@ -213,9 +213,9 @@ def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
                                    REPO / "multigpu_torchrun.py"] + flags, tmp_path / "killed",
                        DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 steps each), step 11
-    assert "resuming from snapshot snapshot.pt in epoch 2 after step 8" in killed.stdout
-    _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot.pt")
-    _, resumed = snapshot_tensors(tmp_path / "killed" / "snapshot.pt")
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch 2 after step 8" in killed.stdout
+    _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot_multigpu_torchrun.pt")
+    _, resumed = snapshot_tensors(tmp_path / "killed" / "snapshot_multigpu_torchrun.pt")
     assert [name for name in clean if not torch.equal(clean[name], resumed[name])] == []
 
 
@@ -286,11 +286,11 @@ def test_no_sync_skips_the_all_reduce_of_all_but_the_last_micro_batch(module_nam
 def test_snapshot_written_with_compile_loads_without_it(tmp_path):
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multigpu_torchrun.py"]
     check(run(launch + ["--total_epochs", "1", "--compile"], tmp_path))
-    state = torch.load(tmp_path / "snapshot.pt", weights_only=True)["model"]
+    state = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)["model"]
     assert not [key for key in state if "_orig_mod" in key or key.startswith("module.")]
     common.synthetic_model("mlp").load_state_dict(state)  # a plain model takes it
     resumed = check(run(launch + ["--total_epochs", "2"], tmp_path))  # no --compile
-    assert "resuming from snapshot snapshot.pt after epoch 1" in resumed.stdout
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in resumed.stdout
     assert [int(e["epoch"]) for e in epochs(resumed.stdout)] == [2]
 
 
@@ -300,7 +300,7 @@ def test_amp_on_cpu_is_refused_in_one_line_where_it_does_not_help(tmp_path):
     assert result.stderr.strip() == (
         "error: --amp on a CPU: bf16 autocast does not speed up --model mlp on a CPU (measured, "
         "see docs/performance.md); --amp is for GPUs (--amp bf16 or fp16 forces it). Run without --amp")
-    assert not (tmp_path / "checkpoint.pt").exists()
+    assert not (tmp_path / "checkpoint_singlegpu.pt").exists()
 
 
 def test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused(monkeypatch):

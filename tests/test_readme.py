@@ -1,6 +1,11 @@
-"""The README's two set-up commands are what users and CI run: keep them true."""
+"""The README's two set-up commands are what users and CI run: keep them true;
+the output the README shows is what its commands print (checked by the walk
+in tests/test_docs.py, which runs them); and a new shell is told how to get
+`python` and `torchrun` from the environment."""
 
 import re
+
+import pytest
 
 from helpers import REPO
 
@@ -20,3 +25,78 @@ def test_ci_runs_the_readme_test_command_verbatim():
     ci = (REPO / ".ci" / "run").read_text()
     assert _readme_commands()[1] in ci.splitlines()
     assert "set -euo pipefail" in ci
+
+
+# --------------------------------------------------------------------------
+# The output the README shows is what its commands print
+# --------------------------------------------------------------------------
+
+def _section(title: str) -> str:
+    """The README's text under the heading ``## <title>...``, up to the next ``## ``."""
+    readme = (REPO / "README.md").read_text()
+    return re.search(rf"^## {re.escape(title)}.*?\n(.*?)(?=^## )", readme, re.S | re.M).group(1)
+
+
+def _blocks(text: str, kind: str) -> list:
+    return re.findall(rf"```{kind}\n(.*?)```", text, re.S)
+
+
+def _timing_free(line: str) -> str:
+    """A summary line with its timing figures (samples/s, epoch_s) blanked
+    out; every other number stays."""
+    return re.sub(r"\b(samples/s|epoch_s) [0-9.]+", r"\1 ?", line.rstrip())
+
+
+def _assert_shown_in(shown: str, printed: str) -> None:
+    """Every line of ``shown`` but '...' is a line of ``printed``, in the same
+    order, equal but for the timing figures."""
+    printed_lines = [_timing_free(line) for line in printed.splitlines()]
+    position = 0
+    for line in shown.splitlines():
+        if line.strip() == "...":
+            continue
+        expected = _timing_free(line)
+        assert expected in printed_lines[position:], (
+            f"the README shows\n  {line}\nbut the run printed (timings blanked)\n  "
+            + "\n  ".join(printed_lines))
+        position = printed_lines.index(expected, position) + 1
+
+
+def check_shown_output(block: str, stdout: str) -> None:
+    """Called by tests/test_docs.py's one-folder walk, which runs the README's
+    blocks as written, with each block and what it printed: for Step 1's block,
+    the Output example against its first command, `python singlegpu.py` (the
+    default job is deterministic on a CPU); for Step 3's, the output shown
+    against its second command (a resume); every number but the timings."""
+    if block == _blocks(_section("Step 1"), "bash")[0]:
+        assert block.splitlines()[0] == "python singlegpu.py"
+        first_run = stdout.split("\ndevice ")[0]  # the block's second command starts with its own device line
+        shown, = _blocks(_section("Output"), "text")
+        _assert_shown_in(shown, first_run)
+    elif block == _blocks(_section("Step 3"), "bash")[0]:
+        second_run = "device " + stdout.split("\ndevice ")[1]
+        shown = re.search(r"The second command above prints:\n\n```text\n(.*?)```", _section("Step 3"), re.S)
+        _assert_shown_in(shown.group(1), second_run)
+
+
+def test_the_shown_output_is_compared_with_real_runs():
+    """check_shown_output recognises Step 1's and Step 3's blocks (the walk in
+    tests/test_docs.py runs them) and fails on a number that differs."""
+    step_1, step_3 = _blocks(_section("Step 1"), "bash")[0], _blocks(_section("Step 3"), "bash")[0]
+    shown, = _blocks(_section("Output"), "text")
+    printed = shown.replace("...\n", "").replace("samples/s 2", "samples/s 9")  # timings may differ
+    check_shown_output(step_1, printed + "device cpu | the block's second run\n")
+    with pytest.raises(AssertionError):
+        check_shown_output(step_1, printed.replace("test | loss 0.0", "test | loss 0.1"))
+    resumed = re.search(r"prints:\n\n```text\n(.*?)```", _section("Step 3"), re.S).group(1)
+    check_shown_output(step_3, "device cpu | the first run\n" + resumed)
+    with pytest.raises(AssertionError):
+        check_shown_output(step_3, "device cpu | the first run\n" + resumed.replace("epoch 3/4", "epoch 3/5"))
+
+
+def test_the_readme_says_to_activate_the_environment_after_its_two_commands():
+    """Every later command is a bare `python`/`torchrun`: right after the two
+    set-up commands the README says how a new shell gets them."""
+    readme = (REPO / "README.md").read_text()
+    after_setup = readme.split("```", 2)[2].split("```", 1)[0]  # the prose before the next block
+    assert "source .venv/bin/activate" in after_setup

@@ -45,7 +45,7 @@ def test_cifar10_trains_under_torchrun(cifar_root, tmp_path):
     lines = epochs(result.stdout)
     assert len(lines) == 2 and all(0 <= e["val_acc"] <= 1 for e in lines)
     assert 0 <= parse_test(result.stdout)["acc"] <= 1
-    snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
+    snapshot = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)
     assert snapshot["config"]["model"] == "resnet18"
     assert snapshot["model"]["fc.weight"].shape == (10, 512)
 
@@ -55,7 +55,7 @@ def test_cifar10_resnet50_single_process(cifar_root, tmp_path):
                         "--model", "resnet50", "--data_dir", cifar_root, "--total_epochs", "1",
                         "--batch_size", "8"], tmp_path))
     assert len(epochs(result.stdout)) == 1
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    state = torch.load(tmp_path / "checkpoint_singlegpu.pt", weights_only=True)
     assert state["fc.weight"].shape == (10, 2048)
 
 

@@ -131,13 +131,13 @@ COSINE = ["--batch_size", "16", "--lr_schedule", "cosine", "--warmup_epochs", "0
 
 def test_a_resume_says_what_a_new_horizon_or_lr_changes_and_refuses_another_optimizer(tmp_path):
     check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "2"], tmp_path))
-    before = (tmp_path / "snapshot.pt").read_bytes()
+    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
     refused = run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--optimizer", "adamw"], tmp_path)
     assert refused.returncode != 0
     assert set(error_lines(refused.stderr)) == {
-        "error: snapshot snapshot.pt comes from a different run (optimizer sgd -> adamw); resume with "
-        "its settings, or delete it or pass another --snapshot_path to start afresh"}
-    assert (tmp_path / "snapshot.pt").read_bytes() == before
+        "error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (optimizer sgd -> adamw); "
+        "resume with its settings, or delete it or pass another --snapshot_path to start afresh"}
+    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
 
     resumed = check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--lr", "0.02"], tmp_path))
     # 1844 samples, 2 ranks of batch 16: 57 steps per epoch, 28 of warm-up, 171 in all
@@ -166,10 +166,10 @@ def test_fp16_with_clipping_stopped_by_sigterm_resumes_bitwise(tmp_path):
     text = signal_when(TORCHRUN_2 + flags, interrupted, "epoch 2/6", signal.SIGTERM)
     assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
     resumed = check(run(TORCHRUN_2 + flags, interrupted))
-    assert "resuming from snapshot snapshot.pt in epoch" in resumed.stdout
-    snapshot = torch.load(interrupted / "snapshot.pt", weights_only=True)
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch" in resumed.stdout
+    snapshot = torch.load(interrupted / "snapshot_multigpu_torchrun.pt", weights_only=True)
     assert snapshot["loss_scaler"]["scale"] < 65536.0 and snapshot["lr_schedule"]["last_epoch"] > 0
-    assert_same_snapshot(interrupted / "snapshot.pt", reference / "snapshot.pt")
+    assert_same_snapshot(interrupted / "snapshot_multigpu_torchrun.pt", reference / "snapshot_multigpu_torchrun.pt")
     assert parse_test(resumed.stdout) == parse_test(straight.stdout)
 
 
@@ -190,11 +190,11 @@ def test_fsdp_recipe_killed_and_restarted_ends_bitwise(tmp_path):
     check(run(fsdp(2, *flags), tmp_path / "a"))
     killed = check(run(fsdp(2, *flags, restarts=1), tmp_path / "b", DDP_TEST_FAULT="step:1:150:kill"))
     # 115 micro-batches per epoch; killed at the 150th, the restart goes back to the last snapshot
-    assert "resuming from snapshot snapshot.pt/epoch-1-step-80 in epoch 1 after step 80" in killed.stdout
+    assert "resuming from snapshot snapshot_multinode_fsdp/epoch-1-step-80 in epoch 1 after step 80" in killed.stdout
     assert epochs(killed.stdout)[0] == {**epochs(killed.stdout)[1], "epoch_s": epochs(killed.stdout)[0]["epoch_s"],
                                         "samples_per_s": epochs(killed.stdout)[0]["samples_per_s"]}
-    straight = full_state(snapshot_folder(tmp_path / "a" / "snapshot.pt"), tmp_path / "ga")[1]
-    restarted = full_state(snapshot_folder(tmp_path / "b" / "snapshot.pt"), tmp_path / "gb")[1]
+    straight = full_state(snapshot_folder(tmp_path / "a" / "snapshot_multinode_fsdp"), tmp_path / "ga")[1]
+    restarted = full_state(snapshot_folder(tmp_path / "b" / "snapshot_multinode_fsdp"), tmp_path / "gb")[1]
     assert "optimizer.0.weight.exp_avg_sq" in straight and straight["loss_scaler.scale"] < 65536.0
     assert_bitwise(straight, restarted)
 
@@ -294,11 +294,11 @@ def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
     assert "device cpu" in first.stdout
     lines = epochs(first.stdout)
     assert lines[1]["train_loss"] < lines[0]["train_loss"]
-    config = torch.load(tmp_path / "snapshot.pt", weights_only=True)["config"]
+    config = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)["config"]
     assert (config["model"], config["optimizer"], config["weight_decay"], config["lr_schedule"]) == \
         ("resnet18", "sgd", 5e-4, "cosine")
     second = check(run(launch + flags + ["--total_epochs", "3"], tmp_path))
-    assert "resuming from snapshot snapshot.pt after epoch 2" in second.stdout
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 2" in second.stdout
     assert "recipe changed at resume (total_epochs 2 -> 3)" in second.stdout
 
 

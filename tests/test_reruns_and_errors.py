@@ -21,24 +21,24 @@ TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "mult
 
 def test_rerunning_a_finished_run_says_nothing_to_train(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path))
-    before = (tmp_path / "snapshot.pt").read_bytes()
+    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
     again = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--lr", "0.01"], tmp_path))
     assert stdout_lines(again.stdout.strip())[-1] == (
-        "snapshot snapshot.pt already holds all 2 epochs: nothing to train (raise --total_epochs "
+        "snapshot snapshot_multigpu_torchrun.pt already holds all 2 epochs: nothing to train (raise --total_epochs "
         "to train on, or delete it or pass another --snapshot_path to start afresh)")
     assert not epochs(again.stdout) and "test | loss" not in again.stdout  # no look of a run
-    assert (tmp_path / "snapshot.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
 
 
 def test_fewer_epochs_than_the_snapshot_holds_is_refused(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "3"], tmp_path))
-    before = (tmp_path / "snapshot.pt").read_bytes()
+    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        "error: --total_epochs 2 is below the 3 epochs snapshot snapshot.pt already holds; raise "
+        "error: --total_epochs 2 is below the 3 epochs snapshot snapshot_multigpu_torchrun.pt already holds; raise "
         "--total_epochs, or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / "snapshot.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
 
 
 @pytest.mark.parametrize("flags, change", [
@@ -47,13 +47,13 @@ def test_fewer_epochs_than_the_snapshot_holds_is_refused(tmp_path):
 ])
 def test_a_snapshot_of_other_data_or_seed_is_refused_naming_the_fix(flags, change, tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    before = (tmp_path / "snapshot.pt").read_bytes()
+    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2", *flags], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        f"error: snapshot snapshot.pt comes from a different run ({change}); resume with its "
+        f"error: snapshot snapshot_multigpu_torchrun.pt comes from a different run ({change}); resume with its "
         f"settings, or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / "snapshot.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
 
 
 def test_ranks_started_with_different_settings_stop_in_one_line(tmp_path):
@@ -71,7 +71,7 @@ def test_ranks_started_with_different_settings_stop_in_one_line(tmp_path):
     assert errors == ["error: ranks disagree on --batch_size: 32 on ranks [0], 64 on ranks [1]; "
                       "start every process with the same arguments"]
     assert not any(epochs(out) for _, out, _ in outputs)
-    assert not (tmp_path / "snapshot.pt").exists()
+    assert not (tmp_path / "snapshot_multinode.pt").exists()
 
 
 # --------------------------------------------------------------------------
@@ -125,7 +125,8 @@ def test_a_config_error_is_torchruns_root_cause(tmp_path):
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--batch_size", "16"], tmp_path)
     assert result.returncode != 0
     root_cause = result.stderr.split("Root Cause")[1]
-    assert "error: snapshot snapshot.pt comes from a different run (batch_size 32 -> 16)" in root_cause
+    assert ("error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (batch_size 32 -> 16)"
+            in root_cause)
     assert "To enable traceback" not in root_cause
 
 
@@ -150,7 +151,7 @@ def test_saved_files_honour_the_umask(umask, mode, tmp_path):
     result = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True,
                             preexec_fn=lambda: os.umask(umask))
     check(result)
-    assert stat.S_IMODE((tmp_path / "checkpoint.pt").stat().st_mode) == mode
+    assert stat.S_IMODE((tmp_path / "checkpoint_singlegpu.pt").stat().st_mode) == mode
 
 
 # --------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
     result = subprocess.run(TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(REPO / script), *args],
                             cwd=folder, env=script_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    return folder / "snapshot.pt"
+    return folder / f"snapshot_{script[:-3]}.pt"  # the script's default --snapshot_path
 
 
 @pytest.fixture(scope="module")

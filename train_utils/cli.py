@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import sys
 from typing import Callable, Iterable, Optional
 
 from .errors import report_to_torchrun
@@ -50,12 +51,25 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+# Where each script saves by default (--checkpoint_path or --snapshot_path):
+# named after the script, so that the README's steps, run in one folder, never
+# resume from, refuse or overwrite each other's files. A script not named here
+# (your copy of one) saves as <checkpoint|snapshot>_<its name>.pt.
+DEFAULT_OUTPUTS = {
+    "singlegpu.py": "checkpoint_singlegpu.pt",
+    "multigpu_spawn.py": "checkpoint_multigpu_spawn.pt",
+    "multigpu_torchrun.py": "snapshot_multigpu_torchrun.pt",
+    "multinode.py": "snapshot_multinode.pt",
+    "multinode_fsdp.py": "snapshot_multinode_fsdp",  # a folder: one sub-folder per sharded save
+}
+OUTPUT = "<named after the script: DEFAULT_OUTPUTS>"  # SCRIPT_FLAGS' default for the two paths
+
 # The flags only some scripts take: name -> (argparse type, default, help).
 SCRIPT_FLAGS = {
-    "checkpoint_path": (str, "checkpoint.pt", "where to save the model's state_dict"),
+    "checkpoint_path": (str, OUTPUT, "where to save the model's state_dict"),
     "world_size": (positive(int), None, "processes to start (default: the number of GPUs, "
                                         "or 2 on a machine without GPUs)"),
-    "snapshot_path": (str, "snapshot.pt", "snapshot to resume from when it exists, and to save to"),
+    "snapshot_path": (str, OUTPUT, "snapshot to resume from when it exists, and to save to"),
     "snapshot_every_steps": (non_negative_int, 0, "also snapshot every N steps inside an epoch, "
                                                   "so a restart loses at most N steps (0: only "
                                                   "at epoch ends)"),
@@ -110,6 +124,15 @@ class _OneRankParser(argparse.ArgumentParser):
         return f" (did you mean: {', '.join(meant)}?)" if meant else ""
 
 
+def default_output(name: str, script: str) -> str:
+    """The default of ``--<name>`` (checkpoint_path or snapshot_path) for the
+    script file ``script`` (e.g. "multinode.py"): its ``DEFAULT_OUTPUTS``
+    entry, else ``<checkpoint|snapshot>_<script without .py>.pt``."""
+    if script in DEFAULT_OUTPUTS:
+        return DEFAULT_OUTPUTS[script]
+    return f"{name.split('_')[0]}_{os.path.splitext(script)[0]}.pt"
+
+
 def _task_name(tasks: tuple) -> Callable[[str], str]:
     """argparse type for --dataset: one of ``tasks``, or a ``module:function``."""
 
@@ -131,6 +154,10 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
     ``module:function`` (your own task, see docs/custom-task.md) is accepted
     too. Invalid values (zero or negative epochs, batch size, lr, save
     interval; an unknown dataset) end with argparse's usage line and exit 2.
+
+    ``--checkpoint_path`` and ``--snapshot_path`` default to the running
+    script's own name (``sys.argv[0]``) in ``DEFAULT_OUTPUTS``, e.g.
+    ``snapshot_multinode.pt`` for multinode.py; ``--help`` shows it.
     """
     tasks = tuple(tasks)
     parser = _OneRankParser(
@@ -206,5 +233,7 @@ def _add_script_flags(parser: argparse.ArgumentParser, names: list) -> None:
         names.append("startup_timeout_s")
     for name in names:
         kind, default, text = SCRIPT_FLAGS[name]
+        if default == OUTPUT:
+            default = default_output(name, os.path.basename(sys.argv[0]))
         parser.add_argument(f"--{name}", type=kind, default=default,
                             help=text + (f" (default: {default})" if default is not None else ""))
