@@ -21,8 +21,11 @@ import common
 import train_utils
 
 SINGLEGPU = [sys.executable, REPO / "singlegpu.py", "--total_epochs", "1"]
-TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
-FSDP_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multinode_fsdp.py"]
+# Both with the snapshot path spelled out, so the messages below read the same in every rung.
+TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+                              "--snapshot_path", "snapshot.pt"]
+FSDP_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multinode_fsdp.py",
+                          "--snapshot_path", "snapshot.pt"]
 SCRIPTS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
 
 

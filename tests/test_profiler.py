@@ -37,7 +37,7 @@ def test_singlegpu_traces_three_steps_and_trains_as_without(tmp_path):
     assert names["Optimizer.step#SGD.step"] == 3
 
     check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "2"], plain))
-    saved = [torch.load(folder / "checkpoint.pt", weights_only=True) for folder in (profiled, plain)]
+    saved = [torch.load(folder / "checkpoint_singlegpu.pt", weights_only=True) for folder in (profiled, plain)]
     assert saved[0].keys() == saved[1].keys()
     assert all(torch.equal(saved[0][key], saved[1][key]) for key in saved[0])
 
@@ -60,12 +60,12 @@ def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp
         assert names["c10d::allreduce_"] >= 3  # DDP's gradients, at least one bucket a step
 
     resumed = check(run(launch + ["--total_epochs", "2", "--profile_dir", "prof"], profiled))
-    assert "resuming from snapshot snapshot.pt after epoch 1" in resumed.stdout
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in resumed.stdout
     assert resumed.stdout.count("profiler: steps 3-5 of this start") == 1
     assert sorted(rank for rank, _ in traces(profiled / "prof").values()) == [0, 0, 1, 1]
 
     check(run(launch + ["--total_epochs", "2"], plain))
-    assert_same_snapshot(profiled / "snapshot.pt", plain / "snapshot.pt")
+    assert_same_snapshot(profiled / "snapshot_multigpu_torchrun.pt", plain / "snapshot_multigpu_torchrun.pt")
 
 
 def test_an_unwritable_profile_dir_stops_before_training_in_one_line(tmp_path):

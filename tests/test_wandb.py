@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import REPO, TORCHRUN, check, epochs, error_lines, run, signal_when
+from train_utils.cli import DEFAULT_OUTPUTS
 
 wandb = pytest.importorskip("wandb", reason="pip install wandb (requirements-test.txt)")
 
@@ -129,7 +130,7 @@ def test_a_stopped_and_resumed_run_continues_the_same_wandb_run(script, tmp_path
     stopped_after = int(epochs(text)[-1]["epoch"])
     assert stopped_after < total
     resumed = check(run(launch, tmp_path))
-    assert "resuming from snapshot snapshot.pt" in resumed.stdout
+    assert f"resuming from snapshot {DEFAULT_OUTPUTS[script]}" in resumed.stdout
 
     first, second = wandb_runs(tmp_path)
     assert first["id"] == second["id"]
@@ -147,11 +148,11 @@ def test_a_snapshot_without_a_wandb_id_resumes_into_a_new_wandb_run(tmp_path):
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
                          "--wandb_project", "ladder"]
     check(run(launch + ["--total_epochs", "1"], tmp_path, **offline(tmp_path)))
-    snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
+    snapshot = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)
     kept = snapshot.pop("wandb_run_id")
-    torch.save(snapshot, tmp_path / "snapshot.pt")
+    torch.save(snapshot, tmp_path / "snapshot_multigpu_torchrun.pt")
     resumed = check(run(launch + ["--total_epochs", "2"], tmp_path, **offline(tmp_path)))
-    assert "resuming from snapshot snapshot.pt after epoch 1" in resumed.stdout
+    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in resumed.stdout
     first, second = wandb_runs(tmp_path)
     assert first["id"] == kept and second["id"] != kept
     assert [row["_step"] for row in second["rows"]] == [2]
@@ -182,4 +183,4 @@ def test_no_wandb_login_stops_every_rank_before_training_in_one_line(tmp_path):
     (line,) = error_lines(result.stderr)
     assert line.startswith("error: --wandb_project ladder: wandb could not start its run (")
     assert "run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline" in line
-    assert not epochs(result.stdout) and not (tmp_path / "snapshot.pt").exists()
+    assert not epochs(result.stdout) and not (tmp_path / "snapshot_multigpu_torchrun.pt").exists()
