@@ -54,6 +54,16 @@ def script_env(**extra: str) -> dict:
     return env
 
 
+def without_package(folder: Path, name: str) -> dict:
+    """Environment entries under which importing the package ``name`` raises
+    ImportError, as where it is not installed: a stand-in package in
+    ``folder``/shim, first on PYTHONPATH. Pass them to ``run``."""
+    shim = folder / "shim" / name
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(f"raise ImportError(\"No module named '{name}'\")\n")
+    return {"PYTHONPATH": str(folder / "shim")}
+
+
 def run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """Run a command as a user would; return it with stdout/stderr as text."""
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=script_env(**env),

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, run
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, run, without_package
 
 
 def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
@@ -49,11 +49,8 @@ def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
 
 def test_missing_tensorboard_is_one_line(tmp_path):
     """tensorboard is optional: without it --tensorboard_dir stops at start, in one line."""
-    shim = tmp_path / "shim" / "tensorboard"
-    shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'tensorboard'\")\n")
     result = run([sys.executable, REPO / "singlegpu.py", "--tensorboard_dir", "tb"], tmp_path,
-                  PYTHONPATH=str(tmp_path / "shim"))
+                 **without_package(tmp_path, "tensorboard"))
     assert result.returncode == 2
     assert error_lines(result.stderr) == [result.stderr.strip()]
     assert "--tensorboard_dir needs the tensorboard package" in result.stderr

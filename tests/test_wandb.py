@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, run, signal_when
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, run, signal_when, without_package
 from train_utils.cli import DEFAULT_OUTPUTS
 
 wandb = pytest.importorskip("wandb", reason="pip install wandb (requirements-test.txt)")
@@ -160,11 +160,8 @@ def test_a_snapshot_without_a_wandb_id_resumes_into_a_new_wandb_run(tmp_path):
 
 def test_missing_wandb_is_one_line(tmp_path):
     """wandb is optional: without it --wandb_project stops before training, in one line."""
-    shim = tmp_path / "shim" / "wandb"
-    shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
     result = run([sys.executable, REPO / "singlegpu.py", "--wandb_project", "ladder"], tmp_path,
-                 PYTHONPATH=str(tmp_path / "shim"))
+                 **without_package(tmp_path, "wandb"))
     assert result.returncode == 2
     assert error_lines(result.stderr) == [result.stderr.strip()]
     assert "--wandb_project needs the wandb package" in result.stderr
