@@ -238,6 +238,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
 
 @train_utils.one_line_errors
 def main(args) -> None:
+    train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     rank, device = ddp_setup(args.startup_timeout_s)
     # Each rank its own random stream, or all would draw the same dropout masks
     # (initial weights still match: DDP copies rank 0's to all).
@@ -257,6 +258,7 @@ def main(args) -> None:
         test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
         if rank == 0:
             train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
+            train_utils.report_run_finished()  # a Slurm wrapper requeues only a run with epochs left
     trainer.stop.close()
     del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()

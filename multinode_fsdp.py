@@ -290,6 +290,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
 
 @train_utils.one_line_errors
 def main(args) -> None:
+    train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     rank, local_rank, device = ddp_setup(args.startup_timeout_s)
     train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     # One seed for the initial weights on every rank: each keeps its slice of its own
@@ -313,6 +314,7 @@ def main(args) -> None:
         test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
         if rank == 0:
             train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
+            train_utils.report_run_finished()  # a Slurm wrapper requeues only a run with epochs left
     trainer.stop.close()
     dist.destroy_process_group()
 

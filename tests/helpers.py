@@ -135,18 +135,21 @@ def assert_same_snapshot(path_a: Path, path_b: Path) -> None:
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
-def signal_when(launch: list, cwd: Path, line: str, signum: int, start_s: float = 120,
-                stop_s: float = 60) -> str:
-    """Run ``launch`` in ``cwd`` (stdout and stderr to cwd/log.txt), send it
-    ``signum`` once ``line`` appears in its output (within ``start_s`` seconds),
-    wait up to ``stop_s`` seconds for it to end; return the whole log."""
+def signal_when(launch: list, cwd: Path, line, signum: int, start_s: float = 120,
+                stop_s: float = 60, **env: str) -> str:
+    """Run ``launch`` in ``cwd`` (stdout and stderr to cwd/log.txt; ``env``
+    added to the environment), send it ``signum`` once ``line`` (a string, or
+    a tuple of strings: all of them) appears in its output (within
+    ``start_s`` seconds), wait up to ``stop_s`` seconds for it to end; return
+    the whole log."""
     log = cwd / "log.txt"
+    lines = (line,) if isinstance(line, str) else tuple(line)
     with open(log, "w") as out:
-        agent = subprocess.Popen([str(part) for part in launch], cwd=cwd, env=script_env(),
+        agent = subprocess.Popen([str(part) for part in launch], cwd=cwd, env=script_env(**env),
                                  stdout=out, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + start_s
-            while line not in log.read_text():
+            while not all(wanted in log.read_text() for wanted in lines):
                 assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
             agent.send_signal(signum)

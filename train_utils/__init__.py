@@ -63,7 +63,8 @@ from .sharded_snapshots import ShardedSnapshots, resharding_note
 from .snapshots import SNAPSHOT_MUST_MATCH, START_AFRESH, atomic_save, read_snapshot, \
     snapshot_on_every_node
 from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib
-from .stop import STOP_SIGNALS, StopSignal, ignore_stop_signal
+from .stop import STOP_SIGNALS, StopDuringStartup, StopSignal, catch_stop_signals, ignore_stop_signal, \
+    received_stop_signal, report_run_finished
 from .timeouts import use_training_timeout, watch_collectives
 from .wandb_run import start_wandb_run
 

@@ -19,6 +19,7 @@ from common import ConfigError
 from .metrics import tensorboard_missing
 from .output import is_distributed
 from .speed import check_amp
+from .testing import fault_point
 
 
 def first_error(error: str) -> str:
@@ -41,6 +42,7 @@ def downloaders_first(load: Callable[..., object], args: argparse.Namespace, dow
     download, say) is raised on every rank, instead of leaving them hanging
     at the next collective.
     """
+    fault_point("startup")  # the tests' hook: a stop signal during start-up
     result, error = None, ""
     for turn in (True, False):
         if download == turn and not error:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from common import ConfigError  # the task contract's one-line error (exit 2)
 from .output import is_distributed, print_line
+from .stop import StopDuringStartup, end_startup_stop, report_run_finished
 from .timeouts import is_timeout, startup_timeout_line, timeout_diagnosis
 
 __all__ = ["ConfigError", "NothingToTrain", "report_to_torchrun", "one_line_errors"]
@@ -49,10 +50,11 @@ def one_line_errors(fn: Callable) -> Callable:
     """Decorator for a script's ``main``: a ConfigError becomes one line on
     stderr (``error: ...``), torchrun's root cause, and exit status 2, without
     a traceback, the process group destroyed; NothingToTrain becomes one line
-    on stdout and exit status 0; a collective that timed out becomes the line
+    on stdout (and ``report_run_finished``) and exit status 0; a collective that timed out becomes the line
     of ``timeout_diagnosis`` (which ranks did not arrive), a start-up store
     that timed out before the process group exists that of
-    ``startup_timeout_line``; exit status 1.
+    ``startup_timeout_line``; exit status 1. A stop signal during start-up
+    (``catch_stop_signals``) becomes one line from rank 0 and exit status 0.
 
     Under a process group only rank 0 prints, since such errors are raised on
     every rank alike (see ``downloaders_first``); the other ranks exit quietly.
@@ -62,9 +64,12 @@ def one_line_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except StopDuringStartup as stop:
+            end_startup_stop(stop)
         except NothingToTrain as done:
             if not is_distributed() or dist.get_rank() == 0:
                 print_line(str(done))
+                report_run_finished()  # for a Slurm wrapper: no requeue
             if is_distributed():
                 dist.destroy_process_group()
             sys.exit(0)

@@ -1,23 +1,129 @@
 """The stop that every rank takes at the same step, on SIGUSR1 (Slurm's
-time-limit warning), SIGTERM (preemption, requeue, scancel, torchrun) or Ctrl-C.
+time-limit warning), SIGTERM (preemption, requeue, scancel, torchrun) or Ctrl-C;
+before training, the same signals end start-up at once.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from .launch import gloo_group
-from .output import print_line, write_from_signal_handler
+from .output import is_distributed, print_line, write_from_signal_handler
+from .testing import fault_point
 
 
 # The signals that ask for a stop: Slurm's time-limit warning (the wrappers'
 # --signal=B:USR1@90, relayed), SIGTERM (preemption, `scontrol requeue`,
 # `scancel`, torchrun stopping its workers) and Ctrl-C. Windows has no SIGUSR1.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGUSR1", "SIGTERM", "SIGINT") if hasattr(signal, name))
+
+
+class StopDuringStartup(BaseException):
+    """A stop signal came before the first training step: nothing was trained
+    in this run, so nothing needs saving. A BaseException, as KeyboardInterrupt
+    is, so that no ``except Exception`` in start-up code (downloads, torch's
+    own) swallows it; ``one_line_errors`` turns it into one line and exit 0."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    def line(self) -> str:
+        """What rank 0 prints: which signal, and that no snapshot was touched."""
+        return (f"stopped by {signal.Signals(self.signum).name} during start-up, before the first training "
+                f"step: nothing was trained in this run and no snapshot was written; run the same command "
+                f"again to resume")
+
+
+class _StopState:
+    """This process's stop signals: who installed the handler, what came, and
+    whether training has begun (a StopSignal exists)."""
+
+    pid = 0  # the process that installed the handler; 0: none yet
+    received = 0  # number of the first stop signal this process got; 0: none
+    training = False  # False: a stop signal ends start-up at once (StopDuringStartup)
+
+
+_STATE = _StopState()
+
+
+def _rank() -> int:
+    """This process's rank: the process group's, or RANK before one exists."""
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
+
+
+def _handler(signum, frame) -> None:
+    if os.getpid() != _STATE.pid:
+        return  # a loader worker before its worker_init_fn ran: the rank decides
+    if _STATE.received:
+        if signal.SIGINT in (signum, _STATE.received):  # Ctrl-C twice, or after a stop signal
+            if _rank() == 0:
+                write_from_signal_handler("second stop request: quitting at once, without a snapshot\n")
+            os._exit(128 + signum)
+        return  # the same stop, asked again
+    _STATE.received = signum
+    if not _STATE.training:
+        raise StopDuringStartup(signum)
+    if signum == signal.SIGINT and _rank() == 0:
+        write_from_signal_handler("Ctrl-C: every rank stops after the current step and rank 0 saves a "
+                                  "snapshot; press Ctrl-C again to quit at once without one\n")
+
+
+def catch_stop_signals() -> None:
+    """Install the stop-signal handler in this process: first thing in a
+    script's ``main``, before the slow part of start-up (process group,
+    downloads, model, snapshot).
+
+    Until a ``StopSignal`` exists, the first stop signal raises
+    ``StopDuringStartup`` where the process is (a call blocked inside C, such
+    as a store wait, takes it when it returns): nothing is trained yet, so the
+    run ends at once, cleanly, and the last snapshot stays as it was. Without
+    this, a signal before the handler existed killed the rank outright
+    (SIGUSR1's and SIGTERM's default action). Calling it again does nothing.
+    """
+    if _STATE.pid == os.getpid():
+        return
+    _STATE.pid = os.getpid()
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _handler)
+
+
+def received_stop_signal() -> int:
+    """The number of the first stop signal this process got since
+    ``catch_stop_signals``; 0: none."""
+    return _STATE.received
+
+
+def report_run_finished() -> None:
+    """Tell the Slurm wrapper's batch shell that this run holds every epoch:
+    create the file that TRAINING_FINISHED_FILE names (slurm/stop_and_requeue.sh
+    sets it; nothing happens where it is unset). A time-limit warning or a
+    preemption that came after the last epoch then ends the job instead of
+    requeueing it for a run with nothing to train. Call it on rank 0 only.
+    Raises OSError when the file cannot be created.
+    """
+    fault_point("finished")
+    path = os.environ.get("TRAINING_FINISHED_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(f"finished {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+
+
+def end_startup_stop(stop: StopDuringStartup) -> None:
+    """Rank 0 prints ``stop.line()``; every rank leaves at once with exit
+    status 0, without tearing the process group down (other ranks may be
+    anywhere in start-up)."""
+    if _rank() == 0:
+        print_line(stop.line())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class StopSignal:
@@ -34,6 +140,9 @@ class StopSignal:
     asynchronously on a separate CPU (gloo) group: it never waits for the GPU,
     and by the next step it has long finished, so a step costs no extra wait.
 
+    Before a StopSignal exists, ``catch_stop_signals`` ends start-up at
+    once on the same signals; one made after such a handler adopts it.
+
     Repeats of a stop signal count as one stop (one process may get the same
     SIGTERM from Slurm, srun and torchrun), except that a Ctrl-C after any stop
     signal, or a SIGTERM after a Ctrl-C (what torchrun sends its workers on a
@@ -48,29 +157,18 @@ class StopSignal:
     """
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        catch_stop_signals()  # installed already, unless the script did not call it
         self.rank = dist.get_rank()
-        self.received = 0  # number of the first stop signal this process got; 0: none
         self.stopped_by = 0  # after a stop: the signal some rank got (the highest number)
         self.group = gloo_group()
         self.flag = torch.zeros(1)
         self.work = None
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._handler)
+        _STATE.training = True  # from here on a stop signal is noted and taken at a step
 
-    def _handler(self, signum, frame) -> None:
-        if os.getpid() != self.pid:
-            return  # a loader worker before its worker_init_fn ran: the rank decides
-        if self.received:
-            if signal.SIGINT in (signum, self.received):  # Ctrl-C twice, or after a stop signal
-                if self.rank == 0:
-                    write_from_signal_handler("second stop request: quitting at once, without a snapshot\n")
-                os._exit(128 + signum)
-            return  # the same stop, asked again
-        self.received = signum
-        if signum == signal.SIGINT and self.rank == 0:
-            write_from_signal_handler("Ctrl-C: every rank stops after the current step and rank 0 saves a "
-                                      "snapshot; press Ctrl-C again to quit at once without one\n")
+    @property
+    def received(self) -> int:
+        """The number of the first stop signal this process got; 0: none."""
+        return _STATE.received
 
     def poll(self) -> bool:
         """Collective. True on every rank at the same call, one call after

@@ -1,6 +1,7 @@
-"""Test hook, not used in training: ``fault_point`` kills, raises or hangs a
-chosen rank at a chosen step when the tests set DDP_TEST_FAULT; otherwise it
-returns at once. The tests in tests/ drive it; nothing else should.
+"""Test hook, not used in training: ``fault_point`` kills, raises, hangs or
+waits for a stop signal on a chosen rank at a chosen point when the tests set
+DDP_TEST_FAULT; otherwise it returns at once. The tests in tests/ drive it;
+nothing else should.
 """
 
 from __future__ import annotations
@@ -20,30 +21,40 @@ _fault_counts: dict = {}
 
 
 _fault_spec: Optional[str] = None  # DDP_TEST_FAULT as read at the first call ("" when off)
+_first_attempt = True  # not a torchrun restart, nor a requeued Slurm job
 
 
 def fault_point(point: str) -> None:
     """Test hook: a no-op unless the environment variable DDP_TEST_FAULT is set.
 
-    DDP_TEST_FAULT="POINT:RANK:N:ACTION" makes rank RANK, on the N-th call
-    (1-based) of ``fault_point(POINT)`` in this process, do ACTION: ``kill``
-    (SIGKILL itself), ``raise`` (RuntimeError) or ``hang`` (sleep an hour).
-    Points: ``step`` (before each training step) and ``save`` (inside
-    atomic_save, after the temporary file is written, before the rename). It
-    fires only in a job's first attempt (TORCHELASTIC_RESTART_COUNT unset or
-    0), so a torchrun restart runs clean. The environment is read once per
+    DDP_TEST_FAULT="POINT:RANK:N:ACTION" makes rank RANK (``*``: every rank),
+    on the N-th call (1-based) of ``fault_point(POINT)`` in this process, do
+    ACTION: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang``
+    (sleep an hour; a stop signal during start-up still ends it) or
+    ``wait_signal`` (sleep until this process got a stop signal, at most an
+    hour, then go on). Points: ``step`` (before each training step), ``save``
+    (inside atomic_save, after the temporary file is written, before the
+    rename), ``startup`` (before the task loads: in start-up, after the
+    process group exists) and ``finished`` (a run that holds every epoch,
+    before it tells the batch shell so). ``kill``, ``raise`` and ``hang`` fire
+    only in a job's first attempt (TORCHELASTIC_RESTART_COUNT and
+    SLURM_RESTART_COUNT unset or 0), so a restart or a requeued job runs
+    clean; ``wait_signal`` in every attempt. The environment is read once per
     process: two os.environ lookups per step cost a small model ~3%.
     """
-    global _fault_spec
+    global _fault_spec, _first_attempt
     if _fault_spec is None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        _fault_spec = os.environ.get("DDP_TEST_FAULT", "") if first_attempt else ""
+        _first_attempt = all(os.environ.get(name, "0") in ("", "0")
+                             for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+        _fault_spec = os.environ.get("DDP_TEST_FAULT", "")
     if not _fault_spec:
         return
     _fault_counts[point] = count = _fault_counts.get(point, 0) + 1
     want_point, want_rank, want_count, action = _fault_spec.split(":")
-    rank = dist.get_rank() if is_distributed() else 0
-    if (point, rank, count) != (want_point, int(want_rank), int(want_count)):
+    rank = dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
+    if (point, count) != (want_point, int(want_count)) or want_rank not in ("*", str(rank)):
+        return
+    if action != "wait_signal" and not _first_attempt:
         return
     print_line(f"DDP_TEST_FAULT: {action} at {point} {count} on rank {rank}", sys.stderr)
     if action == "kill":
@@ -52,3 +63,8 @@ def fault_point(point: str) -> None:
         raise RuntimeError(f"DDP_TEST_FAULT: injected failure at {point} {count} on rank {rank}")
     elif action == "hang":
         time.sleep(3600)
+    elif action == "wait_signal":
+        from .stop import received_stop_signal  # here: stop.py imports this module
+        deadline = time.monotonic() + 3600
+        while not received_stop_signal() and time.monotonic() < deadline:
+            time.sleep(0.1)
