@@ -31,6 +31,9 @@ Sections:
      training step and bytes of training state per rank (params + grads +
      SGD momentum), MNIST CNN and ResNet-18, as multinode_fsdp.py and
      multinode.py wrap them; on CUDA also each one's peak GPU memory.
+  7  snapshot save rate: atomic_save of 64 MiB to 1 GiB, MiB/s, in --save_dir
+     (your snapshots' storage), and the model size whose snapshot fits in
+     what Slurm's KillWait leaves (docs/slurm.md).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -668,6 +672,44 @@ def section_fsdp(steps: int = 10, reps: int = 5) -> dict:
 
 # --------------------------------------------------------------------------
 
+def section_snapshot_save(save_dir: str = None, sizes_mib=(64, 256, 1024), reps: int = 3) -> dict:
+    """How fast a snapshot reaches the disk: ``train_utils.atomic_save`` (torch.save
+    to a temporary file, fsync, rename) of fp32 tensors of each size, in
+    ``save_dir`` (the storage snapshots go to; default a temporary folder),
+    median of ``reps``. And what that rate means for a stop: the largest model
+    whose snapshot (weights + optimizer state, 4 bytes each per parameter and
+    state) is written within 25 s, which is what is left of Slurm's default
+    KillWait (30 s) after ~5 s for the step under way and the one after it
+    (docs/slurm.md)."""
+    folder = tempfile.mkdtemp(dir=save_dir, prefix="save-bench-")
+    rows, rates = [], []
+    try:
+        for mib in sizes_mib:
+            state = {"weights": torch.ones(mib * 2**20 // 4)}  # fp32: 4 bytes each
+            path = os.path.join(folder, "snapshot.pt")
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                train_utils.atomic_save(state, path)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            rates.append(mib / seconds)
+            rows.append([f"{mib} MiB", f"{seconds:.2f}", f"{mib / seconds:.0f}"])
+            os.remove(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    rate = min(rates)  # MiB/s: the slowest of the sizes, the safe figure
+    budget_s = 25.0
+    fits = {name: rate * 2**20 * budget_s / per_param / 1e6
+            for name, per_param in (("SGD with momentum", 8), ("AdamW", 12))}
+    note = (f"Within {budget_s:.0f} s at {rate:.0f} MiB/s: " +
+            "; ".join(f"{name}: {millions:,.0f} M parameters" for name, millions in fits.items()))
+    return {"rate_mib_per_s": rate, "fits_millions_of_parameters": fits,
+            "table": table("7. snapshot save rate (atomic_save: write, fsync, rename; "
+                           f"{save_dir or 'a temporary folder'})",
+                           ["snapshot", "s", "MiB/s"], rows) + "\n\n" + note}
+
+
 def gpus_missing(processes: int) -> str:
     """Why a section of ``processes`` processes, one GPU each, cannot run on this
     machine ('' when it can): on CUDA each process needs a GPU of its own; on a
@@ -718,11 +760,14 @@ def run_sections(sections: list, report: dict, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7")
+    parser.add_argument("--save_dir", default=None,
+                        help="section 7: the folder whose storage to time (where your snapshots go); "
+                             "default: a temporary folder")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -739,7 +784,8 @@ def main() -> None:
                 ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}, 1),
                 ("4", "time_to_accuracy",
                  lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}, 2),
-                ("5", "gpu", section_gpu, 1), ("6", "fsdp_vs_ddp", section_fsdp, 2)]
+                ("5", "gpu", section_gpu, 1), ("6", "fsdp_vs_ddp", section_fsdp, 2),
+                ("7", "snapshot_save", lambda: section_snapshot_save(args.save_dir), 1)]
     run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")
 

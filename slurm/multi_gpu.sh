@@ -65,7 +65,10 @@ require_torchrun ${CONTAINER[@]+"${CONTAINER[@]}"}
 
 # One worker per GPU granted on this node; on a node without GPUs, one CPU worker.
 NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
-echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | $NPROC_PER_NODE processes | $(date -Is)"
+# This submission's snapshot (its arguments' hash in the name), claimed for this job:
+# the same command resumes it; another live job holding it is refused.
+snapshot_for "$@"
+echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | $NPROC_PER_NODE processes | $SNAPSHOT | $(date -Is)"
 
 # The training step: torchrun in an srun step (what a preemption signals), at a
 # free local port (--standalone); it relays SIGUSR1 too and gives the workers 80 s
@@ -73,4 +76,4 @@ echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | $NP
 run_step srun --ntasks=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${CONTAINER[@]+"${CONTAINER[@]}"} \
     torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=80 \
-    "$PROJECT/multigpu_torchrun.py" --snapshot_path "snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}.pt" "$@"
+    "$PROJECT/multigpu_torchrun.py" --snapshot_path "$SNAPSHOT" "$@"

@@ -83,7 +83,10 @@ fi
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))
 export MASTER_ADDR MASTER_PORT
-echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x ${SLURM_NTASKS_PER_NODE:-?} tasks | rendezvous $MASTER_ADDR:$MASTER_PORT | $(date -Is)"
+# This submission's snapshot (its arguments' hash in the name), claimed for this job:
+# the same command resumes it; another live job holding it is refused.
+snapshot_for "$@"
+echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x ${SLURM_NTASKS_PER_NODE:-?} tasks | rendezvous $MASTER_ADDR:$MASTER_PORT | $SNAPSHOT | $(date -Is)"
 
 # Node-local data (each node's local rank 0 downloads a copy), unless DATA_DIR names one.
 DATA="${DATA_DIR:-${SLURM_TMPDIR:-/tmp/${USER:-$(id -un)}/ddp-data}}"
@@ -92,4 +95,4 @@ DATA="${DATA_DIR:-${SLURM_TMPDIR:-/tmp/${USER:-$(id -un)}/ddp-data}}"
 # when there is one; one rank failing ends every rank (--kill-on-bad-exit).
 run_step srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${CONTAINER[@]+"${CONTAINER[@]}"} \
     python "$SCRIPT" --data_dir "$DATA" \
-    --snapshot_path "snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}.pt" "$@"
+    --snapshot_path "$SNAPSHOT" "$@"

@@ -5,7 +5,9 @@
 # training step, and after the step stopped the job is requeued; a preemption
 # (SIGTERM to the step only) is seen as PreemptTime and requeued too, since a
 # batch script that just ended during the grace time would end the job for good;
-# on scontrol requeue and scancel (SIGTERM here too) Slurm decides. The table,
+# on scontrol requeue and scancel (SIGTERM here too) Slurm decides. A run that
+# already holds every epoch is never requeued. Also: the snapshot's name for a
+# submission, and the refusal to share it with another live job. The table,
 # and what must fit before the SIGKILL: docs/slurm.md.
 
 # The signal this shell got: USR1 or TERM; empty while none came.
@@ -25,6 +27,37 @@ on_stop_signal() {
 # Trapped before anything else: the warning may come during set-up.
 trap 'on_stop_signal USR1' USR1
 trap 'on_stop_signal TERM' TERM
+
+# The training's rank 0 creates this file once the run holds every epoch
+# (train_utils.report_run_finished): a warning or a preemption that came after
+# the last epoch then ends the job instead of requeueing a run with nothing to
+# train. In the job's working folder, which the ranks see as the snapshot's.
+export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
+
+# snapshot_for ARGS...: the --snapshot_path of this submission, relative to the
+# working folder: snapshot-<job name>[-<array index>][-<8 hex digits>].pt, the
+# digits a hash of the training arguments. The same sbatch command submitted
+# again (or requeued) gets the same name and resumes; a sweep submitted from
+# one folder (other --lr, say) gets one snapshot per point, never another's.
+# Then claims it for this job (the file <name>.job holds the job id) and exits
+# 2 with one line when another job that is still queued or running holds it:
+# two live jobs must never write one snapshot.
+snapshot_for() {
+    local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}"
+    if [ "$#" -gt 0 ]; then name="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8)"; fi
+    SNAPSHOT="$name.pt"
+    local claim="$SNAPSHOT.job" owner state
+    owner="$(cat "$claim" 2>/dev/null || true)"
+    if [ -n "$owner" ] && [ "$owner" != "$SLURM_JOB_ID" ]; then
+        state="$(squeue -h -j "$owner" -o %T 2>/dev/null || true)"
+        case "$state" in
+            ""|COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|PREEMPTED|BOOT_FAIL|DEADLINE) ;;
+            *)  echo "error: snapshot $SNAPSHOT belongs to job $owner, which is $state: two live jobs must not share a snapshot; wait for job $owner to end (or scancel it), or submit with other arguments or --job-name" >&2
+                exit 2 ;;
+        esac
+    fi
+    echo "$SLURM_JOB_ID" > "$claim"
+}
 
 # require_torchrun [container command...]: one line and exit 2 when the torchrun
 # there is missing or lacks the two flags the wrappers use.
@@ -46,6 +79,7 @@ require_torchrun() {
 # it has really ended, then requeue the job if it was warned or preempted.
 # Exits the batch shell.
 run_step() {
+    rm -f "$TRAINING_FINISHED_FILE"  # a requeued job's earlier run may have left one
     "$@" &
     STEP_PID=$!
     # A warning during set-up, before there was a step to relay it to:
@@ -65,6 +99,16 @@ run_step() {
     local preempted
     preempted="$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.*PreemptTime=\([^ ]*\).*/\1/p' || true)"
     [ "$preempted" = None ] && preempted=""
+    # The training holds every epoch: the job is done, whatever came after it.
+    if [ -e "$TRAINING_FINISHED_FILE" ]; then
+        rm -f "$TRAINING_FINISHED_FILE"
+        if [ -n "$STOP_SIGNAL$preempted" ]; then
+            echo "$(date -Is) done: training holds every epoch (step status $status; ${STOP_SIGNAL:+SIG$STOP_SIGNAL}${preempted:+preemption} came after the last epoch); not requeueing"
+        else
+            echo "$(date -Is) done (status $status)"
+        fi
+        exit 0
+    fi
     if [ "$STOP_SIGNAL" = USR1 ] || [ -n "$preempted" ]; then
         echo "$(date -Is) training stopped (status $status); requeueing job $job${preempted:+ (preempted at $preempted)}"
         scontrol requeue "$job"

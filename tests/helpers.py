@@ -6,6 +6,7 @@ on-disk formats are in dataset_files.py."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import os
 import re
@@ -158,6 +159,17 @@ def signal_when(launch: list, cwd: Path, line, signum: int, start_s: float = 120
             if agent.poll() is None:
                 agent.kill()
     return log.read_text()
+
+
+def wrapper_snapshot(job_name: str, args: list = (), array_index=None) -> str:
+    """The --snapshot_path a resumable Slurm wrapper gives a submission
+    (slurm/stop_and_requeue.sh's snapshot_for): snapshot-<job name>[-<array
+    index>][-<first 8 hex digits of the SHA-256 of the training arguments,
+    each followed by a NUL byte>].pt."""
+    name = f"snapshot-{job_name}" + (f"-{array_index}" if array_index is not None else "")
+    if args:
+        name += "-" + hashlib.sha256("".join(f"{arg}\0" for arg in args).encode()).hexdigest()[:8]
+    return name + ".pt"
 
 
 def run_together(cmds: list[list], cwds: list[Path], env: dict, timeout: float = 300) -> list[tuple]:

@@ -12,13 +12,15 @@ configuration, spool and log folders under a temporary directory:
   root-side address 10.200.0.254 is the controller's), its own hostname (a
   UTS namespace) and two file-backed "GPUs": two hosts as far as Slurm,
   torchrun and gloo can tell;
-- partitions ``stops`` and ``urgent`` over six more such hosts,
-  ``ddp-stop1``..``ddp-stop6`` (10.200.0.11-16), each with 8 "GPUs" and 8
-  CPUs (more than the machine has: ``config_overrides``), for the stop-path
-  tests: preemption is on (``PreemptType=preempt/partition_prio``,
-  ``PreemptMode=REQUEUE``), and a job in ``urgent`` (``PriorityTier=10``)
-  preempts the ``stops`` jobs (tier 1) on its nodes after their
-  ``GraceTime`` (60 s).
+- partitions ``stops``, ``nograce`` and ``urgent`` over nine more such
+  hosts, ``ddp-stop1``..``ddp-stop9`` (10.200.0.11-19), each with 8 "GPUs"
+  and 8 CPUs (more than the machine has: ``config_overrides``), for the
+  stop-path tests: preemption is on (``PreemptType=preempt/partition_prio``,
+  ``PreemptMode=REQUEUE``), and a job in ``urgent`` (``PriorityTier=10``, all
+  nine hosts) preempts the ``stops`` jobs (tier 1, all but 7 and 8) on
+  its nodes after their ``GraceTime`` (60 s), the ``nograce`` jobs (tier 1,
+  ``ddp-stop7``, ``8``, ``GraceTime=0``, many clusters' default) at once;
+  ``KillWait`` (SIGTERM to SIGKILL) is 30 s, Slurm's default, set here.
 
 Settings that this kind of machine (a gVisor sandbox, as root) needs:
 ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none`` (no
@@ -47,9 +49,11 @@ from typing import Callable, Optional
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel",
             "ip", "nsenter", "unshare")
 NETNS_NODES = {"ddp-node1": "10.200.0.1", "ddp-node2": "10.200.0.2"}
-STOP_NODES = {f"ddp-stop{i}": f"10.200.0.{10 + i}" for i in range(1, 7)}
+STOP_NODES = {f"ddp-stop{i}": f"10.200.0.{10 + i}" for i in range(1, 10)}
+NOGRACE_NODES = ("ddp-stop7", "ddp-stop8")  # partition nograce; the others: partition stops
 STOP_NODE_SIZE = 8  # CPUs and "GPUs" of each stop-path host
 GRACE_TIME_S = 60
+KILL_WAIT_S = 30  # from SIGTERM to SIGKILL, when a job is stopped (Slurm's default)
 BRIDGE, BRIDGE_ADDR = "ddpbr0", "10.200.0.254"
 # The interface carrying each namespace host's address; the same name on both
 # hosts, so one GLOO_SOCKET_IFNAME serves every node.
@@ -161,6 +165,7 @@ class SlurmCluster:
         nodes += [f"NodeName={node} NodeAddr={addr} CPUs={STOP_NODE_SIZE} RealMemory=4096 "
                   f"Gres=gpu:{STOP_NODE_SIZE} State=UNKNOWN" for node, addr in STOP_NODES.items()]
         stop_nodes = ",".join(STOP_NODES)
+        grace_nodes = ",".join(node for node in STOP_NODES if node not in NOGRACE_NODES)
         config = f"""\
 ClusterName=ddptest
 SlurmctldHost={self.hostname}({BRIDGE_ADDR})
@@ -191,11 +196,12 @@ SlurmdParameters=config_overrides
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 MinJobAge=3600
-KillWait=30
+KillWait={KILL_WAIT_S}
 {chr(10).join(nodes)}
 PartitionName=single Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 PartitionName=multi Nodes={','.join(NETNS_NODES)} MaxTime=INFINITE State=UP OverSubscribe=YES
-PartitionName=stops Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_TIME_S}
+PartitionName=stops Nodes={grace_nodes} MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_TIME_S}
+PartitionName=nograce Nodes={','.join(NOGRACE_NODES)} MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=0
 PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
         self.conf.write_text(config)

@@ -38,7 +38,7 @@ from typing import Optional
 import pytest
 
 from dataset_files import build_mnist_root
-from helpers import IN_CI, REPO, check, epochs, free_port, parse_test, run, run_together
+from helpers import IN_CI, REPO, check, epochs, free_port, parse_test, run, run_together, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 TOOLS = ("podman", "runc", "debootstrap")
@@ -392,7 +392,9 @@ def test_multi_gpu_wrapper_runs_torchrun_in_the_container(image, cluster, tmp_pa
     assert f"job {job} on " in log and "| 2 processes |" in log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]
     assert parse_test(log)["acc"] > 0.8
-    assert (tmp_path / "snapshot-multi_gpu.pt").is_file()  # named after the job: a resubmission resumes
+    # named after the job and the arguments: a resubmission resumes
+    assert (tmp_path / wrapper_snapshot("multi_gpu", ["--dataset", "mnist", "--data_dir", data,
+                                                      "--total_epochs", "2"])).is_file()
 
 
 def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_path):
@@ -408,4 +410,4 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
     assert {rank for rank, _ in seen} == {0, 1} and {host for _, host in seen} == set(NETNS_NODES), log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
-    assert (tmp_path / "snapshot-multi_node.pt").is_file()
+    assert (tmp_path / wrapper_snapshot("multi_node", ["--total_epochs", "2"])).is_file()

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import LAUNCHER_VARIABLES, REPO, TORCHRUN, epochs, parse_test, run_together, script_env
+from helpers import LAUNCHER_VARIABLES, REPO, TORCHRUN, epochs, parse_test, run_together, script_env, \
+    wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
@@ -67,8 +68,10 @@ def test_multi_gpu_wrapper_runs_one_worker_per_gpu(cluster, tmp_path):
     assert f"job {job} on " in log and "| 2 processes |" in log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]
     assert parse_test(log)["acc"] > 0.8
-    # The snapshot is named after the job, so that the same command submitted again resumes.
-    config = torch.load(tmp_path / "snapshot-multi_gpu.pt", weights_only=True)["config"]
+    # The snapshot is named after the job and the arguments, so that the same command submitted again resumes.
+    snapshot = wrapper_snapshot("multi_gpu", ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "2"])
+    assert f"| {snapshot} |" in log
+    config = torch.load(tmp_path / snapshot, weights_only=True)["config"]
     # two workers, from the two GPUs Slurm granted; the flags passed through
     assert config["world_size"] == 2 and config["dataset"] == "mnist"
     # and one GPU gives one worker, with no edit to the wrapper; another job
@@ -77,7 +80,8 @@ def test_multi_gpu_wrapper_runs_one_worker_per_gpu(cluster, tmp_path):
                  sbatch=["--gres=gpu:1", "--job-name=one_gpu"])
     _, log = finished(cluster, tmp_path, job, "one_gpu")
     assert "| 1 processes |" in log
-    assert torch.load(tmp_path / "snapshot-one_gpu.pt", weights_only=True)["config"]["world_size"] == 1
+    snapshot = tmp_path / wrapper_snapshot("one_gpu", ["--total_epochs", "1"])
+    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 1
 
 
 def test_multi_node_wrapper_two_hosts_four_ranks(cluster, tmp_path):
@@ -92,7 +96,8 @@ def test_multi_node_wrapper_two_hosts_four_ranks(cluster, tmp_path):
         or seen == {(0, 0, "ddp-node2"), (1, 1, "ddp-node2"), (2, 0, "ddp-node1"), (3, 1, "ddp-node1")}, log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
-    assert torch.load(tmp_path / "snapshot-multi_node.pt", weights_only=True)["config"]["world_size"] == 4
+    snapshot = tmp_path / wrapper_snapshot("multi_node", ["--total_epochs", "2"])
+    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 4
 
 
 def test_srun_wrapper_one_task_per_gpu_on_two_hosts(cluster, tmp_path):
@@ -108,7 +113,8 @@ def test_srun_wrapper_one_task_per_gpu_on_two_hosts(cluster, tmp_path):
     # srun's default block distribution: ranks 0, 1 on the first host, 2, 3 on the second
     assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")}, log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]
-    assert torch.load(tmp_path / "snapshot-multi_node_srun.pt", weights_only=True)["config"]["world_size"] == 4
+    snapshot = tmp_path / wrapper_snapshot("multi_node_srun", ["--total_epochs", "2"])
+    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 4
 
 
 def test_srun_wrapper_runs_each_task_in_the_container(cluster, tmp_path):
@@ -133,7 +139,8 @@ def test_srun_wrapper_runs_each_task_in_the_container(cluster, tmp_path):
     assert {(host, int(task)) for host, task in ran} >= {("ddp-node1", 0), ("ddp-node1", 1),
                                                          ("ddp-node2", 2), ("ddp-node2", 3)}, log
     assert [e["epoch"] for e in epochs(log)] == [1]
-    assert torch.load(tmp_path / "snapshot-multi_node_srun.pt", weights_only=True)["config"]["world_size"] == 4
+    snapshot = tmp_path / wrapper_snapshot("multi_node_srun", ["--total_epochs", "1"])
+    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 4
 
 
 def test_srun_task_gets_its_rank_from_slurm(monkeypatch):

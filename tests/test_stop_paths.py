@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+import torch
 
-from helpers import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env
-from slurm_cluster import NODE_IFACE
+from helpers import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env, wrapper_snapshot
+from slurm_cluster import KILL_WAIT_S, NODE_IFACE
 
 SMALL = ["--mem=1G", "--cpus-per-task=1"]
 SCENARIO_TIMEOUT_S = 900
@@ -60,6 +61,9 @@ class Scenario:
     reference: tuple  # (script, processes)
     resubmit: bool = False  # after it ends (scancel), submit the same command again
     user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
+    partition: str = "stops"
+    env: dict = field(default_factory=dict)  # added to the job's environment (DDP_TEST_FAULT)
+    trigger_when: tuple = ()  # lines that must all be in the log before the trigger; () : epoch 2's
     # filled in by the driver
     logs: list = field(default_factory=list)
     infos: list = field(default_factory=list)
@@ -88,6 +92,12 @@ SHORT = ["--total_epochs", "20", "--batch_size", "8"]
 # before the limit, 30-90 s into a run.
 LONG = ["--total_epochs", "300", "--batch_size", "8", "--save_every", "50"]
 GPUS_2 = ["--gres=gpu:2"]
+# The stop's save hangs (the tests' hook, after the temporary file is written,
+# before the rename), as a save too large for KillWait would: Slurm's SIGKILL
+# must leave the snapshot before it whole.
+SAVE_EVERY_EPOCH = [*SHORT, "--save_every", "1"]
+HOLD_AT_STARTUP = {"DDP_TEST_FAULT": "startup:*:1:hang"}
+AT_STARTUP = ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1")
 SCENARIOS = [
     Scenario("preempt-multi_gpu", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
              ("multigpu_torchrun.py", 2)),
@@ -101,6 +111,20 @@ SCENARIOS = [
              ("multigpu_torchrun.py", 2)),
     Scenario("scancel", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scancel, ("multigpu_torchrun.py", 2),
              resubmit=True),
+    # scontrol requeue while every rank is still starting (held there by the tests' hook)
+    Scenario("startup-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
+             ("multigpu_torchrun.py", 2), env=HOLD_AT_STARTUP, trigger_when=AT_STARTUP),
+    # The time-limit warning after the last epoch: the run holds every epoch
+    # (the hook holds rank 0 there until a stop signal comes): not requeued.
+    Scenario("finished-warned", "multi_gpu.sh", "ddp-stop9", [*GPUS_2, "--time=3"], ["--total_epochs", "3"],
+             None, ("multigpu_torchrun.py", 2), env={"DDP_TEST_FAULT": "finished:0:1:wait_signal"}),
+    # Preemption without GraceTime: SIGTERM to everything at once, SIGKILL
+    # after KillWait. Once with a stop that saves in time, once with a save
+    # held past KillWait.
+    Scenario("nograce", "multi_gpu.sh", "ddp-stop7", GPUS_2, SHORT, preempt, ("multigpu_torchrun.py", 2),
+             partition="nograce"),
+    Scenario("nograce-killed-saving", "multi_gpu.sh", "ddp-stop8", GPUS_2, SAVE_EVERY_EPOCH, preempt,
+             ("multigpu_torchrun.py", 2), partition="nograce", env={"DDP_TEST_FAULT": "save:0:3:hang"}),
     # Clusters that set preempt_send_user_signal send the job's --signal
     # (SIGUSR1 to the batch shell) at preemption instead of the first SIGTERM.
     Scenario("preempt-user-signal", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
@@ -110,10 +134,10 @@ SCENARIOS = [
 
 def _submit(cluster, scenario: Scenario, folder: Path) -> int:
     time_limit = [] if any(a.startswith("--time") for a in scenario.sbatch) else ["--time=15"]
-    return cluster.sbatch([f"--chdir={folder}", "-p", "stops", f"--nodelist={scenario.nodes}", *SMALL,
+    return cluster.sbatch([f"--chdir={folder}", "-p", scenario.partition, f"--nodelist={scenario.nodes}", *SMALL,
                            *time_limit, f"--job-name={scenario.name}", *scenario.sbatch,
                            f"slurm/{scenario.wrapper}", *scenario.args], cwd=REPO,
-                          env={"VENV_DIR": sys.prefix, "GLOO_SOCKET_IFNAME": NODE_IFACE})
+                          env={"VENV_DIR": sys.prefix, "GLOO_SOCKET_IFNAME": NODE_IFACE, **scenario.env})
 
 
 def _log(folder: Path, scenario: Scenario, job: int) -> str:
@@ -143,8 +167,9 @@ def _drive(cluster, scenario: Scenario, folder: Path) -> None:
     job = _submit(cluster, scenario, folder)
     total = scenario.args[scenario.args.index("--total_epochs") + 1]
     if scenario.trigger:
-        while f"epoch 2/{total}" not in _log(folder, scenario, job):
-            assert time.monotonic() < deadline, f"never reached epoch 2:\n{_log(folder, scenario, job)}"
+        wanted = scenario.trigger_when or (f"epoch 2/{total}",)
+        while not all(line in _log(folder, scenario, job) for line in wanted):
+            assert time.monotonic() < deadline, f"never saw {wanted}:\n{_log(folder, scenario, job)}"
             time.sleep(0.2)
         signalled = time.monotonic()
         scenario.trigger(cluster, job, scenario.nodes)
@@ -163,6 +188,29 @@ def _drive(cluster, scenario: Scenario, folder: Path) -> None:
     scenario.logs.append(_log(folder, scenario, job))
     if scenario.resubmit:  # the same sbatch command again: it resumes
         job = _submit(cluster, scenario, folder)
+        scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
+        scenario.logs.append(_log(folder, scenario, job))
+
+
+# A sweep submitted from one folder, the way people submit one:
+# `for lr in ...; do sbatch slurm/multi_gpu.sh ... --lr $lr; done`; then the
+# first command once more while its job still trains.
+SWEEP_NODE = "ddp-stop9"
+SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, args, None, ("multigpu_torchrun.py", 2))
+         for args in (SHORT, ["--total_epochs", "6", "--batch_size", "8", "--lr", "0.02"], SHORT)]
+
+
+def _drive_sweep(cluster, folder: Path) -> None:
+    """Submits the sweep's first point, then, once it trains, the second and
+    the first again; waits for all three."""
+    first, second, again = SWEEP
+    deadline = time.monotonic() + SCENARIO_TIMEOUT_S
+    jobs = [_submit(cluster, first, folder)]
+    while f"epoch 2/{SHORT[1]}" not in _log(folder, first, jobs[0]):
+        assert time.monotonic() < deadline, f"never reached epoch 2:\n{_log(folder, first, jobs[0])}"
+        time.sleep(0.2)
+    jobs += [_submit(cluster, second, folder), _submit(cluster, again, folder)]
+    for scenario, job in zip(SWEEP, jobs):
         scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
         scenario.logs.append(_log(folder, scenario, job))
 
@@ -193,6 +241,17 @@ def stopped(slurm_cluster, tmp_path_factory):
                 scenario.error = f"{type(exc).__name__}: {exc}"
 
         threads.append(threading.Thread(target=target, daemon=True, name=scenario.name))
+    folders["sweep"] = root / "sweep"
+    folders["sweep"].mkdir()
+
+    def sweep_target():
+        try:
+            _drive_sweep(slurm_cluster, folders["sweep"])
+        except BaseException as exc:  # noqa: BLE001 - reported by the sweep's test
+            SWEEP[0].error = f"{type(exc).__name__}: {exc}"
+
+    sweep_thread = threading.Thread(target=sweep_target, daemon=True, name="sweep")
+    sweep_thread.start()
     started = time.monotonic()
     for thread, scenario in zip(threads, SCENARIOS):
         if not scenario.user_signal:
@@ -205,6 +264,7 @@ def stopped(slurm_cluster, tmp_path_factory):
     for thread, scenario in zip(threads, SCENARIOS):
         if not scenario.user_signal:
             thread.join(SCENARIO_TIMEOUT_S + 60)
+    sweep_thread.join(SCENARIO_TIMEOUT_S + 60)
     # The cluster-wide setting, alone on the cluster: switched on, then off again.
     config = slurm_cluster.conf.read_text()
     slurm_cluster.conf.write_text(config + "SlurmctldParameters=preempt_send_user_signal\n")
@@ -227,17 +287,18 @@ def runs(log: str) -> list:
     return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
 
 
-def check_resumes_exactly(texts: list, total: int) -> list:
+def check_resumes_exactly(texts: list, total: int, first: int = 1) -> list:
     """Each run resumes at the last position any run before it saved; every
-    epoch is summarised once over all runs, in order. Returns the mid-epoch
-    stops [(epoch, step)]."""
+    epoch from ``first`` on is summarised once over all runs, in order (a
+    ``first`` above 1: ``texts`` begin with a resumed run). Returns the
+    mid-epoch stops [(epoch, step)]."""
     saved, stops, summarised = None, [], []
     for index, text in enumerate(texts):
-        if index and index == len(texts) - 1 and "test | loss" in texts[index - 1] \
-                and f"already holds all {total} epochs: nothing to train" in text:
-            break  # warned after the last epoch (the time limit): the requeued run had nothing left
+        assert "nothing to train" not in text, f"run {index} was requeued after the last epoch:\n{text}"
         resumed = RESUME.search(text)
-        if saved is None:
+        if saved is None and first > 1:
+            pass  # the first of these runs resumed from a save before them: the caller checks it
+        elif saved is None:
             assert not resumed, text
         else:
             assert resumed, f"run {index} did not resume:\n{text}"
@@ -247,7 +308,7 @@ def check_resumes_exactly(texts: list, total: int) -> list:
         for match in SAVED.finditer(text):
             saved = (match.group(1), match.group(2))
         stops += [(int(e), int(s)) for e, s, _ in STOP.findall(text)]
-    assert summarised == list(range(1, total + 1)), summarised
+    assert summarised == list(range(first, total + 1)), summarised
     return stops
 
 
@@ -255,7 +316,7 @@ def show(scenario: Scenario) -> str:
     return f"{scenario.error}\n{scenario.infos}\n" + "\n=====\n".join(scenario.logs)
 
 
-@pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt])
+@pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt and s.partition == "stops"])
 def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name):
     scenarios, folders, references = stopped
     scenario = scenarios[name]
@@ -275,7 +336,7 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name):
     assert parse_test(texts[-1])
     if name == "preempt-srun":  # 2 hosts x 2 tasks, ranks from Slurm
         assert "| 2 nodes (ddp-stop[4-5]) x 2 tasks |" in texts[0] and "world_size 4" in texts[0]
-    snapshot = folders[name] / f"snapshot-{name}.pt"
+    snapshot = folders[name] / wrapper_snapshot(name, scenario.args)
     assert_same_snapshot(snapshot, references[(*scenario.reference, tuple(scenario.args))])
 
 
@@ -297,7 +358,7 @@ def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
     # snapshot), so the run it stops by SIGUSR1 may be a later one.
     assert stops and any("stopped by SIGUSR1" in text for text in texts), texts
     print(f"time-limit: {len(texts)} runs, stops at {stops}")
-    assert_same_snapshot(folders["time-limit"] / "snapshot-time-limit-7.pt",
+    assert_same_snapshot(folders["time-limit"] / wrapper_snapshot("time-limit", scenario.args, 7),
                          references[(*scenario.reference, tuple(scenario.args))])
 
 
@@ -313,7 +374,7 @@ def test_scontrol_requeue_snapshots_and_slurm_requeues(stopped):
     stops = check_resumes_exactly(texts, 20)
     assert len(stops) == 1, texts
     print(f"scontrol-requeue: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
-    assert_same_snapshot(folders["scontrol-requeue"] / "snapshot-scontrol-requeue.pt",
+    assert_same_snapshot(folders["scontrol-requeue"] / wrapper_snapshot("scontrol-requeue", scenario.args),
                          references[(*scenario.reference, tuple(scenario.args))])
 
 
@@ -329,5 +390,124 @@ def test_scancel_snapshots_and_the_same_command_resumes(stopped):
     stops = check_resumes_exactly([first_log, second_log], 20)
     assert len(stops) == 1, first_log
     print(f"scancel: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
-    assert_same_snapshot(folders["scancel"] / "snapshot-scancel.pt",
+    assert_same_snapshot(folders["scancel"] / wrapper_snapshot("scancel", scenario.args),
                          references[(*scenario.reference, tuple(scenario.args))])
+
+
+def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
+    """scontrol requeue while every rank is still in start-up (held there, after
+    the process group exists, by the tests' hook): each rank ends at once with
+    one line from rank 0, Slurm requeues the job, the next run trains it all."""
+    scenarios, folders, references = stopped
+    scenario = scenarios["startup-requeue"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, show(scenario)
+    first, second = runs(log)
+    assert "batch shell got SIGTERM" in first and "stopped by SIGTERM during start-up" in first, first
+    assert "Traceback" not in first.split("stopped by SIGTERM during start-up")[0], first
+    assert not epochs(first) and "snapshot saved" not in first, first
+    check_resumes_exactly([first, second], 20)
+    print(f"startup-requeue: {scenario.signal_to_exit_s:.1f} s from scontrol requeue to leaving RUNNING")
+    assert_same_snapshot(folders[scenario.name] / wrapper_snapshot(scenario.name, scenario.args),
+                         references[(*scenario.reference, tuple(scenario.args))])
+
+
+def test_a_warning_after_the_last_epoch_does_not_requeue_a_finished_run(stopped):
+    """The wrapper's time-limit warning lands after the last epoch (the tests'
+    hook holds rank 0 there, once every epoch and the test are done, until a
+    stop signal comes): the batch shell learns from the training that the run
+    is finished, and the job ends COMPLETED instead of being requeued for a run
+    with nothing to train. Should the warning come earlier, that run stops and
+    is requeued, and the next one is held the same way: the end is the same."""
+    scenarios, folders, _ = stopped
+    scenario = scenarios["finished-warned"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", show(scenario)
+    texts = runs(log)
+    last = texts[-1]
+    assert "DDP_TEST_FAULT: wait_signal at finished 1" in last and "batch shell got SIGUSR1" in last, last
+    assert "test | loss" in last and "SIGUSR1 came after the last epoch); not requeueing" in last, last
+    assert "requeueing job" not in last.replace("not requeueing", ""), last
+    check_resumes_exactly(texts, 3)  # and no run had "nothing to train"
+    print(f"finished-warned: {len(texts)} runs, restarts {info['Restarts']}")
+
+
+def test_preemption_without_grace_time_snapshots_within_kill_wait(stopped):
+    """GraceTime=0: SIGTERM to every process of the job at once, batch shell
+    included; the ranks stop after one step and rank 0 saves before Slurm's
+    SIGKILL (KillWait after the SIGTERM); Slurm requeues; the run resumes
+    exactly."""
+    scenarios, folders, references = stopped
+    scenario = scenarios["nograce"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
+    texts = runs(log)
+    assert "batch shell got SIGTERM" in texts[0] and "stopped by SIGTERM" in texts[0], texts[0]
+    stops = check_resumes_exactly(texts, 20)
+    assert len(stops) == 1, texts
+    print(f"nograce: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s from the preemption to leaving "
+          f"RUNNING (KillWait {KILL_WAIT_S} s)")
+    assert_same_snapshot(folders[scenario.name] / wrapper_snapshot(scenario.name, scenario.args),
+                         references[(*scenario.reference, tuple(scenario.args))])
+
+
+def test_preemption_without_grace_time_killed_mid_save_resumes_from_the_last_whole_snapshot(stopped):
+    """GraceTime=0 and a save that outlasts KillWait (the tests' hook holds the
+    third save after its temporary file is written): Slurm's SIGKILL lands
+    mid-save; the snapshot before it is whole (temporary file + rename), the
+    requeued run resumes from it, and the end is bitwise that of a run never
+    interrupted; the killed save's temporary file is gone at the end."""
+    scenarios, folders, references = stopped
+    scenario = scenarios["nograce-killed-saving"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
+    texts = runs(log)
+    held = texts[0].split("DDP_TEST_FAULT: hang at save 3")
+    assert len(held) == 2 and "snapshot saved" not in held[1], texts[0]
+    assert "batch shell got SIGTERM" in texts[0], texts[0]
+    # What the killed save held is trained again (an epoch the first run had
+    # summarised, say); every later run resumes where the one before saved.
+    last_saved = [(m.group(1), m.group(2)) for m in SAVED.finditer(held[0])][-1]
+    resumed = RESUME.search(texts[1])
+    assert resumed, texts[1]
+    position = (resumed.group(2), resumed.group(3)) if resumed.group(2) else (resumed.group(4), None)
+    assert position == last_saved, (last_saved, texts[1])
+    check_resumes_exactly(texts[1:], 20, first=int(last_saved[0]) + (0 if last_saved[1] else 1))
+    print(f"nograce-killed-saving: killed mid-save, resumed {resumed.group(0)!r}, "
+          f"{scenario.signal_to_exit_s:.1f} s from the preemption to leaving RUNNING")
+    folder = folders[scenario.name]
+    assert_same_snapshot(folder / wrapper_snapshot(scenario.name, scenario.args),
+                         references[(*scenario.reference, tuple(SHORT))])  # saving more often changes nothing
+    assert not list(folder.glob("*.tmp")), list(folder.iterdir())
+
+
+def test_a_sweep_from_one_folder_gives_each_point_its_own_snapshot(stopped):
+    """Two points of a sweep (--lr) submitted from one folder while the first
+    trains each write their own snapshot (the arguments' hash in its name)
+    and neither resumes the other's; the first command submitted again while
+    its job is still running is refused in one line naming that job, and its
+    snapshot is left to it."""
+    scenarios, folders, references = stopped
+    first, second, again = SWEEP
+    assert not first.error, first.error
+    (first_info, first_log), (second_info, second_log), (again_info, again_log) = (
+        (scenario.infos[0], scenario.logs[0]) for scenario in SWEEP)
+    for info, log, total in ((first_info, first_log, 20), (second_info, second_log, 6)):
+        assert info["JobState"] == "COMPLETED", f"{info}\n{log}"
+        assert "resuming from snapshot" not in log and len(runs(log)) == 1, log
+        assert [e["epoch"] for e in epochs(log)] == list(range(1, total + 1)), log
+    first_name, second_name = wrapper_snapshot("sweep", first.args), wrapper_snapshot("sweep", second.args)
+    assert first_name != second_name and f"| {second_name} |" in second_log, second_log
+    assert again_info["JobState"] == "FAILED" and again_info["ExitCode"] == "2:0", f"{again_info}\n{again_log}"
+    refusal = [line for line in again_log.splitlines() if line.startswith("error:")]
+    assert refusal == [f"error: snapshot {first_name} belongs to job {first_info['JobId']}, which is RUNNING: two "
+                       f"live jobs must not share a snapshot; wait for job {first_info['JobId']} to end (or scancel "
+                       f"it), or submit with other arguments or --job-name"], again_log
+    folder = folders["sweep"]
+    assert_same_snapshot(folder / first_name, references[(*first.reference, tuple(SHORT))])
+    lr = torch.load(folder / second_name, weights_only=True)["config"]["lr"]
+    assert lr == 0.02
