@@ -23,68 +23,18 @@ equal those of an uninterrupted run, bitwise.
 
 from __future__ import annotations
 
-import re
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 import torch
 
 from helpers import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env, wrapper_snapshot
-from slurm_cluster import KILL_WAIT_S, NODE_IFACE
-
-SMALL = ["--mem=1G", "--cpus-per-task=1"]
-SCENARIO_TIMEOUT_S = 900
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-HEADER = re.compile(r"^job \d+ .*\| restart (\d+) \|", re.M)
-STOP = re.compile(r"^epoch (\d+) step (\d+) \| snapshot saved at (\S+)$", re.M)
-SAVED = re.compile(r"^epoch (\d+) (?:step (\d+) )?\| snapshot saved at", re.M)
-RESUME = re.compile(r"^resuming from snapshot (\S+) (?:in epoch (\d+) after step (\d+)|after epoch (\d+))$",
-                    re.M)
-
-
-@dataclass
-class Scenario:
-    """One job and what is done to it. ``trigger(cluster, job_id, nodes)`` stops
-    it (None: its time limit does); ``reference`` is the uninterrupted run."""
-    name: str
-    wrapper: str
-    nodes: str
-    sbatch: list
-    args: list
-    trigger: Optional[Callable]
-    reference: tuple  # (script, processes)
-    resubmit: bool = False  # after it ends (scancel), submit the same command again
-    user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
-    partition: str = "stops"
-    env: dict = field(default_factory=dict)  # added to the job's environment (DDP_TEST_FAULT)
-    trigger_when: tuple = ()  # lines that must all be in the log before the trigger; () : epoch 2's
-    # filled in by the driver
-    logs: list = field(default_factory=list)
-    infos: list = field(default_factory=list)
-    signal_to_exit_s: Optional[float] = None
-    error: str = ""
-
-
-def preempt(cluster, job: int, nodes: str) -> None:
-    """A high-priority job that needs the whole of the job's nodes."""
-    count = len(subprocess.run(["scontrol", "show", "hostnames", nodes], env=cluster.env, capture_output=True,
-                               text=True, check=True).stdout.split())
-    cluster.sbatch(["-p", "urgent", "--exclusive", f"--nodelist={nodes}", f"--nodes={count}", *SMALL,
-                    "--time=5", "--job-name=urgent", "--output=/dev/null", "--wrap", "sleep 5"], cwd=REPO)
-
-
-def scontrol_requeue(cluster, job: int, nodes: str) -> None:
-    subprocess.run(["scontrol", "requeue", str(job)], env=cluster.env, check=True)
-
-
-def scancel(cluster, job: int, nodes: str) -> None:
-    subprocess.run(["scancel", str(job)], env=cluster.env, check=True)
+from slurm_cluster import KILL_WAIT_S
+from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, job_log, \
+    preempt, runs, scancel, scontrol_requeue, show, submit
 
 
 SHORT = ["--total_epochs", "20", "--batch_size", "8"]
@@ -132,87 +82,42 @@ SCENARIOS = [
 ]
 
 
-def _submit(cluster, scenario: Scenario, folder: Path) -> int:
-    time_limit = [] if any(a.startswith("--time") for a in scenario.sbatch) else ["--time=15"]
-    return cluster.sbatch([f"--chdir={folder}", "-p", scenario.partition, f"--nodelist={scenario.nodes}", *SMALL,
-                           *time_limit, f"--job-name={scenario.name}", *scenario.sbatch,
-                           f"slurm/{scenario.wrapper}", *scenario.args], cwd=REPO,
-                          env={"VENV_DIR": sys.prefix, "GLOO_SOCKET_IFNAME": NODE_IFACE, **scenario.env})
-
-
-def _log(folder: Path, scenario: Scenario, job: int) -> str:
-    path = folder / f"{scenario.name}-{job}.out"  # %x-%j.out; an array task's %j is its own job id
-    return path.read_text() if path.exists() else ""
-
-
-def _release_when_requeued(cluster, job: int, info: dict, nodes: str, released: set) -> None:
-    """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime) while
-    its nodes clean up; a test need not wait that long, only until the job's
-    nodes no longer complete the last run, plus 2 s: slurmd refuses a launch
-    credential issued in the same second as the revocation of the previous one."""
-    restarts = int(info.get("Restarts", 0))
-    if info.get("Reason") != "BeginTime" or restarts in released:
-        return
-    states = subprocess.run(["sinfo", "-h", "-N", "-n", nodes, "-o", "%t"], env=cluster.env,
-                            capture_output=True, text=True).stdout
-    if "comp" in states:
-        return
-    time.sleep(2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
-    released.add(restarts)
-
-
-def _drive(cluster, scenario: Scenario, folder: Path) -> None:
-    deadline = time.monotonic() + SCENARIO_TIMEOUT_S
-    job = _submit(cluster, scenario, folder)
-    total = scenario.args[scenario.args.index("--total_epochs") + 1]
-    if scenario.trigger:
-        wanted = scenario.trigger_when or (f"epoch 2/{total}",)
-        while not all(line in _log(folder, scenario, job) for line in wanted):
-            assert time.monotonic() < deadline, f"never saw {wanted}:\n{_log(folder, scenario, job)}"
-            time.sleep(0.2)
-        signalled = time.monotonic()
-        scenario.trigger(cluster, job, scenario.nodes)
-    released: set = set()
-    while True:
-        info = cluster.job(job)
-        if scenario.trigger and scenario.signal_to_exit_s is None and info["JobState"] != "RUNNING":
-            scenario.signal_to_exit_s = time.monotonic() - signalled
-        if info["JobState"] in ENDED:
-            break
-        assert time.monotonic() < deadline, f"{info}\n{_log(folder, scenario, job)}"
-        if info["JobState"] == "PENDING":
-            _release_when_requeued(cluster, job, info, scenario.nodes, released)
-        time.sleep(0.5)
-    scenario.infos.append(info)
-    scenario.logs.append(_log(folder, scenario, job))
-    if scenario.resubmit:  # the same sbatch command again: it resumes
-        job = _submit(cluster, scenario, folder)
-        scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
-        scenario.logs.append(_log(folder, scenario, job))
-
-
 # A sweep submitted from one folder, the way people submit one:
 # `for lr in ...; do sbatch slurm/multi_gpu.sh ... --lr $lr; done`; then the
-# first command once more while its job still trains.
+# first command once more while its job still runs. The tests' hook holds the
+# first job once it has trained every epoch until a stop signal comes, so
+# that it is still running when the others start, however fast it trains.
 SWEEP_NODE = "ddp-stop9"
-SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, args, None, ("multigpu_torchrun.py", 2))
-         for args in (SHORT, ["--total_epochs", "6", "--batch_size", "8", "--lr", "0.02"], SHORT)]
+SWEEP_HOLD = {"DDP_TEST_FAULT": "finished:0:1:wait_signal"}
+SWEEP_SHORTER = ["--total_epochs", "6", "--batch_size", "8"]
+SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, ("multigpu_torchrun.py", 2),
+                  env=SWEEP_HOLD),
+         Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, [*SWEEP_SHORTER, "--lr", "0.02"], None,
+                  ("multigpu_torchrun.py", 2)),
+         Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, ("multigpu_torchrun.py", 2),
+                  env=SWEEP_HOLD)]
 
 
 def _drive_sweep(cluster, folder: Path) -> None:
     """Submits the sweep's first point, then, once it trains, the second and
-    the first again; waits for all three."""
+    the first again; waits for those two, then ends the first (held by the
+    hook after its last epoch) with scancel."""
     first, second, again = SWEEP
     deadline = time.monotonic() + SCENARIO_TIMEOUT_S
-    jobs = [_submit(cluster, first, folder)]
-    while f"epoch 2/{SHORT[1]}" not in _log(folder, first, jobs[0]):
-        assert time.monotonic() < deadline, f"never reached epoch 2:\n{_log(folder, first, jobs[0])}"
+    jobs = [submit(cluster, first, folder)]
+    while f"epoch 2/{SHORT[1]}" not in job_log(folder, first, jobs[0]):
+        assert time.monotonic() < deadline, f"never reached epoch 2:\n{job_log(folder, first, jobs[0])}"
         time.sleep(0.2)
-    jobs += [_submit(cluster, second, folder), _submit(cluster, again, folder)]
-    for scenario, job in zip(SWEEP, jobs):
+    jobs += [submit(cluster, second, folder), submit(cluster, again, folder)]
+    for scenario, job in zip(SWEEP[1:], jobs[1:]):
         scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
-        scenario.logs.append(_log(folder, scenario, job))
+        scenario.logs.append(job_log(folder, scenario, job))
+    while "DDP_TEST_FAULT: wait_signal at finished 1" not in job_log(folder, first, jobs[0]):
+        assert time.monotonic() < deadline, f"never finished:\n{job_log(folder, first, jobs[0])}"
+        time.sleep(0.2)
+    scancel(cluster, jobs[0], SWEEP_NODE)
+    first.infos.append(cluster.wait(jobs[0], max(deadline - time.monotonic(), 1)))
+    first.logs.append(job_log(folder, first, jobs[0]))
 
 
 def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
@@ -236,7 +141,7 @@ def stopped(slurm_cluster, tmp_path_factory):
 
         def target(scenario=scenario, folder=folder):
             try:
-                _drive(slurm_cluster, scenario, folder)
+                drive(slurm_cluster, scenario, folder)
             except BaseException as exc:  # noqa: BLE001 - reported by the scenario's test
                 scenario.error = f"{type(exc).__name__}: {exc}"
 
@@ -279,41 +184,6 @@ def stopped(slurm_cluster, tmp_path_factory):
         subprocess.run(["scontrol", "reconfigure"], env=slurm_cluster.env, check=True)
     print(f"\nstop paths: every scenario ended after {time.monotonic() - started:.0f} s")
     return {s.name: s for s in SCENARIOS}, folders, references
-
-
-def runs(log: str) -> list:
-    """The log of each run of a job (a requeued job appends to its log)."""
-    starts = [m.start() for m in HEADER.finditer(log)]
-    return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
-
-
-def check_resumes_exactly(texts: list, total: int, first: int = 1) -> list:
-    """Each run resumes at the last position any run before it saved; every
-    epoch from ``first`` on is summarised once over all runs, in order (a
-    ``first`` above 1: ``texts`` begin with a resumed run). Returns the
-    mid-epoch stops [(epoch, step)]."""
-    saved, stops, summarised = None, [], []
-    for index, text in enumerate(texts):
-        assert "nothing to train" not in text, f"run {index} was requeued after the last epoch:\n{text}"
-        resumed = RESUME.search(text)
-        if saved is None and first > 1:
-            pass  # the first of these runs resumed from a save before them: the caller checks it
-        elif saved is None:
-            assert not resumed, text
-        else:
-            assert resumed, f"run {index} did not resume:\n{text}"
-            position = (resumed.group(2), resumed.group(3)) if resumed.group(2) else (resumed.group(4), None)
-            assert position == saved, f"run {index} resumed at {position}, the last save was {saved}"
-        summarised += [e["epoch"] for e in epochs(text)]
-        for match in SAVED.finditer(text):
-            saved = (match.group(1), match.group(2))
-        stops += [(int(e), int(s)) for e, s, _ in STOP.findall(text)]
-    assert summarised == list(range(first, total + 1)), summarised
-    return stops
-
-
-def show(scenario: Scenario) -> str:
-    return f"{scenario.error}\n{scenario.infos}\n" + "\n=====\n".join(scenario.logs)
 
 
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt and s.partition == "stops"])
@@ -496,8 +366,10 @@ def test_a_sweep_from_one_folder_gives_each_point_its_own_snapshot(stopped):
     assert not first.error, first.error
     (first_info, first_log), (second_info, second_log), (again_info, again_log) = (
         (scenario.infos[0], scenario.logs[0]) for scenario in SWEEP)
-    for info, log, total in ((first_info, first_log, 20), (second_info, second_log, 6)):
-        assert info["JobState"] == "COMPLETED", f"{info}\n{log}"
+    # the first job was ended by scancel once it held every epoch, the second ran to its end
+    assert first_info["JobState"] == "CANCELLED" and "test | loss" in first_log, f"{first_info}\n{first_log}"
+    assert second_info["JobState"] == "COMPLETED", f"{second_info}\n{second_log}"
+    for log, total in ((first_log, 20), (second_log, 6)):
         assert "resuming from snapshot" not in log and len(runs(log)) == 1, log
         assert [e["epoch"] for e in epochs(log)] == list(range(1, total + 1)), log
     first_name, second_name = wrapper_snapshot("sweep", first.args), wrapper_snapshot("sweep", second.args)

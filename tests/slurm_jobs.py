@@ -1,0 +1,175 @@
+"""Slurm jobs driven the way the stop-path tests drive them: a wrapper
+submitted to the session's test cluster (slurm_cluster.py), a trigger
+(preemption, scontrol requeue, scancel, or Slurm's own time limit) once its
+log shows a line, requeued runs released as soon as their nodes are clean,
+and the checks on each run's log (resumed where the last save was, every
+epoch summarised once). tests/test_stop_paths.py and tests/test_container.py
+use them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from helpers import REPO, epochs
+from slurm_cluster import NODE_IFACE
+
+SMALL = ["--mem=1G", "--cpus-per-task=1"]
+SCENARIO_TIMEOUT_S = 900
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+HEADER = re.compile(r"^job \d+ .*\| restart (\d+) \|", re.M)
+STOP = re.compile(r"^epoch (\d+) step (\d+) \| snapshot saved at (\S+)$", re.M)
+SAVED = re.compile(r"^epoch (\d+) (?:step (\d+) )?\| snapshot saved at", re.M)
+RESUME = re.compile(r"^resuming from snapshot (\S+) (?:in epoch (\d+) after step (\d+)|after epoch (\d+))$",
+                    re.M)
+
+
+@dataclass
+class Scenario:
+    """One job and what is done to it. ``trigger(cluster, job_id, nodes)`` stops
+    it (None: its time limit does); ``reference`` is the uninterrupted run."""
+    name: str
+    wrapper: str
+    nodes: str
+    sbatch: list
+    args: list
+    trigger: Optional[Callable]
+    reference: tuple  # (script, processes)
+    resubmit: bool = False  # after it ends (scancel), submit the same command again
+    user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
+    partition: str = "stops"
+    env: dict = field(default_factory=dict)  # added to the job's environment (DDP_TEST_FAULT)
+    trigger_when: tuple = ()  # lines that must all be in the log before the trigger; () : epoch 2's
+    # filled in by the driver
+    logs: list = field(default_factory=list)
+    infos: list = field(default_factory=list)
+    signal_to_exit_s: Optional[float] = None
+    error: str = ""
+
+
+def preempt(cluster, job: int, nodes: str) -> None:
+    """A high-priority job that needs the whole of the job's nodes."""
+    count = len(subprocess.run(["scontrol", "show", "hostnames", nodes], env=cluster.env, capture_output=True,
+                               text=True, check=True).stdout.split())
+    cluster.sbatch(["-p", "urgent", "--exclusive", f"--nodelist={nodes}", f"--nodes={count}", *SMALL,
+                    "--time=5", "--job-name=urgent", "--output=/dev/null", "--wrap", "sleep 5"], cwd=REPO)
+
+
+def scontrol_requeue(cluster, job: int, nodes: str) -> None:
+    """What an admin or a user types to send a job back to the queue."""
+    subprocess.run(["scontrol", "requeue", str(job)], env=cluster.env, check=True)
+
+
+def scancel(cluster, job: int, nodes: str) -> None:
+    """The user ends the job for good."""
+    subprocess.run(["scancel", str(job)], env=cluster.env, check=True)
+
+
+def submit(cluster, scenario: Scenario, folder: Path) -> int:
+    """sbatch the scenario's wrapper from the project folder, with ``folder``
+    as the job's working folder, on its nodes and partition (15 minutes unless
+    its sbatch flags set a time); the job's environment: the tests' Python as
+    VENV_DIR, gloo's interface, then ``scenario.env``. Returns the job id."""
+    time_limit = [] if any(a.startswith("--time") for a in scenario.sbatch) else ["--time=15"]
+    return cluster.sbatch([f"--chdir={folder}", "-p", scenario.partition, f"--nodelist={scenario.nodes}", *SMALL,
+                           *time_limit, f"--job-name={scenario.name}", *scenario.sbatch,
+                           f"slurm/{scenario.wrapper}", *scenario.args], cwd=REPO,
+                          env={"VENV_DIR": sys.prefix, "GLOO_SOCKET_IFNAME": NODE_IFACE, **scenario.env})
+
+
+def job_log(folder: Path, scenario: Scenario, job: int) -> str:
+    """The job's log so far ('' before it exists)."""
+    path = folder / f"{scenario.name}-{job}.out"  # %x-%j.out; an array task's %j is its own job id
+    return path.read_text() if path.exists() else ""
+
+
+def release_when_requeued(cluster, job: int, info: dict, nodes: str, released: set) -> None:
+    """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime) while
+    its nodes clean up; a test need not wait that long, only until the job's
+    nodes no longer complete the last run, plus 2 s: slurmd refuses a launch
+    credential issued in the same second as the revocation of the previous one."""
+    restarts = int(info.get("Restarts", 0))
+    if info.get("Reason") != "BeginTime" or restarts in released:
+        return
+    states = subprocess.run(["sinfo", "-h", "-N", "-n", nodes, "-o", "%t"], env=cluster.env,
+                            capture_output=True, text=True).stdout
+    if "comp" in states:
+        return
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
+    released.add(restarts)
+
+
+def drive(cluster, scenario: Scenario, folder: Path) -> None:
+    """Submit the scenario's job, trigger its stop once the log shows
+    ``trigger_when`` (default: epoch 2's line), release each requeued run,
+    wait until the job has ended (and, with ``resubmit``, the same command
+    again); the states and logs go to ``scenario.infos`` and ``.logs``."""
+    deadline = time.monotonic() + SCENARIO_TIMEOUT_S
+    job = submit(cluster, scenario, folder)
+    total = scenario.args[scenario.args.index("--total_epochs") + 1]
+    if scenario.trigger:
+        wanted = scenario.trigger_when or (f"epoch 2/{total}",)
+        while not all(line in job_log(folder, scenario, job) for line in wanted):
+            assert time.monotonic() < deadline, f"never saw {wanted}:\n{job_log(folder, scenario, job)}"
+            time.sleep(0.2)
+        signalled = time.monotonic()
+        scenario.trigger(cluster, job, scenario.nodes)
+    released: set = set()
+    while True:
+        info = cluster.job(job)
+        if scenario.trigger and scenario.signal_to_exit_s is None and info["JobState"] != "RUNNING":
+            scenario.signal_to_exit_s = time.monotonic() - signalled
+        if info["JobState"] in ENDED:
+            break
+        assert time.monotonic() < deadline, f"{info}\n{job_log(folder, scenario, job)}"
+        if info["JobState"] == "PENDING":
+            release_when_requeued(cluster, job, info, scenario.nodes, released)
+        time.sleep(0.5)
+    scenario.infos.append(info)
+    scenario.logs.append(job_log(folder, scenario, job))
+    if scenario.resubmit:  # the same sbatch command again: it resumes
+        job = submit(cluster, scenario, folder)
+        scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
+        scenario.logs.append(job_log(folder, scenario, job))
+
+
+def runs(log: str) -> list:
+    """The log of each run of a job (a requeued job appends to its log)."""
+    starts = [m.start() for m in HEADER.finditer(log)]
+    return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
+
+
+def check_resumes_exactly(texts: list, total: int, first: int = 1) -> list:
+    """Each run resumes at the last position any run before it saved; every
+    epoch from ``first`` on is summarised once over all runs, in order (a
+    ``first`` above 1: ``texts`` begin with a resumed run). Returns the
+    mid-epoch stops [(epoch, step)]."""
+    saved, stops, summarised = None, [], []
+    for index, text in enumerate(texts):
+        assert "nothing to train" not in text, f"run {index} was requeued after the last epoch:\n{text}"
+        resumed = RESUME.search(text)
+        if saved is None and first > 1:
+            pass  # the first of these runs resumed from a save before them: the caller checks it
+        elif saved is None:
+            assert not resumed, text
+        else:
+            assert resumed, f"run {index} did not resume:\n{text}"
+            position = (resumed.group(2), resumed.group(3)) if resumed.group(2) else (resumed.group(4), None)
+            assert position == saved, f"run {index} resumed at {position}, the last save was {saved}"
+        summarised += [e["epoch"] for e in epochs(text)]
+        for match in SAVED.finditer(text):
+            saved = (match.group(1), match.group(2))
+        stops += [(int(e), int(s)) for e, s, _ in STOP.findall(text)]
+    assert summarised == list(range(first, total + 1)), summarised
+    return stops
+
+
+def show(scenario: Scenario) -> str:
+    """Everything about a scenario, for an assertion's message."""
+    return f"{scenario.error}\n{scenario.infos}\n" + "\n=====\n".join(scenario.logs)
