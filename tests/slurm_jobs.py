@@ -146,13 +146,17 @@ def runs(log: str) -> list:
 
 
 def check_resumes_exactly(texts: list, total: int, first: int = 1) -> list:
-    """Each run resumes at the last position any run before it saved; every
-    epoch from ``first`` on is summarised once over all runs, in order (a
-    ``first`` above 1: ``texts`` begin with a resumed run). Returns the
-    mid-epoch stops [(epoch, step)]."""
+    """Each run resumes at the last position any run before it saved (a run
+    stopped during start-up trains and saves nothing); every epoch from
+    ``first`` on is summarised once over all runs, in order (a ``first``
+    above 1: ``texts`` begin with a resumed run). Returns the mid-epoch stops
+    [(epoch, step)]."""
     saved, stops, summarised = None, [], []
     for index, text in enumerate(texts):
         assert "nothing to train" not in text, f"run {index} was requeued after the last epoch:\n{text}"
+        if "during start-up, before the first training step" in text:  # stopped before it trained:
+            assert not epochs(text) and not SAVED.search(text), text  # nothing to resume, nothing saved
+            continue
         resumed = RESUME.search(text)
         if saved is None and first > 1:
             pass  # the first of these runs resumed from a save before them: the caller checks it

@@ -11,9 +11,10 @@ CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
   digits and scores at least 95% on the held-out ones;
 - multinode.py in two containers as two torchrun nodes on the host network,
   with the checkout bind-mounted over /workspace (the seeds' way);
-- slurm/multi_gpu.sh and slurm/multi_node.sh with CONTAINER_IMAGE on a real
-  Slurm cluster (tests/slurm_cluster.py), podman standing in for Apptainer
-  through CONTAINER_RUN.
+- slurm/multi_node.sh with CONTAINER_IMAGE on a real Slurm cluster
+  (tests/slurm_cluster.py), podman standing in for Apptainer through
+  CONTAINER_RUN; and slurm/multi_gpu.sh preempted and slurm/multi_node_srun.sh
+  sent back by scontrol requeue, each resuming bitwise in the image.
 
 Podman is rootful with private settings (docs/containers.md says why each is
 needed): its configuration, storage, run and temporary folders all live in one
@@ -383,22 +384,6 @@ def _wrapper_in_container(image: Image, cluster, tmp_path, wrapper: str, args: l
     print(f"{wrapper} job in the container: {time.monotonic() - started:.1f} s")
     print("\n".join(line for line in log.splitlines() if line.startswith(("job ", "epoch", "test"))))
     return job, log
-
-
-def test_multi_gpu_wrapper_runs_torchrun_in_the_container(image, cluster, tmp_path):
-    """slurm/multi_gpu.sh with CONTAINER_IMAGE: torchrun in the image, one worker
-    per "GPU" granted (2), real MNIST; requeue's scontrol stays outside."""
-    data = build_mnist_root(tmp_path / "data", n_train=2000, n_test=500)
-    job, log = _wrapper_in_container(
-        image, cluster, tmp_path, "multi_gpu.sh",
-        ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "2"], ["--gres=gpu:2"],
-        volumes={REPO: f"{REPO}:ro", tmp_path: str(tmp_path)})
-    assert f"job {job} on " in log and "| 2 processes |" in log
-    assert [e["epoch"] for e in epochs(log)] == [1, 2]
-    assert parse_test(log)["acc"] > 0.8
-    # named after the job and the arguments: a resubmission resumes
-    assert (tmp_path / wrapper_snapshot("multi_gpu", ["--dataset", "mnist", "--data_dir", data,
-                                                      "--total_epochs", "2"])).is_file()
 
 
 def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_path):

@@ -8,10 +8,9 @@ torchrun first on PATH and DATA_DIR pointing at real MNIST digits, so that
 (a Slurm submission, a container engine, a fresh install) are named with the
 test that covers them instead. Output shown in ```text blocks is not run.
 
-Each docs/ block runs once alone, and every block once more in a walk
-through README.md and then the pages in reading order, all in one folder, as
-a newcomer runs them (the README's blocks, which build on each other, only
-there).
+Every block runs in a walk through README.md and then the pages in
+reading order, all in one folder, as a newcomer runs them, so that what one
+block leaves behind (snapshots, metrics files) meets the next.
 """
 
 import os
@@ -78,10 +77,11 @@ def docs_data(tmp_path_factory):
 
 @pytest.mark.parametrize("doc,number,block", bash_blocks(),
                          ids=[f"{doc}#{number}" for doc, number, _ in bash_blocks()])
-def test_documented_commands_run_as_written(doc, number, block, docs_data, tmp_path):
+def test_documented_commands_run_as_written(doc, number, block):
+    """Each block either runs in the one-folder walk below (and holds no
+    placeholder a reader would have to replace: those belong in ```text), or
+    names the test that runs it elsewhere, and what it submits exists."""
     reason = covered_elsewhere(block)
-    if not reason and doc == "README.md":  # its steps build on each other, as a newcomer runs them
-        reason = "the README's blocks run in order in one folder (test_a_newcomer_runs_the_readme_...)"
     if reason:
         # Still check what such a block names exists: the wrappers it submits.
         for wrapper in re.findall(r"slurm/\S+\.sh", block):
@@ -89,7 +89,6 @@ def test_documented_commands_run_as_written(doc, number, block, docs_data, tmp_p
             assert wrapper.split("/")[1] in (REPO / "tests" / "test_slurm.py").read_text()
         pytest.skip(f"not run here: {reason}")
     assert not re.search(r"\b[A-Z][A-Z_]*_HOST\b|\bJOB_ID\b", block), "placeholders belong in ```text"
-    _run_block(doc, number, block, tmp_path, _workspace(tmp_path, docs_data))
 
 
 def _workspace(folder, data_dir) -> dict:
