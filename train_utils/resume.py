@@ -157,8 +157,8 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         """Take the position and totals of ``state`` (from ``state_dict``) and
-        this rank's random streams; a rank the saving run did not have (the
-        FSDP rung resumed at a larger world size) keeps its fresh seed. The
+        this rank's random streams; a rank the saving run did not have (a run
+        resumed at a larger world size) keeps its fresh seed. The
         W&B run id too, where the snapshot has one (``continue_wandb_run``), and
         the world size that saved it (``saved_world_size``: the FSDP rung's
         ``state["world_size"]``, else ``state["config"]["world_size"]``)."""
