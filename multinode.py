@@ -150,7 +150,7 @@ class Trainer:
         self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
         self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
         if self.rank == 0:
-            train_utils.log_resume(snapshot_path, self.progress.position())
+            train_utils.log_resume(snapshot_path, self.progress.position(), self.progress.resize_note(self.recipe))
 
     def _save_snapshot(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
         """Collective. Mid-epoch, ``meter`` holds the epoch so far (its totals are saved too)."""

@@ -189,13 +189,24 @@ class Recipe:
         differ from the snapshot's config take over from the next step (a new
         --lr, a longer --total_epochs, another schedule); rank 0 then prints
         one line saying what changed and the learning rate the next step uses.
+
+        A snapshot from another world size (taken at an epoch's end:
+        ``read_snapshot``) has other steps per epoch than this run's
+        ``steps_per_epoch``. The schedule goes on at step epochs_run x
+        ``steps_per_epoch``, counted in this run's steps: ``lr_factor`` sets
+        warm-up, cosine and step decay in epochs, so the learning rate is
+        the one this schedule has after that many epochs, and the cosine
+        still reaches its end at --total_epochs. Going on from the saved
+        step count instead would put the cosine's end early (more steps per
+        epoch after the change) or never reach it (fewer).
         """
         config = snapshot["config"]
         if snapshot.get("lr_schedule"):
             self.schedule.load_state_dict(snapshot["lr_schedule"])
         # The schedule's step from the position, in this run's steps per epoch: the saved
-        # count at the same world size; the FSDP rung may resume (at an epoch's end) at
-        # another, where an epoch has another number of steps.
+        # count at the same world size; at another (any rung, at an epoch's end) an epoch
+        # has another number of steps, and the schedule, set in epochs, goes on from the
+        # epoch reached (see the docstring).
         self.schedule.last_epoch = (snapshot["epochs_run"] * self.steps_per_epoch
                                     + snapshot["steps_run"] // self.args.grad_accum_steps)
         if snapshot.get("loss_scaler") and self.scaler.is_enabled():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from typing import Callable, Optional
 
 import torch
@@ -125,6 +126,7 @@ class Progress:
         self.epochs_run = 0
         self.steps_run = 0
         self.epoch_totals: Optional[torch.Tensor] = None
+        self.saved_world_size: Optional[int] = None  # of the snapshot resumed from, if any
 
     @property
     def resumed(self) -> bool:
@@ -155,14 +157,64 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         """Take the position and totals of ``state`` (from ``state_dict``) and
-        this rank's random streams; a rank the saving run did not have (the
-        FSDP rung resumed at a larger world size) keeps its fresh seed. The
-        W&B run id too, where the snapshot has one (``continue_wandb_run``)."""
+        this rank's random streams; a rank the saving run did not have (a run
+        resumed at a larger world size) keeps its fresh seed. The
+        W&B run id too, where the snapshot has one (``continue_wandb_run``), and
+        the world size that saved it (``saved_world_size``: the FSDP rung's
+        ``state["world_size"]``, else ``state["config"]["world_size"]``)."""
         self.epochs_run, self.steps_run = state["epochs_run"], state["steps_run"]
+        self.saved_world_size = state.get("world_size") or state.get("config", {}).get("world_size")
         self.epoch_totals = state["epoch_totals"]
         continue_wandb_run(state.get("wandb_run_id"))  # None in snapshots from before the id was kept
         if self.rank < len(state["rng_states"]):
             set_rng_state(state["rng_states"][self.rank], self.device, self.loader.generator)
+
+    def resize_note(self, recipe) -> str:
+        """'' when the snapshot loaded (``load_state_dict``; taken at an epoch's
+        end if at another world size: ``read_snapshot``) was saved at this
+        run's world size; else what changes, for the end of the resume line:
+
+            (saved by world_size 2, resumed by 3: global batch size 64 -> 96
+            at the same --lr, steps per epoch 28 -> 19; the cosine lr schedule,
+            counted in epochs, goes on at step 19 of 57; random streams
+            restored on ranks 0-1, rank 2 starts from its seed)
+
+        Global batch size: --batch_size x --grad_accum_steps x world_size
+        (--lr is not scaled with it: pass a new --lr to change it). Steps per
+        epoch: optimizer steps, from ``self.loader``'s sampler at either world
+        size (``batches_per_epoch``) // --grad_accum_steps. ``recipe`` (the
+        run's ``Recipe``, resumed already) counts its schedule in this run's
+        steps per epoch from the epoch reached (``Recipe.resume``), so a
+        schedule set in epochs (warm-up, cosine to --total_epochs, step decay
+        every --lr_step_epochs) is where it would be after that many epochs
+        and ends at --total_epochs; said only for a schedule other than a
+        constant --lr. Random streams (``load_state_dict``): ranks below both
+        world sizes take theirs back; a rank the saving run did not have
+        keeps the fresh one of its start (from --seed + rank), and those of
+        ranks this run lacks are dropped, so a resized run is deterministic
+        but draws other dropout masks or augmentations than either run would.
+        """
+        saved, now = self.saved_world_size, dist.get_world_size()
+        if saved is None or saved == now:
+            return ""
+        args = recipe.args
+        per_rank = args.batch_size * args.grad_accum_steps
+        steps = [batches_per_epoch(self.loader, size) // args.grad_accum_steps for size in (saved, now)]
+        schedule = ""
+        if args.lr_schedule != "constant" or args.warmup_epochs:
+            schedule = (f"; the {args.lr_schedule} lr schedule{' with warm-up' if args.warmup_epochs else ''}, "
+                        f"counted in epochs, goes on at step {recipe.schedule.last_epoch} of "
+                        f"{args.total_epochs * recipe.steps_per_epoch}")
+        kept = min(saved, now)
+        streams = f"random streams restored on {_ranks(0, kept)}"
+        if now > saved:
+            streams += f", {_ranks(saved, now)} start{'s' if now - saved == 1 else ''} from " \
+                       f"{'its seed' if now - saved == 1 else 'their seeds'}"
+        else:
+            streams += f", those of {_ranks(now, saved)} dropped"
+        return (f" (saved by world_size {saved}, resumed by {now}: global batch size {per_rank * saved} -> "
+                f"{per_rank * now} at the same --lr, steps per epoch {steps[0]} -> {steps[1]}{schedule}; "
+                f"{streams})")
 
     def position(self) -> str:
         """``position`` of this progress: "after epoch 2", "in epoch 3 after step 40"."""
@@ -171,3 +223,20 @@ class Progress:
     def tag(self) -> str:
         """``position_tag`` of this progress: "epoch 2", "epoch 3 step 40"."""
         return position_tag(self.epochs_run, self.steps_run)
+
+
+def batches_per_epoch(loader: DataLoader, world_size: int) -> int:
+    """The batches (micro-batches) each rank takes in one epoch from ``loader``,
+    a training DataLoader over a ``DistributedSampler``, were the world size
+    ``world_size``: the sampler's share per rank (``ceil(N / world_size)``,
+    padded; ``N // world_size`` with its ``drop_last``), in batches of
+    ``loader.batch_size`` (a partial last one dropped with the loader's
+    ``drop_last``). At this run's world size, ``len(loader)`` at an epoch's start."""
+    samples = len(loader.sampler.dataset)
+    share = samples // world_size if loader.sampler.drop_last else math.ceil(samples / world_size)
+    return share // loader.batch_size if loader.drop_last else math.ceil(share / loader.batch_size)
+
+
+def _ranks(first: int, end: int) -> str:
+    """"rank 2" or "ranks 2-3": the ranks first .. end - 1."""
+    return f"rank {first}" if end - first == 1 else f"ranks {first}-{end - 1}"

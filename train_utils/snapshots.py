@@ -23,8 +23,9 @@ from .testing import fault_point
 # compared: what may change between runs of the same training, like paths
 # (a node-local --data_dir), the schedule (--total_epochs, --lr lowered after
 # a divergence: see Recipe.resume), --num_workers, --compile and --amp.
-# Another --optimizer is refused: its state holds other buffers.
-SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "world_size", "batch_size",
+# Another --optimizer is refused: its state holds other buffers. The world
+# size may change at an epoch's end only (read_snapshot; resume.resize_note).
+SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "batch_size",
                        "grad_accum_steps", "optimizer")
 START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
 # What snapshots written before --optimizer existed trained with.
@@ -76,6 +77,15 @@ def read_snapshot(path: str, config: dict) -> dict:
     run whose ``SNAPSHOT_MUST_MATCH`` settings differ from ``config``'s, or
     when it holds more epochs than ``config["total_epochs"]``; NothingToTrain
     when it holds exactly those.
+
+    Another world size (``config["world_size"]``; None in the FSDP rung,
+    whose ``ShardedSnapshots.read`` checks it) is taken at an epoch's end:
+    model and optimizer state are the same on every rank and the next epoch's
+    permutation is split afresh (``resize_note`` says what changes). Inside an
+    epoch it is refused (ConfigError): each rank's share of the epoch's
+    permutation depends on the world size, so the rest of that epoch could
+    not be split anew without repeating or skipping samples, or changing the
+    steps the schedule counts; the same world size resumes it exactly.
     """
     unreadable = ("; move it away to start afresh (or put back a good copy), or pass another "
                   "--snapshot_path")
@@ -96,6 +106,11 @@ def read_snapshot(path: str, config: dict) -> dict:
     if changed:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
                           f"resume with its settings, or {START_AFRESH}")
+    if snapshot["steps_run"] and saved.get("world_size") != config["world_size"]:
+        raise ConfigError(f"snapshot {path} was taken inside epoch {snapshot['epochs_run'] + 1} (after step "
+                          f"{snapshot['steps_run']}) by world_size {saved.get('world_size')}, which splits "
+                          f"that epoch: resume it with world_size {saved.get('world_size')} (only a snapshot "
+                          f"taken at an epoch's end resumes at another world size), or {START_AFRESH}")
     trained, wanted = snapshot["epochs_run"], config["total_epochs"]
     if trained > wanted or (trained == wanted and snapshot["steps_run"]):
         raise ConfigError(f"--total_epochs {wanted} is below the {trained} epochs snapshot {path} "

@@ -1,0 +1,98 @@
+"""A DDP job that comes back at another world size (issue #24, item 7): a
+snapshot taken at an epoch's end resumes with more or fewer ranks, and the
+resumed run is the run that changed its world size at that epoch. (A snapshot
+taken inside an epoch is refused at another world size:
+tests/test_fault_tolerance.py.)"""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from helpers import REPO, TORCHRUN, check, epochs, load_task, run, snapshot_tensors, stdout_lines
+
+BATCH = 64
+FLAGS = ["--total_epochs", "3", "--batch_size", str(BATCH), "--lr_schedule", "cosine",
+         "--warmup_epochs", "0.5", "--save_every", "1"]
+
+
+def steps_per_epoch(world_size: int) -> int:
+    """DistributedSampler's share of the synthetic training split per rank,
+    ceil(N / world_size), in whole batches (the loader drops a partial one)."""
+    return math.ceil(len(load_task("synthetic").train_set) / world_size) // BATCH
+
+
+def cosine_lr(lr: float, step: int, steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of a run of 3
+    epochs of ``steps`` steps, warm-up over half an epoch, then cosine to 0
+    (docs/recipes.md), written out here on its own."""
+    warmup, total = round(0.5 * steps), 3 * steps
+    ramp = min(1.0, (step + 1) / warmup)
+    return lr * ramp * 0.5 * (1 + math.cos(math.pi * max(0, step - warmup) / (total - warmup)))
+
+
+@pytest.mark.parametrize("script, saved, resumed", [("multigpu_torchrun", 2, 3), ("multinode", 3, 2)])
+def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(script, saved, resumed, tmp_path):
+    """Epoch 1 of a 3-epoch run at ``saved`` ranks, stopped as it starts epoch 2;
+    then the same command at ``resumed`` ranks. The reference for the second
+    part does not go through the resize: the same snapshot, rewritten as if
+    ``resumed`` ranks had saved it (its config's world size; the random
+    streams of ranks both runs have, those of the others left out, as the
+    resize does), resumed at that world size as any snapshot is. Both must
+    end bitwise equal (weights, optimizer state, schedule step, every rank's
+    RNG state); the learning rates must follow the cosine counted in the new
+    steps per epoch to its end at epoch 3; the resume line says what changed."""
+    name = f"snapshot_{script}.pt"
+    launch = TORCHRUN + ["--standalone", f"--nproc_per_node={resumed}", REPO / f"{script}.py"] + FLAGS
+    steps = {size: steps_per_epoch(size) for size in (saved, resumed)}
+    stopped = run(TORCHRUN + ["--standalone", f"--nproc_per_node={saved}", REPO / f"{script}.py"] + FLAGS,
+                  tmp_path, DDP_TEST_FAULT=f"step:0:{steps[saved] + 1}:raise")  # epoch 2's first step
+    assert stopped.returncode != 0
+    first = epochs(stopped.stdout)
+    snapshot = torch.load(tmp_path / name, weights_only=True)
+    assert (snapshot["epochs_run"], snapshot["steps_run"], snapshot["config"]["world_size"]) == (1, 0, saved)
+    assert len(snapshot["rng_states"]) == saved and snapshot["lr_schedule"]["last_epoch"] == steps[saved]
+
+    (tmp_path / "resized").mkdir()
+    shutil.copy(tmp_path / name, tmp_path / "resized" / name)
+    (tmp_path / "reference").mkdir()
+    snapshot["config"]["world_size"] = resumed
+    snapshot["rng_states"] = snapshot["rng_states"][:resumed]
+    torch.save(snapshot, tmp_path / "reference" / name)
+
+    resized = check(run(launch, tmp_path / "resized"))
+    reference = check(run(launch, tmp_path / "reference"))
+
+    if resumed > saved:
+        streams = f"random streams restored on ranks 0-{saved - 1}, rank {saved} starts from its seed"
+    else:
+        streams = f"random streams restored on ranks 0-{resumed - 1}, those of rank {resumed} dropped"
+    assert (f"resuming from snapshot {name} after epoch 1 (saved by world_size {saved}, resumed by {resumed}: "
+            f"global batch size {BATCH * saved} -> {BATCH * resumed} at the same --lr, steps per epoch "
+            f"{steps[saved]} -> {steps[resumed]}; the cosine lr schedule with warm-up, counted in epochs, "
+            f"goes on at step {steps[resumed]} of {3 * steps[resumed]}; {streams})") in stdout_lines(resized.stdout)
+    assert f"resuming from snapshot {name} after epoch 1" in stdout_lines(reference.stdout)  # no note
+    if script == "multinode":  # each rank prints its epoch's steps
+        assert "[rank 1 | local_rank 1 | host " in resized.stdout
+        assert f"] epoch 2 | batch_size {BATCH} | steps {steps[resumed]}" in resized.stdout
+
+    # Bitwise the run resumed without the resize path.
+    epochs_a, a = snapshot_tensors(tmp_path / "resized" / name, rng=True)
+    epochs_b, b = snapshot_tensors(tmp_path / "reference" / name, rng=True)
+    assert epochs_a == epochs_b == 3
+    assert a.keys() == b.keys() and f"rng.{resumed - 1}" in a and f"rng.{resumed}" not in a
+    assert [key for key in a if not torch.equal(a[key], b[key])] == []
+    later = epochs(resized.stdout)
+    assert later == [dict(e, samples_per_s=r["samples_per_s"], epoch_s=r["epoch_s"])
+                     for e, r in zip(epochs(reference.stdout), later)]
+
+    # The schedule, counted in each part's own steps per epoch, ends at epoch 3.
+    lr = snapshot["config"]["lr"]
+    assert first[0]["lr"] == pytest.approx(cosine_lr(lr, steps[saved] - 1, steps[saved]), rel=1e-5)
+    for epoch, record in zip((2, 3), later):
+        expected = cosine_lr(lr, epoch * steps[resumed] - 1, steps[resumed])
+        assert record["lr"] == pytest.approx(expected, rel=1e-5), epoch
+    assert a["lr_schedule.step"].item() == 3 * steps[resumed]
+    # And the loss goes on falling from where epoch 1 left it.
+    assert later[0]["train_loss"] < first[0]["train_loss"] and later[1]["val_loss"] < first[0]["val_loss"]
