@@ -34,29 +34,58 @@ trap 'on_stop_signal TERM' TERM
 # train. In the job's working folder, which the ranks see as the snapshot's.
 export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 
-# snapshot_for ARGS...: the --snapshot_path of this submission, relative to the
-# working folder: snapshot-<job name>[-<array index>][-<8 hex digits>].pt, the
-# digits a hash of the training arguments. The same sbatch command submitted
-# again (or requeued) gets the same name and resumes; a sweep submitted from
-# one folder (other --lr, say) gets one snapshot per point, never another's.
-# Then claims it for this job (the file <name>.job holds the job id) and exits
-# 2 with one line when another job that is still queued or running holds it:
-# two live jobs must never write one snapshot.
+# snapshot_for ARGS...: sets SNAPSHOT, the --snapshot_path of this submission,
+# relative to the working folder: snapshot-<job name>[-<array index>][-<8 hex
+# digits>].pt, the digits a hash of the training arguments (a --snapshot_path
+# among them wins). The same sbatch command submitted again (or requeued) gets
+# the same name and resumes; a sweep submitted from one folder (other --lr,
+# say) gets one snapshot per point, never another's; any other change of
+# arguments, a longer --total_epochs too, starts a new run unless it names the
+# snapshot to go on from (--snapshot_path). Then claims the snapshot for this
+# job (<snapshot>.job holds the job id) and exits 2 with one line when another
+# job that is still queued or running holds it: two live jobs must never write
+# one snapshot.
 snapshot_for() {
-    local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}"
-    if [ "$#" -gt 0 ]; then name="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8)"; fi
-    SNAPSHOT="$name.pt"
-    local claim="$SNAPSHOT.job" owner state
+    local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" arg given="" after=""
+    for arg in "$@"; do  # the script takes the last --snapshot_path given
+        if [ -n "$after" ]; then given="$arg"; after=""; continue; fi
+        case "$arg" in
+            --snapshot_path) after=1 ;;
+            --snapshot_path=*) given="${arg#--snapshot_path=}" ;;
+        esac
+    done
+    if [ -n "$given" ]; then
+        SNAPSHOT="$given"
+    elif [ "$#" -gt 0 ]; then
+        SNAPSHOT="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8).pt"
+        if [ -e "$name.pt" ] && [ ! -e "$SNAPSHOT" ]; then
+            echo "note: $name.pt (the name without arguments) is not resumed; this submission's is $SNAPSHOT (pass --snapshot_path $name.pt to go on from that one)"
+        fi
+    else
+        SNAPSHOT="$name.pt"
+    fi
+    # The job as squeue and scontrol know it: an array task as <array job id>_<index>.
+    local claim="$SNAPSHOT.job" job owner state
+    job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
+    job="${job:-$SLURM_JOB_ID}"
     owner="$(cat "$claim" 2>/dev/null || true)"
-    if [ -n "$owner" ] && [ "$owner" != "$SLURM_JOB_ID" ]; then
-        state="$(squeue -h -j "$owner" -o %T 2>/dev/null || true)"
+    if [ -n "$owner" ] && [ "$owner" != "$job" ]; then
+        if ! state="$(squeue -h -j "$owner" -o %T 2>&1)"; then
+            if [[ "$state" != *"Invalid job id"* ]]; then  # long gone is fine; not knowing is said
+                echo "warning: cannot tell whether job $owner, which claimed $SNAPSHOT, still runs (squeue: ${state##*$'\n'}); going on" >&2
+            fi
+            state=""
+        fi
         case "$state" in
-            ""|COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|PREEMPTED|BOOT_FAIL|DEADLINE) ;;
+            ""|COMPLETED|COMPLETING|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|PREEMPTED|BOOT_FAIL|DEADLINE) ;;
             *)  echo "error: snapshot $SNAPSHOT belongs to job $owner, which is $state: two live jobs must not share a snapshot; wait for job $owner to end (or scancel it), or submit with other arguments or --job-name" >&2
                 exit 2 ;;
         esac
     fi
-    echo "$SLURM_JOB_ID" > "$claim"
+    if ! { echo "$job" > "$claim"; } 2>/dev/null; then
+        echo "error: cannot write $PWD/$claim (the snapshot's claim): submit from a folder this job can write, or pass a writable --snapshot_path" >&2
+        exit 2
+    fi
 }
 
 # require_torchrun [container command...]: one line and exit 2 when the torchrun
@@ -103,11 +132,13 @@ run_step() {
     if [ -e "$TRAINING_FINISHED_FILE" ]; then
         rm -f "$TRAINING_FINISHED_FILE"
         if [ -n "$STOP_SIGNAL$preempted" ]; then
-            echo "$(date -Is) done: training holds every epoch (step status $status; ${STOP_SIGNAL:+SIG$STOP_SIGNAL}${preempted:+preemption} came after the last epoch); not requeueing"
-        else
-            echo "$(date -Is) done (status $status)"
+            local late="SIG$STOP_SIGNAL"
+            [ -n "$preempted" ] && late="the preemption"
+            echo "$(date -Is) done: training holds every epoch (step status $status; $late came after the last epoch); not requeueing"
+            exit 0
         fi
-        exit 0
+        echo "$(date -Is) done (status $status)"
+        exit "$status"
     fi
     if [ "$STOP_SIGNAL" = USR1 ] || [ -n "$preempted" ]; then
         echo "$(date -Is) training stopped (status $status); requeueing job $job${preempted:+ (preempted at $preempted)}"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from common import ConfigError  # the task contract's one-line error (exit 2)
 from .output import is_distributed, print_line
-from .stop import StopDuringStartup, end_startup_stop, report_run_finished
+from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, report_run_finished
 from .timeouts import is_timeout, startup_timeout_line, timeout_diagnosis
 
 __all__ = ["ConfigError", "NothingToTrain", "report_to_torchrun", "one_line_errors"]
@@ -54,7 +54,8 @@ def one_line_errors(fn: Callable) -> Callable:
     of ``timeout_diagnosis`` (which ranks did not arrive), a start-up store
     that timed out before the process group exists that of
     ``startup_timeout_line``; exit status 1. A stop signal during start-up
-    (``catch_stop_signals``) becomes one line from rank 0 and exit status 0.
+    (``catch_stop_signals``) becomes one line from rank 0 and the signal's
+    exit status, 128 + its number.
 
     Under a process group only rank 0 prints, since such errors are raised on
     every rank alike (see ``downloaders_first``); the other ranks exit quietly.
@@ -67,6 +68,7 @@ def one_line_errors(fn: Callable) -> Callable:
         except StopDuringStartup as stop:
             end_startup_stop(stop)
         except NothingToTrain as done:
+            note_stop_signals_only()  # a stop signal now must not cut the report short
             if not is_distributed() or dist.get_rank() == 0:
                 print_line(str(done))
                 report_run_finished()  # for a Slurm wrapper: no requeue
@@ -74,6 +76,7 @@ def one_line_errors(fn: Callable) -> Callable:
                 dist.destroy_process_group()
             sys.exit(0)
         except ConfigError as exc:
+            note_stop_signals_only()
             if not is_distributed() or dist.get_rank() == 0:
                 print_line(f"error: {exc}", sys.stderr)
             # Every rank gives torchrun the line: it names the failure with the
@@ -87,6 +90,7 @@ def one_line_errors(fn: Callable) -> Callable:
         except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
             if not is_timeout(exc):
                 raise
+            note_stop_signals_only()
             line = timeout_diagnosis(exc) if is_distributed() else startup_timeout_line(exc)
             if line:
                 print_line(f"error: {line}", sys.stderr)

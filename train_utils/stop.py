@@ -28,14 +28,15 @@ class StopDuringStartup(BaseException):
     """A stop signal came before the first training step: nothing was trained
     in this run, so nothing needs saving. A BaseException, as KeyboardInterrupt
     is, so that no ``except Exception`` in start-up code (downloads, torch's
-    own) swallows it; ``one_line_errors`` turns it into one line and exit 0."""
+    own) swallows it; ``one_line_errors`` turns it into one line and the
+    signal's exit status (``end_startup_stop``)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
     def line(self) -> str:
-        """What rank 0 prints: which signal, and that no snapshot was touched."""
+        """What rank 0 prints: which signal, and that no snapshot was written."""
         return (f"stopped by {signal.Signals(self.signum).name} during start-up, before the first training "
                 f"step: nothing was trained in this run and no snapshot was written; run the same command "
                 f"again to resume")
@@ -43,11 +44,11 @@ class StopDuringStartup(BaseException):
 
 class _StopState:
     """This process's stop signals: who installed the handler, what came, and
-    whether training has begun (a StopSignal exists)."""
+    whether a stop signal still ends start-up at once."""
 
     pid = 0  # the process that installed the handler; 0: none yet
     received = 0  # number of the first stop signal this process got; 0: none
-    training = False  # False: a stop signal ends start-up at once (StopDuringStartup)
+    raise_at_once = True  # start-up: the first stop signal raises StopDuringStartup; after: only noted
 
 
 _STATE = _StopState()
@@ -68,7 +69,7 @@ def _handler(signum, frame) -> None:
             os._exit(128 + signum)
         return  # the same stop, asked again
     _STATE.received = signum
-    if not _STATE.training:
+    if _STATE.raise_at_once:
         raise StopDuringStartup(signum)
     if signum == signal.SIGINT and _rank() == 0:
         write_from_signal_handler("Ctrl-C: every rank stops after the current step and rank 0 saves a "
@@ -80,18 +81,26 @@ def catch_stop_signals() -> None:
     script's ``main``, before the slow part of start-up (process group,
     downloads, model, snapshot).
 
-    Until a ``StopSignal`` exists, the first stop signal raises
-    ``StopDuringStartup`` where the process is (a call blocked inside C, such
-    as a store wait, takes it when it returns): nothing is trained yet, so the
-    run ends at once, cleanly, and the last snapshot stays as it was. Without
-    this, a signal before the handler existed killed the rank outright
-    (SIGUSR1's and SIGTERM's default action). Calling it again does nothing.
+    Until a ``StopSignal`` exists (or ``note_stop_signals_only`` is called),
+    the first stop signal raises ``StopDuringStartup`` where the process is
+    (a call blocked inside C, such as a store wait, takes it when it returns):
+    nothing is trained yet, so the run ends at once and the last snapshot
+    stays as it was. Without this, a signal before the handler existed killed
+    the rank outright (SIGUSR1's and SIGTERM's default action). Calling it
+    again does nothing.
     """
     if _STATE.pid == os.getpid():
         return
     _STATE.pid = os.getpid()
     for signum in STOP_SIGNALS:
         signal.signal(signum, _handler)
+
+
+def note_stop_signals_only() -> None:
+    """From now on a stop signal is only noted (``received_stop_signal``),
+    never raised: for code that must run to its end, such as the report of an
+    error that is ending the run anyway. A StopSignal does this too."""
+    _STATE.raise_at_once = False
 
 
 def received_stop_signal() -> int:
@@ -106,24 +115,33 @@ def report_run_finished() -> None:
     sets it; nothing happens where it is unset). A time-limit warning or a
     preemption that came after the last epoch then ends the job instead of
     requeueing it for a run with nothing to train. Call it on rank 0 only.
-    Raises OSError when the file cannot be created.
+    A file that cannot be created costs one warning line, not the run: the
+    job is then requeued once more, as before this report existed.
     """
     fault_point("finished")
     path = os.environ.get("TRAINING_FINISHED_FILE")
     if path:
-        with open(path, "w") as f:
-            f.write(f"finished {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        try:
+            with open(path, "w") as f:
+                f.write(f"finished {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        except OSError as exc:
+            print_line(f"warning: cannot write TRAINING_FINISHED_FILE {path} ({exc.strerror or exc}): a "
+                       f"stop signal that came after the last epoch may requeue this finished job", sys.stderr)
 
 
 def end_startup_stop(stop: StopDuringStartup) -> None:
-    """Rank 0 prints ``stop.line()``; every rank leaves at once with exit
-    status 0, without tearing the process group down (other ranks may be
-    anywhere in start-up)."""
+    """Rank 0 prints ``stop.line()``; every rank leaves at once, without
+    tearing the process group down (other ranks may be anywhere in start-up),
+    with exit status 128 + the signal's number, the status of a process the
+    signal ended: so that the launcher (srun --kill-on-bad-exit, torchrun)
+    ends a rank still blocked inside C, in a store wait or a collective, that
+    takes its own signal only when that call returns. The Slurm wrappers
+    requeue by the signal, not by this status."""
     if _rank() == 0:
         print_line(stop.line())
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(128 + stop.signum)
 
 
 class StopSignal:
@@ -147,9 +165,9 @@ class StopSignal:
     SIGTERM from Slurm, srun and torchrun), except that a Ctrl-C after any stop
     signal, or a SIGTERM after a Ctrl-C (what torchrun sends its workers on a
     second Ctrl-C), quits at once, without a snapshot: a user pressing Ctrl-C
-    twice wants out. Only the process that made the StopSignal acts: a
-    DataLoader worker forked a moment ago still has this handler until its
-    ``worker_init_fn`` (``ignore_stop_signal``) runs.
+    twice wants out. Only the process that called ``catch_stop_signals``
+    acts: a DataLoader worker forked a moment ago still has this handler
+    until its ``worker_init_fn`` (``ignore_stop_signal``) runs.
 
     Create it on every rank (``new_group`` is collective); ``poll`` too must be
     called by every rank, equally often. Raises ConfigError when gloo cannot
@@ -163,7 +181,7 @@ class StopSignal:
         self.group = gloo_group()
         self.flag = torch.zeros(1)
         self.work = None
-        _STATE.training = True  # from here on a stop signal is noted and taken at a step
+        note_stop_signals_only()  # from here on a stop signal is noted and taken at a step
 
     @property
     def received(self) -> int:
