@@ -207,3 +207,29 @@ def test_worker_seeds_still_come_from_the_saved_loader_generator(tmp_path):
 
 def _worker_draw(batch):
     return torch.rand(1)
+
+
+class _Pids(torch.utils.data.Dataset):
+    """Items: the pid of the process that loads them."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return os.getpid()
+
+
+def test_workers_from_the_fork_server_never_act_on_a_stop_signal():
+    """torchrun signals a rank's whole process group, Slurm every process of a
+    step: a worker from loader_workers has SIGUSR1, SIGTERM and SIGINT blocked
+    from its first instruction (the fork server was started with them blocked)
+    and ignored once it runs (read from the kernel's record of the worker)."""
+    loader = torch.utils.data.DataLoader(_Pids(), batch_size=1, **train_utils.loader_workers(1, _Pids()))
+    iterator = iter(loader)
+    worker = int(next(iterator))
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{worker}/status").read().splitlines())
+    del iterator
+    assert worker != os.getpid() and os.getppid() != worker
+    blocked, ignored = int(status["SigBlk"], 16), int(status["SigIgn"], 16)
+    assert [signum for signum in train_utils.STOP_SIGNALS if not blocked >> (signum - 1) & 1] == []
+    assert [signum for signum in train_utils.STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []
