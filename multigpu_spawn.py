@@ -182,7 +182,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         shuffle=False,  # the sampler shuffles
         sampler=DistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
         drop_last=train,
-        num_workers=num_workers,
+        **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
         pin_memory=torch.cuda.is_available(),
         collate_fn=common.collate,  # whole batches from InMemoryImages pass through
     )

@@ -228,9 +228,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         sampler=train_utils.ResumableDistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
         # Workers are seeded from this generator, which snapshots save and restore.
         generator=torch.Generator().manual_seed(seed + rank) if train else None,
-        worker_init_fn=train_utils.ignore_stop_signal,  # the rank itself handles stop signals
         drop_last=train,
-        num_workers=num_workers,
+        **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
         pin_memory=torch.cuda.is_available(),
         collate_fn=common.collate,  # whole batches from InMemoryImages pass through
     )

@@ -281,8 +281,7 @@ def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
     (signal.SIGTERM, 1, 2, 0),
     # Ctrl-C with 3 ranks: a resume must also lay out DDP's buckets as before
     # (with 2 ranks a sum is the same in any order). Loader workers, which
-    # torchrun signals too, are checked in test_train_utils: with workers forked
-    # each epoch, CPython can deadlock in a fork (docs/pitfalls.md).
+    # torchrun signals too, are checked in test_train_utils and test_loaders.
     (signal.SIGINT, 1, 3, 0),
 ], ids=["SIGUSR1", "SIGUSR1-accum3", "SIGTERM", "Ctrl-C-3ranks"])
 def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly(

@@ -15,6 +15,7 @@ or stop signal through its calls.
   devices            device choice, CPU threads, the start-up line              singlegpu
   speed              --amp, --compile, peak GPU memory                          singlegpu
   epoch              the epoch's loss sums, time, progress bars                 singlegpu
+  loaders            DataLoader workers from a fork server, not forked          singlegpu
   checks             downloads first, checks before training                    singlegpu
   metrics            the epoch line, JSON lines, TensorBoard, the resume line   singlegpu
   wandb_run          Weights & Biases: one run per training, from rank 0; its   singlegpu (log),
@@ -52,6 +53,7 @@ from .evaluation import batches_for_every_rank, broadcast_buffers, most_batches
 from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, contiguous_parameters, \
     exit_skipping_teardown, fsdp_blocks, print_sharded_memory, training_state_bytes
 from .launch import check_port_free, first_host, gloo_group, launcher_store, spawn_world_size
+from .loaders import loader_workers
 from .metrics import RUN, log_metrics, log_resume
 from .output import is_distributed, print_line
 from .profiling import StepProfiler

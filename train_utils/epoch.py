@@ -19,7 +19,7 @@ from common import ConfigError
 from .output import is_distributed
 from .speed import peak_memory_mib
 from .testing import fault_point
-from .timeouts import note_phase
+from .timeouts import check_first_batches, note_phase
 
 
 class EpochMeter:
@@ -54,7 +54,10 @@ class EpochMeter:
         terminal (not in logs). ``steps_left`` counts the batches still to
         come. Before each batch it calls the test hook ``fault_point("step")``,
         a no-op outside the tests, and under a process group names the step
-        for the collective time-out report (``note_phase``)."""
+        for the collective time-out report (``note_phase``) and, until the
+        first optimizer step, waits up to --pg_timeout_s for every rank to
+        have its batch (``check_first_batches``: a rank stuck in its loader
+        is named, not waited for over --startup_timeout_s)."""
         steps = len(loader) - len(loader) % args.grad_accum_steps
         self.resumes = getattr(args, "snapshot_path", None) is not None  # for check_finite's advice
         self.steps_left = steps
@@ -66,6 +69,7 @@ class EpochMeter:
             self.steps_left -= 1
             if distributed:
                 note_phase(f"epoch {self.epoch + 1}, training step {steps - self.steps_left} of this start")
+                check_first_batches(getattr(args, "pg_timeout_s", None))  # until the first optimizer step
             fault_point("step")
             yield batch
         if distributed:

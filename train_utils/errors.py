@@ -19,7 +19,7 @@ import torch.distributed as dist
 from common import ConfigError  # the task contract's one-line error (exit 2)
 from .output import is_distributed, print_line
 from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, report_run_finished
-from .timeouts import is_timeout, startup_timeout_line, timeout_diagnosis
+from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diagnosis
 
 __all__ = ["ConfigError", "NothingToTrain", "report_to_torchrun", "one_line_errors"]
 
@@ -50,8 +50,10 @@ def one_line_errors(fn: Callable) -> Callable:
     """Decorator for a script's ``main``: a ConfigError becomes one line on
     stderr (``error: ...``), torchrun's root cause, and exit status 2, without
     a traceback, the process group destroyed; NothingToTrain becomes one line
-    on stdout (and ``report_run_finished``) and exit status 0; a collective that timed out becomes the line
-    of ``timeout_diagnosis`` (which ranks did not arrive), a start-up store
+    on stdout (and ``report_run_finished``) and exit status 0; a collective
+    that timed out becomes the line of ``timeout_diagnosis`` (which ranks did
+    not arrive), a rank stuck before its first batch that of
+    ``check_first_batches``, a start-up store
     that timed out before the process group exists that of
     ``startup_timeout_line``; exit status 1. A stop signal during start-up
     (``catch_stop_signals``) becomes one line from rank 0 and the signal's
@@ -88,10 +90,13 @@ def one_line_errors(fn: Callable) -> Callable:
                     dist.destroy_process_group()
             sys.exit(2)
         except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
-            if not is_timeout(exc):
+            if isinstance(exc, RanksStuck):
+                line = exc.line
+            elif not is_timeout(exc):
                 raise
-            note_stop_signals_only()
-            line = timeout_diagnosis(exc) if is_distributed() else startup_timeout_line(exc)
+            else:
+                line = timeout_diagnosis(exc) if is_distributed() else startup_timeout_line(exc)
+            note_stop_signals_only()  # a stop signal now must not cut the report short
             if line:
                 print_line(f"error: {line}", sys.stderr)
                 report_to_torchrun(f"error: {line}")

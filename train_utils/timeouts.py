@@ -68,6 +68,51 @@ def use_training_timeout(timeout_s: Optional[float]) -> None:
         set_timeout(timeout, _WATCH.group)
 
 
+class RanksStuck(RuntimeError):
+    """A bounded wait found ranks that did not arrive: ``line`` is the one-line
+    error this rank prints ('' where another rank reports)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+def check_first_batches(timeout_s: Optional[float]) -> None:
+    """Collective, with each training batch in hand until the training
+    time-out is in force (``use_training_timeout``): a monitored barrier on
+    the side gloo group, ``timeout_s`` seconds (--pg_timeout_s) for every rank
+    to have its batch too; then returns at once.
+
+    Until the first optimizer step the collectives wait --startup_timeout_s,
+    which covers downloads and compilation, not a rank stuck in its data
+    loader (a loader worker that never started, a dataset's ``__getitem__``
+    that never returns), which is in no collective itself. Raises RanksStuck:
+    on rank 0 naming the ranks that did not arrive within ``timeout_s`` of its
+    own batch; on another rank ('' line) when rank 0 gave up on someone, or
+    naming rank 0 when rank 0 did not answer within twice ``timeout_s`` (by
+    then rank 0 would have reported anyone else).
+    """
+    if _WATCH.training or _WATCH.group is None or timeout_s is None:
+        return
+    rank = dist.get_rank()
+    wait = timedelta(seconds=timeout_s if rank == 0 else 2 * timeout_s)
+    try:
+        dist.monitored_barrier(group=_WATCH.group, timeout=wait, wait_all_ranks=True)
+    except RuntimeError as barrier:
+        if rank != 0:
+            if not is_timeout(barrier):
+                raise RanksStuck("") from None  # rank 0 gave up on someone and left: it reports
+            raise RanksStuck(f"rank {rank} waited {2 * timeout_s:g} s during {_WATCH.phase} for rank 0 "
+                             f"to have its batch too, and rank 0 does not answer: it is stuck in its data "
+                             f"loader or died; look at its output (--pg_timeout_s sets the wait)") from None
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(barrier))
+        missing = f"[{found.group(1)}]" if found else str(barrier).splitlines()[0]
+        raise RanksStuck(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing} to have "
+                         f"their batch too: a rank stuck in its data loader (a loader worker that never "
+                         f"started, a dataset's __getitem__ that does not return) holds up all; look at "
+                         f"its output (--pg_timeout_s sets the wait)") from None
+
+
 # How torch words a time-out: a collective's ("Timed out waiting 10000ms for recv
 # operation to complete"), the store's ("wait timeout after 1800000ms, keys: ...",
 # a DistStoreError when a rank waits there for the others at start-up).

@@ -1,0 +1,153 @@
+"""DataLoader workers started by a fork server, never forked from a rank.
+
+A DataLoader without persistent workers starts new worker processes at every
+epoch and every evaluation. Forked from a rank, which runs other threads by
+then (gloo's, the previous epoch's queue feeders), a new worker can deadlock
+inside the fork itself (docs/pitfalls.md). Here they come from
+multiprocessing's fork server instead: one process per rank, started once by a
+fork and exec (no threads inherited), which has imported torch, the scripts'
+modules and the dataset's module, and which forks each worker from its own
+single thread. The workers' seeds are drawn from the loader's generator in the
+rank as before, so snapshots still restore them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import pickle
+import signal
+import sys
+import threading
+from typing import Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from common import ConfigError
+from .stop import STOP_SIGNALS, ignore_stop_signal
+
+
+_CONTEXT: Optional[multiprocessing.context.BaseContext] = None  # the fork server's, once started
+
+
+def loader_workers(num_workers: int, dataset: Dataset) -> dict:
+    """DataLoader keyword arguments for ``num_workers`` worker processes
+    loading ``dataset``: ``num_workers``, and with workers the fork server's
+    ``multiprocessing_context`` (where the platform has one: Linux, macOS;
+    elsewhere the platform's own start method, spawn) and ``worker_init_fn``
+    (``worker_started``).
+
+    The first call with workers starts this process's fork server, with the
+    stop signals (``STOP_SIGNALS``) blocked: they stay blocked in the server
+    and in every worker it forks, so a SIGTERM or Ctrl-C sent to the whole
+    process group reaches the ranks, which decide when to stop (as
+    ``ignore_stop_signal`` does once a worker runs), and no worker dies of it
+    while it starts. The server preloads torch, the scripts' modules and the
+    module of ``dataset``'s class; a worker then costs a fork and unpickling
+    the dataset. A fork server or spawn pickles the dataset for every worker
+    (its tensors go to shared memory, once): raises ConfigError when it
+    cannot be pickled.
+    """
+    if num_workers == 0:
+        return {"num_workers": 0}
+    _check_picklable(dataset)
+    return {"num_workers": num_workers, "multiprocessing_context": _fork_server(dataset),
+            "worker_init_fn": worker_started}
+
+
+def worker_started(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: the worker ignores the stop signals
+    (``ignore_stop_signal``: the rank decides when to stop) and ends when its
+    rank does. torch's own check watches the worker's parent, which is the
+    fork server here, and the server lives as long as any of its workers: a
+    rank killed or ended by a time-out would leave its workers and server
+    behind for good. A daemon thread waits on the pipe from the rank instead
+    (``multiprocessing.parent_process().sentinel``, ready once the rank is gone
+    or has let go of this worker) and then ends the process."""
+    ignore_stop_signal(worker_id)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_when_ready, args=(parent.sentinel,), daemon=True).start()
+
+
+def _exit_when_ready(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(0)
+
+
+def _fork_server(dataset: Dataset) -> Optional[multiprocessing.context.BaseContext]:
+    """This process's fork server context, started at the first call; None
+    where the platform has no fork server."""
+    global _CONTEXT
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    if _CONTEXT is None:
+        context = multiprocessing.get_context("forkserver")
+        # "__main__" alone is the default, but CPython up to 3.13 at least never
+        # passes the main script's path to the server, so that preloads nothing.
+        context.set_forkserver_preload(["__main__", "torch", "common", "train_utils", _module_of(dataset)])
+        # The resource tracker first: starting it unblocks SIGINT and SIGTERM.
+        multiprocessing.resource_tracker.ensure_running()
+        # CPython up to 3.13 at least also ignores the sys.path it passes the
+        # server: it finds the scripts' modules through PYTHONPATH.
+        pythonpath = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(_import_folders())
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            multiprocessing.forkserver.ensure_running()  # a blocked signal arriving now waits, is not lost
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if pythonpath is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = pythonpath
+        _CONTEXT = context
+    return _CONTEXT
+
+
+def _import_folders() -> list:
+    """Where this process imports the scripts' and the task's modules from
+    (``common.task_function``'s order): the main script's folder, PYTHONPATH,
+    the current folder."""
+    main = getattr(sys.modules["__main__"], "__file__", None)
+    folders = [os.path.dirname(os.path.abspath(main))] if main else []
+    folders += [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return folders + [os.getcwd()]
+
+
+def _module_of(dataset: Dataset) -> str:
+    """The module of ``dataset``'s class, looking through Subsets."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    return type(dataset).__module__
+
+
+class _Probe(pickle.Pickler):
+    """Pickles everything but array data (tensors, numpy arrays), into nothing:
+    whether an object can be sent to a worker, without copying its data."""
+
+    def reducer_override(self, obj):
+        numpy = sys.modules.get("numpy")
+        if isinstance(obj, torch.Tensor) or (numpy is not None and isinstance(obj, numpy.ndarray)):
+            return tuple, ()
+        return NotImplemented
+
+
+class _Discard:
+    def write(self, data) -> int:
+        return len(data)
+
+
+def _check_picklable(dataset: Dataset) -> None:
+    """Raise ConfigError (one line) when ``dataset`` cannot be pickled."""
+    try:
+        _Probe(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(dataset)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"--num_workers starts DataLoader workers by a fork server (docs/pitfalls.md), "
+                          f"which must pickle the dataset, and {type(dataset).__name__} cannot be "
+                          f"pickled ({exc}): define its classes and functions at the top level of a "
+                          f"module (no lambdas or local functions), or use --num_workers 0") from None
