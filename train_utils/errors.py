@@ -90,13 +90,13 @@ def one_line_errors(fn: Callable) -> Callable:
                     dist.destroy_process_group()
             sys.exit(2)
         except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
+            note_stop_signals_only()  # ending anyway: a stop signal must not cut the report short
             if isinstance(exc, RanksStuck):
                 line = exc.line
             elif not is_timeout(exc):
                 raise
             else:
                 line = timeout_diagnosis(exc) if is_distributed() else startup_timeout_line(exc)
-            note_stop_signals_only()  # a stop signal now must not cut the report short
             if line:
                 print_line(f"error: {line}", sys.stderr)
                 report_to_torchrun(f"error: {line}")
