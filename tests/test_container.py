@@ -11,10 +11,9 @@ CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
   digits and scores at least 95% on the held-out ones;
 - multinode.py in two containers as two torchrun nodes on the host network,
   with the checkout bind-mounted over /workspace (the seeds' way);
-- slurm/multi_node.sh with CONTAINER_IMAGE on a real Slurm cluster
-  (tests/slurm_cluster.py), podman standing in for Apptainer through
-  CONTAINER_RUN; and slurm/multi_gpu.sh preempted and slurm/multi_node_srun.sh
-  sent back by scontrol requeue, each resuming bitwise in the image.
+- slurm/multi_gpu.sh and slurm/multi_node.sh with CONTAINER_IMAGE on a real
+  Slurm cluster (tests/slurm_cluster.py), podman standing in for Apptainer
+  through CONTAINER_RUN.
 
 Podman is rootful with private settings (docs/containers.md says why each is
 needed): its configuration, storage, run and temporary folders all live in one
@@ -31,7 +30,6 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +38,8 @@ from typing import Optional
 import pytest
 
 from dataset_files import build_mnist_root
-from helpers import IN_CI, REPO, assert_same_snapshot, check, epochs, free_port, parse_test, run, run_together, \
-    wrapper_snapshot
+from helpers import IN_CI, REPO, check, epochs, free_port, parse_test, run, run_together, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
-from slurm_jobs import SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, preempt, runs, \
-    scontrol_requeue, show
 
 TOOLS = ("podman", "runc", "debootstrap")
 APT_SOURCES = Path("/etc/apt/sources.list.d")
@@ -386,6 +381,22 @@ def _wrapper_in_container(image: Image, cluster, tmp_path, wrapper: str, args: l
     return job, log
 
 
+def test_multi_gpu_wrapper_runs_torchrun_in_the_container(image, cluster, tmp_path):
+    """slurm/multi_gpu.sh with CONTAINER_IMAGE: torchrun in the image, one worker
+    per "GPU" granted (2), real MNIST; requeue's scontrol stays outside."""
+    data = build_mnist_root(tmp_path / "data", n_train=2000, n_test=500)
+    job, log = _wrapper_in_container(
+        image, cluster, tmp_path, "multi_gpu.sh",
+        ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "2"], ["--gres=gpu:2"],
+        volumes={REPO: f"{REPO}:ro", tmp_path: str(tmp_path)})
+    assert f"job {job} on " in log and "| 2 processes |" in log
+    assert [e["epoch"] for e in epochs(log)] == [1, 2]
+    assert parse_test(log)["acc"] > 0.8
+    # named after the job and the arguments: a resubmission resumes
+    assert (tmp_path / wrapper_snapshot("multi_gpu", ["--dataset", "mnist", "--data_dir", data,
+                                                      "--total_epochs", "2"])).is_file()
+
+
 def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_path):
     """slurm/multi_node.sh with CONTAINER_IMAGE on two hosts (network
     namespaces): srun starts a container per node, torchrun in each; the
@@ -400,77 +411,3 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
     assert (tmp_path / wrapper_snapshot("multi_node", ["--total_epochs", "2"])).is_file()
-
-
-# --------------------------------------------------------------------------
-# Stops inside the container: real preemption and scontrol requeue
-# --------------------------------------------------------------------------
-
-CONTAINER_SHORT = ["--total_epochs", "12", "--batch_size", "8"]
-
-
-def _stop_in_container(image: Image, cluster, folder: Path, scenario) -> None:
-    """Drive ``scenario`` (tests/slurm_jobs.py) with the wrapper's training in
-    the image: CONTAINER_IMAGE, and CONTAINER_RUN a podman command that mounts
-    the checkout (read-only) and the job's folder and passes what the batch
-    shell and Slurm set for the ranks (SLURM_*, the rendezvous, the finished
-    file), as apptainer passes the whole environment."""
-    run_words = ["podman", "run", "--rm", "--pull=never", "--network=host", f"--workdir={folder}",
-                 f"--volume={REPO}:{REPO}:ro", f"--volume={folder}:{folder}",
-                 "--env=SLURM_*", "--env=MASTER_ADDR", "--env=MASTER_PORT", "--env=TRAINING_FINISHED_FILE",
-                 f"--env=GLOO_SOCKET_IFNAME={NODE_IFACE}"]
-    scenario.env.update(_podman_env(image), VENV_DIR=str(folder / "no-venv"), CONTAINER_IMAGE=image.tag,
-                        CONTAINER_RUN=" ".join(run_words))
-    try:
-        drive(cluster, scenario, folder)
-    except BaseException as exc:  # noqa: BLE001 - reported by the test
-        scenario.error = f"{type(exc).__name__}: {exc}"
-
-
-def _reference_in_container(image: Image, script: str, nproc: int, args: list, folder: Path) -> Path:
-    """The uninterrupted run, in the same image (its torch, not the tests')."""
-    folder.mkdir()
-    cmd = image.podman.run_cmd(image.tag, "torchrun", "--standalone", f"--nproc_per_node={nproc}",
-                               f"{REPO}/{script}", *args, volumes={REPO: f"{REPO}:ro", folder: str(folder)},
-                               workdir=str(folder), env={"GLOO_SOCKET_IFNAME": "lo"})
-    check(run(cmd, cwd=folder, timeout=RUN_TIMEOUT_S, **_podman_env(image)))
-    return folder / f"snapshot_{script[:-3]}.pt"
-
-
-def test_stops_inside_the_container_resume_exactly(image, cluster, tmp_path):
-    """slurm/multi_gpu.sh preempted (GraceTime 60 s: SIGTERM to the step, then
-    the batch shell requeues) and slurm/multi_node_srun.sh (two hosts, a
-    container per rank) sent back by scontrol requeue, both with
-    CONTAINER_IMAGE: each stops after one step with a snapshot, is requeued,
-    resumes where it stopped, and ends bitwise equal to an uninterrupted run
-    in the same image, as without a container (tests/test_stop_paths.py)."""
-    scenarios = [
-        Scenario("container-preempt", "multi_gpu.sh", "ddp-stop1", ["--gres=gpu:2"], CONTAINER_SHORT, preempt,
-                 ("multigpu_torchrun.py", 2)),
-        Scenario("container-srun-requeue", "multi_node_srun.sh", "ddp-stop[2-3]",
-                 ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], CONTAINER_SHORT, scontrol_requeue,
-                 ("multinode.py", 2)),
-    ]
-    threads = []
-    for scenario in scenarios:
-        (tmp_path / scenario.name).mkdir()
-        threads.append(threading.Thread(target=_stop_in_container, daemon=True,
-                                        args=(image, cluster, tmp_path / scenario.name, scenario)))
-        threads[-1].start()
-    references = {scenario.name: _reference_in_container(image, *scenario.reference, CONTAINER_SHORT,
-                                                         tmp_path / f"reference-{scenario.name}")
-                  for scenario in scenarios}
-    for thread in threads:
-        thread.join(SCENARIO_TIMEOUT_S + 60)
-    for scenario in scenarios:
-        assert not scenario.error, show(scenario)
-        info = scenario.infos[-1]
-        assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
-        texts = runs(scenario.logs[-1])
-        assert "stopped by SIGTERM" in texts[0], texts[0]
-        stops = check_resumes_exactly(texts, int(CONTAINER_SHORT[1]))
-        assert len(stops) == 1, texts
-        print(f"{scenario.name}: stopped at {stops[0]}, {len(texts)} runs, "
-              f"{scenario.signal_to_exit_s:.1f} s from the trigger to leaving RUNNING")
-        assert_same_snapshot(tmp_path / scenario.name / wrapper_snapshot(scenario.name, scenario.args),
-                             references[scenario.name])
