@@ -26,11 +26,12 @@ def mnist_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A real Slurm cluster (tests/slurm_cluster.py: munged, slurmctld, three
-    slurmd, two network-namespace hosts), started once for the whole session
-    and shared by every module that submits jobs; stopped, and checked to
-    leave nothing behind, at the end. Skips with the reason where it cannot
-    run; under CI=true that fails instead."""
+    """A real Slurm cluster (tests/slurm_cluster.py: munged, slurmctld, twelve
+    slurmd, eleven network-namespace hosts), started once for the whole
+    session and shared by every module that submits jobs; stopped, and
+    checked to leave nothing behind, at the end. What a killed earlier
+    session left is cleared first. Skips with the reason where it cannot run;
+    under CI=true that fails instead."""
     import time
 
     from slurm_cluster import SlurmCluster, unavailable_reason

@@ -28,7 +28,11 @@ cgroups), ``SlurmctldHost`` equal to the machine's hostname, slurmd started
 through ``nsenter --net`` + ``unshare --uts`` (``ip netns exec`` remounts /sys
 and slurmd then fails on cgroups), host names in /etc/hosts. Everything the
 cluster adds (daemons, namespaces, bridge, /etc/hosts lines) is removed by
-``stop()``, which runs whatever happened before it.
+``stop()``, which runs whatever happened before it. A session killed before
+its ``stop()`` (SIGKILL, a machine restart) leaves them behind; ``start()``
+clears them first, or refuses in one line while the test session that made
+them is still alive (the bridge, the namespaces and the host names are
+machine-wide, so two sessions cannot share a machine).
 
 Usage (as root):  ``python tests/slurm_cluster.py`` starts one, prints
 ``sinfo`` and stops it; the tests use it through a pytest fixture.
@@ -59,6 +63,10 @@ BRIDGE, BRIDGE_ADDR = "ddpbr0", "10.200.0.254"
 # hosts, so one GLOO_SOCKET_IFNAME serves every node.
 NODE_IFACE = "ddp0"
 HOSTS_MARK = "# ddp-slurm-test"
+# In the environment of every process a cluster starts (daemons, munged, jobs):
+# the pid of the test session that owns it, to tell a live cluster from one
+# left by a killed session.
+OWNER_VAR = "DDP_TEST_CLUSTER_OWNER"
 GPUS_PER_NODE = 2
 
 
@@ -92,6 +100,24 @@ def _query(*cmd: str, env: dict, attempts: int = 5) -> str:
     raise AssertionError("unreachable")
 
 
+def _environments() -> list[tuple[int, dict]]:
+    """(pid, environment) of every live process but this one (zombies and
+    processes that are gone or not ours to read left out)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            pairs = (item.decode(errors="replace").partition("=") for item in raw if b"=" in item)
+            found.append((int(entry.name), {key: value for key, _, value in pairs}))
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -111,7 +137,7 @@ class SlurmCluster:
         self.root = Path(root)
         self.hostname = socket.gethostname()
         self.conf = self.root / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf), **{OWNER_VAR: str(os.getpid())})
         self._daemons: list[subprocess.Popen] = []
         self._pidfiles: list[Path] = []
         self._netns_made: list[str] = []
@@ -123,7 +149,9 @@ class SlurmCluster:
     def start(self, timeout_s: float = 60) -> None:
         """Start munged, the network namespaces, slurmctld and the slurmds;
         return when all three nodes are idle. Raises RuntimeError (with the
-        daemons' logs) on failure, after stopping what it started."""
+        daemons' logs) on failure, after stopping what it started; raises
+        RuntimeError at once when another live test session runs a cluster."""
+        self._clear_earlier_session()
         try:
             self._write_config()
             self._start_munge()
@@ -214,8 +242,47 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
         munge.chmod(0o700)
         _run("munged", f"--socket={munge / 'munge.socket'}", f"--key-file={key}",
              f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
-             f"--seed-file={munge / 'munged.seed'}", "--force")
+             f"--seed-file={munge / 'munged.seed'}", "--force", env=self.env)
         self._pidfiles.append(munge / "munged.pid")
+
+    def _clear_earlier_session(self) -> None:
+        """Remove what a killed earlier test session left on this machine:
+        its processes (found by OWNER_VAR, whose session is gone), then this
+        harness's namespaces, bridge and /etc/hosts lines. Raises RuntimeError
+        if the owning session is alive, touching nothing."""
+        orphans, owners = [], set()
+        for pid, environ in _environments():
+            owner = environ.get(OWNER_VAR)
+            if owner is None or owner == str(os.getpid()):
+                continue
+            if Path(f"/proc/{owner}").exists():
+                owners.add(owner)
+            else:
+                orphans.append(pid)
+        if owners:
+            raise RuntimeError(f"another test session (pid {', '.join(sorted(owners))}) runs a Slurm test "
+                               "cluster on this machine; wait for it to end, or stop it, and run again")
+        found = [f"{len(orphans)} processes"] if orphans else []
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        namespaces = _run("ip", "netns", "list", check=False).stdout.split()
+        for node in {**NETNS_NODES, **STOP_NODES}:
+            if node in namespaces:
+                for pid in _run("ip", "netns", "pids", node, check=False).stdout.split():
+                    os.kill(int(pid), signal.SIGKILL)
+                _run("ip", "netns", "delete", node)
+                found.append(f"namespace {node}")
+        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+            _run("ip", "link", "delete", BRIDGE)
+            found.append(f"bridge {BRIDGE}")
+        if any(HOSTS_MARK in line for line in open("/etc/hosts")):
+            self._remove_hosts_lines()
+            found.append("/etc/hosts lines")
+        if found:
+            print("removed what a killed earlier test session left: " + ", ".join(found), flush=True)
 
     def _make_network(self) -> None:
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
@@ -364,19 +431,7 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
 
     def _processes(self) -> list[int]:
         """Pids of live processes started for this cluster (found by SLURM_CONF)."""
-        marker = f"SLURM_CONF={self.conf}".encode()
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                environ = (entry / "environ").read_bytes().split(b"\0")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-            if marker in environ and state != "Z":
-                pids.append(int(entry.name))
-        return pids
+        return [pid for pid, environ in _environments() if environ.get("SLURM_CONF") == str(self.conf)]
 
     def leftovers(self) -> list[str]:
         """What of this cluster is still there (after ``stop()``: should be nothing)."""
@@ -388,6 +443,7 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
             found.append(f"bridge {BRIDGE}")
         found += [f"/etc/hosts: {line.strip()}" for line in open("/etc/hosts") if HOSTS_MARK in line]
         return found
+
 
 if __name__ == "__main__":
     import tempfile
