@@ -105,12 +105,15 @@ def pytest_collection_modifyitems(config, items) -> None:
 # --------------------------------------------------------------------------
 
 _FILE_SECONDS: dict = {}
+_TEST_SECONDS: dict = {}
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Add each test phase's duration (setup, call, teardown) to its file's total."""
+    """Add each test phase's duration (setup, call, teardown) to its file's
+    and its test's total."""
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -119,3 +122,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
     terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all")
+    terminalreporter.section("the 15 slowest tests (fixtures included)")
+    for nodeid, seconds in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")

@@ -11,9 +11,16 @@ CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
   digits and scores at least 95% on the held-out ones;
 - multinode.py in two containers as two torchrun nodes on the host network,
   with the checkout bind-mounted over /workspace (the seeds' way);
-- slurm/multi_gpu.sh and slurm/multi_node.sh with CONTAINER_IMAGE on a real
-  Slurm cluster (tests/slurm_cluster.py), podman standing in for Apptainer
-  through CONTAINER_RUN.
+- slurm/multi_node.sh with CONTAINER_IMAGE on a real Slurm cluster
+  (tests/slurm_cluster.py), a podman command as CONTAINER_RUN;
+- slurm/multi_gpu.sh preempted and slurm/multi_node_srun.sh (a container per
+  rank) sent back by scontrol requeue, with CONTAINER_IMAGE and the wrappers'
+  default `apptainer exec` line: each resumes bitwise in the image. Apptainer
+  is not installable here; tests/standins/apptainer runs the image the way it
+  does (bubblewrap; the command stays in the job step, where Slurm's signals
+  reach it), from the built image mounted as a sandbox folder. Podman cannot
+  stand in for these: it runs the container outside the job step, and a
+  preemption's SIGTERM was seen lost (docs/containers.md).
 
 Podman is rootful with private settings (docs/containers.md says why each is
 needed): its configuration, storage, run and temporary folders all live in one
@@ -30,6 +37,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +46,15 @@ from typing import Optional
 import pytest
 
 from dataset_files import build_mnist_root
-from helpers import IN_CI, REPO, check, epochs, free_port, parse_test, run, run_together, wrapper_snapshot
+from helpers import IN_CI, REPO, assert_same_snapshot, check, epochs, free_port, parse_test, run, run_together, \
+    wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
+from slurm_jobs import SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, preempt, runs, \
+    scontrol_requeue, show
 
-TOOLS = ("podman", "runc", "debootstrap")
+TOOLS = ("podman", "runc", "debootstrap", "bwrap")
+# tests/standins/apptainer: `apptainer exec` for a sandbox image, with bubblewrap.
+STANDINS = REPO / "tests" / "standins"
 APT_SOURCES = Path("/etc/apt/sources.list.d")
 APT_SOURCES_LIST = Path("/etc/apt/sources.list")
 # The host's CA bundle: pip inside the build needs it behind a TLS-intercepting
@@ -94,7 +107,7 @@ def unavailable_reason() -> Optional[str]:
         return "needs root (rootful podman, debootstrap)"
     missing = [name for name in TOOLS if _tool(name) is None]
     if missing:
-        return f"missing {', '.join(missing)} (apt-get install podman runc debootstrap)"
+        return f"missing {', '.join(missing)} (apt-get install podman runc debootstrap bubblewrap)"
     if debian_mirror() is None:
         return f"no Debian mirror for debootstrap in {APT_SOURCES}/*.sources or {APT_SOURCES_LIST}"
     return None
@@ -381,22 +394,6 @@ def _wrapper_in_container(image: Image, cluster, tmp_path, wrapper: str, args: l
     return job, log
 
 
-def test_multi_gpu_wrapper_runs_torchrun_in_the_container(image, cluster, tmp_path):
-    """slurm/multi_gpu.sh with CONTAINER_IMAGE: torchrun in the image, one worker
-    per "GPU" granted (2), real MNIST; requeue's scontrol stays outside."""
-    data = build_mnist_root(tmp_path / "data", n_train=2000, n_test=500)
-    job, log = _wrapper_in_container(
-        image, cluster, tmp_path, "multi_gpu.sh",
-        ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "2"], ["--gres=gpu:2"],
-        volumes={REPO: f"{REPO}:ro", tmp_path: str(tmp_path)})
-    assert f"job {job} on " in log and "| 2 processes |" in log
-    assert [e["epoch"] for e in epochs(log)] == [1, 2]
-    assert parse_test(log)["acc"] > 0.8
-    # named after the job and the arguments: a resubmission resumes
-    assert (tmp_path / wrapper_snapshot("multi_gpu", ["--dataset", "mnist", "--data_dir", data,
-                                                      "--total_epochs", "2"])).is_file()
-
-
 def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_path):
     """slurm/multi_node.sh with CONTAINER_IMAGE on two hosts (network
     namespaces): srun starts a container per node, torchrun in each; the
@@ -411,3 +408,82 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
     assert (tmp_path / wrapper_snapshot("multi_node", ["--total_epochs", "2"])).is_file()
+
+
+# --------------------------------------------------------------------------
+# Stops inside the container: real preemption and scontrol requeue, with the
+# wrappers' default `apptainer exec` line
+# --------------------------------------------------------------------------
+
+CONTAINER_SHORT = ["--total_epochs", "12", "--batch_size", "8"]
+
+
+@pytest.fixture(scope="module")
+def sandbox(image) -> Path:
+    """The built image as an Apptainer sandbox image: the root file system of a
+    podman container made from it (``podman mount``), a folder. Removed with
+    the image's podman storage."""
+    _checked(image.podman("create", "--name", "ddp-sandbox", image.tag, "true"), "podman create")
+    return Path(_checked(image.podman("mount", "ddp-sandbox"), "podman mount").stdout.strip())
+
+
+def _stop_in_container(cluster, sandbox: Path, folder: Path, scenario) -> None:
+    """Drive ``scenario`` (tests/slurm_jobs.py) with CONTAINER_IMAGE the sandbox
+    and no CONTAINER_RUN: the wrapper's default ``apptainer exec --nv --bind
+    ...`` line runs, and PATH finds the stand-in. VENV_DIR points nowhere, so
+    only the image's Python can train."""
+    scenario.env.update(PATH=f"{STANDINS}:{os.environ['PATH']}", CONTAINER_IMAGE=str(sandbox),
+                        VENV_DIR=str(folder / "no-venv"))
+    try:
+        drive(cluster, scenario, folder)
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        scenario.error = f"{type(exc).__name__}: {exc}"
+
+
+def _reference_in_container(sandbox: Path, script: str, nproc: int, args: list, folder: Path) -> Path:
+    """The uninterrupted run, in the same image (its torch, not the tests')."""
+    folder.mkdir()
+    cmd = [STANDINS / "apptainer", "exec", "--bind", REPO, sandbox, "torchrun", "--standalone",
+           f"--nproc_per_node={nproc}", REPO / script, *args]
+    check(run(cmd, cwd=folder, timeout=RUN_TIMEOUT_S, GLOO_SOCKET_IFNAME="lo"))
+    return folder / f"snapshot_{script[:-3]}.pt"
+
+
+def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
+    """slurm/multi_gpu.sh preempted (SIGTERM to the step, GraceTime 60 s, then
+    the batch shell requeues) and slurm/multi_node_srun.sh (two hosts, a
+    container per rank) sent back by scontrol requeue, both with
+    CONTAINER_IMAGE and the default apptainer line: each stops with a
+    snapshot, is requeued, resumes where it stopped, and ends bitwise equal to
+    an uninterrupted run in the same image, as without a container
+    (tests/test_stop_paths.py)."""
+    scenarios = [
+        Scenario("container-preempt", "multi_gpu.sh", "ddp-stop1", ["--gres=gpu:2"], CONTAINER_SHORT, preempt,
+                 ("multigpu_torchrun.py", 2)),
+        Scenario("container-srun-requeue", "multi_node_srun.sh", "ddp-stop[2-3]",
+                 ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], CONTAINER_SHORT, scontrol_requeue,
+                 ("multinode.py", 2)),
+    ]
+    threads = []
+    for scenario in scenarios:
+        (tmp_path / scenario.name).mkdir()
+        threads.append(threading.Thread(target=_stop_in_container, daemon=True,
+                                        args=(cluster, sandbox, tmp_path / scenario.name, scenario)))
+        threads[-1].start()
+    references = {scenario.name: _reference_in_container(sandbox, *scenario.reference, CONTAINER_SHORT,
+                                                         tmp_path / f"reference-{scenario.name}")
+                  for scenario in scenarios}
+    for thread in threads:
+        thread.join(SCENARIO_TIMEOUT_S + 60)
+    for scenario in scenarios:
+        assert not scenario.error, show(scenario)
+        info = scenario.infos[-1]
+        assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
+        texts = runs(scenario.logs[-1])
+        assert "stopped by SIGTERM" in texts[0], texts[0]
+        stops = check_resumes_exactly(texts, int(CONTAINER_SHORT[1]))
+        assert len(stops) == 1, texts
+        print(f"{scenario.name}: stopped at epoch {stops[0][0]} step {stops[0][1]}, {len(texts)} runs, "
+              f"{scenario.signal_to_exit_s:.1f} s from the trigger to leaving RUNNING")
+        assert_same_snapshot(tmp_path / scenario.name / wrapper_snapshot(scenario.name, scenario.args),
+                             references[scenario.name])
