@@ -25,7 +25,6 @@ TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "mult
 SNAPSHOT = "snapshot_multigpu_torchrun.pt"  # its default --snapshot_path
 
 
-
 @pytest.fixture(scope="module")
 def small_mnist(tmp_path_factory):
     """600 real digits: 540 to train (270 per rank, 8 steps of 32), 60 to validate."""
@@ -169,18 +168,16 @@ LAUNCH = {
 @pytest.mark.parametrize("action", ["raise", "hang"])
 def test_one_failing_or_hanging_rank_ends_the_whole_job(launcher, action, tmp_path):
     """rank 1 raises (or hangs) at its 5th step while rank 0 waits in the next
-    all-reduce: the job must end, non-zero, well within 60 s. A hang is caught
-    by the process group timeout (--pg_timeout_s)."""
+    all-reduce: the job must end, non-zero, inside the first epoch, not after
+    the start-up time-out (30 min). A hang is caught by the process group
+    timeout (--pg_timeout_s), which the error line names."""
     if action == "hang" and train_utils.torch_version() < (2, 10):
         pytest.skip(f"torch {torch.__version__}'s gloo keeps the start-up timeout: --pg_timeout_s needs 2.10")
     cmd, env = LAUNCH[launcher]()
-    start = time.monotonic()
-    result = run(cmd + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=120,
+    result = run(cmd + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=300,
                  DDP_TEST_FAULT=f"step:1:5:{action}", **env)
-    elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert f"DDP_TEST_FAULT: {action} at step 5 on rank 1" in result.stderr
-    assert elapsed < 60, f"took {elapsed:.0f} s"
     assert "epoch 1/3 |" not in result.stdout  # it stopped inside the first epoch
     if action == "hang":  # one line saying where rank 0 waited, and for whom
         assert [line for line in error_lines(result.stderr) if "timed out" in line] == [
@@ -277,13 +274,16 @@ def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("signum,accum,nproc,workers", [
-    (signal.SIGUSR1, 1, 2, 0), (signal.SIGUSR1, 3, 2, 0),
-    (signal.SIGTERM, 1, 2, 0),
+    # SIGUSR1 (a scheduler's warning, relayed when asked) with accumulation:
+    # the stop waits for the end of an optimizer step.
+    (signal.SIGUSR1, 3, 2, 0),
     # Ctrl-C with 3 ranks: a resume must also lay out DDP's buckets as before
     # (with 2 ranks a sum is the same in any order). Loader workers, which
     # torchrun signals too, are checked in test_train_utils and test_loaders.
+    # SIGTERM, which torchrun relays like SIGINT, runs under Slurm in
+    # tests/test_stop_paths.py (preemption, scontrol requeue, scancel).
     (signal.SIGINT, 1, 3, 0),
-], ids=["SIGUSR1", "SIGUSR1-accum3", "SIGTERM", "Ctrl-C-3ranks"])
+], ids=["SIGUSR1-accum3", "Ctrl-C-3ranks"])
 def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly(
         tmp_path, signum, accum, nproc, workers):
     """What slurm/multi_gpu.sh does on a warning or a preemption, without Slurm
