@@ -415,7 +415,11 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
 # wrappers' default `apptainer exec` line
 # --------------------------------------------------------------------------
 
-CONTAINER_SHORT = ["--total_epochs", "12", "--batch_size", "8"]
+# Epochs take about 0.35 s here when the machine is otherwise idle, and the
+# preemption lands a few seconds after the trigger (epoch 2): room enough that
+# it comes before the last epoch. (A preemption after the last epoch is a
+# finished job, which is not requeued: the test would then fail.)
+CONTAINER_SHORT = ["--total_epochs", "40", "--batch_size", "8"]
 
 
 @pytest.fixture(scope="module")
