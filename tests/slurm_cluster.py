@@ -64,8 +64,8 @@ BRIDGE, BRIDGE_ADDR = "ddpbr0", "10.200.0.254"
 NODE_IFACE = "ddp0"
 HOSTS_MARK = "# ddp-slurm-test"
 # In the environment of every process a cluster starts (daemons, munged, jobs):
-# the pid of the test session that owns it, to tell a live cluster from one
-# left by a killed session.
+# the test session that owns it, as "<pid>:<start time>" (a pid alone may be
+# reused), to tell a live cluster from one left by a killed session.
 OWNER_VAR = "DDP_TEST_CLUSTER_OWNER"
 GPUS_PER_NODE = 2
 
@@ -98,6 +98,15 @@ def _query(*cmd: str, env: dict, attempts: int = 5) -> str:
                 raise
             time.sleep(1.0)
     raise AssertionError("unreachable")
+
+
+def _process_id(pid: int) -> str:
+    """"<pid>:<start time in clock ticks after boot>" (/proc/PID/stat, field
+    22): names one process for good, where a pid may be reused; "" if none."""
+    try:
+        return f"{pid}:{(Path('/proc') / str(pid) / 'stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return ""
 
 
 def _environments() -> list[tuple[int, dict]]:
@@ -137,7 +146,7 @@ class SlurmCluster:
         self.root = Path(root)
         self.hostname = socket.gethostname()
         self.conf = self.root / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf), **{OWNER_VAR: str(os.getpid())})
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf), **{OWNER_VAR: _process_id(os.getpid())})
         self._daemons: list[subprocess.Popen] = []
         self._pidfiles: list[Path] = []
         self._netns_made: list[str] = []
@@ -253,10 +262,10 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
         orphans, owners = [], set()
         for pid, environ in _environments():
             owner = environ.get(OWNER_VAR)
-            if owner is None or owner == str(os.getpid()):
+            if owner is None or owner == self.env[OWNER_VAR]:
                 continue
-            if Path(f"/proc/{owner}").exists():
-                owners.add(owner)
+            if _process_id(int(owner.split(":")[0])) == owner:
+                owners.add(owner.split(":")[0])
             else:
                 orphans.append(pid)
         if owners:
@@ -272,7 +281,10 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
         for node in {**NETNS_NODES, **STOP_NODES}:
             if node in namespaces:
                 for pid in _run("ip", "netns", "pids", node, check=False).stdout.split():
-                    os.kill(int(pid), signal.SIGKILL)
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:  # ended since it was listed
+                        pass
                 _run("ip", "netns", "delete", node)
                 found.append(f"namespace {node}")
         if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:

@@ -16,9 +16,9 @@ CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
 - slurm/multi_gpu.sh preempted and slurm/multi_node_srun.sh (a container per
   rank) sent back by scontrol requeue, with CONTAINER_IMAGE and the wrappers'
   default `apptainer exec` line: each resumes bitwise in the image. Apptainer
-  is not installable here; tests/standins/apptainer runs the image the way it
-  does (bubblewrap; the command stays in the job step, where Slurm's signals
-  reach it), from the built image mounted as a sandbox folder. Podman cannot
+  is not installable here; tests/standins/apptainer runs the built image,
+  mounted as a sandbox folder, the way it does where it matters (the command
+  is the srun task itself, where Slurm's signals reach it). Podman cannot
   stand in for these: it runs the container outside the job step, and a
   preemption's SIGTERM was seen lost (docs/containers.md).
 
@@ -52,8 +52,8 @@ from slurm_cluster import NETNS_NODES, NODE_IFACE
 from slurm_jobs import SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, preempt, runs, \
     scontrol_requeue, show
 
-TOOLS = ("podman", "runc", "debootstrap", "bwrap")
-# tests/standins/apptainer: `apptainer exec` for a sandbox image, with bubblewrap.
+TOOLS = ("podman", "runc", "debootstrap")
+# tests/standins/apptainer: `apptainer exec` for a sandbox image (unshare, chroot).
 STANDINS = REPO / "tests" / "standins"
 APT_SOURCES = Path("/etc/apt/sources.list.d")
 APT_SOURCES_LIST = Path("/etc/apt/sources.list")
@@ -107,7 +107,7 @@ def unavailable_reason() -> Optional[str]:
         return "needs root (rootful podman, debootstrap)"
     missing = [name for name in TOOLS if _tool(name) is None]
     if missing:
-        return f"missing {', '.join(missing)} (apt-get install podman runc debootstrap bubblewrap)"
+        return f"missing {', '.join(missing)} (apt-get install podman runc debootstrap)"
     if debian_mirror() is None:
         return f"no Debian mirror for debootstrap in {APT_SOURCES}/*.sources or {APT_SOURCES_LIST}"
     return None
@@ -415,11 +415,11 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
 # wrappers' default `apptainer exec` line
 # --------------------------------------------------------------------------
 
-# Epochs take about 0.35 s here when the machine is otherwise idle, and the
-# preemption lands a few seconds after the trigger (epoch 2): room enough that
-# it comes before the last epoch. (A preemption after the last epoch is a
-# finished job, which is not requeued: the test would then fail.)
-CONTAINER_SHORT = ["--total_epochs", "40", "--batch_size", "8"]
+CONTAINER_SHORT = ["--total_epochs", "12", "--batch_size", "8"]
+# The preempted job's ranks wait at their 30th step (in epoch 1) until a stop
+# signal comes (the tests' hook, first attempt only), and the preemption is
+# triggered once they wait: it lands mid-training whatever the machine's speed.
+HOLD_FOR_PREEMPTION = {"DDP_TEST_FAULT": "step:*:30:wait_signal"}
 
 
 @pytest.fixture(scope="module")
@@ -463,7 +463,9 @@ def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
     (tests/test_stop_paths.py)."""
     scenarios = [
         Scenario("container-preempt", "multi_gpu.sh", "ddp-stop1", ["--gres=gpu:2"], CONTAINER_SHORT, preempt,
-                 ("multigpu_torchrun.py", 2)),
+                 ("multigpu_torchrun.py", 2), env=dict(HOLD_FOR_PREEMPTION),
+                 trigger_when=("DDP_TEST_FAULT: wait_signal at step 30 on rank 0",
+                               "DDP_TEST_FAULT: wait_signal at step 30 on rank 1")),
         Scenario("container-srun-requeue", "multi_node_srun.sh", "ddp-stop[2-3]",
                  ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], CONTAINER_SHORT, scontrol_requeue,
                  ("multinode.py", 2)),
@@ -474,13 +476,15 @@ def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
         threads.append(threading.Thread(target=_stop_in_container, daemon=True,
                                         args=(cluster, sandbox, tmp_path / scenario.name, scenario)))
         threads[-1].start()
-    references = {scenario.name: _reference_in_container(sandbox, *scenario.reference, CONTAINER_SHORT,
-                                                         tmp_path / f"reference-{scenario.name}")
-                  for scenario in scenarios}
-    for thread in threads:
-        thread.join(SCENARIO_TIMEOUT_S + 60)
+    try:
+        references = {scenario.name: _reference_in_container(sandbox, *scenario.reference, CONTAINER_SHORT,
+                                                             tmp_path / f"reference-{scenario.name}")
+                      for scenario in scenarios}
+    finally:  # the jobs end (or time out) before the next test uses these hosts
+        for thread in threads:
+            thread.join(SCENARIO_TIMEOUT_S + 60)
     for scenario in scenarios:
-        assert not scenario.error, show(scenario)
+        assert not scenario.error and scenario.infos, show(scenario)
         info = scenario.infos[-1]
         assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
         texts = runs(scenario.logs[-1])

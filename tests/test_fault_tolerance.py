@@ -280,8 +280,10 @@ def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
     # Ctrl-C with 3 ranks: a resume must also lay out DDP's buckets as before
     # (with 2 ranks a sum is the same in any order). Loader workers, which
     # torchrun signals too, are checked in test_train_utils and test_loaders.
-    # SIGTERM, which torchrun relays like SIGINT, runs under Slurm in
-    # tests/test_stop_paths.py (preemption, scontrol requeue, scancel).
+    # SIGTERM runs under Slurm in tests/test_stop_paths.py (preemption,
+    # scontrol requeue, scancel), which signals every process itself; torchrun
+    # relays SIGTERM as it relays SIGINT (the Ctrl-C case) and, during
+    # start-up, test_sigterm_during_start_up_... sends it to torchrun.
     (signal.SIGINT, 1, 3, 0),
 ], ids=["SIGUSR1-accum3", "Ctrl-C-3ranks"])
 def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly(

@@ -123,7 +123,7 @@ def test_srun_wrapper_runs_each_task_in_the_container(cluster, tmp_path):
     (CONTAINER_RUN) says where it ran and puts the test's Python first on PATH,
     as an image would; VENV_DIR points nowhere, so the job succeeds only if the
     wrapper left the virtual environment alone and ran python through it.
-    A real image: tests/test_container.py (torchrun wrappers)."""
+    In a real image, preempted and requeued: tests/test_container.py."""
     stand_in = tmp_path / "container-exec"
     stand_in.write_text("#!/bin/sh\nimage=$1; shift\n"
                         "echo \"in container $image on $(hostname) as task ${SLURM_PROCID:-none}\"\n"
