@@ -419,7 +419,7 @@ CONTAINER_SHORT = ["--total_epochs", "12", "--batch_size", "8"]
 # The preempted job's ranks wait at their 30th step (in epoch 1) until a stop
 # signal comes (the tests' hook, first attempt only), and the preemption is
 # triggered once they wait: it lands mid-training whatever the machine's speed.
-HOLD_FOR_PREEMPTION = {"DDP_TEST_FAULT": "step:*:30:wait_signal"}
+HOLD_FOR_PREEMPTION = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
 
 
 @pytest.fixture(scope="module")
@@ -464,8 +464,8 @@ def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
     scenarios = [
         Scenario("container-preempt", "multi_gpu.sh", "ddp-stop1", ["--gres=gpu:2"], CONTAINER_SHORT, preempt,
                  ("multigpu_torchrun.py", 2), env=dict(HOLD_FOR_PREEMPTION),
-                 trigger_when=("DDP_TEST_FAULT: wait_signal at step 30 on rank 0",
-                               "DDP_TEST_FAULT: wait_signal at step 30 on rank 1")),
+                 trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
+                               "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
         Scenario("container-srun-requeue", "multi_node_srun.sh", "ddp-stop[2-3]",
                  ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], CONTAINER_SHORT, scontrol_requeue,
                  ("multinode.py", 2)),

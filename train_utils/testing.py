@@ -36,10 +36,12 @@ def fault_point(point: str) -> None:
     (inside atomic_save, after the temporary file is written, before the
     rename), ``startup`` (before the task loads: in start-up, after the
     process group exists) and ``finished`` (a run that holds every epoch,
-    before it tells the batch shell so). Every action fires only in a job's
-    first attempt (TORCHELASTIC_RESTART_COUNT and SLURM_RESTART_COUNT unset or
-    0), so a restart or a requeued job runs clean. The environment is read
-    once per process: two os.environ lookups per step cost a small model ~3%.
+    before it tells the batch shell so). ``kill``, ``raise``, ``hang`` and
+    ``wait_signal_once`` (``wait_signal`` in the first attempt only) fire only
+    in a job's first attempt (TORCHELASTIC_RESTART_COUNT and
+    SLURM_RESTART_COUNT unset or 0), so a restart or a requeued job runs
+    clean; ``wait_signal`` in every attempt. The environment is read once per
+    process: two os.environ lookups per step cost a small model ~3%.
     """
     global _fault_spec, _first_attempt
     if _fault_spec is None:
@@ -53,7 +55,7 @@ def fault_point(point: str) -> None:
     rank = dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
     if (point, count) != (want_point, int(want_count)) or want_rank not in ("*", str(rank)):
         return
-    if not _first_attempt:
+    if action != "wait_signal" and not _first_attempt:
         return
     print_line(f"DDP_TEST_FAULT: {action} at {point} {count} on rank {rank}", sys.stderr)
     if action == "kill":
@@ -62,7 +64,7 @@ def fault_point(point: str) -> None:
         raise RuntimeError(f"DDP_TEST_FAULT: injected failure at {point} {count} on rank {rank}")
     elif action == "hang":
         time.sleep(3600)
-    elif action == "wait_signal":
+    elif action in ("wait_signal", "wait_signal_once"):
         from .stop import received_stop_signal  # here: stop.py imports this module
         deadline = time.monotonic() + 3600
         while not received_stop_signal() and time.monotonic() < deadline:
