@@ -109,6 +109,16 @@ def _process_id(pid: int) -> str:
         return ""
 
 
+def _delete_namespace(node: str) -> None:
+    """SIGKILL every process in network namespace ``node``, then delete it."""
+    for pid in _run("ip", "netns", "pids", node, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:  # ended since it was listed
+            pass
+    _run("ip", "netns", "delete", node)
+
+
 def _environments() -> list[tuple[int, dict]]:
     """(pid, environment) of every live process but this one (zombies and
     processes that are gone or not ours to read left out)."""
@@ -280,12 +290,7 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
         namespaces = _run("ip", "netns", "list", check=False).stdout.split()
         for node in {**NETNS_NODES, **STOP_NODES}:
             if node in namespaces:
-                for pid in _run("ip", "netns", "pids", node, check=False).stdout.split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:  # ended since it was listed
-                        pass
-                _run("ip", "netns", "delete", node)
+                _delete_namespace(node)
                 found.append(f"namespace {node}")
         if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
             _run("ip", "link", "delete", BRIDGE)
@@ -413,9 +418,7 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
         # processes inherit it), and nothing of any other cluster.
         step(lambda: [os.kill(pid, signal.SIGKILL) for pid in self._processes()])
         for node in list(self._netns_made):
-            step(lambda node=node: [os.kill(int(pid), signal.SIGKILL) for pid in
-                                    _run("ip", "netns", "pids", node, check=False).stdout.split()])
-            step(lambda node=node: _run("ip", "netns", "delete", node))
+            step(lambda node=node: _delete_namespace(node))
             self._netns_made.remove(node)
         if self._bridge_made:
             step(lambda: _run("ip", "link", "delete", BRIDGE))
