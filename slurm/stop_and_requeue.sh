@@ -142,6 +142,9 @@ run_step() {
     fi
     if [ "$STOP_SIGNAL" = USR1 ] || [ -n "$preempted" ]; then
         echo "$(date -Is) training stopped (status $status); requeueing job $job${preempted:+ (preempted at $preempted)}"
+        # The requeue SIGTERMs this shell too; the step has ended, so there is
+        # nothing left to stop, and the trap's line would only mislead.
+        trap '' TERM
         scontrol requeue "$job"
         exit 0
     fi

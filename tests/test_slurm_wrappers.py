@@ -5,7 +5,8 @@ here, what keeps them readable and keeps their copies from drifting apart:
 the blocks marked ``# --- NAME (identical in ...) ---`` ... ``# --- end NAME ---``
 are the same, byte for byte, in every wrapper that has them (and the wrappers
 named below do have them), each header is short, every ``#SBATCH`` line says
-what it is for, and every wrapper parses (``bash -n``) and runs strict.
+what it is for, and every wrapper parses (``bash -n``) and runs strict; and one
+race of the batch shell's requeue, with a stand-in scontrol that loses it every time.
 """
 
 import re
@@ -117,3 +118,30 @@ def test_multi_node_takes_each_nodes_worker_count_on_that_node():
         env.update({"SLURM_GPUS_ON_NODE": gpus} if gpus else {})
         result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True)
         assert result.stdout.split() == ["--nnodes=2", f"--nproc_per_node={workers}", "multinode.py"], result
+
+
+def test_a_job_requeueing_itself_does_not_report_its_own_requeue_as_a_stop(tmp_path):
+    """After a preemption the batch shell requeues the job itself, and Slurm's
+    requeue SIGTERMs that shell while scontrol is still running. The step has
+    ended by then: the shell must requeue and exit 0 without announcing a stop
+    ("batch shell got SIGTERM ..."), which would read as a second stop. CI caught
+    the line once on the test cluster, where it depends on when the SIGTERM
+    lands; here a stand-in scontrol sends it during the requeue, every time."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(
+        "#!/bin/bash\n"
+        "case \"$1\" in\n"
+        "  show) echo 'JobId=7 JobName=demo PreemptTime=2026-11-25T00:00:00 Restarts=0' ;;\n"
+        "  requeue) echo \"requeue $2\" >> requeued; kill -TERM \"$PPID\"; sleep 1 ;;\n"
+        "esac\n")
+    scontrol.chmod(0o755)
+    script = f'set -euo pipefail; source "{REPO}/slurm/stop_and_requeue.sh"; run_step true'
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "demo"}
+    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "requeueing job 7 (preempted at 2026-11-25T00:00:00)" in result.stdout, result.stdout
+    assert (tmp_path / "requeued").read_text() == "requeue 7\n"
+    assert "batch shell got" not in result.stdout, result.stdout
