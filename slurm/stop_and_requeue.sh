@@ -42,9 +42,9 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 # say) gets one snapshot per point, never another's; any other change of
 # arguments, a longer --total_epochs too, starts a new run unless it names the
 # snapshot to go on from (--snapshot_path). Then claims the snapshot for this
-# job (<snapshot>.job holds the job id) and exits 2 with one line when another
-# job that is still queued or running holds it: two live jobs must never write
-# one snapshot.
+# job (<snapshot>.job holds the job id, read and written under flock) and
+# exits 2 with one line when another job that is still queued or running holds
+# it: two live jobs must never write one snapshot.
 snapshot_for() {
     local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" arg given="" after=""
     for arg in "$@"; do  # the script takes the last --snapshot_path given
@@ -65,10 +65,19 @@ snapshot_for() {
         SNAPSHOT="$name.pt"
     fi
     # The job as squeue and scontrol know it: an array task as <array job id>_<index>.
-    local claim="$SNAPSHOT.job" job owner state
+    local claim="$SNAPSHOT.job" job owner state lock
     job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
     job="${job:-$SLURM_JOB_ID}"
-    owner="$(cat "$claim" 2>/dev/null || true)"
+    if ! { exec {lock}<>"$claim"; } 2>/dev/null; then
+        echo "error: cannot write $PWD/$claim (the snapshot's claim): submit from a folder this job can write, or pass a writable --snapshot_path" >&2
+        exit 2
+    fi
+    # Locked from reading the claim to writing it: two copies of one command
+    # starting together would otherwise both find it free and both take it.
+    if ! flock -w 60 "$lock" 2>/dev/null; then  # some Lustre mounts have no flock
+        echo "warning: cannot lock $claim (flock); two copies of this command starting together could both take it" >&2
+    fi
+    owner="$(cat "$claim")"
     if [ -n "$owner" ] && [ "$owner" != "$job" ]; then
         if ! state="$(squeue -h -j "$owner" -o %T 2>&1)"; then
             if [[ "$state" != *"Invalid job id"* ]]; then  # long gone is fine; not knowing is said
@@ -82,10 +91,8 @@ snapshot_for() {
                 exit 2 ;;
         esac
     fi
-    if ! { echo "$job" > "$claim"; } 2>/dev/null; then
-        echo "error: cannot write $PWD/$claim (the snapshot's claim): submit from a folder this job can write, or pass a writable --snapshot_path" >&2
-        exit 2
-    fi
+    echo "$job" > "$claim"
+    exec {lock}>&-  # unlocked; the step does not inherit it
 }
 
 # require_torchrun [container command...]: one line and exit 2 when the torchrun

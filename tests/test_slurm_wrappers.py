@@ -10,6 +10,7 @@ race of the batch shell's requeue, with a stand-in scontrol that loses it every 
 """
 
 import re
+import time
 import subprocess
 from pathlib import Path
 
@@ -145,3 +146,64 @@ def test_a_job_requeueing_itself_does_not_report_its_own_requeue_as_a_stop(tmp_p
     assert "requeueing job 7 (preempted at 2026-11-25T00:00:00)" in result.stdout, result.stdout
     assert (tmp_path / "requeued").read_text() == "requeue 7\n"
     assert "batch shell got" not in result.stdout, result.stdout
+
+
+def _stand_in_squeue(bin_dir: Path, state: str) -> None:
+    """An squeue that reports every job it is asked about in ``state``."""
+    bin_dir.mkdir(exist_ok=True)
+    squeue = bin_dir / "squeue"
+    squeue.write_text(f"#!/bin/bash\necho {state}\n")
+    squeue.chmod(0o755)
+
+
+def _snapshot_for(folder: Path, bin_dir: Path, job_id: str, *args: str) -> subprocess.CompletedProcess:
+    """slurm/stop_and_requeue.sh's snapshot_for ARGS in a job ``job_id``, then
+    prints the snapshot it chose."""
+    script = (f'set -euo pipefail; source "{REPO}/slurm/stop_and_requeue.sh"; '
+              f'snapshot_for "$@"; echo "SNAPSHOT=$SNAPSHOT"')
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "sweep"}
+    return subprocess.run(["bash", "-c", script, "bash", *args], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=90)
+
+
+def test_a_job_waits_for_the_claim_another_job_is_taking(tmp_path):
+    """Two copies of one command starting together: the second reads the claim
+    only once the first has written it, so it sees a live owner and is refused,
+    rather than finding the claim free and taking it too. Here job 5 holds the
+    claim's lock (as snapshot_for does, with flock on the claim file) for a
+    second before writing its id."""
+    bin_dir = tmp_path / "bin"
+    _stand_in_squeue(bin_dir, "RUNNING")
+    claim = tmp_path / "snapshot-sweep.pt.job"
+    claim.touch()
+    first = subprocess.Popen(["flock", str(claim), "bash", "-c", "touch held; sleep 1; echo 5 > snapshot-sweep.pt.job"],
+                             cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "held").exists():  # job 5 holds the lock
+            assert time.monotonic() < deadline and first.poll() is None, "flock never took the claim's lock"
+            time.sleep(0.05)
+        second = _snapshot_for(tmp_path, bin_dir, "6")
+    finally:
+        first.wait(timeout=30)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert second.stderr.strip() == (
+        "error: snapshot snapshot-sweep.pt belongs to job 5, which is RUNNING: two live jobs must not share a "
+        "snapshot; wait for job 5 to end (or scancel it), or submit with other arguments or --job-name")
+    assert claim.read_text() == "5\n"
+
+
+def test_a_claim_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
+    bin_dir = tmp_path / "bin"
+    _stand_in_squeue(bin_dir, "RUNNING")
+    result = _snapshot_for(tmp_path, bin_dir, "6", "--snapshot_path", "missing/snapshot.pt")
+    assert result.returncode == 2 and "SNAPSHOT=" not in result.stdout, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        f"error: cannot write {tmp_path}/missing/snapshot.pt.job (the snapshot's claim): submit from a folder "
+        "this job can write, or pass a writable --snapshot_path")
+    # A claim written by a job that has ended is taken over.
+    (tmp_path / "snapshot-sweep.pt.job").write_text("5\n")
+    _stand_in_squeue(bin_dir, "COMPLETED")
+    result = _snapshot_for(tmp_path, bin_dir, "6")
+    assert result.returncode == 0 and "SNAPSHOT=snapshot-sweep.pt" in result.stdout, result.stderr
+    assert (tmp_path / "snapshot-sweep.pt.job").read_text() == "6\n"
