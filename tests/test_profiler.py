@@ -73,5 +73,5 @@ def test_an_unwritable_profile_dir_stops_before_training_in_one_line(tmp_path):
     result = run([sys.executable, REPO / "singlegpu.py", "--profile_dir", "a_file/prof"], tmp_path)
     assert result.returncode == 2
     assert error_lines(result.stderr) == [result.stderr.strip()] == [
-        "error: cannot write --profile_dir a_file/prof (Not a directory); choose another path"]
+        "error: cannot write --profile_dir a_file/prof: a_file is a file, not a folder; pass another --profile_dir"]
     assert not epochs(result.stdout)

@@ -5,13 +5,12 @@ one trace per rank, which Perfetto and chrome://tracing open.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 from common import ConfigError
+from .checks import output_path_error
 from .output import is_distributed, print_line
 
 # The profiler's schedule, in training steps (micro-batches) of this start:
@@ -43,13 +42,9 @@ class StepProfiler:
         self.profiler = None
         if not self.folder:
             return
-        try:  # now, not when the trace is written, mid-training
-            os.makedirs(self.folder, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.folder):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"cannot write --profile_dir {self.folder} ({exc.strerror or type(exc).__name__}); "
-                              f"choose another path") from None
+        error = output_path_error("profile_dir", self.folder, folder=True)  # now, not mid-training
+        if error:
+            raise ConfigError(error)
         self.rank = dist.get_rank() if is_distributed() else 0
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
