@@ -145,18 +145,28 @@ def runs(log: str) -> list:
     return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
 
 
+def _ended_before_main(text: str) -> bool:
+    """A run whose ranks a stop signal ended while their interpreter still
+    started (importing torch, before ``main`` installs the handler): the
+    batch shell got the signal, and no rank said a word, not even the process
+    group's line (``device ... | backend ...``), let alone resumed or trained."""
+    return ("batch shell got SIG" in text and not re.search(r"^device \S+ \| backend ", text, re.M)
+            and not RESUME.search(text) and not epochs(text))
+
+
 def check_resumes_exactly(texts: list, total: int, first: int = 1) -> list:
     """Each run resumes at the last position any run before it saved (a run
-    stopped during start-up trains and saves nothing); every epoch from
+    stopped during start-up, or before its ranks reached ``main``, trains and
+    saves nothing); every epoch from
     ``first`` on is summarised once over all runs, in order (a ``first``
     above 1: ``texts`` begin with a resumed run). Returns the mid-epoch stops
     [(epoch, step)]."""
     saved, stops, summarised = None, [], []
     for index, text in enumerate(texts):
         assert "nothing to train" not in text, f"run {index} was requeued after the last epoch:\n{text}"
-        if "during start-up, before the first training step" in text:  # stopped before it trained:
-            assert not epochs(text) and not SAVED.search(text), text  # nothing to resume, nothing saved
-            continue
+        if "during start-up, before the first training step" in text or _ended_before_main(text):
+            assert not epochs(text) and not SAVED.search(text), text  # stopped before it trained:
+            continue  # nothing to resume, nothing saved
         resumed = RESUME.search(text)
         if saved is None and first > 1:
             pass  # the first of these runs resumed from a save before them: the caller checks it
