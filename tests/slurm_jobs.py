@@ -145,7 +145,7 @@ def runs(log: str) -> list:
     return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
 
 
-def _ended_before_main(text: str) -> bool:
+def ended_before_main(text: str) -> bool:
     """A run whose ranks a stop signal ended while their interpreter still
     started (importing torch, before ``main`` installs the handler): the
     batch shell got the signal, and no rank said a word, not even the process
@@ -164,7 +164,7 @@ def check_resumes_exactly(texts: list, total: int, first: int = 1) -> list:
     saved, stops, summarised = None, [], []
     for index, text in enumerate(texts):
         assert "nothing to train" not in text, f"run {index} was requeued after the last epoch:\n{text}"
-        if "during start-up, before the first training step" in text or _ended_before_main(text):
+        if "during start-up, before the first training step" in text or ended_before_main(text):
             assert not epochs(text) and not SAVED.search(text), text  # stopped before it trained:
             continue  # nothing to resume, nothing saved
         resumed = RESUME.search(text)
