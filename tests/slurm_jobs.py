@@ -157,10 +157,9 @@ def ended_before_main(text: str) -> bool:
 def check_resumes_exactly(texts: list, total: int, first: int = 1) -> list:
     """Each run resumes at the last position any run before it saved (a run
     stopped during start-up, or before its ranks reached ``main``, trains and
-    saves nothing); every epoch from
-    ``first`` on is summarised once over all runs, in order (a ``first``
-    above 1: ``texts`` begin with a resumed run). Returns the mid-epoch stops
-    [(epoch, step)]."""
+    saves nothing); every epoch from ``first`` on is summarised once over all
+    runs, in order (a ``first`` above 1: ``texts`` begin with a resumed run).
+    Returns the mid-epoch stops [(epoch, step)]."""
     saved, stops, summarised = None, [], []
     for index, text in enumerate(texts):
         assert "nothing to train" not in text, f"run {index} was requeued after the last epoch:\n{text}"

@@ -5,13 +5,15 @@ here, what keeps them readable and keeps their copies from drifting apart:
 the blocks marked ``# --- NAME (identical in ...) ---`` ... ``# --- end NAME ---``
 are the same, byte for byte, in every wrapper that has them (and the wrappers
 named below do have them), each header is short, every ``#SBATCH`` line says
-what it is for, and every wrapper parses (``bash -n``) and runs strict; and one
-race of the batch shell's requeue, with a stand-in scontrol that loses it every time.
+what it is for, and every wrapper parses (``bash -n``) and runs strict. Also
+slurm/stop_and_requeue.sh's own logic where a real cluster meets it only by
+chance (its requeue's SIGTERM, two jobs taking one snapshot's claim), with
+stand-in scontrol and squeue that make it happen every time.
 """
 
 import re
-import time
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,26 @@ def test_multi_node_takes_each_nodes_worker_count_on_that_node():
         assert result.stdout.split() == ["--nnodes=2", f"--nproc_per_node={workers}", "multinode.py"], result
 
 
+def _stand_in(bin_dir: Path, command: str, body: str) -> None:
+    """An executable bash script ``bin_dir/command`` running ``body``, in place
+    of the Slurm command of that name (first on the PATH ``_batch_shell`` gives)."""
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / command
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+
+
+def _batch_shell(folder: Path, bin_dir: Path, job_id: str, job_name: str, commands: str,
+                 *args: str) -> subprocess.CompletedProcess:
+    """``commands`` (with ARGS as "$@") in a strict bash that sourced
+    slurm/stop_and_requeue.sh, as a wrapper's batch shell does, in job
+    ``job_id`` named ``job_name``, in ``folder``, with ``bin_dir`` first on PATH."""
+    script = f'set -euo pipefail; source "{REPO}/slurm/stop_and_requeue.sh"; {commands}'
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": job_name}
+    return subprocess.run(["bash", "-c", script, "bash", *args], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=90)
+
+
 def test_a_job_requeueing_itself_does_not_report_its_own_requeue_as_a_stop(tmp_path):
     """After a preemption the batch shell requeues the job itself, and Slurm's
     requeue SIGTERMs that shell while scontrol is still running. The step has
@@ -129,19 +151,12 @@ def test_a_job_requeueing_itself_does_not_report_its_own_requeue_as_a_stop(tmp_p
     the line once on the test cluster, where it depends on when the SIGTERM
     lands; here a stand-in scontrol sends it during the requeue, every time."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    scontrol = bin_dir / "scontrol"
-    scontrol.write_text(
-        "#!/bin/bash\n"
-        "case \"$1\" in\n"
-        "  show) echo 'JobId=7 JobName=demo PreemptTime=2026-11-25T00:00:00 Restarts=0' ;;\n"
-        "  requeue) echo \"requeue $2\" >> requeued; kill -TERM \"$PPID\"; sleep 1 ;;\n"
-        "esac\n")
-    scontrol.chmod(0o755)
-    script = f'set -euo pipefail; source "{REPO}/slurm/stop_and_requeue.sh"; run_step true'
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "demo"}
-    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=30)
+    _stand_in(bin_dir, "scontrol",
+              "case \"$1\" in\n"
+              "  show) echo 'JobId=7 JobName=demo PreemptTime=2026-11-25T00:00:00 Restarts=0' ;;\n"
+              "  requeue) echo \"requeue $2\" >> requeued; kill -TERM \"$PPID\"; sleep 1 ;;\n"
+              "esac")
+    result = _batch_shell(tmp_path, bin_dir, "7", "demo", "run_step true")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "requeueing job 7 (preempted at 2026-11-25T00:00:00)" in result.stdout, result.stdout
     assert (tmp_path / "requeued").read_text() == "requeue 7\n"
@@ -150,20 +165,12 @@ def test_a_job_requeueing_itself_does_not_report_its_own_requeue_as_a_stop(tmp_p
 
 def _stand_in_squeue(bin_dir: Path, state: str) -> None:
     """An squeue that reports every job it is asked about in ``state``."""
-    bin_dir.mkdir(exist_ok=True)
-    squeue = bin_dir / "squeue"
-    squeue.write_text(f"#!/bin/bash\necho {state}\n")
-    squeue.chmod(0o755)
+    _stand_in(bin_dir, "squeue", f"echo {state}")
 
 
 def _snapshot_for(folder: Path, bin_dir: Path, job_id: str, *args: str) -> subprocess.CompletedProcess:
-    """slurm/stop_and_requeue.sh's snapshot_for ARGS in a job ``job_id``, then
-    prints the snapshot it chose."""
-    script = (f'set -euo pipefail; source "{REPO}/slurm/stop_and_requeue.sh"; '
-              f'snapshot_for "$@"; echo "SNAPSHOT=$SNAPSHOT"')
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "sweep"}
-    return subprocess.run(["bash", "-c", script, "bash", *args], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=90)
+    """snapshot_for ARGS in job ``job_id`` of a sweep, then prints the snapshot it chose."""
+    return _batch_shell(folder, bin_dir, job_id, "sweep", 'snapshot_for "$@"; echo "SNAPSHOT=$SNAPSHOT"', *args)
 
 
 def test_a_job_waits_for_the_claim_another_job_is_taking(tmp_path):
