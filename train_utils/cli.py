@@ -51,6 +51,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def _choice(*choices: str) -> Callable[[str], str]:
+    """argparse type: one of ``choices``, else a one-line usage error."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(choices)})")
+        return text
+
+    return parse
+
+
 # Where each script saves by default (--checkpoint_path or --snapshot_path):
 # named after the script, so that the README's steps, run in one folder, never
 # resume from, refuse or overwrite each other's files. A script not named here
@@ -61,11 +72,14 @@ DEFAULT_OUTPUTS = {
     "multigpu_torchrun.py": "snapshot_multigpu_torchrun.pt",
     "multinode.py": "snapshot_multinode.pt",
     "multinode_fsdp.py": "snapshot_multinode_fsdp",  # a folder: one sub-folder per sharded save
+    "train.py": None,  # train.py chooses: snapshot_train.pt (DDP) or the folder snapshot_train_fsdp (FSDP)
 }
 OUTPUT = "<named after the script: DEFAULT_OUTPUTS>"  # SCRIPT_FLAGS' default for the two paths
 
 # The flags only some scripts take: name -> (argparse type, default, help).
 SCRIPT_FLAGS = {
+    "strategy": (_choice("ddp", "fsdp"), "ddp", "ddp: every rank holds the whole model (DistributedDataParallel); "
+                                                "fsdp: each holds 1/world_size of it (FSDP2), snapshots sharded"),
     "checkpoint_path": (str, OUTPUT, "where to save the model's state_dict"),
     "world_size": (positive(int), None, "processes to start (default: the number of GPUs, "
                                         "or 2 on a machine without GPUs)"),

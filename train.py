@@ -1,0 +1,372 @@
+r"""The training kit: one entry point for real runs, DDP or FSDP, under torchrun or srun.
+
+Launch:
+    torchrun --standalone --nproc_per_node=gpu train.py --dataset mnist     # one node
+    torchrun --nnodes=N --nproc_per_node=gpu --rdzv-backend=c10d \
+        --rdzv-endpoint=FIRST_NODE_HOST:29500 --rdzv-id=JOB_ID train.py     # N nodes
+    srun --ntasks-per-node=GPUS python train.py                             # one task per GPU
+    sbatch slurm/multi_gpu.sh --dataset mnist                               # on Slurm
+
+It trains what the ladder's rungs train (multigpu_spawn.py ... multinode_fsdp.py),
+with the same arithmetic, and adds what a real run needs: exact resume after every
+stop (mid-epoch too), stop signals (SIGUSR1, SIGTERM, Ctrl-C), the recipe flags,
+W&B, TensorBoard, the profiler, time-out diagnosis, snapshot integrity checks.
+--strategy fsdp shards the model (FSDP2) and saves sharded snapshots; see docs/.
+
+Copy this file and the train_utils package for your own work; your task goes in
+its own file (docs/custom-task.md).
+"""
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, Subset
+
+import common
+import train_utils
+
+
+def setup(timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join the process group the launcher prepared (torchrun's RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT, or srun's SLURM_PROCID, SLURM_LOCALID, ...);
+    return (rank, local_rank, device). A collective waiting over ``timeout_s``
+    seconds raises, not hangs."""
+    timeout = timedelta(seconds=timeout_s)
+    store = train_utils.launcher_store(timeout)  # torchrun or srun; a fresh key prefix per restart
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = train_utils.device_for(local_rank)  # GPU indices restart at 0 on every node
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
+        train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
+    train_utils.share_cpu_cores(device, world_size)
+    backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
+    return rank, local_rank, device
+
+
+class Trainer:
+    """Runs the epochs, evaluates, prints one summary line per epoch, saves
+    snapshots and resumes from the one at --snapshot_path when it exists.
+
+    ``model`` is on ``device``; under FSDP already sharded (``shard_model``), with
+    ``recipe``'s optimizer built on its shards. ``task`` gives the loss and the
+    batch transforms (see common.Task); ``args`` the run's flags.
+    """
+
+    def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
+                 recipe: train_utils.Recipe, task: common.Task, device: torch.device,
+                 rank: int, local_rank: int, args) -> None:
+        self.device, self.rank, self.local_rank = device, rank, local_rank
+        self.fsdp = args.strategy == "fsdp"
+        self.model = model
+        self.train_data, self.val_data = train_data, val_data
+        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
+        self.optimizer = recipe.optimizer
+        self.task, self.args = task, args
+        # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
+        self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, args.amp)
+        # Saved in snapshots; FSDP's resume at any world size (DCP reshards), DDP's at an epoch's end.
+        self.config = dict(vars(args), world_size=None if self.fsdp else dist.get_world_size())
+        self.progress = train_utils.Progress(device, train_data, rank)  # epochs, steps, RNG states
+        self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
+        self.memory_reported = not self.fsdp  # FSDP: the state-per-rank line after the first step
+        if self.fsdp:
+            self.snapshots = train_utils.ShardedSnapshots(args.snapshot_path)  # a folder per save
+            folder = self.snapshots.latest()  # the newest complete one, on every node (or none)
+            if folder:
+                self._load_sharded_snapshot(folder)
+        else:
+            if train_utils.snapshot_on_every_node(args.snapshot_path):  # or on none
+                self._load_snapshot(args.snapshot_path)
+            # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward().
+            self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+            if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
+                train_utils.rebuild_ddp_buckets(self.model, train_data, task.loss_fn, task.eval_transform,
+                                                device, self.autocast)
+        # The compiled module shares the model's weights and runs the training
+        # forward; saving and evaluation use the plain model, so what is saved
+        # loads without torch.compile.
+        self.compiled = train_utils.compile_model(self.model, args.compile)
+        self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
+
+    @property
+    def plain_model(self) -> torch.nn.Module:
+        """The model without DDP's wrapper (FSDP's sharded model is its own)."""
+        return self.model if self.fsdp else self.model.module
+
+    def _gradient_sync(self, last: bool):
+        """The gradients' all-reduce (DDP) or reduce-scatter (FSDP) only on the
+        micro-batch that ends an optimizer step; before it they are summed locally."""
+        if self.fsdp:
+            if self.args.grad_accum_steps > 1:
+                self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch (``step`` counts them from 0 in
+        the epoch); the optimizer steps after every --grad_accum_steps-th."""
+        accum = self.args.grad_accum_steps
+        last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
+        if step % accum == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+        with self._gradient_sync(last), self.autocast:
+            loss = self.task.loss_fn(self.compiled(source), targets)
+        # Summed over the micro-batches, the gradients of loss / accum are those
+        # of the mean loss over the whole accumulated batch. (No division without
+        # accumulation: an extra autograd op costs a small model ~10%.)
+        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
+        if last:
+            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
+            train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
+        return loss.detach()
+
+    def _after_step(self, meter: train_utils.EpochMeter) -> bool:
+        """After an optimizer step: the FSDP memory line once, a snapshot on a stop
+        signal (then True: stop) or every --snapshot_every_steps steps."""
+        if not self.memory_reported:  # optimizers make their state at the first step: measure now
+            train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
+            self.memory_reported = True
+        if self.stop.poll():  # some rank got the signal; every rank stops after this step
+            self._save(meter)
+            return True
+        every = self.args.snapshot_every_steps  # and not at the epoch's end: that one comes next
+        if every and self.progress.steps_run % every == 0 and meter.steps_left:
+            self._save(meter)
+        return False
+
+    def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[dict]:
+        """One epoch's training steps; its record, or None when a stop signal ended it."""
+        self.model.train()
+        # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
+        self.train_data.sampler.set_epoch(epoch)
+        # After a mid-epoch resume, skip the batches this rank already trained on.
+        self.train_data.sampler.start = self.progress.steps_run * self.train_data.batch_size
+        host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
+        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
+                               f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
+        meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
+        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args),
+                                                 start=self.progress.steps_run):
+            source = self.task.train_transform(source.to(self.device, non_blocking=True))
+            targets = targets.to(self.device, non_blocking=True)
+            meter.add(self._run_batch(source, targets, step), len(targets))
+            self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
+            self.progress.steps_run = step + 1
+            if self.progress.steps_run % self.args.grad_accum_steps:
+                continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
+            if self._after_step(meter):
+                return None
+        dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
+        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
+
+    def _load_snapshot(self, snapshot_path: str) -> None:
+        """DDP: the snapshot file's model, optimizer, recipe and position."""
+        snapshot = train_utils.read_snapshot(snapshot_path, self.config)  # refuses another run's
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self._resume(snapshot, snapshot_path, self.progress.resize_note(self.recipe))
+
+    def _load_sharded_snapshot(self, folder: str) -> None:
+        """FSDP: DCP loads into this model's and optimizer's own sharded state dicts,
+        in place: each rank reads its shards' pieces from whichever files hold them."""
+        snapshot = self.snapshots.read(folder, self.config, dist.get_world_size())  # or refuses it
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
+        dcp.load(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
+                       optim_state_dict=optimizer_state)
+        self._resume(snapshot, folder, train_utils.resharding_note(snapshot["world_size"]))
+
+    def _resume(self, snapshot: dict, path: str, note: str) -> None:
+        self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
+        self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
+        if self.rank == 0:
+            train_utils.log_resume(path, self.progress.position(), note)
+
+    def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
+        """Collective: a snapshot of this position. Mid-epoch, ``meter`` holds the
+        epoch so far (its totals are saved too)."""
+        progress = self.progress.state_dict(meter)  # every rank's RNG states, gathered
+        state = {**progress, **self.recipe.state_dict(), "config": self.config}  # + lr_schedule, loss_scaler
+        if self.fsdp:
+            self._save_sharded(state)
+        elif self.rank == 0:  # every rank holds the same weights; one saves them
+            state.update(model=self.model.module.state_dict(), optimizer=self.optimizer.state_dict())
+            train_utils.atomic_save(state, self.args.snapshot_path)  # temp file + rename: never torn
+            train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
+
+    def _save_sharded(self, state: dict) -> None:
+        """Collective: a new folder of every rank's shards; then the previous snapshot goes."""
+        train_utils.broadcast_buffers(self.model)  # FSDP never syncs BatchNorm statistics: save rank 0's
+        # Each rank writes its own shards, DCP's rank 0 the index (.metadata); no rank ever
+        # holds the full state. A new folder each time: DCP overwrites files in place.
+        folder = self.snapshots.folder(self.progress.tag())
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save(model_state, checkpoint_id=os.path.join(folder, "model"))  # plain state_dict keys
+        dcp.save(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
+        if self.rank == 0:
+            self.snapshots.commit(dict(state, world_size=dist.get_world_size()), folder)  # complete now
+            train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {folder}")
+
+    def train(self, max_epochs: int) -> bool:
+        """Train up to ``max_epochs``; False when a stop signal ended it (snapshot saved)."""
+        for epoch in range(self.progress.epochs_run, max_epochs):
+            record = self._run_epoch(epoch, max_epochs)
+            if record is None:  # stopped by the signal, after a snapshot of this step
+                return False
+            record["val_loss"], record["val_accuracy"] = evaluate(self.plain_model, self.val_data, self.task,
+                                                                  self.device, self.fsdp)
+            if self.rank == 0:  # every rank holds the same numbers; one prints them
+                train_utils.log_metrics(record, self.args)
+            self.progress.end_epoch(epoch)
+            # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
+            # saves after the first epoch and can skip the last one.
+            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
+                self._save()
+        return True
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device: torch.device,
+             fsdp: bool = False) -> tuple[float, Optional[float]]:
+    """Mean loss, and accuracy for a classification task, over every sample of ``data``.
+
+    The loss is weighted by samples (sum of per-sample losses / sample count),
+    not a mean of batch means, which would over-weight a short last batch.
+    Collective: each rank scores its shard, the sums are all-reduced. Pass DDP's
+    ``.module`` (DDP's forward is a collective). An FSDP model's forward all-gathers
+    parameters, so there every rank runs as many forwards as the longest shard has
+    batches (``batches_for_every_rank``). Returns (loss, accuracy or None).
+    """
+    train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    batches = train_utils.batches_for_every_rank(data, device) if fsdp else \
+        ((source, targets, True) for source, targets in data)
+    for source, targets, counted in train_utils.evaluating(batches):
+        source = task.eval_transform(source.to(device, non_blocking=True))
+        targets = targets.to(device, non_blocking=True)
+        output = model(source)
+        if not counted:  # this shard is done: the forward only joins the others' all-gathers
+            continue
+        totals[0] += task.loss_fn(output, targets, reduction="sum")
+        if task.classification:
+            totals[1] += (output.argmax(dim=1) == targets).sum()
+        totals[2] += len(targets)
+    model.train()
+    if fsdp:
+        model.reshard()  # the root stays gathered after a forward without backward: free it
+    dist.all_reduce(totals)
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, (correct / samples if task.classification else None)
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> torch.nn.Module:
+    """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
+
+    Each of ``train_utils.fsdp_blocks`` becomes one FSDP unit, then the root takes the
+    parameters left; a unit's are all-gathered just before its forward and backward.
+    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
+    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
+    train_utils.contiguous_parameters(model)  # fully_shard refuses channels-last weights
+    # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if dtype:
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        for norm in norms:
+            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
+    for block in train_utils.fsdp_blocks(model):
+        if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
+            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32, torch.float32))
+    return model
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
+                       seed: int) -> DataLoader:
+    """Training: reshuffled every epoch from ``seed``, last partial batch dropped
+    (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
+    epoch's permutation (DistributedSampler, resumable mid-epoch). Evaluation:
+    rank r takes samples r, r+W, r+2W, ... unpadded, each sample once."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not train:
+        dataset = Subset(dataset, range(rank, len(dataset), world_size))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,  # the sampler shuffles
+        sampler=train_utils.ResumableDistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
+        # Workers are seeded from this generator, which snapshots save and restore.
+        generator=torch.Generator().manual_seed(seed + rank) if train else None,
+        drop_last=train,
+        **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
+        pin_memory=torch.cuda.is_available(),
+        collate_fn=common.collate,  # whole batches from InMemoryImages pass through
+    )
+
+
+def build(args, rank: int, local_rank: int, device: torch.device) -> tuple[common.Task, train_utils.Recipe]:
+    """The task (one download per node), its model on ``device`` (sharded under
+    FSDP), and the recipe over its optimizer."""
+    # One seed for the initial weights on every rank (DDP copies rank 0's to all anyway;
+    # FSDP keeps each rank's slice of its own copy), then each rank its own random
+    # stream, or all would draw the same dropout masks.
+    torch.manual_seed(args.seed)
+    task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
+    task.model = task.model.to(device)
+    if args.strategy == "fsdp":  # before the optimizer: fully_shard replaces the parameters
+        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, args.amp))
+    torch.manual_seed(args.seed + rank)
+    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
+    return task, optimizer
+
+
+@train_utils.one_line_errors
+def main(args) -> None:
+    train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
+    rank, local_rank, device = setup(args.startup_timeout_s)
+    if args.strategy == "fsdp":
+        train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
+    task, optimizer = build(args, rank, local_rank, device)
+    train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed)
+                                       for data, train in ((task.train_set, True), (task.val_set, False),
+                                                           (task.test_set, False)))
+    saved = os.path.join(args.snapshot_path, "meta.pt") if args.strategy == "fsdp" else args.snapshot_path
+    train_utils.check_before_training(args, device, train_data, saved, saves=rank == 0 or args.strategy == "fsdp")
+    if rank == 0:
+        train_utils.print_line(train_utils.describe_run(device, args))
+    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
+    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, args)
+    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
+    if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
+        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, task, device, trainer.fsdp)
+        if rank == 0:
+            train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
+            train_utils.report_run_finished()  # a Slurm wrapper requeues only a run with epochs left
+    trainer.stop.close()
+    fsdp = trainer.fsdp
+    del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
+    dist.destroy_process_group()
+    if fsdp:
+        train_utils.exit_skipping_teardown()  # FSDP: the process group outlives destroy (torch 2.15)
+
+
+if __name__ == "__main__":
+    args = train_utils.parse_args(__doc__, common.TASKS,
+                                  ["strategy", "snapshot_path", "snapshot_every_steps", "pg_timeout_s"])
+    if args.snapshot_path is None:  # a file for DDP, a folder of sharded saves for FSDP
+        args.snapshot_path = "snapshot_train_fsdp" if args.strategy == "fsdp" else "snapshot_train.pt"
+    main(args)
