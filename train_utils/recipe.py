@@ -11,7 +11,6 @@ schedule and the loss scale exactly where the stopped one left them.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import warnings
 from typing import Callable
@@ -20,68 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from common import ConfigError
+from common import LR_SCHEDULES, OPTIMIZERS, ConfigError, build_optimizer, lr_factor  # noqa: F401 (re-exported)
 
 from .output import is_distributed, print_line
 from .speed import amp_dtype
 
-# --optimizer: name -> (class, keyword arguments besides lr and weight_decay).
-# SGD's momentum 0.9 is the usual one for image classification (He et al. 2016);
-# AdamW and Adadelta keep torch's defaults. Add your own here.
-OPTIMIZERS: dict[str, tuple[type, dict]] = {
-    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
-    "adamw": (torch.optim.AdamW, {}),
-    "adadelta": (torch.optim.Adadelta, {}),
-}
-LR_SCHEDULES = ("constant", "cosine", "step")
 # What a resumed run may change in the recipe; the resume line says what it did.
 RECIPE_FLAGS = ("lr", "total_epochs", "lr_schedule", "warmup_epochs", "lr_step_epochs", "lr_gamma",
                 "weight_decay", "clip_grad_norm")
-
-
-def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """The optimizer --optimizer names (``OPTIMIZERS``), over all of ``model``'s
-    parameters, at --lr with --weight_decay (decoupled for AdamW, added to the
-    gradient for SGD and Adadelta, as torch defines them). Build it after the
-    parameters are final (the FSDP rung: after ``fully_shard``). Raises
-    ConfigError for an optimizer name not in ``OPTIMIZERS``."""
-    if args.optimizer not in OPTIMIZERS:  # a task's default; the command line is checked already
-        raise ConfigError(f"optimizer {args.optimizer!r} (the task's recipe) is not one of "
-                          f"{', '.join(OPTIMIZERS)}; pass --optimizer, or add it to OPTIMIZERS "
-                          f"in train_utils/recipe.py")
-    optimizer_class, options = OPTIMIZERS[args.optimizer]
-    return optimizer_class(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **options)
-
-
-def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int], float]:
-    """The schedule as a function: optimizer step k (0-based) -> the factor of
-    --lr it uses.
-
-    Warm-up: linear from 1/W to 1 over the first W = round(--warmup_epochs x
-    steps_per_epoch) steps (the gradual warm-up of Goyal et al. 2017, "Accurate,
-    Large Minibatch SGD"). Then ``constant`` 1; ``cosine`` from 1 to 0 over
-    the steps left until --total_epochs end (Loshchilov & Hutter 2017, SGDR,
-    without restarts); ``step`` --lr_gamma ** (epoch // --lr_step_epochs), the
-    epoch being k // steps_per_epoch (torch's StepLR stepped once per epoch).
-    The factor of step decay multiplies the warm-up's; cosine starts after it.
-    Raises ConfigError for a schedule name not in ``LR_SCHEDULES``.
-    """
-    if args.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"lr_schedule {args.lr_schedule!r} (the task's recipe) is not one of "
-                          f"{', '.join(LR_SCHEDULES)}; pass --lr_schedule")
-    warmup = round(args.warmup_epochs * steps_per_epoch)
-    total = args.total_epochs * steps_per_epoch
-
-    def factor(step: int) -> float:
-        ramp = (step + 1) / warmup if step < warmup else 1.0
-        if args.lr_schedule == "cosine":
-            progress = max(0, step - warmup) / max(1, total - warmup)
-            return ramp * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        if args.lr_schedule == "step":
-            return ramp * args.lr_gamma ** (step // steps_per_epoch // args.lr_step_epochs)
-        return ramp
-
-    return factor  # a function, not an object: LambdaLR then saves none of its settings
 
 
 def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
