@@ -166,6 +166,13 @@ TASKS: dict[str, str] = {
     "mnist": "vision_tasks:mnist_task",
     "cifar10": "vision_tasks:cifar10_task",
 }
+# The models each of those tasks accepts, its default first (what its task
+# function passes to ``choose_model``), for --model's help.
+TASK_MODELS: dict[str, tuple[str, ...]] = {
+    "synthetic": ("mlp", "linear"),
+    "mnist": ("cnn",),
+    "cifar10": ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet"),  # vision_tasks.CIFAR10_MODELS
+}
 
 
 def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
@@ -293,7 +300,7 @@ def synthetic_model(model: str = "mlp") -> nn.Module:
 def synthetic_task(args: argparse.Namespace, download: bool) -> Task:
     """The default task: ``SyntheticRegression``, an MLP (or ``--model linear``)
     float32 (N, 20) -> (N, 1), MSE loss. Needs no files, so ``download`` is unused."""
-    model = choose_model(args, ("mlp", "linear"))
+    model = choose_model(args, TASK_MODELS["synthetic"])
     full, test = SyntheticRegression(args.seed, "train"), SyntheticRegression(args.seed, "test")
     train_idx, val_idx = split_indices(len(full), VAL_FRACTION, args.seed)
     return Task(Subset(full, train_idx), Subset(full, val_idx), test,

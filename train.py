@@ -17,6 +17,7 @@ Copy this file and the train_utils package for your own work; your task goes in
 its own file (docs/custom-task.md).
 """
 
+import argparse
 import contextlib
 import os
 import socket
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import common
 import train_utils
+from train_utils.testing import fault_point  # the tests' hook (DDP_TEST_FAULT); returns at once otherwise
 
 
 def setup(timeout_s: float) -> tuple[int, int, torch.device]:
@@ -67,7 +69,7 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
                  recipe: train_utils.Recipe, task: common.Task, device: torch.device,
-                 rank: int, local_rank: int, args) -> None:
+                 rank: int, local_rank: int, log: train_utils.RunLog, args) -> None:
         self.device, self.rank, self.local_rank = device, rank, local_rank
         self.fsdp = args.strategy == "fsdp"
         self.model = model
@@ -75,6 +77,7 @@ class Trainer:
         self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
         self.optimizer = recipe.optimizer
         self.task, self.args = task, args
+        self.log = log  # the epoch line, --metrics_path, TensorBoard, W&B (its run id goes in snapshots)
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, args.amp)
         # Saved in snapshots; FSDP's resume at any world size (DCP reshards), DDP's at an epoch's end.
@@ -160,6 +163,12 @@ class Trainer:
         meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
         for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args),
                                                  start=self.progress.steps_run):
+            # What a collective time-out report names as this rank's last place.
+            train_utils.note_phase(f"epoch {epoch + 1}, training step {meter.steps_done} of this start")
+            # Until the first optimizer step: a rank stuck in its loader is named
+            # after --pg_timeout_s, not waited for over --startup_timeout_s.
+            train_utils.check_first_batches(self.args.pg_timeout_s)
+            fault_point("step")
             source = self.task.train_transform(source.to(self.device, non_blocking=True))
             targets = targets.to(self.device, non_blocking=True)
             meter.add(self._run_batch(source, targets, step), len(targets))
@@ -169,6 +178,7 @@ class Trainer:
                 continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
             if self._after_step(meter):
                 return None
+        train_utils.note_phase(f"epoch {epoch + 1} after its training steps (evaluation or saving)")
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
         return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
 
@@ -191,21 +201,26 @@ class Trainer:
         self._resume(snapshot, folder, train_utils.resharding_note(snapshot["world_size"]))
 
     def _resume(self, snapshot: dict, path: str, note: str) -> None:
+        """What every snapshot holds besides the weights: the recipe's state, the
+        position and RNG states, the W&B run; then the resume line (rank 0)."""
         self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
         self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
+        self.log.wandb.load_state_dict(snapshot)  # the resumed run logs to the same W&B run
         if self.rank == 0:
-            train_utils.log_resume(path, self.progress.position(), note)
+            self.log.resumed(path, self.progress.position(), note)
 
     def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
         """Collective: a snapshot of this position. Mid-epoch, ``meter`` holds the
         epoch so far (its totals are saved too)."""
         progress = self.progress.state_dict(meter)  # every rank's RNG states, gathered
-        state = {**progress, **self.recipe.state_dict(), "config": self.config}  # + lr_schedule, loss_scaler
+        state = {**progress, **self.recipe.state_dict(), **self.log.wandb.state_dict(),  # lr_schedule, loss_scaler;
+                 "config": self.config}                                                  # wandb_run_id
         if self.fsdp:
             self._save_sharded(state)
         elif self.rank == 0:  # every rank holds the same weights; one saves them
             state.update(model=self.model.module.state_dict(), optimizer=self.optimizer.state_dict())
-            train_utils.atomic_save(state, self.args.snapshot_path)  # temp file + rename: never torn
+            # temp file + rename: never torn; the tests' hook may strike between the two
+            train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
             train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
 
     def _save_sharded(self, state: dict) -> None:
@@ -218,7 +233,8 @@ class Trainer:
         dcp.save(model_state, checkpoint_id=os.path.join(folder, "model"))  # plain state_dict keys
         dcp.save(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
         if self.rank == 0:
-            self.snapshots.commit(dict(state, world_size=dist.get_world_size()), folder)  # complete now
+            self.snapshots.commit(dict(state, world_size=dist.get_world_size()), folder,  # complete now
+                                  before_rename=lambda: fault_point("save"))
             train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {folder}")
 
     def train(self, max_epochs: int) -> bool:
@@ -230,7 +246,7 @@ class Trainer:
             record["val_loss"], record["val_accuracy"] = evaluate(self.plain_model, self.val_data, self.task,
                                                                   self.device, self.fsdp)
             if self.rank == 0:  # every rank holds the same numbers; one prints them
-                train_utils.log_metrics(record, self.args)
+                self.log.log(record)
             self.progress.end_epoch(epoch)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
@@ -325,6 +341,7 @@ def build(args, rank: int, local_rank: int, device: torch.device) -> tuple[commo
     # FSDP keeps each rank's slice of its own copy), then each rank its own random
     # stream, or all would draw the same dropout masks.
     torch.manual_seed(args.seed)
+    fault_point("startup")  # the tests' hook: start-up, the process group up, nothing loaded
     task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
     task.model = task.model.to(device)
     if args.strategy == "fsdp":  # before the optimizer: fully_shard replaces the parameters
@@ -334,8 +351,23 @@ def build(args, rank: int, local_rank: int, device: torch.device) -> tuple[commo
     return task, optimizer
 
 
+def finish(trainer: Trainer, test_data: DataLoader, rank: int) -> None:
+    """The run holds every epoch: the test figures, then (rank 0) tell a Slurm
+    wrapper that nothing is left to train, so a late stop signal does not requeue it."""
+    test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
+    if rank == 0:
+        trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
+        fault_point("finished")  # the tests' hook: a finished run held until a stop signal
+        train_utils.report_run_finished()
+
+
 @train_utils.one_line_errors
-def main(args) -> None:
+def main(args: argparse.Namespace) -> None:
+    """Train by ``args`` (``parse_args``), resuming from --snapshot_path when it
+    holds a snapshot. Collective: every rank calls it. Bad input ends the process
+    with one line and exit status 2 (``one_line_errors``); a collective time-out
+    with one line naming the ranks that did not arrive, exit status 1."""
+    log = train_utils.RunLog(args)  # its start time: the metrics file's start record
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     rank, local_rank, device = setup(args.startup_timeout_s)
     if args.strategy == "fsdp":
@@ -349,13 +381,11 @@ def main(args) -> None:
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
-    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, args)
-    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
+    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, log, args)
+    log.wandb.start(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
-        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, task, device, trainer.fsdp)
-        if rank == 0:
-            train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
-            train_utils.report_run_finished()  # a Slurm wrapper requeues only a run with epochs left
+        finish(trainer, test_data, rank)
+    log.close()  # the W&B run ends here: the FSDP exit below skips wandb's own exit hook
     trainer.stop.close()
     fsdp = trainer.fsdp
     del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
@@ -365,8 +395,6 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    args = train_utils.parse_args(__doc__, common.TASKS,
-                                  ["strategy", "snapshot_path", "snapshot_every_steps", "pg_timeout_s"])
-    if args.snapshot_path is None:  # a file for DDP, a folder of sharded saves for FSDP
-        args.snapshot_path = "snapshot_train_fsdp" if args.strategy == "fsdp" else "snapshot_train.pt"
-    main(args)
+    # A file for DDP, a folder of sharded saves (one sub-folder per save) for FSDP.
+    main(train_utils.parse_args(__doc__, common.TASKS, models=common.TASK_MODELS,
+                                snapshot_paths={"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp"}))

@@ -17,19 +17,8 @@ from torch.utils.data import DataLoader
 
 from common import ConfigError
 from .metrics import tensorboard_missing
-from .output import is_distributed
+from .output import first_error, is_distributed
 from .speed import check_amp
-from .testing import fault_point
-
-
-def first_error(error: str) -> str:
-    """The first non-empty error of any rank ('' if none); a collective
-    (an all-gather) under a process group, a no-op without one."""
-    if is_distributed():
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), "")
-    return error
 
 
 def downloaders_first(load: Callable[..., object], args: argparse.Namespace, download: bool):
@@ -42,7 +31,6 @@ def downloaders_first(load: Callable[..., object], args: argparse.Namespace, dow
     download, say) is raised on every rank, instead of leaving them hanging
     at the next collective.
     """
-    fault_point("startup")  # the tests' hook: a stop signal during start-up
     result, error = None, ""
     for turn in (True, False):
         if download == turn and not error:

@@ -1,5 +1,7 @@
-"""The command line every script shares: the same flags in the same order,
-plus the few a rung adds (``SCRIPT_FLAGS``).
+"""train.py's command line: every flag of the kit, one usage line under torchrun.
+
+The callers say what varies with them: the task names, each task's models,
+the default snapshot paths (``parse_args``).
 """
 
 from __future__ import annotations
@@ -7,8 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import sys
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from .errors import report_to_torchrun
 from .recipe import LR_SCHEDULES, OPTIMIZERS
@@ -62,28 +63,11 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-# Where each script saves by default (--checkpoint_path or --snapshot_path):
-# named after the script, so that the README's steps, run in one folder, never
-# resume from, refuse or overwrite each other's files. A script not named here
-# (your copy of one) saves as <checkpoint|snapshot>_<its name>.pt.
-DEFAULT_OUTPUTS = {
-    "singlegpu.py": "checkpoint_singlegpu.pt",
-    "multigpu_spawn.py": "checkpoint_multigpu_spawn.pt",
-    "multigpu_torchrun.py": "snapshot_multigpu_torchrun.pt",
-    "multinode.py": "snapshot_multinode.pt",
-    "multinode_fsdp.py": "snapshot_multinode_fsdp",  # a folder: one sub-folder per sharded save
-    "train.py": None,  # train.py chooses: snapshot_train.pt (DDP) or the folder snapshot_train_fsdp (FSDP)
-}
-OUTPUT = "<named after the script: DEFAULT_OUTPUTS>"  # SCRIPT_FLAGS' default for the two paths
-
-# The flags only some scripts take: name -> (argparse type, default, help).
-SCRIPT_FLAGS = {
+# The flags of train.py beyond the shared ones: name -> (argparse type, default, help).
+KIT_FLAGS = {
     "strategy": (_choice("ddp", "fsdp"), "ddp", "ddp: every rank holds the whole model (DistributedDataParallel); "
                                                 "fsdp: each holds 1/world_size of it (FSDP2), snapshots sharded"),
-    "checkpoint_path": (str, OUTPUT, "where to save the model's state_dict"),
-    "world_size": (positive(int), None, "processes to start (default: the number of GPUs, "
-                                        "or 2 on a machine without GPUs)"),
-    "snapshot_path": (str, OUTPUT, "snapshot to resume from when it exists, and to save to"),
+    "snapshot_path": (str, None, "snapshot to resume from when it exists, and to save to"),
     "snapshot_every_steps": (non_negative_int, 0, "also snapshot every N steps inside an epoch, "
                                                   "so a restart loses at most N steps (0: only "
                                                   "at epoch ends)"),
@@ -92,15 +76,6 @@ SCRIPT_FLAGS = {
                                            "the ranks that did not arrive"),
     "startup_timeout_s": (positive(float), 1800, "the same during start-up and the first training "
                                                  "step (downloads, compilation)"),
-}
-
-
-# The models each built-in task accepts, first the default (what its task
-# function passes to common.choose_model), for --model's help.
-TASK_MODELS = {
-    "synthetic": ("mlp", "linear"),
-    "mnist": ("cnn",),
-    "cifar10": ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet"),
 }
 
 
@@ -138,15 +113,6 @@ class _OneRankParser(argparse.ArgumentParser):
         return f" (did you mean: {', '.join(meant)}?)" if meant else ""
 
 
-def default_output(name: str, script: str) -> str:
-    """The default of ``--<name>`` (checkpoint_path or snapshot_path) for the
-    script file ``script`` (e.g. "multinode.py"): its ``DEFAULT_OUTPUTS``
-    entry, else ``<checkpoint|snapshot>_<script without .py>.pt``."""
-    if script in DEFAULT_OUTPUTS:
-        return DEFAULT_OUTPUTS[script]
-    return f"{name.split('_')[0]}_{os.path.splitext(script)[0]}.pt"
-
-
 def _task_name(tasks: tuple) -> Callable[[str], str]:
     """argparse type for --dataset: one of ``tasks``, or a ``module:function``."""
 
@@ -159,23 +125,40 @@ def _task_name(tasks: tuple) -> Callable[[str], str]:
     return parse
 
 
-def parse_args(description: Optional[str], tasks: Iterable[str],
-               script_flags: Iterable[str] = ()) -> argparse.Namespace:
-    """Parse the command line: the flags every script shares, in the same
-    order everywhere, then the ``script_flags`` (names of ``SCRIPT_FLAGS``).
+def parse_args(description: Optional[str], tasks: Iterable[str], *,
+               models: Optional[Mapping[str, Iterable[str]]] = None,
+               snapshot_paths: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
+    """Parse the command line (``sys.argv``): every flag of the kit, in a fixed order.
 
-    ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``); a
-    ``module:function`` (your own task, see docs/custom-task.md) is accepted
-    too. Invalid values (zero or negative epochs, batch size, lr, save
-    interval; an unknown dataset) end with argparse's usage line and exit 2.
-
-    ``--checkpoint_path`` and ``--snapshot_path`` default to the running
-    script's own name (``sys.argv[0]``) in ``DEFAULT_OUTPUTS``, e.g.
-    ``snapshot_multinode.pt`` for multinode.py; ``--help`` shows it.
+    ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``), the first
+    the default; a ``module:function`` (your own task, see docs/custom-task.md)
+    is accepted too. ``models``: each task's models, the default first, for
+    --model's help (``common.TASK_MODELS``). ``snapshot_paths``: the default
+    --snapshot_path of each --strategy (None: no default). Invalid values
+    (zero or negative epochs, batch size, lr, save interval; an unknown
+    dataset) end with argparse's usage line and exit status 2.
     """
     tasks = tuple(tasks)
-    parser = _OneRankParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_training_flags(parser, tasks, models or {})
+    _add_output_flags(parser)
+    _add_speed_flags(parser)
+    _add_recipe_flags(parser)
+    for name, (kind, default, text) in KIT_FLAGS.items():
+        shown = default
+        if name == "snapshot_path" and snapshot_paths:
+            shown = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
+        parser.add_argument(f"--{name}", type=kind, default=default,
+                            help=text + (f" (default: {shown})" if shown is not None else ""))
+    args = parser.parse_args()
+    if args.snapshot_path is None and snapshot_paths:
+        args.snapshot_path = snapshot_paths[args.strategy]
+    return args
+
+
+def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
+                        models: Mapping[str, Iterable[str]]) -> None:
+    """What to train, on what, for how long: --total_epochs ... --num_workers."""
     add = parser.add_argument
     add("--total_epochs", type=positive(int), default=10, help="epochs to train (default: 10)")
     add("--save_every", type=positive(int), default=5,
@@ -188,15 +171,20 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
     add("--dataset", type=_task_name(tasks), default=tasks[0],
         help=f"task to train: {', '.join(tasks)}, or module:function for your own "
              f"(default: {tasks[0]}, needs no download)")
-    models = "; ".join(f"{task} {', '.join(TASK_MODELS[task])}" for task in tasks if task in TASK_MODELS)
+    listed = "".join(f"{task} {', '.join(models[task])}; " for task in tasks if task in models)
     add("--model", default=None,
-        help=f"model for the task: {models}; your own task: what its task function accepts "
+        help=f"model for the task: {listed}your own task: what its task function accepts "
              f"(default: the task's first)")
     add("--data_dir", default=os.environ.get("DATA_DIR", "data"),
         help="dataset root, as torchvision expects it (default: $DATA_DIR or ./data)")
     add("--seed", type=int, default=0, help="seed for data split, model init, shuffling (default: 0)")
     add("--num_workers", type=non_negative_int, default=0,
         help="DataLoader worker processes per training process (default: 0)")
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """Where figures and traces go besides stdout: --metrics_path ... --profile_dir."""
+    add = parser.add_argument
     add("--metrics_path", default=None,
         help="also write each epoch's summary as one JSON object per line here")
     add("--tensorboard_dir", default=None,
@@ -208,6 +196,11 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
     add("--profile_dir", default=None,
         help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
              "here, for Perfetto or chrome://tracing (default: no profiler)")
+
+
+def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
+    """How the steps run: --input_path, --amp, --compile, --grad_accum_steps."""
+    add = parser.add_argument
     add("--input_path", choices=("fast", "torchvision"), default="fast",
         help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
              "whole batches on the device; 'torchvision' is the per-sample Dataset + "
@@ -220,8 +213,12 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
         help="torch.compile the training model (saved weights stay loadable without it)")
     add("--grad_accum_steps", type=positive(int), default=1,
         help="micro-batches of --batch_size per optimizer step (default: 1)")
-    # The recipe (train_utils.recipe): each default is the task's choice (Task.recipe),
-    # else common.RECIPE_DEFAULTS; see docs/recipes.md.
+
+
+def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
+    """The recipe (train_utils.recipe): each default is the task's choice
+    (Task.recipe), else common.RECIPE_DEFAULTS; see docs/recipes.md."""
+    add = parser.add_argument
     add("--optimizer", choices=tuple(OPTIMIZERS), default=None,
         help="optimizer (default: the task's; synthetic sgd, momentum 0.9)")
     add("--weight_decay", type=non_negative_float, default=None,
@@ -237,17 +234,3 @@ def parse_args(description: Optional[str], tasks: Iterable[str],
         help="step schedule: factor per decay (default: the task's; 0.1)")
     add("--clip_grad_norm", type=positive(float), default=None,
         help="clip the gradients' total L2 norm, over all ranks, to this (default: no clipping)")
-    _add_script_flags(parser, list(script_flags))
-    return parser.parse_args()
-
-
-def _add_script_flags(parser: argparse.ArgumentParser, names: list) -> None:
-    """Add the ``SCRIPT_FLAGS`` called ``names`` (--pg_timeout_s brings --startup_timeout_s)."""
-    if "pg_timeout_s" in names:  # the two timeouts go together
-        names.append("startup_timeout_s")
-    for name in names:
-        kind, default, text = SCRIPT_FLAGS[name]
-        if default == OUTPUT:
-            default = default_output(name, os.path.basename(sys.argv[0]))
-        parser.add_argument(f"--{name}", type=kind, default=default,
-                            help=text + (f" (default: {default})" if default is not None else ""))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from common import ConfigError
 from .output import is_distributed
+from .speed import amp_dtype
 
 
 def started_by_srun() -> bool:
@@ -206,7 +207,6 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
             f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
             f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
-    from .speed import amp_dtype  # imported here: speed -> stop -> launch imports this module
 
     dtype = amp_dtype(device, getattr(args, "amp", None))
     if dtype is not None:  # what plain --amp chose on this device

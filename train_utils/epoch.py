@@ -18,8 +18,6 @@ from tqdm import tqdm
 from common import ConfigError
 from .output import is_distributed
 from .speed import peak_memory_mib
-from .testing import fault_point
-from .timeouts import check_first_batches, note_phase
 
 
 class EpochMeter:
@@ -40,7 +38,7 @@ class EpochMeter:
         self.epoch, self.max_epochs, self.device = epoch, max_epochs, device
         self.totals = torch.zeros(2, dtype=torch.float64, device=device)
         self.carried = carried
-        self.steps_left = 0
+        self.steps = self.steps_left = 0  # this start's training steps in the epoch; those still to come
         self._bar, self._bar_loss_at = None, 0.0
         self.resumes = True  # the script resumes from snapshots (set by ``batches``)
         if device.type == "cuda":
@@ -52,28 +50,21 @@ class EpochMeter:
         than --grad_accum_steps micro-batches is dropped, as ``drop_last`` drops
         a short batch), with a progress bar on rank 0 when stderr is a
         terminal (not in logs). ``steps_left`` counts the batches still to
-        come. Before each batch it calls the test hook ``fault_point("step")``,
-        a no-op outside the tests, and under a process group names the step
-        for the collective time-out report (``note_phase``) and, until the
-        first optimizer step, waits up to --pg_timeout_s for every rank to
-        have its batch (``check_first_batches``: a rank stuck in its loader
-        is named, not waited for over --startup_timeout_s)."""
+        come. No collective runs in here: the training loop makes those."""
         steps = len(loader) - len(loader) % args.grad_accum_steps
         self.resumes = getattr(args, "snapshot_path", None) is not None  # for check_finite's advice
-        self.steps_left = steps
+        self.steps, self.steps_left = steps, steps
         self.start = time.perf_counter()
-        distributed = is_distributed()
         self._bar = progress_bar(itertools.islice(loader, steps), f"epoch {self.epoch + 1}/{self.max_epochs}",
                                  total=steps)
         for batch in self._bar:
             self.steps_left -= 1
-            if distributed:
-                note_phase(f"epoch {self.epoch + 1}, training step {steps - self.steps_left} of this start")
-                check_first_batches(getattr(args, "pg_timeout_s", None))  # until the first optimizer step
-            fault_point("step")
             yield batch
-        if distributed:
-            note_phase(f"epoch {self.epoch + 1} after its training steps (evaluation or saving)")
+
+    @property
+    def steps_done(self) -> int:
+        """The batches ``batches`` has given so far (1 while the first is trained)."""
+        return self.steps - self.steps_left
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``.

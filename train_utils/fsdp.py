@@ -14,7 +14,6 @@ from common import ConfigError
 from .devices import torch_version
 from .output import is_distributed, print_line
 from .speed import peak_memory_mib
-from .wandb_run import finish_wandb_run
 
 # The first torch whose gloo averages in reduce_scatter(ReduceOp.AVG); older ones sum.
 GLOO_AVG_REDUCE_SCATTER = (2, 10)
@@ -145,9 +144,9 @@ def exit_skipping_teardown() -> None:
     successful FSDP run, after ``destroy_process_group``, since once DTensors
     exist the process group outlives it and gloo's threads can abort the
     teardown (docs/fsdp.md). Everything the scripts write is closed and
-    fsynced before this point; the W&B run (--wandb_project) ends here.
+    fsynced before this point (train.py finishes the W&B run before: wandb's
+    own exit hook does not run after ``os._exit``).
     """
-    finish_wandb_run()  # wandb's own exit hook would not run
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

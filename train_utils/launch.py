@@ -1,5 +1,5 @@
-"""Starting processes and meeting the others: mp.spawn's world size and port,
-the store under torchrun or srun, and the side gloo groups.
+"""Meeting the other processes: the store under torchrun or srun, and the
+side gloo groups.
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ import re
 import socket
 import sys
 from datetime import timedelta
-from typing import Optional
 
-import torch
 import torch.distributed as dist
 # Imported before any process group exists, on purpose: torch.distributed.nn
 # binds group.WORLD into its functions' default arguments at import time, and
@@ -22,41 +20,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from common import ConfigError
-from .devices import usable_cpus
-from .output import print_line
-
-
-def spawn_world_size(requested: Optional[int]) -> int:
-    """How many processes multigpu_spawn.py starts: ``requested``, or one per
-    GPU, or 2 on a machine without GPUs. More processes than GPUs exits with
-    one line and status 2, like the other input errors; more processes than
-    usable CPU cores on a CPU-only machine runs, with a one-line warning."""
-    gpus = torch.cuda.device_count()
-    world_size = requested or gpus or 2
-    if gpus and world_size > gpus:  # one process per GPU
-        print_line(f"error: --world_size {world_size} is more than the {gpus} GPUs of this machine",
-                   sys.stderr)
-        sys.exit(2)
-    cpus = usable_cpus()
-    if not gpus and world_size > cpus:
-        print_line(f"warning: {world_size} processes share {cpus} usable CPU cores; each runs slower, "
-                   f"the results are the same", sys.stderr)
-    return world_size
-
-
-def check_port_free(port: int) -> None:
-    """Exit with one line when something on this machine already listens on
-    TCP ``port`` (any address): the process group could not start there."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does
-        try:
-            probe.bind(("", port))
-            return
-        except OSError:
-            pass
-    sys.exit(f"error: MASTER_PORT {port} is already in use on this machine (another job?); "
-             f"set the MASTER_PORT environment variable to a free port, "
-             f"e.g. MASTER_PORT={port + 1} python multigpu_spawn.py")
+from .rendezvous import slurm_port
 
 
 def first_host(nodelist: str) -> str:
@@ -74,8 +38,8 @@ def launcher_store(timeout: timedelta) -> dist.Store:
     srun with one task per GPU (no torchrun; the launch of Mila's, Lightning's
     and submitit's cluster docs) sets SLURM_PROCID, SLURM_LOCALID and
     SLURM_STEP_NUM_TASKS: they become RANK, LOCAL_RANK and WORLD_SIZE here, and
-    the rendezvous is the job's first host at port 15000 + job id % 15000
-    (what slurm/multi_node.sh derives too) unless MASTER_ADDR/MASTER_PORT are
+    the rendezvous is the job's first host at ``rendezvous.slurm_port``
+    (what the Slurm wrappers derive too) unless MASTER_ADDR/MASTER_PORT are
     set. Rank 0 then hosts the store.
 
     torchrun's agent keeps one store at MASTER_ADDR:MASTER_PORT across
@@ -92,7 +56,7 @@ def launcher_store(timeout: timedelta) -> dist.Store:
         if "MASTER_ADDR" not in env:
             env["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
         if "MASTER_PORT" not in env:
-            env["MASTER_PORT"] = str(15000 + int(env["SLURM_JOB_ID"]) % 15000)
+            env["MASTER_PORT"] = str(slurm_port(int(env["SLURM_JOB_ID"])))
     if "RANK" not in os.environ:
         script = os.path.basename(sys.argv[0])
         raise ConfigError(f"start this script with torchrun (torchrun --standalone "

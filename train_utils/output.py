@@ -1,4 +1,5 @@
-"""Printing from several processes that share one terminal or log file."""
+"""Printing from several processes that share one terminal or log file, and
+the one error that every rank raises alike (``first_error``)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def write_from_signal_handler(text: str) -> None:
 def is_distributed() -> bool:
     """True inside an initialized process group (``dist.init_process_group``)."""
     return dist.is_available() and dist.is_initialized()
+
+
+def first_error(error: str) -> str:
+    """The first non-empty error of any rank ('' if none); a collective
+    (an all-gather) under a process group, a no-op without one."""
+    if is_distributed():
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), "")
+    return error

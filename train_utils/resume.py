@@ -1,7 +1,7 @@
 """Exact resume: what a snapshot needs besides the model and optimizer state.
 
 ``Progress`` is where training stands (epochs and steps run, the epoch's
-loss so far), every rank's random streams and the W&B run's id, with ``state_dict`` /
+loss so far), every rank's random streams, with ``state_dict`` /
 ``load_state_dict`` for the snapshot; the resumable sampler continues an
 epoch part-way; ``rebuild_ddp_buckets`` lays out DDP's buckets as an
 uninterrupted run has them.
@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from .epoch import EpochMeter
-from .wandb_run import continue_wandb_run, wandb_run_id
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -138,34 +137,28 @@ class Progress:
         self.epochs_run, self.steps_run, self.epoch_totals = epoch + 1, 0, None
 
     def state_dict(self, meter: Optional[EpochMeter] = None) -> dict:
-        """Collective: {"epochs_run", "steps_run", "epoch_totals", "rng_states",
-        "wandb_run_id"}.
+        """Collective: {"epochs_run", "steps_run", "epoch_totals", "rng_states"}.
 
         Mid-epoch, ``meter`` holds the epoch so far: its global totals are
         saved (an all-reduce; raises ConfigError when the loss is not finite).
         ``rng_states`` is every rank's states, a list indexed by rank (an
         all-gather): a resumed run draws the same dropout masks,
-        augmentations and shuffles on every rank. ``wandb_run_id`` (a str):
-        the W&B run a resumed run continues (``wandb_run``), kept with or
-        without --wandb_project.
+        augmentations and shuffles on every rank.
         """
         return {"epochs_run": self.epochs_run,
                 "steps_run": self.steps_run,
                 "epoch_totals": meter.global_totals() if meter else None,
-                "rng_states": gather_rng_states(self.device, self.loader.generator),
-                "wandb_run_id": wandb_run_id()}
+                "rng_states": gather_rng_states(self.device, self.loader.generator)}
 
     def load_state_dict(self, state: dict) -> None:
         """Take the position and totals of ``state`` (from ``state_dict``) and
         this rank's random streams; a rank the saving run did not have (a run
-        resumed at a larger world size) keeps its fresh seed. The
-        W&B run id too, where the snapshot has one (``continue_wandb_run``), and
+        resumed at a larger world size) keeps its fresh seed. And
         the world size that saved it (``saved_world_size``: the FSDP rung's
         ``state["world_size"]``, else ``state["config"]["world_size"]``)."""
         self.epochs_run, self.steps_run = state["epochs_run"], state["steps_run"]
         self.saved_world_size = state.get("world_size") or state.get("config", {}).get("world_size")
         self.epoch_totals = state["epoch_totals"]
-        continue_wandb_run(state.get("wandb_run_id"))  # None in snapshots from before the id was kept
         if self.rank < len(state["rng_states"]):
             set_rng_state(state["rng_states"][self.rank], self.device, self.loader.generator)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 import io
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from common import ConfigError
-from .checks import first_error
-from .output import is_distributed
+from .output import first_error, is_distributed
 from .snapshots import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
 
 
@@ -90,12 +89,13 @@ class ShardedSnapshots:
                               f"end resumes with any number)")
         return snapshot
 
-    def commit(self, meta: dict, folder: str) -> None:
+    def commit(self, meta: dict, folder: str, before_rename: Optional[Callable[[], None]] = None) -> None:
         """On rank 0, once every rank's shards are in ``folder``: write ``meta``
         there last (temp file + rename), which completes the snapshot; then
         delete every other snapshot folder, the previous one included (until
-        now, it was the one a restart resumed from)."""
-        atomic_save(meta, os.path.join(folder, self.META))
+        now, it was the one a restart resumed from). ``before_rename``: see
+        ``atomic_save``."""
+        atomic_save(meta, os.path.join(folder, self.META), before_rename)
         for _name, other, _position in self._folders():
             if os.path.abspath(other) != os.path.abspath(folder):
                 shutil.rmtree(other, ignore_errors=True)

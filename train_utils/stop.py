@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from .launch import gloo_group
 from .output import is_distributed, print_line, write_from_signal_handler
-from .testing import fault_point
 
 
 # The signals that ask for a stop: Slurm's time-limit warning (the wrappers'
@@ -118,7 +117,6 @@ def report_run_finished() -> None:
     A file that cannot be created costs one warning line, not the run: the
     job is then requeued once more, as before this report existed.
     """
-    fault_point("finished")
     path = os.environ.get("TRAINING_FINISHED_FILE")
     if path:
         try:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .output import is_distributed, print_line
+from .stop import received_stop_signal
 
 
 _fault_counts: dict = {}
@@ -65,7 +66,6 @@ def fault_point(point: str) -> None:
     elif action == "hang":
         time.sleep(3600)
     elif action in ("wait_signal", "wait_signal_once"):
-        from .stop import received_stop_signal  # here: stop.py imports this module
         deadline = time.monotonic() + 3600
         while not received_stop_signal() and time.monotonic() < deadline:
             time.sleep(0.1)

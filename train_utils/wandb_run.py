@@ -16,15 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import is_distributed
-
-# This training's W&B run: its id (fresh per process: WANDB_RUN_ID when set,
-# else 8 random characters as wandb makes them, drawn without touching any
-# RNG that training uses; a resume replaces it with the snapshot's) and, on
-# rank 0 once started, the run itself.
-WANDB = {"id": os.environ.get("WANDB_RUN_ID")
-         or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)),
-         "run": None}
+from .output import first_error, is_distributed
 
 
 def wandb_missing() -> str:
@@ -36,80 +28,93 @@ def wandb_missing() -> str:
     return ""
 
 
-def wandb_run_id() -> str:
-    """The id of this training's W&B run, which snapshots keep (``Progress.state_dict``)."""
-    return WANDB["id"]
+def _start_error(project: str, exc: Exception) -> str:
+    """The one-line error for a ``wandb.init`` that raised ``exc``."""
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (f"--wandb_project {project}: wandb could not start its run ({detail}); "
+            f"run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to log "
+            f"locally and `wandb sync` later, or leave the flag out")
 
 
-def continue_wandb_run(run_id: Optional[str]) -> None:
-    """Log to the W&B run ``run_id`` (a snapshot's) instead of a fresh one;
-    None (a snapshot from before W&B ids were kept) keeps the fresh id."""
-    if run_id:
-        WANDB["id"] = run_id
+class WandbRun:
+    """This training's W&B run: its id, and on rank 0 once started the run.
 
-
-def start_wandb_run(args: argparse.Namespace) -> None:
-    """Collective under a process group; nothing without --wandb_project.
-
-    On global rank 0, ``wandb.init`` of project --wandb_project with this
-    training's id and ``resume="allow"`` (a resumed run continues the W&B
-    run its snapshot names; a fresh id makes a new one), with the flags and
-    the world size as its config. Call it after the snapshot is loaded and
-    before training. Raises ConfigError (one line, on every rank) when wandb
-    is not installed or cannot start the run (not logged in, say).
+    The id is fresh per process: WANDB_RUN_ID when set, else 8 random
+    characters as wandb makes them, drawn without touching any RNG that
+    training uses. A resume replaces it with the snapshot's
+    (``load_state_dict``), so the resumed training logs to the same W&B run.
+    Without --wandb_project (``project`` None) nothing is logged, but the id
+    is still kept in snapshots.
     """
-    project = getattr(args, "wandb_project", None)
-    if not project:
-        return
-    from .checks import first_error  # here: checks imports metrics, which imports this module
 
-    distributed = is_distributed()
-    error = ""
-    if not distributed or dist.get_rank() == 0:
-        error = wandb_missing()
-        if not error:
-            import wandb
+    def __init__(self, project: Optional[str]) -> None:
+        self.project = project
+        self.id = os.environ.get("WANDB_RUN_ID") or "".join(
+            secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        self.run = None  # wandb's Run, on rank 0 between start() and finish()
 
-            config = dict(vars(args), world_size=dist.get_world_size() if distributed else 1)
-            try:
-                WANDB["run"] = wandb.init(project=project, id=WANDB["id"], resume="allow", config=config)
-            except Exception as exc:  # wandb's UsageError, CommError, ...: one line, not a traceback
-                detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                error = (f"--wandb_project {project}: wandb could not start its run ({detail}); "
-                         f"run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to log "
-                         f"locally and `wandb sync` later, or leave the flag out")
-    error = first_error(error)
-    if error:
-        raise ConfigError(error)
+    def state_dict(self) -> dict:
+        """{"wandb_run_id": the id (a str)}: what a snapshot keeps."""
+        return {"wandb_run_id": self.id}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the W&B run a snapshot names; a snapshot from before the
+        id was kept (no "wandb_run_id") keeps the fresh id."""
+        if state.get("wandb_run_id"):
+            self.id = state["wandb_run_id"]
 
-def log_to_wandb(record: dict) -> None:
-    """Send a ``log_metrics`` record to the W&B run, if one was started here.
+    def start(self, args: argparse.Namespace) -> None:
+        """Collective under a process group; nothing without --wandb_project.
 
-    An epoch record becomes one history row at W&B step = its epoch,
-    committed at once (wandb otherwise holds a row back until the next
-    step, which a stopped run never logs). A resumed run starts after its
-    snapshot, so it logs no epoch twice, except after a crash past the last
-    snapshot: it then repeats the epochs since, bitwise the same training,
-    and wandb, whose resumed run continues after its last step, ignores a
-    step below that (with a warning). The test record goes to the run's
-    summary and ends the run (``finish_wandb_run``). None values are left out.
-    """
-    run = WANDB["run"]
-    if run is None:
-        return
-    figures = {key: value for key, value in record.items() if value is not None}
-    if "epoch" in record:
-        run.log(figures, step=record["epoch"], commit=True)
-    else:
-        run.summary.update(figures)
-        finish_wandb_run()
+        On global rank 0, ``wandb.init`` with this id and ``resume="allow"``
+        (a resumed run continues the W&B run of its snapshot; a fresh id makes
+        a new one), the flags and the world size as its config. Call it after
+        the snapshot is loaded and before training. Raises ConfigError (one
+        line, on every rank) when wandb is not installed or cannot start the
+        run (not logged in, say)."""
+        if not self.project:
+            return
+        distributed = is_distributed()
+        error = ""
+        if not distributed or dist.get_rank() == 0:
+            error = wandb_missing()
+            if not error:
+                import wandb
 
+                config = dict(vars(args), world_size=dist.get_world_size() if distributed else 1)
+                try:
+                    self.run = wandb.init(project=self.project, id=self.id, resume="allow", config=config)
+                except Exception as exc:  # wandb's UsageError, CommError, ...: one line, not a traceback
+                    error = _start_error(self.project, exc)
+        error = first_error(error)
+        if error:
+            raise ConfigError(error)
 
-def finish_wandb_run() -> None:
-    """End the W&B run started here, if any: wandb writes what it still
-    holds (its run file is flushed every 15 s otherwise). wandb does this
-    itself at a normal interpreter exit; call it before an ``os._exit``."""
-    if WANDB["run"] is not None:
-        WANDB["run"].finish()
-        WANDB["run"] = None
+    def log(self, record: dict) -> None:
+        """Send a metrics record to the run, if one was started here.
+
+        An epoch record becomes one history row at W&B step = its epoch,
+        committed at once (wandb otherwise holds a row back until the next
+        step, which a stopped run never logs). A resumed run starts after its
+        snapshot, so it logs no epoch twice, except after a crash past the last
+        snapshot: it then repeats the epochs since, bitwise the same training,
+        and wandb, whose resumed run continues after its last step, ignores a
+        step below that (with a warning). The test record goes to the run's
+        summary. None values are left out.
+        """
+        if self.run is None:
+            return
+        figures = {key: value for key, value in record.items() if value is not None}
+        if "epoch" in record:
+            self.run.log(figures, step=record["epoch"], commit=True)
+        else:
+            self.run.summary.update(figures)
+
+    def finish(self) -> None:
+        """End the W&B run started here, if any: wandb writes what it still
+        holds (its run file is flushed every 15 s otherwise). wandb would do
+        this at a normal interpreter exit, but not before an ``os._exit``
+        (the FSDP exit), so the training's end path calls it."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
