@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Optional
 
 from .errors import report_to_torchrun
@@ -64,7 +65,7 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 # The flags of train.py beyond the shared ones: name -> (argparse type, default, help).
-KIT_FLAGS = {
+KIT_FLAGS = MappingProxyType({
     "strategy": (_choice("ddp", "fsdp"), "ddp", "ddp: every rank holds the whole model (DistributedDataParallel); "
                                                 "fsdp: each holds 1/world_size of it (FSDP2), snapshots sharded"),
     "snapshot_path": (str, None, "snapshot to resume from when it exists, and to save to"),
@@ -76,7 +77,7 @@ KIT_FLAGS = {
                                            "the ranks that did not arrive"),
     "startup_timeout_s": (positive(float), 1800, "the same during start-up and the first training "
                                                  "step (downloads, compilation)"),
-}
+})
 
 
 class _OneRankParser(argparse.ArgumentParser):

@@ -8,6 +8,7 @@ import glob
 import os
 import re
 import warnings
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -112,7 +113,7 @@ def check_gpu_has_kernels(device: torch.device) -> torch.device:
 # keeps the last collectives of each rank, and a time-out dumps them. How the
 # watchdog handles a time-out (TORCH_NCCL_ASYNC_ERROR_HANDLING) is left to
 # torch's default.
-NCCL_DIAGNOSTICS = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+NCCL_DIAGNOSTICS = MappingProxyType({"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})
 
 
 def nccl_trace_prefix() -> str:
@@ -136,7 +137,8 @@ def enable_nccl_diagnostics() -> None:
 
 
 # torch's warnings from its first torch.cuda.is_available() call, which torch gives
-# only once per process: kept for unusable_gpu_reason's note.
+# only once per process: kept for unusable_gpu_reason's note. Module-level on
+# purpose: what it mirrors (torch's warn-once) is per process too.
 _CUDA_WARNINGS: list = []
 
 

@@ -21,9 +21,6 @@ from .output import is_distributed, print_line
 from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, report_run_finished
 from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diagnosis
 
-__all__ = ["ConfigError", "NothingToTrain", "report_to_torchrun", "one_line_errors"]
-
-
 class NothingToTrain(Exception):
     """The snapshot already holds every epoch asked for: not an error, one
     line on stdout and exit status 0."""
@@ -70,39 +67,56 @@ def one_line_errors(fn: Callable) -> Callable:
         except StopDuringStartup as stop:
             end_startup_stop(stop)
         except NothingToTrain as done:
-            note_stop_signals_only()  # a stop signal now must not cut the report short
-            if not is_distributed() or dist.get_rank() == 0:
-                print_line(str(done))
-                report_run_finished()  # for a Slurm wrapper: no requeue
-            if is_distributed():
-                dist.destroy_process_group()
-            sys.exit(0)
+            _end_nothing_to_train(done)
         except ConfigError as exc:
-            note_stop_signals_only()
-            if not is_distributed() or dist.get_rank() == 0:
-                print_line(f"error: {exc}", sys.stderr)
-            # Every rank gives torchrun the line: it names the failure with the
-            # smallest timestamp (whole seconds) as the root cause, and on a
-            # busy machine a quiet rank can get there before rank 0.
-            report_to_torchrun(f"error: {exc}")
-            if is_distributed():  # else NCCL warns of a leaked process group on every rank
-                with contextlib.suppress(RuntimeError):
-                    dist.destroy_process_group()
-            sys.exit(2)
+            _end_config_error(exc)
         except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
-            note_stop_signals_only()  # ending anyway: a stop signal must not cut the report short
-            if isinstance(exc, RanksStuck):
-                line = exc.line
-            elif not is_timeout(exc):
-                raise
-            else:
-                line = timeout_diagnosis(exc) if is_distributed() else startup_timeout_line(exc)
-            if line:
-                print_line(f"error: {line}", sys.stderr)
-                report_to_torchrun(f"error: {line}")
-            # The process group is broken now: leave without tearing it down.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            _end_if_timeout(exc)
+            raise
 
     return wrapper
+
+
+def _end_nothing_to_train(done: NothingToTrain) -> None:
+    """Rank 0 prints ``done`` and tells a Slurm wrapper the run is finished; exit 0."""
+    note_stop_signals_only()  # a stop signal now must not cut the report short
+    if not is_distributed() or dist.get_rank() == 0:
+        print_line(str(done))
+        report_run_finished()  # for a Slurm wrapper: no requeue
+    if is_distributed():
+        dist.destroy_process_group()
+    sys.exit(0)
+
+
+def _end_config_error(exc: ConfigError) -> None:
+    """Rank 0 prints ``error: ...``; every rank gives torchrun the line; exit 2."""
+    note_stop_signals_only()
+    if not is_distributed() or dist.get_rank() == 0:
+        print_line(f"error: {exc}", sys.stderr)
+    # Every rank gives torchrun the line: it names the failure with the
+    # smallest timestamp (whole seconds) as the root cause, and on a
+    # busy machine a quiet rank can get there before rank 0.
+    report_to_torchrun(f"error: {exc}")
+    if is_distributed():  # else NCCL warns of a leaked process group on every rank
+        with contextlib.suppress(RuntimeError):
+            dist.destroy_process_group()
+    sys.exit(2)
+
+
+def _end_if_timeout(exc: RuntimeError) -> None:
+    """A time-out (or ranks stuck before their first batch): its one line, then
+    exit 1 at once; any other RuntimeError returns, for the caller to re-raise."""
+    note_stop_signals_only()  # ending anyway: a stop signal must not cut the report short
+    if not isinstance(exc, RanksStuck) and not is_timeout(exc):
+        return
+    if isinstance(exc, RanksStuck):
+        line = exc.line
+    else:
+        line = timeout_diagnosis(exc) if is_distributed() else startup_timeout_line(exc)
+    if line:
+        print_line(f"error: {line}", sys.stderr)
+        report_to_torchrun(f"error: {line}")
+    # The process group is broken now: leave without tearing it down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

@@ -31,7 +31,9 @@ from common import ConfigError
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
 
-_CONTEXT: Optional[multiprocessing.context.BaseContext] = None  # the fork server's, once started
+# The fork server's context, once started. Module-level on purpose: one fork
+# server serves every DataLoader of the process, as a process has one.
+_CONTEXT: Optional[multiprocessing.context.BaseContext] = None
 
 
 def loader_workers(num_workers: int, dataset: Dataset) -> dict:

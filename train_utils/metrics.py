@@ -9,17 +9,18 @@ import argparse
 import json
 import os
 import time
+from types import MappingProxyType
 from typing import Optional
 
 from .output import print_line
 from .wandb_run import WandbRun
 
 # TensorBoard's tag for each figure of a record.
-TENSORBOARD_TAGS = {"train_loss": "loss/train", "val_loss": "loss/val", "val_accuracy": "accuracy/val",
+TENSORBOARD_TAGS = MappingProxyType({"train_loss": "loss/train", "val_loss": "loss/val", "val_accuracy": "accuracy/val",
                     "test_loss": "loss/test", "test_accuracy": "accuracy/test", "lr": "lr",
                     "skipped_steps": "loss_scaler/skipped_steps",
                     "samples_per_s": "speed/samples_per_s", "epoch_seconds": "speed/epoch_seconds",
-                    "peak_gpu_memory_mib": "memory/peak_gpu_mib"}
+                    "peak_gpu_memory_mib": "memory/peak_gpu_mib"})
 
 
 def tensorboard_missing() -> str:

@@ -9,6 +9,7 @@ import os
 import pickle
 import tempfile
 import zipfile
+from types import MappingProxyType
 from typing import Callable, Optional
 
 import torch
@@ -29,7 +30,7 @@ SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "batch_size",
                        "grad_accum_steps", "optimizer")
 START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
 # What snapshots written before --optimizer existed trained with.
-BEFORE_RECIPES = {"optimizer": "sgd"}
+BEFORE_RECIPES = MappingProxyType({"optimizer": "sgd"})
 
 
 def archive_damage(path) -> str:
@@ -87,6 +88,15 @@ def read_snapshot(path: str, config: dict) -> dict:
     not be split anew without repeating or skipping samples, or changing the
     steps the schedule counts; the same world size resumes it exactly.
     """
+    snapshot = _load(path)
+    _check_same_run(snapshot, path, config)
+    return snapshot
+
+
+def _load(path: str) -> dict:
+    """The snapshot file ``path``, read with torch's weights-only unpickler;
+    ConfigError (one line) when it is damaged or holds more than tensors and
+    plain values."""
     unreadable = ("; move it away to start afresh (or put back a good copy), or pass another "
                   "--snapshot_path")
     damage = archive_damage(path)
@@ -100,6 +110,12 @@ def read_snapshot(path: str, config: dict) -> dict:
     except Exception as exc:
         raise ConfigError(f"cannot read snapshot {path} ({type(exc).__name__}: "
                           f"{_first_line(str(exc))}){unreadable}") from None
+    return snapshot
+
+
+def _check_same_run(snapshot: dict, path: str, config: dict) -> None:
+    """ConfigError unless ``snapshot`` continues the run of ``config`` (see
+    ``read_snapshot``); NothingToTrain when it already holds every epoch."""
     saved = {**BEFORE_RECIPES, **snapshot["config"]}
     changed = [f"{key} {saved.get(key)} -> {config[key]}"
                for key in SNAPSHOT_MUST_MATCH if saved.get(key) != config[key]]
@@ -118,7 +134,6 @@ def read_snapshot(path: str, config: dict) -> dict:
     if trained == wanted:
         raise NothingToTrain(f"snapshot {path} already holds all {wanted} epochs: nothing to train "
                              f"(raise --total_epochs to train on, or {START_AFRESH})")
-    return snapshot
 
 
 def _umask() -> int:

@@ -50,6 +50,8 @@ class _StopState:
     raise_at_once = True  # start-up: the first stop signal raises StopDuringStartup; after: only noted
 
 
+# Module-level on purpose: a signal handler belongs to the process (signal.signal),
+# and so does what it notes; a handler cannot be handed an object made by train.py.
 _STATE = _StopState()
 
 

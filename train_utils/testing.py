@@ -1,7 +1,10 @@
 """Test hook, not used in training: ``fault_point`` kills, raises, hangs or
 waits for a stop signal on a chosen rank at a chosen point when the tests set
-DDP_TEST_FAULT; otherwise it returns at once. The tests in tests/ drive it;
-nothing else should.
+DDP_TEST_FAULT; otherwise it returns at once. The tests in tests/ drive it.
+
+Only train.py calls it, at points a reader sees (start-up, each step, the
+snapshot's rename, the finished run); no function of train_utils does, so no
+collective path of the library holds a test hook.
 """
 
 from __future__ import annotations
@@ -18,11 +21,16 @@ from .output import is_distributed, print_line
 from .stop import received_stop_signal
 
 
-_fault_counts: dict = {}
+class _Hook:
+    """This process's fault hook: module-level on purpose, since the hook counts
+    calls per process ("the N-th call in this process") and is test-only."""
+
+    spec: Optional[str] = None  # DDP_TEST_FAULT as read at the first call ("" when off)
+    first_attempt = True  # not a torchrun restart, nor a requeued Slurm job
+    counts: dict = {}  # point -> calls so far
 
 
-_fault_spec: Optional[str] = None  # DDP_TEST_FAULT as read at the first call ("" when off)
-_first_attempt = True  # not a torchrun restart, nor a requeued Slurm job
+_HOOK = _Hook()
 
 
 def fault_point(point: str) -> None:
@@ -34,8 +42,8 @@ def fault_point(point: str) -> None:
     (sleep an hour; a stop signal during start-up still ends it) or
     ``wait_signal`` (sleep until this process got a stop signal, at most an
     hour, then go on). Points: ``step`` (before each training step), ``save``
-    (inside atomic_save, after the temporary file is written, before the
-    rename), ``startup`` (before the task loads: in start-up, after the
+    (atomic_save's ``before_rename``: after the temporary file is written, before
+    the rename), ``startup`` (before the task loads: in start-up, after the
     process group exists) and ``finished`` (a run that holds every epoch,
     before it tells the batch shell so). ``kill``, ``raise``, ``hang`` and
     ``wait_signal_once`` (``wait_signal`` in the first attempt only) fire only
@@ -44,19 +52,18 @@ def fault_point(point: str) -> None:
     clean; ``wait_signal`` in every attempt. The environment is read once per
     process: two os.environ lookups per step cost a small model ~3%.
     """
-    global _fault_spec, _first_attempt
-    if _fault_spec is None:
-        _first_attempt = all(os.environ.get(name, "0") in ("", "0")
-                             for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-        _fault_spec = os.environ.get("DDP_TEST_FAULT", "")
-    if not _fault_spec:
+    if _HOOK.spec is None:
+        _HOOK.first_attempt = all(os.environ.get(name, "0") in ("", "0")
+                                  for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+        _HOOK.spec = os.environ.get("DDP_TEST_FAULT", "")
+    if not _HOOK.spec:
         return
-    _fault_counts[point] = count = _fault_counts.get(point, 0) + 1
-    want_point, want_rank, want_count, action = _fault_spec.split(":")
+    _HOOK.counts[point] = count = _HOOK.counts.get(point, 0) + 1
+    want_point, want_rank, want_count, action = _HOOK.spec.split(":")
     rank = dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
     if (point, count) != (want_point, int(want_count)) or want_rank not in ("*", str(rank)):
         return
-    if action != "wait_signal" and not _first_attempt:
+    if action != "wait_signal" and not _HOOK.first_attempt:
         return
     print_line(f"DDP_TEST_FAULT: {action} at {point} {count} on rank {rank}", sys.stderr)
     if action == "kill":

@@ -27,6 +27,9 @@ class _Watch:
     training = False  # use_training_timeout has set --pg_timeout_s
 
 
+# Module-level on purpose: like torch.distributed's own default group, one per
+# process; the error path (errors.one_line_errors) reads it after train.py's
+# objects are gone.
 _WATCH = _Watch()
 
 
