@@ -107,9 +107,9 @@ def test_built_in_tasks_are_found_the_way_a_users_task_is(tmp_path, monkeypatch)
 
 def test_dataset_flag_accepts_the_task_names_and_module_function(monkeypatch):
     for given in ("synthetic", "mnist", "cifar10", "my_task:build_task"):
-        monkeypatch.setattr(sys, "argv", ["singlegpu.py", "--dataset", given])
+        monkeypatch.setattr(sys, "argv", ["train.py", "--dataset", given])
         assert train_utils.parse_args(None, common.TASKS).dataset == given
-    monkeypatch.setattr(sys, "argv", ["singlegpu.py"])
+    monkeypatch.setattr(sys, "argv", ["train.py"])
     assert train_utils.parse_args(None, common.TASKS).dataset == "synthetic"
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, run, without_package
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, run, without_package
 
 
 def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
@@ -21,9 +21,9 @@ def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
              "--metrics_path", "m.jsonl"]
     # 2 ranks x 28 steps of 32 per epoch: step 89 is the 5th of epoch 4.
     result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                   REPO / "multigpu_torchrun.py", *flags], tmp_path,
+                                   REPO / "train.py", *flags], tmp_path,
                        DDP_TEST_FAULT="step:0:89:kill"))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 2" in result.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 2" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     starts = [r for r in records if r.get("event") == "start"]
     assert [s["resumed_from"] for s in starts] == [None, "after epoch 2"]
@@ -49,8 +49,10 @@ def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
 
 def test_missing_tensorboard_is_one_line(tmp_path):
     """tensorboard is optional: without it --tensorboard_dir stops at start, in one line."""
-    result = run([sys.executable, REPO / "singlegpu.py", "--tensorboard_dir", "tb"], tmp_path,
-                 **without_package(tmp_path, "tensorboard"))
+    # One process, given torchrun's variables by hand: its own exit status and stderr.
+    one_process = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = run([sys.executable, REPO / "train.py", "--tensorboard_dir", "tb"], tmp_path,
+                 **one_process, **without_package(tmp_path, "tensorboard"))
     assert result.returncode == 2
     assert error_lines(result.stderr) == [result.stderr.strip()]
     assert "--tensorboard_dir needs the tensorboard package" in result.stderr

@@ -1,19 +1,66 @@
-"""The machinery's shape: train_utils is a package of small modules, its
-``__init__`` docstring is the map of them, and the first rung reaches none of
-the distributed machinery through the calls it makes."""
+"""The kit's shape, read from the source with ast: train_utils is train.py's
+library of small modules without import circles (function-level imports
+counted), no function of it or of train.py runs over 50 lines, its face
+exports with ``__all__`` what train.py and the tests use, the tests' fault
+hook is called from train.py only, W&B is reached only through the run log,
+and the ladder's rungs never import train_utils."""
 
 import ast
 import re
-import subprocess
-import sys
 
 from helpers import REPO
 
 PACKAGE = REPO / "train_utils"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+RUNGS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
 MOST_LINES = 250
-# A row of the map: module, concern, then (after two spaces) the first rung.
-RUNG = r"^  (\w+) +.*  (singlegpu|spawn|torchrun|FSDP|tests only)\b"
+LONGEST_FUNCTION = 50
+
+
+def tree(path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def imported_modules(module: str) -> set:
+    """The train_utils modules ``module`` imports, anywhere in it (inside functions too)."""
+    found = set()
+    for node in ast.walk(tree(PACKAGE / f"{module}.py")):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("train_utils."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("train_utils.")}
+    return found & set(MODULES) - {module}
+
+
+def circles(graph: dict) -> list:
+    """Each import circle of ``graph`` (module -> modules it imports) as the
+    path that closes it, e.g. ["a", "b", "a"]; [] when there is none."""
+    found, done = [], set()
+
+    def visit(module, path):
+        if module in path:
+            found.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for other in sorted(graph[module]):
+            visit(other, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return found
+
+
+def test_circles_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_train_utils_has_no_import_circles():
+    assert circles({module: imported_modules(module) for module in MODULES}) == []
 
 
 def test_every_module_is_small():
@@ -21,62 +68,63 @@ def test_every_module_is_small():
     assert {name: n for name, n in sizes.items() if n > MOST_LINES} == {}
 
 
-def test_the_map_names_every_module_and_its_first_rung():
-    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
-    rows = dict(re.findall(RUNG, doc, re.M))
-    assert sorted(rows) == MODULES
+def test_no_function_is_over_50_lines():
+    long = {}
+    for path in [REPO / "train.py", *sorted(PACKAGE.glob("*.py"))]:
+        for node in ast.walk(tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long[f"{path.name}:{node.name}"] = lines
+    assert long == {}
 
 
-def test_the_map_says_what_each_script_reaches():
-    """Each script's ``train_utils.NAME`` calls come from modules that the map
-    lists for that rung or an earlier one."""
-    order = ["singlegpu", "spawn", "torchrun", "FSDP"]
-    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
-    first = {name: rung for name, rung in
-             re.findall(RUNG, doc, re.M)}
-    sys.path.insert(0, str(REPO))
+def exported() -> list:
+    """The names in train_utils/__init__.py's ``__all__``."""
+    for node in tree(PACKAGE / "__init__.py").body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("train_utils/__init__.py has no __all__")
+
+
+def test_the_face_exports_what_train_py_and_the_tests_use():
+    """``__all__`` names everything the package imports into its face, each name
+    exists, and each is used by train.py, the tests or the benchmarks."""
     import train_utils
 
-    for script, rung in [("singlegpu.py", "singlegpu"), ("multigpu_spawn.py", "spawn"),
-                         ("multigpu_torchrun.py", "torchrun"), ("multinode.py", "torchrun"),
-                         ("multinode_fsdp.py", "FSDP")]:
-        names = set(re.findall(r"train_utils\.(\w+)", (REPO / script).read_text()))
-        for name in names:
-            module = getattr(train_utils, name).__module__.split(".")[-1] \
-                if hasattr(getattr(train_utils, name), "__module__") else None
-            if module in first:  # constants have no module of their own
-                assert order.index(first[module]) <= order.index(rung), (script, name, module)
+    names = exported()
+    assert len(names) == len(set(names))
+    assert [name for name in names if not hasattr(train_utils, name)] == []
+    face = {alias.asname or alias.name for node in tree(PACKAGE / "__init__.py").body
+            if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert sorted(face - set(names)) == []
+    users = [REPO / "train.py", *(REPO / "tests").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+    text = "\n".join(path.read_text() for path in users if path.name != "test_package_map.py")
+    assert [name for name in names if not re.search(rf"\btrain_utils\.{name}\b", text)] == []
 
 
-# Run singlegpu.py with the distributed machinery replaced by functions that
-# fail loudly: process-group collectives, the time-out watch, the stop signal.
-FORBIDDEN = """
-import runpy, sys
-import torch.distributed as dist
-import train_utils
-
-def forbid(name):
-    def call(*args, **kwargs):
-        raise AssertionError(f"singlegpu.py reached {name}")
-    return call
-
-for name in ("init_process_group", "new_group", "barrier", "all_reduce", "all_gather_object",
-             "broadcast", "broadcast_object_list", "monitored_barrier"):
-    setattr(dist, name, forbid("torch.distributed." + name))
-for module in list(sys.modules.values()):
-    if getattr(module, "__name__", "").startswith("train_utils"):
-        for name in ("note_phase", "use_training_timeout", "watch_collectives", "timeout_diagnosis",
-                     "gloo_group", "StopSignal", "launcher_store"):
-            if hasattr(module, name):
-                setattr(module, name, forbid("train_utils." + name))
-sys.argv = ["singlegpu.py"] + sys.argv[1:]
-runpy.run_path("singlegpu.py", run_name="__main__")
-"""
+def test_the_fault_hook_is_called_from_train_py_only():
+    """No module of train_utils imports the tests' hook, so no collective path
+    of the library holds one; train.py calls it at the points the tests use."""
+    assert [module for module in MODULES if "testing" in imported_modules(module)] == []
+    calls = set(re.findall(r"fault_point\(\"(\w+)\"\)", (REPO / "train.py").read_text()))
+    assert calls == {"startup", "step", "save", "finished"}
 
 
-def test_singlegpu_reaches_no_distributed_machinery(tmp_path):
-    result = subprocess.run([sys.executable, "-c", FORBIDDEN, "--total_epochs", "1",
-                             "--checkpoint_path", str(tmp_path / "c.pt")],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "test | loss" in result.stdout
+def test_wandb_is_reached_only_through_the_run_log():
+    """W&B is where a run starts, logs and ends: metrics.RunLog, which train.py
+    makes, starts and closes; no other module imports wandb_run."""
+    assert [module for module in MODULES if "wandb_run" in imported_modules(module)] == ["metrics"]
+
+
+def test_the_rungs_never_import_train_utils():
+    """The ladder's rungs are standalone: torch, torchvision, tqdm and the task
+    modules; train_utils is the kit's (train.py's) only."""
+    importing = []
+    for rung in RUNGS:
+        for node in ast.walk(tree(REPO / rung)):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(name.split(".")[0] == "train_utils" for name in names):
+                importing.append(rung)
+    assert importing == []

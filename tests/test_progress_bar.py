@@ -38,18 +38,20 @@ def run_on_a_terminal(cmd: list, cwd, timeout: float = 300) -> str:
 
 
 def test_a_terminal_gets_training_and_evaluation_bars_with_the_running_loss(tmp_path):
-    text = run_on_a_terminal([sys.executable, REPO / "singlegpu.py", "--total_epochs", "2"], tmp_path)
+    text = run_on_a_terminal([*TORCHRUN, "--nproc_per_node=1", f"--master_port={free_port()}",
+                              REPO / "train.py", "--total_epochs", "2"], tmp_path)
     assert "epoch 1/2:" in text and "epoch 2/2:" in text, text[-3000:]
     assert "rank 0 loss " in text and "evaluating:" in text, text[-3000:]
 
 
 def test_under_torchrun_rank_0_draws_the_bars(tmp_path):
     text = run_on_a_terminal([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}",
-                              REPO / "multigpu_torchrun.py", "--total_epochs", "1"], tmp_path)
+                              REPO / "train.py", "--total_epochs", "1"], tmp_path)
     assert "rank 0 loss " in text and "evaluating:" in text, text[-3000:]
 
 
 def test_a_log_file_gets_no_bar(tmp_path):
-    result = run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "2"], tmp_path)
+    result = run([*TORCHRUN, "--nproc_per_node=1", f"--master_port={free_port()}", REPO / "train.py",
+                  "--total_epochs", "2"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "it/s" not in result.stderr and "evaluating" not in result.stderr, result.stderr

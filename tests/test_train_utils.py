@@ -226,7 +226,7 @@ def test_a_rank_that_never_joins_at_start_up_gives_one_timeout_line(tmp_path):
         f"s = d.TCPStore('127.0.0.1', {port}, 2, is_master=False, timeout=datetime.timedelta(seconds=60))\n"
         "time.sleep(60)")])
     try:
-        result = run([sys.executable, REPO / "multinode.py", "--startup_timeout_s", "3"], tmp_path,
+        result = run([sys.executable, REPO / "train.py", "--startup_timeout_s", "3"], tmp_path,
                      timeout=120, SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0",
                      SLURM_STEP_NUM_TASKS="2", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost",
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -275,13 +275,14 @@ def test_a_config_error_after_start_up_destroys_the_process_group(tmp_path):
     assert "group left at exit: False" in result.stdout, result.stdout
 
 
-def test_log_metrics_prints_the_parsable_line_and_writes_json(tmp_path, capsys, monkeypatch):
+def test_a_run_log_prints_the_parsable_line_and_writes_json(tmp_path, capsys, monkeypatch):
     path = tmp_path / "m.jsonl"
     record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,
               "epoch_seconds": 2.25, "val_loss": 0.25, "val_accuracy": 0.875}
-    args = task_args("synthetic", metrics_path=str(path), tensorboard_dir=None)
-    train_utils.log_metrics(record, args)
-    train_utils.log_metrics({"test_loss": 0.3, "test_accuracy": None}, args)
+    args = task_args("synthetic", metrics_path=str(path), tensorboard_dir=None, wandb_project=None)
+    log = train_utils.RunLog(args)
+    log.log(record)
+    log.log({"test_loss": 0.3, "test_accuracy": None})
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("epoch 3/10 | train_loss 0.500000 | val_loss 0.250000 | val_acc 0.8750 | "
                       "samples/s 1234.5 | epoch_s 2.25")
@@ -385,8 +386,8 @@ def test_gloo_averages_in_reduce_scatter_exactly_from_the_release_the_fsdp_refus
 
 def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
     if train_utils.torch_version() >= train_utils.GLOO_AVG_REDUCE_SCATTER:
-        pytest.skip(f"torch {torch.__version__}'s gloo averages: multinode_fsdp.py trains on the CPU (tests/test_fsdp.py)")
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multinode_fsdp.py"], tmp_path,
+        pytest.skip(f"torch {torch.__version__}'s gloo averages: FSDP trains on the CPU (tests/test_fsdp.py)")
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", "fsdp"], tmp_path,
                  timeout=120)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [

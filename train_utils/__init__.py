@@ -44,7 +44,7 @@ from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, contiguous_parame
     fsdp_blocks, print_sharded_memory, training_state_bytes
 from .launch import first_host, launcher_store
 from .loaders import loader_workers
-from .metrics import RunLog, metrics_line
+from .metrics import RunLog
 from .output import print_line
 from .profiling import StepProfiler
 from .recipe import Recipe, build_optimizer, lr_factor
@@ -72,7 +72,7 @@ __all__ = [
     "Progress", "rebuild_ddp_buckets", "atomic_save", "read_snapshot", "snapshot_on_every_node",
     "ShardedSnapshots", "resharding_note",
     # output and the end of a run
-    "RunLog", "metrics_line", "print_line", "report_run_finished", "exit_skipping_teardown",
+    "RunLog", "print_line", "report_run_finished", "exit_skipping_teardown",
     # for the tests and benchmarks
     "AMP_HELPS_ON_CPU", "GLOO_AVG_REDUCE_SCATTER", "SHARDED_SNAPSHOT_META", "STOP_SIGNALS", "first_host",
     "ignore_stop_signal", "peak_memory_mib", "torch_version", "training_state_bytes", "unusable_gpu_reason",
