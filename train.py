@@ -42,7 +42,8 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
     """Join the process group the launcher prepared (torchrun's RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, or srun's SLURM_PROCID, SLURM_LOCALID, ...);
     return (rank, local_rank, device). A collective waiting over ``timeout_s``
-    seconds raises, not hangs."""
+    seconds raises, not hangs. Raises ConfigError when started by neither
+    launcher, or when this local rank has no GPU of its own on a GPU node."""
     timeout = timedelta(seconds=timeout_s)
     store = train_utils.launcher_store(timeout)  # torchrun or srun; a fresh key prefix per restart
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -64,7 +65,12 @@ class Trainer:
 
     ``model`` is on ``device``; under FSDP already sharded (``shard_model``), with
     ``recipe``'s optimizer built on its shards. ``task`` gives the loss and the
-    batch transforms (see common.Task); ``args`` the run's flags.
+    batch transforms (see common.Task); ``log`` (``train_utils.RunLog``) prints
+    and records the figures, and its W&B run id goes into every snapshot;
+    ``args`` the run's flags. Collective: every rank makes one (the stop signal's
+    gloo group, DDP's first broadcast, reading a snapshot), and every rank calls
+    ``train``. Raises ConfigError (one line) for a snapshot of another run or a
+    damaged one; NothingToTrain when the snapshot already holds every epoch.
     """
 
     def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
@@ -163,12 +169,13 @@ class Trainer:
         meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
         for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args),
                                                  start=self.progress.steps_run):
-            # What a collective time-out report names as this rank's last place.
+            # Where this rank is, for the report of a collective that times out.
             train_utils.note_phase(f"epoch {epoch + 1}, training step {meter.steps_done} of this start")
-            # Until the first optimizer step: a rank stuck in its loader is named
-            # after --pg_timeout_s, not waited for over --startup_timeout_s.
+            # Collective until the first optimizer step (a monitored barrier on the side
+            # gloo group), then a no-op: a rank stuck in its loader is named after
+            # --pg_timeout_s instead of being waited for over --startup_timeout_s.
             train_utils.check_first_batches(self.args.pg_timeout_s)
-            fault_point("step")
+            fault_point("step")  # the tests' hook: a rank killed, failing or held before this step
             source = self.task.train_transform(source.to(self.device, non_blocking=True))
             targets = targets.to(self.device, non_blocking=True)
             meter.add(self._run_batch(source, targets, step), len(targets))
@@ -213,8 +220,9 @@ class Trainer:
         """Collective: a snapshot of this position. Mid-epoch, ``meter`` holds the
         epoch so far (its totals are saved too)."""
         progress = self.progress.state_dict(meter)  # every rank's RNG states, gathered
-        state = {**progress, **self.recipe.state_dict(), **self.log.wandb.state_dict(),  # lr_schedule, loss_scaler;
-                 "config": self.config}                                                  # wandb_run_id
+        state = {**progress, **self.recipe.state_dict(),  # + lr_schedule, loss_scaler
+                 **self.log.wandb.state_dict(),  # + wandb_run_id: a resumed run logs to the same W&B run
+                 "config": self.config}
         if self.fsdp:
             self._save_sharded(state)
         elif self.rank == 0:  # every rank holds the same weights; one saves them
@@ -238,7 +246,10 @@ class Trainer:
             train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {folder}")
 
     def train(self, max_epochs: int) -> bool:
-        """Train up to ``max_epochs``; False when a stop signal ended it (snapshot saved)."""
+        """Collective: train up to ``max_epochs``, evaluating and printing each epoch
+        (rank 0), snapshotting every --save_every epochs and after the last; True when
+        every epoch is done, False when a stop signal ended it (snapshot saved). Raises
+        ConfigError when the training loss is not finite, before anything is saved."""
         for epoch in range(self.progress.epochs_run, max_epochs):
             record = self._run_epoch(epoch, max_epochs)
             if record is None:  # stopped by the signal, after a snapshot of this step
@@ -334,9 +345,12 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
     )
 
 
-def build(args, rank: int, local_rank: int, device: torch.device) -> tuple[common.Task, train_utils.Recipe]:
-    """The task (one download per node), its model on ``device`` (sharded under
-    FSDP), and the recipe over its optimizer."""
+def build(args: argparse.Namespace, rank: int, local_rank: int,
+          device: torch.device) -> tuple[common.Task, torch.optim.Optimizer]:
+    """Collective: the task (one download per node: local rank 0 first, the
+    others after), its model on ``device`` (sharded under FSDP), and the
+    optimizer over it (--optimizer, --lr, --weight_decay). Raises ConfigError
+    (one line, on every rank) when the task cannot load."""
     # One seed for the initial weights on every rank (DDP copies rank 0's to all anyway;
     # FSDP keeps each rank's slice of its own copy), then each rank its own random
     # stream, or all would draw the same dropout masks.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Optional
 
 from .errors import report_to_torchrun
@@ -62,22 +61,6 @@ def _choice(*choices: str) -> Callable[[str], str]:
         return text
 
     return parse
-
-
-# The flags of train.py beyond the shared ones: name -> (argparse type, default, help).
-KIT_FLAGS = MappingProxyType({
-    "strategy": (_choice("ddp", "fsdp"), "ddp", "ddp: every rank holds the whole model (DistributedDataParallel); "
-                                                "fsdp: each holds 1/world_size of it (FSDP2), snapshots sharded"),
-    "snapshot_path": (str, None, "snapshot to resume from when it exists, and to save to"),
-    "snapshot_every_steps": (non_negative_int, 0, "also snapshot every N steps inside an epoch, "
-                                                  "so a restart loses at most N steps (0: only "
-                                                  "at epoch ends)"),
-    "pg_timeout_s": (positive(float), 600, "once training runs, seconds a collective may wait "
-                                           "for the other ranks before the job fails, naming "
-                                           "the ranks that did not arrive"),
-    "startup_timeout_s": (positive(float), 1800, "the same during start-up and the first training "
-                                                 "step (downloads, compilation)"),
-})
 
 
 class _OneRankParser(argparse.ArgumentParser):
@@ -145,12 +128,7 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
     _add_output_flags(parser)
     _add_speed_flags(parser)
     _add_recipe_flags(parser)
-    for name, (kind, default, text) in KIT_FLAGS.items():
-        shown = default
-        if name == "snapshot_path" and snapshot_paths:
-            shown = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
-        parser.add_argument(f"--{name}", type=kind, default=default,
-                            help=text + (f" (default: {shown})" if shown is not None else ""))
+    _add_run_flags(parser, snapshot_paths or {})
     args = parser.parse_args()
     if args.snapshot_path is None and snapshot_paths:
         args.snapshot_path = snapshot_paths[args.strategy]
@@ -235,3 +213,22 @@ def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
         help="step schedule: factor per decay (default: the task's; 0.1)")
     add("--clip_grad_norm", type=positive(float), default=None,
         help="clip the gradients' total L2 norm, over all ranks, to this (default: no clipping)")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str, str]) -> None:
+    """How the run is spread, snapshotted and timed out: --strategy ... --startup_timeout_s."""
+    add = parser.add_argument
+    add("--strategy", type=_choice("ddp", "fsdp"), default="ddp",
+        help="ddp: every rank holds the whole model (DistributedDataParallel); fsdp: each holds "
+             "1/world_size of it (FSDP2), snapshots sharded (default: ddp)")
+    defaults = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
+    add("--snapshot_path", default=None,
+        help="snapshot to resume from when it exists, and to save to" + (f" (default: {defaults})" if defaults else ""))
+    add("--snapshot_every_steps", type=non_negative_int, default=0,
+        help="also snapshot every N steps inside an epoch, so a restart loses at most N steps "
+             "(0: only at epoch ends) (default: 0)")
+    add("--pg_timeout_s", type=positive(float), default=600,
+        help="once training runs, seconds a collective may wait for the other ranks before the job "
+             "fails, naming the ranks that did not arrive (default: 600)")
+    add("--startup_timeout_s", type=positive(float), default=1800,
+        help="the same during start-up and the first training step (downloads, compilation) (default: 1800)")
