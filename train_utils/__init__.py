@@ -32,7 +32,7 @@ Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
 
-from common import ConfigError
+from common import ConfigError, build_optimizer, lr_factor  # the recipe's meaning lives with the tasks
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores, \
@@ -47,7 +47,7 @@ from .loaders import loader_workers
 from .metrics import RunLog
 from .output import print_line
 from .profiling import StepProfiler
-from .recipe import Recipe, build_optimizer, lr_factor
+from .recipe import Recipe
 from .resume import Progress, ResumableDistributedSampler, rebuild_ddp_buckets
 from .sharded_snapshots import ShardedSnapshots, resharding_note
 from .snapshots import atomic_save, read_snapshot, snapshot_on_every_node

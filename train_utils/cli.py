@@ -11,8 +11,8 @@ import difflib
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
+from common import LR_SCHEDULES, OPTIMIZERS
 from .errors import report_to_torchrun
-from .recipe import LR_SCHEDULES, OPTIMIZERS
 
 
 def positive(kind: type) -> Callable[[str], object]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import re
 import warnings
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from common import LR_SCHEDULES, OPTIMIZERS, ConfigError, build_optimizer, lr_factor  # noqa: F401 (re-exported)
+from common import lr_factor
 
 from .output import is_distributed, print_line
 from .speed import amp_dtype
