@@ -90,8 +90,13 @@ SCENARIOS = [
              REFERENCE, partition="nograce", env={"DDP_TEST_FAULT": "save:0:3:hang"}),
     # Clusters that set preempt_send_user_signal send the job's --signal
     # (SIGUSR1 to the batch shell) at preemption instead of the first SIGTERM.
+    # The setting is cluster-wide: the job waits at step 30 (the tests' hook,
+    # until a stop signal comes) for the other preemptions to be over, then it
+    # is switched on (the gate) and the job preempted.
     Scenario("preempt-user-signal", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
-             REFERENCE, user_signal=True),
+             REFERENCE, user_signal=True, env=HOLD_FOR_WARNING, gate=threading.Event(),
+             trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
+                           "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
 ]
 
 
@@ -141,10 +146,18 @@ def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
     return folder / f"snapshot_{script[:-3]}.pt"  # the script's default --snapshot_path
 
 
+def _wait_until(condition, timeout_s: float = SCENARIO_TIMEOUT_S + 60) -> None:
+    """Poll ``condition()`` until true; past ``timeout_s`` go on (each
+    scenario's own deadline reports what went wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def stopped(slurm_cluster, tmp_path_factory):
     """Runs every scenario side by side (one thread each) and the uninterrupted
-    reference runs one after another beside them; returns
+    reference run beside them; returns
     ({name: (scenario, its folder)}, {(script, processes, args): snapshot})."""
     root = tmp_path_factory.mktemp("stops")
     threads, folders = [], {}
@@ -171,26 +184,28 @@ def stopped(slurm_cluster, tmp_path_factory):
     sweep_thread = threading.Thread(target=sweep_target, daemon=True, name="sweep")
     sweep_thread.start()
     started = time.monotonic()
-    for thread, scenario in zip(threads, SCENARIOS):
-        if not scenario.user_signal:
-            thread.start()
+    for thread in threads:
+        thread.start()
     # The one uninterrupted run the checks compare with (saving more often, or
     # fewer epochs, have no reference of their own: no test compares them)
     references = {(*REFERENCE, tuple(SHORT)): _reference(*REFERENCE, SHORT, root / "reference")}
-    preempting = [(thread, scenario) for thread, scenario in zip(threads, SCENARIOS)
-                  if scenario.trigger is preempt and not scenario.user_signal]
-    for thread, _ in preempting:
-        thread.join(SCENARIO_TIMEOUT_S + 60)
+
+    def preempted(scenario, thread) -> bool:  # or never will be
+        return scenario.signal_to_exit_s is not None or bool(scenario.error) or not thread.is_alive()
+
     # The cluster-wide setting, once no other job is being preempted: switched
-    # on, then off again; the jobs of the other paths go on meanwhile.
+    # on until the user-signal job's preemption is over, then off again; the
+    # jobs of the other paths go on meanwhile.
+    others = [(s, thread) for s, thread in zip(SCENARIOS, threads) if s.trigger is preempt and not s.user_signal]
+    users = [(s, thread) for s, thread in zip(SCENARIOS, threads) if s.user_signal]
+    _wait_until(lambda: all(preempted(s, thread) for s, thread in others))
     config = slurm_cluster.conf.read_text()
     slurm_cluster.conf.write_text(config + "SlurmctldParameters=preempt_send_user_signal\n")
     subprocess.run(["scontrol", "reconfigure"], env=slurm_cluster.env, check=True)
     try:
-        for thread, scenario in zip(threads, SCENARIOS):
-            if scenario.user_signal:
-                thread.start()
-                thread.join(SCENARIO_TIMEOUT_S + 60)
+        for scenario, _ in users:
+            scenario.gate.set()
+        _wait_until(lambda: all(preempted(s, thread) for s, thread in users))
     finally:
         slurm_cluster.conf.write_text(config)
         subprocess.run(["scontrol", "reconfigure"], env=slurm_cluster.env, check=True)
