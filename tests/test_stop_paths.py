@@ -19,15 +19,16 @@ No signal is sent by hand:
 - ``scontrol requeue`` (once while the ranks start), and ``scancel``;
 - a sweep submitted from one folder, and the same command twice.
 
-Every job runs train.py (2 ranks), so one uninterrupted run of it is the
-reference for all. ``--snapshot_every_steps`` is left unset, so only the stop itself can write a
-mid-epoch snapshot. Every scenario runs side by side with the others on its
-own nodes (one module fixture drives them all in threads); each test then
-checks one: the job's end state, that each run resumes exactly where the one
-before saved, that every epoch is summarised once, and that the final weights
-equal those of an uninterrupted run, bitwise. The tests' fault hook
-(DDP_TEST_FAULT) holds a rank where a path needs it (in start-up, after the
-last epoch, inside a save), so no path depends on when a signal lands.
+Every job runs train.py with 2 ranks, so one uninterrupted run of it is the
+reference for all. ``--snapshot_every_steps`` is left unset, so only the
+stop itself can write a mid-epoch snapshot. Every scenario runs side by side
+with the others on its own nodes (one module fixture drives them all in
+threads); each test then checks one: the job's end state, that each run
+resumes exactly where the one before saved, that every epoch is summarised
+once, and that the final weights equal those of an uninterrupted run,
+bitwise. The tests' fault hook (DDP_TEST_FAULT) holds a rank where a path
+needs it (in start-up, at step 30 until a stop signal comes, after the last
+epoch, inside a save), so no path depends on when a signal lands.
 """
 
 from __future__ import annotations
