@@ -2,8 +2,8 @@
 (slurmctld + slurmd daemons, see slurm_cluster.py), each running train.py,
 all submitted at once: one node with four "GPUs" for single_gpu.sh and
 multi_gpu.sh, two hosts in network namespaces for multi_node.sh (FSDP) and
-multi_node_srun.sh (a container stand-in per rank); then the multinode.py
-rung across the two hosts with plain torchrun. Every way Slurm stops a job: tests/test_stop_paths.py;
+multi_node_srun.sh (a container stand-in per rank), and beside them the
+multinode.py rung across the two hosts with plain torchrun. Every way Slurm stops a job: tests/test_stop_paths.py;
 the wrappers as text and their shared files: tests/test_slurm_wrappers.py.
 
 Options on sbatch's command line (resources this machine has, partition,
@@ -12,13 +12,14 @@ would; the wrappers themselves are submitted as they are in the repo.
 """
 
 import re
+import subprocess
 import sys
 
 import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import REPO, TORCHRUN, epochs, parse_test, run_together, script_env, wrapper_snapshot
+from helpers import REPO, TORCHRUN, epochs, parse_test, script_env, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
@@ -53,10 +54,11 @@ def container_stand_in(folder) -> str:
 
 
 @pytest.fixture(scope="module")
-def jobs(cluster, tmp_path_factory) -> dict:
+def jobs(cluster, tmp_path_factory):
     """Every job of this file submitted at once, side by side on the cluster's
-    nodes (four "GPUs" and eight CPUs each): {name: (job id, its folder)}.
-    Each test then waits for its own."""
+    nodes (four "GPUs" and eight CPUs each): {name: (job id, its folder)},
+    and "plain": (the two torchrun agents, their folder). Each test then waits
+    for its own."""
     folders = {name: tmp_path_factory.mktemp(name) for name in
                ("single_gpu", "multi_gpu", "multi_node", "srun", "wrong_folder")}
     data = build_mnist_root(folders["multi_gpu"] / "data", n_train=2000, n_test=500)
@@ -77,7 +79,24 @@ def jobs(cluster, tmp_path_factory) -> dict:
         "wrong_folder": cluster.sbatch([*SMALL, "--gres=gpu:1", str(REPO / "slurm" / "multi_gpu.sh")],
                                        cwd=folders["wrong_folder"], env={"VENV_DIR": sys.prefix}),
     }
-    return {name: (job, folders[name]) for name, job in submitted.items()}
+    jobs = {name: (job, folders[name]) for name, job in submitted.items()}
+    # and, beside them, the rung across the two hosts without Slurm (one torchrun per host)
+    folder = tmp_path_factory.mktemp("plain")
+    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=ddp-node1:29400",
+                      "--rdzv-id=plain", str(REPO / "multinode.py"), "--total_epochs", "2"]
+    agents = []
+    for node in NETNS_NODES:  # output to files: a full pipe would stall an agent until its test reads it
+        with open(folder / f"{node}.out", "w") as out, open(folder / f"{node}.err", "w") as err:
+            agents.append(subprocess.Popen([str(part) for part in cluster.on_host(node, cmd)], cwd=folder,
+                                           env=script_env(GLOO_SOCKET_IFNAME=NODE_IFACE), stdout=out, stderr=err))
+    jobs["plain"] = (agents, folder)
+    try:
+        yield jobs
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
 
 
 def finished(cluster, folder, job_id, name) -> tuple[dict, str]:
@@ -172,15 +191,14 @@ def test_submitted_from_the_wrong_folder_fails_clearly(cluster, jobs):
         f"from the project folder, or set PROJECT_DIR"]
 
 
-def test_multinode_plain_torchrun_across_two_hosts(cluster, tmp_path):
-    """No Slurm: the same torchrun command on each host, as the README shows."""
-    port = 29400
-    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint=ddp-node1:{port}", "--rdzv-id=plain", str(REPO / "multinode.py"),
-                      "--total_epochs", "2"]
-    outputs = run_together([cluster.on_host(node, cmd) for node in NETNS_NODES],
-                           [tmp_path] * len(NETNS_NODES), script_env(GLOO_SOCKET_IFNAME=NODE_IFACE),
-                           timeout=JOB_TIMEOUT_S)
+def test_multinode_plain_torchrun_across_two_hosts(jobs):
+    """No Slurm: the same torchrun command on each host, as the README shows
+    (the rung, multinode.py; started with the jobs above)."""
+    agents, folder = jobs["plain"]
+    outputs = []
+    for agent, node in zip(agents, NETNS_NODES):
+        agent.wait(timeout=JOB_TIMEOUT_S)
+        outputs.append((agent.returncode, (folder / f"{node}.out").read_text(), (folder / f"{node}.err").read_text()))
     for code, stdout, stderr in outputs:
         assert code == 0, stderr[-3000:]
     seen = {(int(rank), host) for _, stdout, _ in outputs for rank, _, host, _ in RANK_LINE.findall(stdout)}
