@@ -43,11 +43,11 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 # relative to the working folder: snapshot-<job name>[-<array index>][-<8 hex
 # digits>].pt, the digits a hash of the training arguments (a --snapshot_path
 # among them wins); with --strategy fsdp a folder, without the .pt (sharded
-# snapshots: one sub-folder per save). The same sbatch command submitted again (or requeued) gets
-# the same name and resumes; a sweep submitted from one folder (other --lr,
-# say) gets one snapshot per point, never another's; any other change of
-# arguments, a longer --total_epochs too, starts a new run unless it names the
-# snapshot to go on from (--snapshot_path). Then claims the snapshot for this
+# snapshots: one sub-folder per save). The same sbatch command submitted
+# again (or requeued) gets the same name and resumes; a sweep submitted from
+# one folder (other --lr, say) gets one snapshot per point, never another's;
+# any other change of arguments, a longer --total_epochs too, starts a new run
+# unless it names the snapshot to go on from (--snapshot_path). Then claims the snapshot for this
 # job (<snapshot>.job holds the job id, read and written under flock) and
 # exits 2 with one line when another job that is still queued or running holds
 # it: two live jobs must never write one snapshot.

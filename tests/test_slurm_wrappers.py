@@ -1,5 +1,5 @@
 """The sbatch wrappers in slurm/ as text, and their shared shell files run
-by themselves: no cluster, no training, a few seconds.
+by themselves: no cluster, no training, seconds.
 
 What Slurm does with the wrappers is tests/test_slurm.py and
 tests/test_stop_paths.py; here: every wrapper takes its environment,
