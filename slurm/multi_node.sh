@@ -1,15 +1,15 @@
 #!/bin/bash
-# multi_node.sh: multinode.py on SEVERAL nodes: srun starts one torchrun agent per
-# node, they meet on the job's first node, each starts one worker per GPU granted.
-# Snapshots and requeues on preemption and before the time limit, like multi_gpu.sh.
+# multi_node.sh: train.py (the kit) on SEVERAL nodes: srun starts one torchrun
+# agent per node, they meet on the job's first node, each starts one worker per
+# GPU granted. Snapshots and requeues on preemption and before the time limit.
 # Submit from the project folder (on storage every node sees: the snapshot goes
-# there); arguments after the name go to the script:
+# there); arguments after the name go to train.py:
 #     sbatch slurm/multi_node.sh --dataset cifar10 --total_epochs 30
-#     sbatch --nodes=4 slurm/multi_node.sh      # the node count comes from the job
+#     sbatch --nodes=4 slurm/multi_node.sh --strategy fsdp   # node count from the job
 # Watch: squeue --me; tail -f multi_node-<job id>.out. scancel stops it with a
-# snapshot; the same sbatch command resumes. SCRIPT_NAME=multinode_fsdp.py: FSDP.
-# Edit: the #SBATCH lines, the environment and network blocks. Data, snapshot and
-# each way Slurm stops a job: docs/slurm.md.
+# snapshot; the same sbatch command resumes. Edit: the #SBATCH lines; the
+# environment and network blocks in slurm/env.sh. SCRIPT_NAME=multinode.py or
+# multinode_fsdp.py: a rung instead of train.py. More: docs/slurm.md.
 
 #SBATCH --job-name=multi_node       # the name in squeue, %x in the log file name, and the snapshot's name
 #SBATCH --nodes=2                  # machines; the rendezvous expects exactly this many
@@ -33,44 +33,15 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
 fi
 # sbatch runs a copy of this file from a spool folder: the project is the submission folder.
 PROJECT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}"
-SCRIPT="$PROJECT/${SCRIPT_NAME:-multinode.py}"
-if [ ! -f "$SCRIPT" ]; then
-    echo "error: $SCRIPT not found; run sbatch slurm/multi_node.sh from the project folder, or set PROJECT_DIR" >&2
+if [ ! -f "$PROJECT/slurm/env.sh" ]; then
+    echo "error: $PROJECT/slurm/env.sh not found; run sbatch slurm/multi_node.sh from the project folder, or set PROJECT_DIR" >&2
     exit 2
 fi
-# Traps the stop signals first (they may come during set-up); defines run_step.
+# Traps the stop signals first (they may come during set-up); defines snapshot_for and run_step.
 source "$PROJECT/slurm/stop_and_requeue.sh"
-
-# --- environment (identical in every wrapper; edit for your cluster) ---
-set +u  # activation scripts (conda, some module systems) read unset variables
-# Default: the project's .venv (README set-up) or VENV_DIR's, where it exists and
-# no CONTAINER_IMAGE is set. A line below this one takes over from it:
-VENV="${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}"
-if [ -z "${CONTAINER_IMAGE:-}" ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
-# module load cuda/12.4 python/3.11                       # a module system, or
-# eval "$(conda shell.bash hook)" && conda activate ddp   # conda, or
-# CONTAINER_IMAGE=image.sif: a container instead (the container block below)
-set -u
-# --- end environment ---
-
-# --- network (identical in every multi-node wrapper) ---
-# Nodes with several networks: the one the nodes reach each other on. gloo
-# needs it even in NCCL jobs (the stop signal's CPU group); `ip -brief addr`.
-# export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0
-# --- end network ---
-
-# --- container (identical in every wrapper) ---
-# CONTAINER_IMAGE=image.sif: the training command runs in the image (docs/containers.md);
-# CONTAINER_RUN replaces the command before the image (split at spaces).
-CONTAINER=()
-if [ -n "${CONTAINER_IMAGE:-}" ]; then
-    BINDS="$SLURM_SUBMIT_DIR,$PROJECT${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
-    # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
-    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
-fi
-# ${CONTAINER[@]+"${CONTAINER[@]}"}: that command, or nothing (also under set -u in bash < 4.4).
-# --- end container ---
-require_torchrun ${CONTAINER[@]+"${CONTAINER[@]}"}
+# The environment, network and container blocks (edit them there): SCRIPT, DATA, CONTAINER.
+source "$PROJECT/slurm/env.sh"
+require_launcher torchrun
 
 # Workers per node: the GPUs granted on each node, read on that node inside the
 # step (PER_NODE below; --gres=gpu:4 grants the same everywhere, --gpus=N need
@@ -81,24 +52,18 @@ NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
 # shellcheck disable=SC2016  # expanded on each node, not here
 PER_NODE=(bash -c 'exec "${@//@NPROC@/${SLURM_GPUS_ON_NODE:-1}}"' per-node)
 # The rendezvous: the job's first node (sed, not head: see docs/slurm.md), at a
-# port derived from the job id, never a literal.
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
-MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))
-export MASTER_ADDR MASTER_PORT
+# port derived from the job id (slurm/env.sh), never a literal.
+RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
+RDZV_PORT="$(rendezvous_port)"
 # This submission's snapshot (its arguments' hash in the name), claimed for this job:
 # the same command resumes it; another live job holding it is refused.
 snapshot_for "$@"
-echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes | rendezvous $MASTER_ADDR:$MASTER_PORT | $SNAPSHOT | $(date -Is)"
-
-# Node-local data (each node's local rank 0 downloads a copy), unless DATA_DIR names one.
-DATA="${DATA_DIR:-${SLURM_TMPDIR:-/tmp/${USER:-$(id -un)}/ddp-data}}"
+echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes | rendezvous $RDZV_HOST:$RDZV_PORT | $SNAPSHOT | $(date -Is)"
 
 # The training step: one torchrun agent per node in an srun step; one node failing
-# ends it on all (--kill-on-bad-exit); --rdzv-id: the job id; torchrun flags as in
-# multi_gpu.sh (docs/slurm.md). Defaults first: the same flag in "$@" overrides them.
+# ends it on all (--kill-on-bad-exit); --rdzv-id: the job id; the stop signals
+# relayed as in multi_gpu.sh (docs/slurm.md). Defaults first: the same flag in "$@" overrides them.
 run_step srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" "${PER_NODE[@]}" \
     ${CONTAINER[@]+"${CONTAINER[@]}"} torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node=@NPROC@ \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=80 \
-    "$SCRIPT" --data_dir "$DATA" \
-    --snapshot_path "$SNAPSHOT" "$@"
+    --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
+    "${TORCHRUN_STOP_FLAGS[@]}" "$SCRIPT" --data_dir "$DATA" --snapshot_path "$SNAPSHOT" "$@"

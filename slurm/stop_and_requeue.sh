@@ -1,11 +1,11 @@
-# stop_and_requeue.sh: sourced by slurm/multi_gpu.sh, multi_node.sh and
-# multi_node_srun.sh (not run on its own). What the batch shell does so that
-# every way Slurm stops a job ends with a snapshot and, where the job should run
-# again, a requeue: the time-limit warning (SIGUSR1 here) is relayed to the
-# training step, and after the step stopped the job is requeued; a preemption
-# (SIGTERM to the step only) is seen as PreemptTime and requeued too, since a
-# batch script that just ended during the grace time would end the job for good;
-# on scontrol requeue and scancel (SIGTERM here too) Slurm decides. A run that
+# stop_and_requeue.sh: sourced by every wrapper in slurm/ (not run on its
+# own; nothing to edit here). What the batch shell does so that every way
+# Slurm stops a job ends with a snapshot and, where the job should run again,
+# a requeue: the time-limit warning (SIGUSR1 here) is relayed to the training
+# step, and after the step stopped the job is requeued; a preemption (SIGTERM
+# to the step only) is seen as PreemptTime and requeued too, since a batch
+# script that just ended during the grace time would end the job for good; on
+# scontrol requeue and scancel (SIGTERM here too) Slurm decides. A run that
 # already holds every epoch is never requeued. Also: the snapshot's name for a
 # submission, and the refusal to share it with another live job. The table,
 # and what must fit before the SIGKILL: docs/slurm.md.
@@ -28,6 +28,11 @@ on_stop_signal() {
 trap 'on_stop_signal USR1' USR1
 trap 'on_stop_signal TERM' TERM
 
+# torchrun's flags for the stop: it relays SIGUSR1 too (by default only
+# SIGTERM, SIGINT, SIGHUP, SIGQUIT), and gives the workers 80 s to save before
+# it kills them (its default is 30 s); the 90 s warning leaves 10 s to spare.
+TORCHRUN_STOP_FLAGS=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=80)
+
 # The training's rank 0 creates this file once the run holds every epoch
 # (train_utils.report_run_finished): a warning or a preemption that came after
 # the last epoch then ends the job instead of requeueing a run with nothing to
@@ -37,32 +42,40 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 # snapshot_for ARGS...: sets SNAPSHOT, the --snapshot_path of this submission,
 # relative to the working folder: snapshot-<job name>[-<array index>][-<8 hex
 # digits>].pt, the digits a hash of the training arguments (a --snapshot_path
-# among them wins). The same sbatch command submitted again (or requeued) gets
-# the same name and resumes; a sweep submitted from one folder (other --lr,
-# say) gets one snapshot per point, never another's; any other change of
-# arguments, a longer --total_epochs too, starts a new run unless it names the
-# snapshot to go on from (--snapshot_path). Then claims the snapshot for this
+# among them wins); with --strategy fsdp a folder, without the .pt (sharded
+# snapshots: one sub-folder per save). The same sbatch command submitted
+# again (or requeued) gets the same name and resumes; a sweep submitted from
+# one folder (other --lr, say) gets one snapshot per point, never another's;
+# any other change of arguments, a longer --total_epochs too, starts a new run
+# unless it names the snapshot to go on from (--snapshot_path). Then claims the snapshot for this
 # job (<snapshot>.job holds the job id, read and written under flock) and
 # exits 2 with one line when another job that is still queued or running holds
 # it: two live jobs must never write one snapshot.
 snapshot_for() {
     local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" arg given="" after=""
-    for arg in "$@"; do  # the script takes the last --snapshot_path given
-        if [ -n "$after" ]; then given="$arg"; after=""; continue; fi
+    local strategy="" suffix=".pt"
+    for arg in "$@"; do  # the script takes the last --snapshot_path (--strategy) given
+        case "$after" in
+            path) given="$arg"; after=""; continue ;;
+            strategy) strategy="$arg"; after=""; continue ;;
+        esac
         case "$arg" in
-            --snapshot_path) after=1 ;;
+            --snapshot_path) after=path ;;
             --snapshot_path=*) given="${arg#--snapshot_path=}" ;;
+            --strategy) after=strategy ;;
+            --strategy=*) strategy="${arg#--strategy=}" ;;
         esac
     done
+    [ "$strategy" = fsdp ] && suffix=""
     if [ -n "$given" ]; then
         SNAPSHOT="$given"
     elif [ "$#" -gt 0 ]; then
-        SNAPSHOT="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8).pt"
-        if [ -e "$name.pt" ] && [ ! -e "$SNAPSHOT" ]; then
-            echo "note: $name.pt (the name without arguments) is not resumed; this submission's is $SNAPSHOT (pass --snapshot_path $name.pt to go on from that one)"
+        SNAPSHOT="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8)$suffix"
+        if [ -e "$name$suffix" ] && [ ! -e "$SNAPSHOT" ]; then
+            echo "note: $name$suffix (the name without arguments) is not resumed; this submission's is $SNAPSHOT (pass --snapshot_path $name$suffix to go on from that one)"
         fi
     else
-        SNAPSHOT="$name.pt"
+        SNAPSHOT="$name$suffix"
     fi
     # The job as squeue and scontrol know it: an array task as <array job id>_<index>.
     local claim="$SNAPSHOT.job" job owner state lock
@@ -93,22 +106,6 @@ snapshot_for() {
     fi
     echo "$job" > "$claim"
     exec {lock}>&-  # unlocked; the step does not inherit it
-}
-
-# require_torchrun [container command...]: one line and exit 2 when the torchrun
-# there is missing or lacks the two flags the wrappers use.
-require_torchrun() {
-    local help
-    if ! help="$("$@" torchrun --help 2>&1)"; then
-        echo "error: no working torchrun${1:+ in the container}; activate the environment in the wrapper's environment block (${help##*$'\n'})" >&2
-        exit 2
-    fi
-    for flag in --signals-to-handle --shutdown-timeout; do
-        if [[ "$help" != *"$flag"* && "$help" != *"${flag//-/_}"* ]]; then
-            echo "error: this torchrun has no $flag, which the stop on a time-limit warning or a preemption needs (torch 2.12 or newer; docs/install.md)" >&2
-            exit 2
-        fi
-    done
 }
 
 # run_step COMMAND...: start the training step in the background, wait until

@@ -5,13 +5,15 @@ packages ``slurmctld slurmd slurm-client munge``), with their own ``munged``,
 configuration, spool and log folders under a temporary directory:
 
 - partition ``single``: node ``<this hostname>`` in the machine's own network,
-  with two "GPUs" (GRES backed by plain files, since there is no GPU; the jobs
+  with four "GPUs" (GRES backed by plain files, since there is no GPU; the jobs
   then run on the CPU with gloo, as the wrappers do on a CPU node);
 - partition ``multi``: nodes ``ddp-node1`` and ``ddp-node2``, each in its own
   network namespace with its own address (10.200.0.1, .2 on a bridge whose
   root-side address 10.200.0.254 is the controller's), its own hostname (a
-  UTS namespace) and two file-backed "GPUs": two hosts as far as Slurm,
+  UTS namespace) and four file-backed "GPUs": two hosts as far as Slurm,
   torchrun and gloo can tell;
+- those three with 8 CPUs each (more than the machine has:
+  ``config_overrides``), so that the wrapper tests' jobs run side by side;
 - partitions ``stops``, ``nograce`` and ``urgent`` over nine more such
   hosts, ``ddp-stop1``..``ddp-stop9`` (10.200.0.11-19), each with 8 "GPUs"
   and 8 CPUs (more than the machine has: ``config_overrides``), for the
@@ -67,7 +69,8 @@ HOSTS_MARK = "# ddp-slurm-test"
 # the test session that owns it, as "<pid>:<start time>" (a pid alone may be
 # reused), to tell a live cluster from one left by a killed session.
 OWNER_VAR = "DDP_TEST_CLUSTER_OWNER"
-GPUS_PER_NODE = 2
+GPUS_PER_NODE = 4  # of the local host and the two multi hosts
+CPUS_PER_NODE = 8  # likewise
 
 
 def unavailable_reason() -> Optional[str]:
@@ -202,7 +205,7 @@ class SlurmCluster:
             gres_lines += [f"NodeName={node} Name=gpu File={file}" for file in files]
         (self.root / "gres.conf").write_text("\n".join(gres_lines) + "\n")
         ctld_port, slurmd_port = _free_port(), _free_port()
-        cpus = os.cpu_count() or 1
+        cpus = CPUS_PER_NODE
         nodes = [f"NodeName={self.hostname} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4096 "
                  f"Gres=gpu:{GPUS_PER_NODE} "
                  f"State=UNKNOWN"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,12 +40,13 @@ class Scenario:
     sbatch: list
     args: list
     trigger: Optional[Callable]
-    reference: tuple  # (script, processes)
+    reference: tuple = ("train.py", 2)  # (script, processes) of the uninterrupted run it ends equal to
     resubmit: bool = False  # after it ends (scancel), submit the same command again
     user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
     partition: str = "stops"
     env: dict = field(default_factory=dict)  # added to the job's environment (DDP_TEST_FAULT)
     trigger_when: tuple = ()  # lines that must all be in the log before the trigger; () : epoch 2's
+    gate: Optional[threading.Event] = None  # and, when given, set before the trigger (by the test)
     # filled in by the driver
     logs: list = field(default_factory=list)
     infos: list = field(default_factory=list)
@@ -107,7 +109,8 @@ def release_when_requeued(cluster, job: int, info: dict, nodes: str, released: s
 
 def drive(cluster, scenario: Scenario, folder: Path) -> None:
     """Submit the scenario's job, trigger its stop once the log shows
-    ``trigger_when`` (default: epoch 2's line), release each requeued run,
+    ``trigger_when`` (default: epoch 2's line) and its ``gate`` is open,
+    release each requeued run,
     wait until the job has ended (and, with ``resubmit``, the same command
     again); the states and logs go to ``scenario.infos`` and ``.logs``."""
     deadline = time.monotonic() + SCENARIO_TIMEOUT_S
@@ -118,6 +121,8 @@ def drive(cluster, scenario: Scenario, folder: Path) -> None:
         while not all(line in job_log(folder, scenario, job) for line in wanted):
             assert time.monotonic() < deadline, f"never saw {wanted}:\n{job_log(folder, scenario, job)}"
             time.sleep(0.2)
+        while scenario.gate is not None and not scenario.gate.wait(0.5):
+            assert time.monotonic() < deadline, f"the gate was never opened:\n{job_log(folder, scenario, job)}"
         signalled = time.monotonic()
         scenario.trigger(cluster, job, scenario.nodes)
     released: set = set()

@@ -1,16 +1,16 @@
 """The sbatch wrappers in slurm/, run unchanged under a real Slurm cluster
-(slurmctld + slurmd daemons, see slurm_cluster.py): one node with two "GPUs"
-for single_gpu.sh and multi_gpu.sh, two hosts in network namespaces for
-multi_node.sh and multi_node_srun.sh, and multinode.py across the two hosts
-with plain torchrun. Every way Slurm stops a job: tests/test_stop_paths.py.
+(slurmctld + slurmd daemons, see slurm_cluster.py), each running train.py,
+all submitted at once: one node with four "GPUs" for single_gpu.sh and
+multi_gpu.sh, two hosts in network namespaces for multi_node.sh (FSDP) and
+multi_node_srun.sh (a container stand-in per rank), and beside them the
+multinode.py rung across the two hosts with plain torchrun. Every way Slurm stops a job: tests/test_stop_paths.py;
+the wrappers as text and their shared files: tests/test_slurm_wrappers.py.
 
 Options on sbatch's command line (resources this machine has, partition,
 --chdir for the output) override the wrappers' #SBATCH lines, as a user's
 would; the wrappers themselves are submitted as they are in the repo.
 """
 
-import datetime
-import os
 import re
 import subprocess
 import sys
@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import LAUNCHER_VARIABLES, REPO, TORCHRUN, epochs, parse_test, run_together, script_env, \
-    wrapper_snapshot
+from helpers import REPO, TORCHRUN, epochs, parse_test, script_env, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
@@ -36,58 +35,116 @@ def cluster(slurm_cluster):
     return slurm_cluster
 
 
-def submit(cluster, tmp_path, wrapper, *args, sbatch=(), env=None) -> int:
-    """sbatch a wrapper from the project folder, output into tmp_path."""
+def submit(cluster, folder, wrapper, *args, sbatch=(), env=None) -> int:
+    """sbatch a wrapper from the project folder, output into ``folder``."""
     job_env = {"VENV_DIR": sys.prefix, **(env or {})}
-    return cluster.sbatch([f"--chdir={tmp_path}", *SMALL, *sbatch, f"slurm/{wrapper}", *args],
+    return cluster.sbatch([f"--chdir={folder}", *SMALL, *sbatch, f"slurm/{wrapper}", *args],
                           cwd=REPO, env=job_env)
 
 
-def finished(cluster, tmp_path, job_id, name) -> tuple[dict, str]:
+def container_stand_in(folder) -> str:
+    """A stand-in for ``apptainer exec IMAGE`` (CONTAINER_RUN): says where it
+    ran and puts the test's Python first on PATH, as an image would."""
+    stand_in = folder / "container-exec"
+    stand_in.write_text("#!/bin/sh\nimage=$1; shift\n"
+                        "echo \"in container $image on $(hostname) as task ${SLURM_PROCID:-none}\"\n"
+                        f"PATH={sys.prefix}/bin:$PATH exec \"$@\"\n")
+    stand_in.chmod(0o755)
+    return str(stand_in)
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory):
+    """Every job of this file submitted at once, side by side on the cluster's
+    nodes (four "GPUs" and eight CPUs each): {name: (job id, its folder)},
+    and "plain": (the two torchrun agents, their folder). Each test then waits
+    for its own."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in
+               ("single_gpu", "multi_gpu", "multi_node", "srun", "wrong_folder")}
+    data = build_mnist_root(folders["multi_gpu"] / "data", n_train=2000, n_test=500)
+    srun = folders["srun"]
+    submitted = {
+        "single_gpu": submit(cluster, folders["single_gpu"], "single_gpu.sh", *SINGLE_ARGS, sbatch=["--gres=gpu:1"]),
+        "multi_gpu": submit(cluster, folders["multi_gpu"], "multi_gpu.sh", "--dataset", "mnist", "--data_dir",
+                            str(data), "--total_epochs", "2", sbatch=["--gres=gpu:2"]),
+        "multi_node": submit(cluster, folders["multi_node"], "multi_node.sh", *FSDP_ARGS,
+                             sbatch=[*MULTI, "--gres=gpu:2"], env={"GLOO_SOCKET_IFNAME": NODE_IFACE}),
+        # VENV_DIR points nowhere: the job succeeds only if the wrapper left the
+        # virtual environment alone and ran python through the container command.
+        "srun": submit(cluster, srun, "multi_node_srun.sh", "--total_epochs", "1",
+                       sbatch=[*MULTI, "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"],
+                       env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "VENV_DIR": str(srun / "no-venv"),
+                            "CONTAINER_IMAGE": "ddp.sif", "CONTAINER_RUN": container_stand_in(srun)}),
+        # submitted from a folder that is not the project's
+        "wrong_folder": cluster.sbatch([*SMALL, "--gres=gpu:1", str(REPO / "slurm" / "multi_gpu.sh")],
+                                       cwd=folders["wrong_folder"], env={"VENV_DIR": sys.prefix}),
+    }
+    jobs = {name: (job, folders[name]) for name, job in submitted.items()}
+    # and, beside them, the rung across the two hosts without Slurm (one torchrun per host)
+    folder = tmp_path_factory.mktemp("plain")
+    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=ddp-node1:29400",
+                      "--rdzv-id=plain", str(REPO / "multinode.py"), "--total_epochs", "2"]
+    agents = []
+    for node in NETNS_NODES:  # output to files: a full pipe would stall an agent until its test reads it
+        with open(folder / f"{node}.out", "w") as out, open(folder / f"{node}.err", "w") as err:
+            agents.append(subprocess.Popen([str(part) for part in cluster.on_host(node, cmd)], cwd=folder,
+                                           env=script_env(GLOO_SOCKET_IFNAME=NODE_IFACE), stdout=out, stderr=err))
+    jobs["plain"] = (agents, folder)
+    try:
+        yield jobs
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+
+
+def finished(cluster, folder, job_id, name) -> tuple[dict, str]:
     info = cluster.wait(job_id, JOB_TIMEOUT_S)
-    log = (tmp_path / f"{name}-{job_id}.out").read_text()
+    log = (folder / f"{name}-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", f"{info}\n{log}\n{cluster.logs()}"
     return info, log
 
 
-def test_single_gpu_wrapper(cluster, tmp_path):
-    job = submit(cluster, tmp_path, "single_gpu.sh", "--total_epochs", "3", "--lr", "0.02")
-    info, log = finished(cluster, tmp_path, job, "single_gpu")
+SINGLE_ARGS = ["--total_epochs", "3", "--lr", "0.02"]
+
+
+def test_single_gpu_wrapper_runs_train_py_as_one_process(cluster, jobs):
+    job, folder = jobs["single_gpu"]
+    info, log = finished(cluster, folder, job, "single_gpu")
     assert info["ExitCode"] == "0:0"
+    assert f"job {job} on " in log and "| 1 processes |" in log
     assert [e["epoch"] for e in epochs(log)] == [1, 2, 3]  # the arguments reached the script
     assert parse_test(log)["loss"] < 0.1
-    state = torch.load(tmp_path / f"checkpoint-{job}.pt", weights_only=True)
-    assert "net.0.weight" in state or any(key.endswith("weight") for key in state)
+    # the snapshot a requeued job resumes from, named after the job and the arguments
+    config = torch.load(folder / wrapper_snapshot("single_gpu", SINGLE_ARGS), weights_only=True)["config"]
+    assert config["world_size"] == 1 and config["lr"] == 0.02 and config["strategy"] == "ddp"
 
 
-def test_multi_gpu_wrapper_runs_one_worker_per_gpu(cluster, tmp_path):
-    data = build_mnist_root(tmp_path / "data", n_train=2000, n_test=500)
-    job = submit(cluster, tmp_path, "multi_gpu.sh", "--dataset", "mnist", "--data_dir", str(data),
-                 "--total_epochs", "2", sbatch=["--gres=gpu:2"])
-    info, log = finished(cluster, tmp_path, job, "multi_gpu")
+def test_multi_gpu_wrapper_runs_one_worker_per_gpu(cluster, jobs):
+    job, folder = jobs["multi_gpu"]
+    info, log = finished(cluster, folder, job, "multi_gpu")
     assert f"job {job} on " in log and "| 2 processes |" in log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]
     assert parse_test(log)["acc"] > 0.8
     # The snapshot is named after the job and the arguments, so that the same command submitted again resumes.
-    snapshot = wrapper_snapshot("multi_gpu", ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "2"])
+    snapshot = wrapper_snapshot("multi_gpu", ["--dataset", "mnist", "--data_dir", folder / "data",
+                                              "--total_epochs", "2"])
     assert f"| {snapshot} |" in log
-    config = torch.load(tmp_path / snapshot, weights_only=True)["config"]
+    config = torch.load(folder / snapshot, weights_only=True)["config"]
     # two workers, from the two GPUs Slurm granted; the flags passed through
     assert config["world_size"] == 2 and config["dataset"] == "mnist"
-    # and one GPU gives one worker, with no edit to the wrapper; another job
-    # name starts afresh beside the first run's snapshot
-    job = submit(cluster, tmp_path, "multi_gpu.sh", "--total_epochs", "1",
-                 sbatch=["--gres=gpu:1", "--job-name=one_gpu"])
-    _, log = finished(cluster, tmp_path, job, "one_gpu")
-    assert "| 1 processes |" in log
-    snapshot = tmp_path / wrapper_snapshot("one_gpu", ["--total_epochs", "1"])
-    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 1
 
 
-def test_multi_node_wrapper_two_hosts_four_ranks(cluster, tmp_path):
-    job = submit(cluster, tmp_path, "multi_node.sh", "--total_epochs", "2",
-                 sbatch=[*MULTI, "--gres=gpu:2"], env={"GLOO_SOCKET_IFNAME": NODE_IFACE})
-    info, log = finished(cluster, tmp_path, job, "multi_node")
+FSDP_ARGS = ["--total_epochs", "2", "--strategy", "fsdp"]
+
+
+def test_multi_node_wrapper_two_hosts_four_ranks_fsdp(cluster, jobs):
+    """--strategy fsdp passes through to train.py; the snapshot the wrapper
+    names for it is a folder of sharded saves (DDP across the hosts:
+    test_stop_paths.py's preemption of multi_node.sh)."""
+    job, folder = jobs["multi_node"]
+    info, log = finished(cluster, folder, job, "multi_node")
     assert info["NodeList"] == "ddp-node[1-2]"
     # The rendezvous: on the job's first host, at the port derived from the job id.
     assert f"| 2 nodes (ddp-node[1-2]) x 2 processes | rendezvous ddp-node1:{15000 + job % 15000} |" in log
@@ -96,78 +153,52 @@ def test_multi_node_wrapper_two_hosts_four_ranks(cluster, tmp_path):
         or seen == {(0, 0, "ddp-node2"), (1, 1, "ddp-node2"), (2, 0, "ddp-node1"), (3, 1, "ddp-node1")}, log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
-    snapshot = tmp_path / wrapper_snapshot("multi_node", ["--total_epochs", "2"])
-    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 4
+    snapshot = folder / wrapper_snapshot("multi_node", FSDP_ARGS)[:-len(".pt")]
+    assert f"| {snapshot.name} |" in log and snapshot.is_dir(), log
+    [meta] = snapshot.glob("*/meta.pt")  # the last save's folder, the one before it deleted
+    assert meta.parent.name == "epoch-2"
+    assert torch.load(meta, weights_only=True)["world_size"] == 4
 
 
-def test_srun_wrapper_one_task_per_gpu_on_two_hosts(cluster, tmp_path):
+def test_srun_wrapper_one_task_per_gpu_on_two_hosts_each_in_the_container(cluster, jobs):
     """slurm/multi_node_srun.sh: srun starts 2 tasks on each of 2 hosts, no
     torchrun; each takes its rank from Slurm and meets the others on the
-    job's first host."""
-    job = submit(cluster, tmp_path, "multi_node_srun.sh", "--total_epochs", "2",
-                 sbatch=[*MULTI, "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"],
-                 env={"GLOO_SOCKET_IFNAME": NODE_IFACE})
-    info, log = finished(cluster, tmp_path, job, "multi_node_srun")
-    assert f"| 2 nodes (ddp-node[1-2]) x 2 tasks | rendezvous ddp-node1:{15000 + job % 15000} |" in log
-    seen = {(int(rank), int(local), host) for rank, local, host, _ in RANK_LINE.findall(log)}
-    # srun's default block distribution: ranks 0, 1 on the first host, 2, 3 on the second
-    assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")}, log
-    assert [e["epoch"] for e in epochs(log)] == [1, 2]
-    snapshot = tmp_path / wrapper_snapshot("multi_node_srun", ["--total_epochs", "2"])
-    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 4
-
-
-def test_srun_wrapper_runs_each_task_in_the_container(cluster, tmp_path):
-    """slurm/multi_node_srun.sh with CONTAINER_IMAGE: srun wraps each task's
-    python in the container command. A stand-in for ``apptainer exec IMAGE``
-    (CONTAINER_RUN) says where it ran and puts the test's Python first on PATH,
-    as an image would; VENV_DIR points nowhere, so the job succeeds only if the
-    wrapper left the virtual environment alone and ran python through it.
+    job's first host. With CONTAINER_IMAGE (a stand-in for apptainer as
+    CONTAINER_RUN) srun wraps each task's python in the container command.
     In a real image, preempted and requeued: tests/test_container.py."""
-    stand_in = tmp_path / "container-exec"
-    stand_in.write_text("#!/bin/sh\nimage=$1; shift\n"
-                        "echo \"in container $image on $(hostname) as task ${SLURM_PROCID:-none}\"\n"
-                        f"PATH={sys.prefix}/bin:$PATH exec \"$@\"\n")
-    stand_in.chmod(0o755)
-    job = submit(cluster, tmp_path, "multi_node_srun.sh", "--total_epochs", "1",
-                 sbatch=[*MULTI, "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"],
-                 env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "VENV_DIR": str(tmp_path / "no-venv"),
-                      "CONTAINER_IMAGE": "ddp.sif", "CONTAINER_RUN": str(stand_in)})
-    _, log = finished(cluster, tmp_path, job, "multi_node_srun")
+    job, folder = jobs["srun"]
+    _, log = finished(cluster, folder, job, "multi_node_srun")
     ran = set(re.findall(r"^in container ddp\.sif on (\S+) as task (\d+)$", log, re.M))
     # every rank through the container (and the batch shell's python check, as task 0)
     assert {(host, int(task)) for host, task in ran} >= {("ddp-node1", 0), ("ddp-node1", 1),
                                                          ("ddp-node2", 2), ("ddp-node2", 3)}, log
+    assert "| 2 nodes (ddp-node[1-2]) x 2 tasks |" in log, log
+    seen = {(int(rank), int(local), host) for rank, local, host, _ in RANK_LINE.findall(log)}
+    # srun's default block distribution: ranks 0, 1 on the first host, 2, 3 on the second
+    assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")}, log
     assert [e["epoch"] for e in epochs(log)] == [1]
-    snapshot = tmp_path / wrapper_snapshot("multi_node_srun", ["--total_epochs", "1"])
+    snapshot = folder / wrapper_snapshot("multi_node_srun", ["--total_epochs", "1"])
     assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 4
 
 
-def test_srun_task_gets_its_rank_from_slurm(monkeypatch):
-    """launcher_store under srun without torchrun: rank, local rank and world
-    size from the task's Slurm variables, the rendezvous from the job."""
-    import train_utils
-
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("SLURM_") and key not in LAUNCHER_VARIABLES}
-    env.update(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_STEP_NUM_TASKS="8",
-               SLURM_NTASKS="8", SLURM_JOB_ID="31337", SLURM_STEP_NODELIST="gpu[07-09,12],cpu1")
-    monkeypatch.setattr(os, "environ", env)  # a copy: nothing leaks into later tests
-    with pytest.raises(RuntimeError):  # no host gpu07 here: the connection fails, after the variables are set
-        train_utils.launcher_store(datetime.timedelta(milliseconds=1))
-    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("5", "1", "8")
-    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("gpu07", str(15000 + 31337 % 15000))
+def test_submitted_from_the_wrong_folder_fails_clearly(cluster, jobs):
+    job, folder = jobs["wrong_folder"]
+    info = cluster.wait(job, JOB_TIMEOUT_S)
+    log = (folder / f"multi_gpu-{job}.out").read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
+    assert log.strip().splitlines() == [
+        f"error: {folder}/slurm/env.sh not found; run sbatch slurm/multi_gpu.sh "
+        f"from the project folder, or set PROJECT_DIR"]
 
 
-def test_multinode_plain_torchrun_across_two_hosts(cluster, tmp_path):
-    """No Slurm: the same torchrun command on each host, as the README shows."""
-    port = 29400
-    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint=ddp-node1:{port}", "--rdzv-id=plain", str(REPO / "multinode.py"),
-                      "--total_epochs", "2"]
-    outputs = run_together([cluster.on_host(node, cmd) for node in NETNS_NODES],
-                           [tmp_path] * len(NETNS_NODES), script_env(GLOO_SOCKET_IFNAME=NODE_IFACE),
-                           timeout=JOB_TIMEOUT_S)
+def test_multinode_plain_torchrun_across_two_hosts(jobs):
+    """No Slurm: the same torchrun command on each host, as the README shows
+    (the rung, multinode.py; started with the jobs above)."""
+    agents, folder = jobs["plain"]
+    outputs = []
+    for agent, node in zip(agents, NETNS_NODES):
+        agent.wait(timeout=JOB_TIMEOUT_S)
+        outputs.append((agent.returncode, (folder / f"{node}.out").read_text(), (folder / f"{node}.err").read_text()))
     for code, stdout, stderr in outputs:
         assert code == 0, stderr[-3000:]
     seen = {(int(rank), host) for _, stdout, _ in outputs for rank, _, host, _ in RANK_LINE.findall(stdout)}
@@ -175,39 +206,3 @@ def test_multinode_plain_torchrun_across_two_hosts(cluster, tmp_path):
     assert {host for _, host in seen} == set(NETNS_NODES)
     summary = [stdout for _, stdout, _ in outputs if epochs(stdout)]
     assert len(summary) == 1 and [e["epoch"] for e in epochs(summary[0])] == [1, 2]
-
-
-def test_submitted_from_the_wrong_folder_fails_clearly(cluster, tmp_path):
-    job = cluster.sbatch([*SMALL, "--gres=gpu:2", str(REPO / "slurm" / "multi_gpu.sh")], cwd=tmp_path,
-                         env={"VENV_DIR": sys.prefix})
-    info = cluster.wait(job, JOB_TIMEOUT_S)
-    log = (tmp_path / f"multi_gpu-{job}.out").read_text()
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
-    assert log.strip().splitlines() == [
-        f"error: {tmp_path}/multigpu_torchrun.py not found; run sbatch slurm/multi_gpu.sh "
-        f"from the project folder, or set PROJECT_DIR"]
-
-
-@pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"])
-def test_wrapper_outside_sbatch_says_how_to_submit(wrapper):
-    env = {key: value for key, value in script_env().items() if not key.startswith("SLURM_")}
-    result = subprocess.run(["bash", f"slurm/{wrapper}"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"error: this is a Slurm batch script; submit it with: sbatch slurm/{wrapper} [training args]"]
-    assert result.stdout == ""
-
-
-@pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"])
-def test_every_sbatch_line_is_explained_and_nothing_is_hard_coded(wrapper):
-    text = (REPO / "slurm" / wrapper).read_text()
-    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
-    assert directives and all(re.match(r"#SBATCH \S+\s+# \S", line) for line in directives), directives
-    for option in ("--time=", "--output=%x-%j.out"):
-        assert any(option in line for line in directives), option
-    # #SBATCH lines after the first command are ignored by sbatch: all must come first.
-    body = text.splitlines()
-    first_command = next(i for i, line in enumerate(body) if line and not line.startswith("#"))
-    assert all(i < first_command for i, line in enumerate(body) if line.startswith("#SBATCH"))
-    assert "set -euo pipefail" in text and "$SLURM_SUBMIT_DIR" in text
-    assert not re.search(r"--nnodes=\d|--nproc_per_node=\d|MASTER_PORT=\d+\s*$", text, re.M)

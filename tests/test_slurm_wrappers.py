@@ -1,96 +1,89 @@
-"""The sbatch wrappers in slurm/ as text: no cluster, no torch, a second or so.
+"""The sbatch wrappers in slurm/ as text, and their shared shell files run
+by themselves: no cluster, no training, seconds.
 
-What Slurm does with them is tests/test_slurm.py and tests/test_stop_paths.py;
-here, what keeps them readable and keeps their copies from drifting apart:
-the blocks marked ``# --- NAME (identical in ...) ---`` ... ``# --- end NAME ---``
-are the same, byte for byte, in every wrapper that has them (and the wrappers
-named below do have them), each header is short, every ``#SBATCH`` line says
-what it is for, and every wrapper parses (``bash -n``) and runs strict. Also
+What Slurm does with the wrappers is tests/test_slurm.py and
+tests/test_stop_paths.py; here: every wrapper takes its environment,
+network and container set-up from slurm/env.sh and its stop handling from
+slurm/stop_and_requeue.sh, copying neither; each header is short and every
+``#SBATCH`` line says what it is for; every wrapper parses (``bash -n``) and
+runs strict. Then what slurm/env.sh does when sourced (the virtual
+environment or the container command, the script, the launcher check, the
+rendezvous port, which the ranks under srun derive alike), and
 slurm/stop_and_requeue.sh's own logic where a real cluster meets it only by
 chance (its requeue's SIGTERM, two jobs taking one snapshot's claim), with
 stand-in scontrol and squeue that make it happen every time.
 """
 
+import datetime
+import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers import LAUNCHER_VARIABLES, wrapper_snapshot
+
 REPO = Path(__file__).resolve().parent.parent
 WRAPPERS = ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"]
-
-# Which wrapper must carry which shared block.
-MUST_HAVE = {
-    "environment": WRAPPERS,
-    "container": WRAPPERS,
-    "network": ["multi_node.sh", "multi_node_srun.sh"],
-    "python check": ["single_gpu.sh", "multi_node_srun.sh"],
-}
 MAX_HEADER_LINES = 12
-BEGIN = re.compile(r"^# --- (?P<name>[a-z ]+?) \(identical in [^)]*\) ---$")
-
-
-def shared_blocks(text: str) -> dict:
-    """{block name: its text, markers included} of one wrapper; each block
-    opened must be closed, and appear once."""
-    blocks, lines = {}, text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        begin = BEGIN.match(line.rstrip("\n"))
-        if not begin:
-            continue
-        name = begin["name"]
-        assert name not in blocks, f"block {name!r} appears twice"
-        end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip("\n") == f"# --- end {name} ---"),
-                   None)
-        assert end is not None, f"block {name!r} has no '# --- end {name} ---' line"
-        blocks[name] = "".join(lines[i:end + 1])
-    return blocks
+SOURCES = [r'^source "\$PROJECT/slurm/stop_and_requeue.sh"$', r'^source "\$PROJECT/slurm/env.sh"$']
+# What only slurm/env.sh (or stop_and_requeue.sh) may hold: the blocks a user edits, the checks, the port.
+SHARED_ONLY = ["VENV=", "activate", "CONTAINER=(", "CONTAINER_RUN", "SOCKET_IFNAME", "python -c", "--help",
+               "15000", "--signals-to-handle", "DATA="]
 
 
 def read(wrapper: str) -> str:
     return (REPO / "slurm" / wrapper).read_text()
 
 
-def test_each_wrapper_has_the_blocks_it_must():
-    for name, wrappers in MUST_HAVE.items():
-        for wrapper in wrappers:
-            assert name in shared_blocks(read(wrapper)), f"{wrapper} lacks the {name!r} block"
-
-
-def test_shared_blocks_are_identical_in_every_wrapper():
-    found = {}  # block name -> {block text: [wrappers]}
-    for wrapper in WRAPPERS:
-        for name, block in shared_blocks(read(wrapper)).items():
-            found.setdefault(name, {}).setdefault(block, []).append(wrapper)
-    assert set(found) >= set(MUST_HAVE), found.keys()
-    for name, versions in found.items():
-        assert len(versions) == 1, f"the {name!r} block differs between " + " | ".join(
-            ", ".join(wrappers) for wrappers in versions.values())
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrapper_sources_the_shared_files_and_copies_nothing_of_them(wrapper):
+    """The stop traps first (a signal may come during set-up), then the
+    environment; the one command of the training step runs the script
+    slurm/env.sh chose (train.py unless SCRIPT_NAME says otherwise)."""
+    text = read(wrapper)
+    lines = [re.search(pattern, text, re.M) for pattern in SOURCES]
+    assert all(lines) and lines[0].start() < lines[1].start(), wrapper
+    assert [word for word in SHARED_ONLY if word in text] == []
+    assert '"$SCRIPT"' in text and re.search(r"^require_launcher (python|torchrun)$", text, re.M)
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_header_is_short(wrapper):
-    """What it runs, how to submit, what to edit: at most 12 comment lines
-    between the #! line and the first #SBATCH; the details are in docs/slurm.md."""
+def test_header_says_what_it_runs_how_to_submit_and_what_to_edit(wrapper):
+    """At most 12 comment lines between the #! line and the first #SBATCH;
+    the details are in docs/slurm.md."""
     lines = read(wrapper).splitlines()
     assert lines[0] == "#!/bin/bash"
     first = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     header = [line for line in lines[1:first] if line.startswith("#")]
     assert header and len(header) <= MAX_HEADER_LINES, f"{len(header)} header lines:\n" + "\n".join(header)
+    text = "\n".join(header)
+    assert header[0].startswith(f"# {wrapper}: train.py"), header[0]
+    assert f"sbatch slurm/{wrapper}" in text or f"slurm/{wrapper} " in text
+    assert "Edit:" in text and "slurm/env.sh" in text and "SCRIPT_NAME" in text, text
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_every_sbatch_line_has_an_explanation(wrapper):
+def test_every_sbatch_line_is_explained_and_nothing_is_hard_coded(wrapper):
     """``#SBATCH --option   # what it is for``, the commented-out ``##SBATCH``
-    ones too."""
-    directives = [line for line in read(wrapper).splitlines() if re.match(r"##?SBATCH", line)]
+    ones too, all before the first command (sbatch ignores later ones); no
+    node, process or port count written in."""
+    text = read(wrapper)
+    directives = [line for line in text.splitlines() if re.match(r"##?SBATCH", line)]
     assert directives
     unexplained = [line for line in directives if not re.match(r"##?SBATCH \S+ +# \S", line)]
     assert not unexplained, unexplained
     for option in ("--partition", "--account"):  # waiting for the cluster's names
         assert any(line.startswith(f"##SBATCH {option}=") for line in directives), option
+    for option in ("--time=", "--output=%x-%j.out", "--requeue", "--signal=B:USR1@90", "--open-mode=append"):
+        assert any(option in line for line in directives), option
+    body = text.splitlines()
+    first_command = next(i for i, line in enumerate(body) if line and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(body) if line.startswith("#SBATCH"))
+    assert not re.search(r"--nnodes=\d|--nproc_per_node=[2-9]|MASTER_PORT=\d+\s*$", text, re.M)
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
@@ -102,7 +95,17 @@ def test_wrapper_parses_and_runs_strict(wrapper):
     # The training step is found at a glance.
     assert re.search(r"^# The training step:", text, re.M)
     # The error for a wrong submission folder assumes no folder name.
-    assert "cd ddp-scripts" not in text and "from the project folder" in text
+    assert "cd ddp-scripts" not in text and "from the project folder" in text and "$SLURM_SUBMIT_DIR" in text
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrapper_outside_sbatch_says_how_to_submit(wrapper):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    result = subprocess.run(["bash", f"slurm/{wrapper}"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: this is a Slurm batch script; submit it with: sbatch slurm/{wrapper} [training args]"]
+    assert result.stdout == ""
 
 
 def test_multi_node_takes_each_nodes_worker_count_on_that_node():
@@ -110,18 +113,115 @@ def test_multi_node_takes_each_nodes_worker_count_on_that_node():
     as many workers as its own node's SLURM_GPUS_ON_NODE, read inside the step,
     not the batch host's. The wrapper's own PER_NODE prefix, run as srun would on
     a node (printf in torchrun's place); one worker where the node has no GPU."""
-    import os
-
     text = read("multi_node.sh")
     [per_node] = [line for line in text.splitlines() if line.startswith("PER_NODE=(")]
     assert "--nproc_per_node=@NPROC@" in text and '"${PER_NODE[@]}"' in text
-    command = per_node + '\n"${PER_NODE[@]}" printf "%s\\n" --nnodes=2 --nproc_per_node=@NPROC@ multinode.py'
+    command = per_node + '\n"${PER_NODE[@]}" printf "%s\\n" --nnodes=2 --nproc_per_node=@NPROC@ train.py'
     for gpus, workers in (("2", "2"), ("4", "4"), (None, "1")):
         env = {key: value for key, value in os.environ.items() if key != "SLURM_GPUS_ON_NODE"}
         env.update({"SLURM_GPUS_ON_NODE": gpus} if gpus else {})
         result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True)
-        assert result.stdout.split() == ["--nnodes=2", f"--nproc_per_node={workers}", "multinode.py"], result
+        assert result.stdout.split() == ["--nnodes=2", f"--nproc_per_node={workers}", "train.py"], result
 
+
+# --------------------------------------------------------------------------
+# slurm/env.sh, sourced as a wrapper sources it
+# --------------------------------------------------------------------------
+
+def _env_sh(folder: Path, commands: str, path: str = "/usr/bin:/bin", **env: str) -> subprocess.CompletedProcess:
+    """``commands`` in a strict bash that sourced slurm/env.sh as a wrapper
+    does (PROJECT the repository), in job 31337 submitted from ``folder``,
+    with ``path`` as PATH and ``env`` added."""
+    script = f'set -euo pipefail; PROJECT="{REPO}"; source "{REPO}/slurm/env.sh"; {commands}'
+    job = {"PATH": path, "SLURM_JOB_ID": "31337", "SLURM_SUBMIT_DIR": str(folder), "USER": "someone", **env}
+    return subprocess.run(["bash", "-c", script], cwd=folder, env=job, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _fake_venv(folder: Path) -> Path:
+    """A folder whose bin/activate marks that it was sourced (VENV_ACTIVATED=1)."""
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin" / "activate").write_text("export VENV_ACTIVATED=1\n")
+    return folder
+
+
+def test_env_sh_activates_the_venv_or_builds_the_container_command(tmp_path):
+    venv = _fake_venv(tmp_path / "venv")
+    show = 'echo "venv=${VENV_ACTIVATED:-0}"; echo "script=$SCRIPT"; echo "data=$DATA"; printf "[%s]" "${CONTAINER[@]+"${CONTAINER[@]}"}"'
+    result = _env_sh(tmp_path, show, VENV_DIR=str(venv))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["venv=1", f"script={REPO}/train.py", "data=/tmp/someone/ddp-data",
+                                          "[]"]  # no container command
+    # The project's own .venv, by default, where it exists
+    _fake_venv(tmp_path / ".venv")
+    assert _env_sh(tmp_path, show).stdout.startswith("venv=1\n")
+    # A container image: no venv; apptainer binds the submission and project folders, DATA_DIR and more
+    result = _env_sh(tmp_path, show, VENV_DIR=str(venv), CONTAINER_IMAGE="ddp.sif", DATA_DIR="/data",
+                     CONTAINER_BINDS="/scratch,/models")
+    assert result.stdout.splitlines() == [
+        "venv=0", f"script={REPO}/train.py", "data=/data",
+        f"[apptainer][exec][--nv][--bind][{tmp_path},{REPO},/data,/scratch,/models][ddp.sif]"], result.stderr
+    result = _env_sh(tmp_path, show, CONTAINER_IMAGE="ddp:latest", CONTAINER_RUN="podman run --rm",
+                     SCRIPT_NAME="multinode.py", SLURM_TMPDIR="/local")
+    assert result.stdout.splitlines() == ["venv=0", f"script={REPO}/multinode.py", "data=/local",
+                                          "[podman][run][--rm][ddp:latest]"], result.stderr
+
+
+def test_env_sh_refuses_a_missing_script_or_launcher_in_one_line(tmp_path):
+    result = _env_sh(tmp_path, "echo sourced", SCRIPT_NAME="nosuch.py")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (f"error: {REPO}/nosuch.py not found; SCRIPT_NAME names a script in the "
+                                     f"project folder ({REPO})")
+    # No python on the PATH (an empty bin folder): the srun wrapper's check
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for launcher in ("python", "torchrun"):
+        result = _env_sh(tmp_path, f"require_launcher {launcher}; echo fine", path=f"{empty}:/bin")
+        assert result.returncode == 2 and "fine" not in result.stdout, result
+        assert result.stderr.startswith(f"error: no working {launcher}; activate the environment in the "
+                                        "environment block of slurm/env.sh"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    # A torchrun without the flags the stop needs (an older torch)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "torchrun").write_text("#!/bin/sh\necho 'usage: torchrun [--nnodes NNODES] [--rdzv-id RDZV_ID]'\n")
+    (old / "torchrun").chmod(0o755)
+    result = _env_sh(tmp_path, "require_launcher torchrun; echo fine", path=f"{old}:/usr/bin:/bin")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: this torchrun has no --signals-to-handle, which the stop on a time-limit warning or a "
+        "preemption needs (torch 2.12 or newer; docs/install.md)"), result.stderr
+    # The tests' own torch passes both checks
+    result = _env_sh(tmp_path, "require_launcher python; require_launcher torchrun; echo fine",
+                     path=f"{Path(sys.executable).parent}:/usr/bin:/bin")
+    assert result.returncode == 0 and result.stdout == "fine\n", result.stderr
+
+
+@pytest.mark.parametrize("job_id", ["31337", "15000", "1", "987654"])
+def test_the_shell_and_each_srun_rank_derive_the_same_rendezvous_port(tmp_path, monkeypatch, job_id):
+    """multi_node.sh's torchrun rendezvous (rendezvous_port in slurm/env.sh)
+    and multi_node_srun.sh's ranks (train_utils.launcher_store under srun, no
+    torchrun) meet at the same port for a job: 15000 + job id % 15000. The
+    srun rank also takes rank, local rank, world size and the first host from
+    Slurm's variables."""
+    import train_utils
+
+    shell = _env_sh(tmp_path, "rendezvous_port", SLURM_JOB_ID=job_id)
+    assert shell.returncode == 0, shell.stderr
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("SLURM_") and key not in LAUNCHER_VARIABLES}
+    env.update(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_STEP_NUM_TASKS="8",
+               SLURM_NTASKS="8", SLURM_JOB_ID=job_id, SLURM_STEP_NODELIST="gpu[07-09,12],cpu1")
+    monkeypatch.setattr(os, "environ", env)  # a copy: nothing leaks into later tests
+    with pytest.raises(RuntimeError):  # no host gpu07 here: the connection fails, after the variables are set
+        train_utils.launcher_store(datetime.timedelta(milliseconds=1))
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("5", "1", "8", "gpu07")
+    assert shell.stdout.strip() == env["MASTER_PORT"] == str(15000 + int(job_id) % 15000)
+    assert 15000 <= int(env["MASTER_PORT"]) < 30000
+
+
+# --------------------------------------------------------------------------
+# slurm/stop_and_requeue.sh, sourced as a wrapper sources it
+# --------------------------------------------------------------------------
 
 def _stand_in(bin_dir: Path, command: str, body: str) -> None:
     """An executable bash script ``bin_dir/command`` running ``body``, in place
@@ -198,6 +298,23 @@ def test_a_job_waits_for_the_claim_another_job_is_taking(tmp_path):
         "error: snapshot snapshot-sweep.pt belongs to job 5, which is RUNNING: two live jobs must not share a "
         "snapshot; wait for job 5 to end (or scancel it), or submit with other arguments or --job-name")
     assert claim.read_text() == "5\n"
+
+
+def test_a_submissions_snapshot_is_named_after_its_arguments_and_is_a_folder_under_fsdp(tmp_path):
+    """The same arguments, the same name (a requeued job, the same command
+    again); other arguments, another; --strategy fsdp (train.py's sharded
+    snapshots) a folder's name, without .pt; a --snapshot_path given wins."""
+    bin_dir = tmp_path / "bin"
+    _stand_in_squeue(bin_dir, "COMPLETED")
+    for args, name in ((["--lr", "0.1"], wrapper_snapshot("sweep", ["--lr", "0.1"])),
+                       ([], "snapshot-sweep.pt"),
+                       (["--strategy", "fsdp"], wrapper_snapshot("sweep", ["--strategy", "fsdp"])[:-3]),
+                       (["--strategy=fsdp", "--lr", "1"], wrapper_snapshot("sweep", ["--strategy=fsdp", "--lr", "1"])[:-3]),
+                       (["--strategy", "fsdp", "--strategy", "ddp"],
+                        wrapper_snapshot("sweep", ["--strategy", "fsdp", "--strategy", "ddp"])),
+                       (["--strategy", "fsdp", "--snapshot_path", "mine"], "mine")):
+        result = _snapshot_for(tmp_path, bin_dir, "6", *args)
+        assert result.returncode == 0 and result.stdout.splitlines()[-1] == f"SNAPSHOT={name}", (args, result)
 
 
 def test_a_claim_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):

@@ -6,8 +6,9 @@ GraceTime 0, two hosts) under partition ``urgent`` (tier 10, all nine).
 No signal is sent by hand:
 
 - preemption: a high-priority ``sbatch -p urgent --exclusive`` job takes the
-  nodes of a running ``multi_gpu.sh``, ``multi_node.sh`` (2 hosts) and
-  ``multi_node_srun.sh`` (2 hosts x 2 tasks) job; Slurm sends the step SIGTERM;
+  nodes of a running ``multi_node.sh`` (2 hosts: a torchrun agent per host in
+  the srun step, as ``multi_gpu.sh`` has one) and ``multi_node_srun.sh`` (2
+  hosts, a rank per task, no torchrun) job; Slurm sends the step SIGTERM;
   without a grace time, SIGTERM to everything and SIGKILL after KillWait
   (once with a save held past it); then, once no other job is being
   preempted, with ``SlurmctldParameters=preempt_send_user_signal`` (the job's
@@ -18,14 +19,16 @@ No signal is sent by hand:
 - ``scontrol requeue`` (once while the ranks start), and ``scancel``;
 - a sweep submitted from one folder, and the same command twice.
 
-``--snapshot_every_steps`` is left unset, so only the stop itself can write a
-mid-epoch snapshot. Every scenario runs side by side with the others on its
-own nodes (one module fixture drives them all in threads); each test then
-checks one: the job's end state, that each run resumes exactly where the one
-before saved, that every epoch is summarised once, and that the final weights
-equal those of an uninterrupted run, bitwise. The tests' fault hook
-(DDP_TEST_FAULT) holds a rank where a path needs it (in start-up, after the
-last epoch, inside a save), so no path depends on when a signal lands.
+Every job runs train.py with 2 ranks, so one uninterrupted run of it is the
+reference for all. ``--snapshot_every_steps`` is left unset, so only the
+stop itself can write a mid-epoch snapshot. Every scenario runs side by side
+with the others on its own nodes (one module fixture drives them all in
+threads); each test then checks one: the job's end state, that each run
+resumes exactly where the one before saved, that every epoch is summarised
+once, and that the final weights equal those of an uninterrupted run,
+bitwise. The tests' fault hook (DDP_TEST_FAULT) holds a rank where a path
+needs it (in start-up, at step 30 until a stop signal comes, after the last
+epoch, inside a save), so no path depends on when a signal lands.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ SHORT = ["--total_epochs", "20", "--batch_size", "8"]
 # held, trains the rest.
 HOLD_FOR_WARNING = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
 GPUS_2 = ["--gres=gpu:2"]
+# What every scenario's final snapshot is compared with: train.py, 2 ranks, SHORT, never stopped.
+REFERENCE = ("train.py", 2)
 # The stop's save hangs (the tests' hook, after the temporary file is written,
 # before the rename), as a save too large for KillWait would: Slurm's SIGKILL
 # must leave the snapshot before it whole.
@@ -60,36 +65,39 @@ SAVE_EVERY_EPOCH = [*SHORT, "--save_every", "1"]
 HOLD_AT_STARTUP = {"DDP_TEST_FAULT": "startup:*:1:hang"}
 AT_STARTUP = ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1")
 SCENARIOS = [
-    Scenario("preempt-multi_gpu", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
-             ("multigpu_torchrun.py", 2)),
     Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", "--gres=gpu:1"], SHORT,
-             preempt, ("multinode.py", 2)),
+             preempt, REFERENCE),
     Scenario("preempt-srun", "multi_node_srun.sh", "ddp-stop[4-5]",
-             ["--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"], SHORT, preempt, ("multinode.py", 4)),
+             ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], SHORT, preempt, REFERENCE),
     Scenario("time-limit", "multi_gpu.sh", "ddp-stop6", [*GPUS_2, "--time=4", "--array=7"], SHORT, None,
-             ("multigpu_torchrun.py", 2), env=HOLD_FOR_WARNING),
+             REFERENCE, env=HOLD_FOR_WARNING),
     Scenario("scontrol-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
-             ("multigpu_torchrun.py", 2)),
-    Scenario("scancel", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scancel, ("multigpu_torchrun.py", 2),
+             REFERENCE),
+    Scenario("scancel", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scancel, REFERENCE,
              resubmit=True),
     # scontrol requeue while every rank is still starting (held there by the tests' hook)
     Scenario("startup-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
-             ("multigpu_torchrun.py", 2), env=HOLD_AT_STARTUP, trigger_when=AT_STARTUP),
+             REFERENCE, env=HOLD_AT_STARTUP, trigger_when=AT_STARTUP),
     # The time-limit warning after the last epoch: the run holds every epoch
     # (the hook holds rank 0 there until a stop signal comes): not requeued.
     Scenario("finished-warned", "multi_gpu.sh", "ddp-stop9", [*GPUS_2, "--time=3"], ["--total_epochs", "3"],
-             None, ("multigpu_torchrun.py", 2), env={"DDP_TEST_FAULT": "finished:0:1:wait_signal"}),
+             None, REFERENCE, env={"DDP_TEST_FAULT": "finished:0:1:wait_signal"}),
     # Preemption without GraceTime: SIGTERM to everything at once, SIGKILL
     # after KillWait. Once with a stop that saves in time, once with a save
     # held past KillWait.
-    Scenario("nograce", "multi_gpu.sh", "ddp-stop7", GPUS_2, SHORT, preempt, ("multigpu_torchrun.py", 2),
+    Scenario("nograce", "multi_gpu.sh", "ddp-stop7", GPUS_2, SHORT, preempt, REFERENCE,
              partition="nograce"),
     Scenario("nograce-killed-saving", "multi_gpu.sh", "ddp-stop8", GPUS_2, SAVE_EVERY_EPOCH, preempt,
-             ("multigpu_torchrun.py", 2), partition="nograce", env={"DDP_TEST_FAULT": "save:0:3:hang"}),
+             REFERENCE, partition="nograce", env={"DDP_TEST_FAULT": "save:0:3:hang"}),
     # Clusters that set preempt_send_user_signal send the job's --signal
     # (SIGUSR1 to the batch shell) at preemption instead of the first SIGTERM.
+    # The setting is cluster-wide: the job waits at step 30 (the tests' hook,
+    # until a stop signal comes) for the other preemptions to be over, then it
+    # is switched on (the gate) and the job preempted.
     Scenario("preempt-user-signal", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
-             ("multigpu_torchrun.py", 2), user_signal=True),
+             REFERENCE, user_signal=True, env=HOLD_FOR_WARNING, gate=threading.Event(),
+             trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
+                           "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
 ]
 
 
@@ -101,11 +109,11 @@ SCENARIOS = [
 SWEEP_NODE = "ddp-stop9"
 SWEEP_HOLD = {"DDP_TEST_FAULT": "finished:0:1:wait_signal"}
 SWEEP_SHORTER = ["--total_epochs", "6", "--batch_size", "8"]
-SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, ("multigpu_torchrun.py", 2),
+SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, REFERENCE,
                   env=SWEEP_HOLD),
          Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, [*SWEEP_SHORTER, "--lr", "0.02"], None,
-                  ("multigpu_torchrun.py", 2)),
-         Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, ("multigpu_torchrun.py", 2),
+                  REFERENCE),
+         Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, REFERENCE,
                   env=SWEEP_HOLD)]
 
 
@@ -139,10 +147,18 @@ def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
     return folder / f"snapshot_{script[:-3]}.pt"  # the script's default --snapshot_path
 
 
+def _wait_until(condition, timeout_s: float = SCENARIO_TIMEOUT_S + 60) -> None:
+    """Poll ``condition()`` until true; past ``timeout_s`` go on (each
+    scenario's own deadline reports what went wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def stopped(slurm_cluster, tmp_path_factory):
     """Runs every scenario side by side (one thread each) and the uninterrupted
-    reference runs one after another beside them; returns
+    reference run beside them; returns
     ({name: (scenario, its folder)}, {(script, processes, args): snapshot})."""
     root = tmp_path_factory.mktemp("stops")
     threads, folders = [], {}
@@ -169,28 +185,28 @@ def stopped(slurm_cluster, tmp_path_factory):
     sweep_thread = threading.Thread(target=sweep_target, daemon=True, name="sweep")
     sweep_thread.start()
     started = time.monotonic()
-    for thread, scenario in zip(threads, SCENARIOS):
-        if not scenario.user_signal:
-            thread.start()
-    references = {}
-    for scenario in SCENARIOS:
-        key = (*scenario.reference, tuple(scenario.args))
-        if key not in references:
-            references[key] = _reference(*scenario.reference, scenario.args, root / f"reference-{len(references)}")
-    preempting = [(thread, scenario) for thread, scenario in zip(threads, SCENARIOS)
-                  if scenario.trigger is preempt and not scenario.user_signal]
-    for thread, _ in preempting:
-        thread.join(SCENARIO_TIMEOUT_S + 60)
+    for thread in threads:
+        thread.start()
+    # The one uninterrupted run the checks compare with (saving more often, or
+    # fewer epochs, have no reference of their own: no test compares them)
+    references = {(*REFERENCE, tuple(SHORT)): _reference(*REFERENCE, SHORT, root / "reference")}
+
+    def preempted(scenario, thread) -> bool:  # or never will be
+        return scenario.signal_to_exit_s is not None or bool(scenario.error) or not thread.is_alive()
+
     # The cluster-wide setting, once no other job is being preempted: switched
-    # on, then off again; the jobs of the other paths go on meanwhile.
+    # on until the user-signal job's preemption is over, then off again; the
+    # jobs of the other paths go on meanwhile.
+    others = [(s, thread) for s, thread in zip(SCENARIOS, threads) if s.trigger is preempt and not s.user_signal]
+    users = [(s, thread) for s, thread in zip(SCENARIOS, threads) if s.user_signal]
+    _wait_until(lambda: all(preempted(s, thread) for s, thread in others))
     config = slurm_cluster.conf.read_text()
     slurm_cluster.conf.write_text(config + "SlurmctldParameters=preempt_send_user_signal\n")
     subprocess.run(["scontrol", "reconfigure"], env=slurm_cluster.env, check=True)
     try:
-        for thread, scenario in zip(threads, SCENARIOS):
-            if scenario.user_signal:
-                thread.start()
-                thread.join(SCENARIO_TIMEOUT_S + 60)
+        for scenario, _ in users:
+            scenario.gate.set()
+        _wait_until(lambda: all(preempted(s, thread) for s, thread in users))
     finally:
         slurm_cluster.conf.write_text(config)
         subprocess.run(["scontrol", "reconfigure"], env=slurm_cluster.env, check=True)
@@ -218,8 +234,8 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name):
     print(f"{name}: stopped at epoch {stops[0][0]} step {stops[0][1]}, {len(texts)} runs, "
           f"{scenario.signal_to_exit_s:.1f} s from the preemption to the job leaving RUNNING")
     assert parse_test(texts[-1])
-    if name == "preempt-srun":  # 2 hosts x 2 tasks, ranks from Slurm
-        assert "| 2 nodes (ddp-stop[4-5]) x 2 tasks |" in texts[0] and "world_size 4" in texts[0]
+    if name == "preempt-srun":  # 2 hosts x 1 task, ranks from Slurm
+        assert "| 2 nodes (ddp-stop[4-5]) x 1 tasks |" in texts[0] and "world_size 2" in texts[0], texts[0]
     snapshot = folders[name] / wrapper_snapshot(name, scenario.args)
     assert_same_snapshot(snapshot, references[(*scenario.reference, tuple(scenario.args))])
 

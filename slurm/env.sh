@@ -1,0 +1,85 @@
+# env.sh: sourced by every wrapper in slurm/ (single_gpu.sh, multi_gpu.sh,
+# multi_node.sh, multi_node_srun.sh); not run on its own. The one file to
+# edit for your cluster: the environment block (where python and torch come
+# from), the network block (nodes with several networks), the container
+# block's variables. Then what every wrapper needs from them: the script it
+# runs (SCRIPT), the multi-node jobs' data folder (DATA), the rendezvous port
+# (rendezvous_port) and the check that python or torchrun works
+# (require_launcher). Expects PROJECT, the project folder, from the wrapper.
+
+# --- environment (edit for your cluster) ---
+set +u  # activation scripts (conda, some module systems) read unset variables
+# Default: the project's .venv (README set-up) or VENV_DIR's, where it exists and
+# no CONTAINER_IMAGE is set. A line below this one takes over from it:
+VENV="${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}"
+if [ -z "${CONTAINER_IMAGE:-}" ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
+# module load cuda/12.4 python/3.11                       # a module system, or
+# eval "$(conda shell.bash hook)" && conda activate ddp   # conda, or
+# CONTAINER_IMAGE=image.sif: a container instead (the container block below)
+set -u
+# --- end environment ---
+
+# --- network (multi-node jobs) ---
+# Nodes with several networks: the one the nodes reach each other on. gloo
+# needs it even in NCCL jobs (the stop signal's CPU group); `ip -brief addr`.
+# export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0
+# --- end network ---
+
+# --- container ---
+# CONTAINER_IMAGE=image.sif: the training command runs in the image (docs/containers.md);
+# CONTAINER_RUN replaces the command before the image (split at spaces);
+# CONTAINER_BINDS: more folders to bind (comma-separated), beside the project,
+# the submission folder and DATA_DIR.
+CONTAINER=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    BINDS="$SLURM_SUBMIT_DIR,$PROJECT${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+    # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
+    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
+fi
+# ${CONTAINER[@]+"${CONTAINER[@]}"}: that command, or nothing (also under set -u in bash < 4.4).
+# --- end container ---
+
+# The training script: train.py, the kit. SCRIPT_NAME=multinode.py (say) runs
+# another script of the project folder instead, one of the ladder's rungs: it
+# gets the same arguments, but has no stop handling of its own (docs/slurm.md).
+SCRIPT="$PROJECT/${SCRIPT_NAME:-train.py}"
+if [ ! -f "$SCRIPT" ]; then
+    echo "error: $SCRIPT not found; SCRIPT_NAME names a script in the project folder ($PROJECT)" >&2
+    exit 2
+fi
+
+# Multi-node jobs' data: node-local (each node's local rank 0 downloads a
+# copy), unless DATA_DIR names a pre-staged folder.
+DATA="${DATA_DIR:-${SLURM_TMPDIR:-/tmp/${USER:-$(id -un)}/ddp-data}}"
+
+# rendezvous_port: prints the port the ranks of this job meet at on its first
+# node, 15000 + job id % 15000: 15000-29999, below Linux's ephemeral range,
+# the same for a requeued job, different for jobs sharing a node. Under srun
+# without torchrun each rank derives the same port itself (train_utils).
+rendezvous_port() {
+    echo $((15000 + SLURM_JOB_ID % 15000))
+}
+
+# require_launcher python|torchrun: one line and exit 2 when that command,
+# in the container if there is one, is missing; torchrun must also have the
+# two flags the stop on a time-limit warning or a preemption needs.
+require_launcher() {
+    local help flag where="${CONTAINER_IMAGE:+ in the container}"
+    if [ "$1" = python ]; then
+        if ! ${CONTAINER[@]+"${CONTAINER[@]}"} python -c '' 2>/dev/null; then
+            echo "error: no working python$where; activate the environment in the environment block of slurm/env.sh" >&2
+            exit 2
+        fi
+        return
+    fi
+    if ! help="$(${CONTAINER[@]+"${CONTAINER[@]}"} torchrun --help 2>&1)"; then
+        echo "error: no working torchrun$where; activate the environment in the environment block of slurm/env.sh (${help##*$'\n'})" >&2
+        exit 2
+    fi
+    for flag in --signals-to-handle --shutdown-timeout; do
+        if [[ "$help" != *"$flag"* && "$help" != *"${flag//-/_}"* ]]; then
+            echo "error: this torchrun has no $flag, which the stop on a time-limit warning or a preemption needs (torch 2.12 or newer; docs/install.md)" >&2
+            exit 2
+        fi
+    done
+}
