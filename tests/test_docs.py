@@ -91,6 +91,32 @@ def test_documented_commands_run_as_written(doc, number, block):
     assert not re.search(r"\b[A-Z][A-Z_]*_HOST\b|\bJOB_ID\b", block), "placeholders belong in ```text"
 
 
+# What user-facing pages do not say: the project's history and its test
+# machines belong in commit messages and results tables, not in running text.
+NOT_FOR_USERS = [
+    r"\bissues? #\d+", r"\(issue\b", r"\buntested (?:here|there)\b",
+    r"\bnot (?:run|tried|measured|tested|reproduced) here\b", r"\bno GPU was (?:lent|available)\b",
+    r"\bthe session\b", r"\bhere \(\d+ (?:CPU |shared )?cores", r"\b\d+ min \d+ s here\b",
+    r"\b(?:seen|measured|found|run|ran) here\b", r"\bon this machine\b", r"\bthis (?:VM|work)\b",
+    r"\b(?:an earlier version of this page|before this work)\b",
+]
+
+
+def test_user_pages_speak_to_users():
+    """README.md and docs/*.md carry no issue numbers, no "untested here", no
+    remarks about the machines or sessions the project was built on: measured
+    figures go in results tables that name the machine and torch version."""
+    found = [f"{doc.relative_to(REPO)}: {match.group(0)!r}"
+             for doc in DOCS for pattern in NOT_FOR_USERS
+             for match in re.finditer(pattern, doc.read_text(), re.I)]
+    assert not found, "\n".join(found)
+
+
+def test_the_phrase_check_can_fail():
+    assert any(re.search(p, "fixed in (issue #24), untested here", re.I) for p in NOT_FOR_USERS)
+    assert not any(re.search(p, "torchrun restarts every rank here", re.I) for p in NOT_FOR_USERS)
+
+
 def _workspace(folder, data_dir) -> dict:
     """Make ``folder`` a user's checkout as the docs assume it (the scripts, the
     task modules, train_utils, the guide's my_task.py); return the environment
