@@ -117,6 +117,26 @@ def test_the_phrase_check_can_fail():
     assert not any(re.search(p, "torchrun restarts every rank here", re.I) for p in NOT_FOR_USERS)
 
 
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but - and _ dropped, spaces -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_lead_somewhere():
+    """Every relative link of README.md and docs/*.md names a file that exists
+    and, with a #fragment, a heading of that file."""
+    broken = []
+    for doc in DOCS:
+        for target, fragment in re.findall(r"\]\(([\w./-]*\.md)(?:#([\w-]+))?\)", doc.read_text()):
+            path = (doc.parent / target).resolve()
+            if not path.is_file():
+                broken.append(f"{doc.relative_to(REPO)}: {target}")
+            elif fragment and fragment not in {_anchor(h) for h in
+                                                re.findall(r"^#+ (.*)$", path.read_text(), re.M)}:
+                broken.append(f"{doc.relative_to(REPO)}: {target}#{fragment}")
+    assert not broken, broken
+
+
 def _workspace(folder, data_dir) -> dict:
     """Make ``folder`` a user's checkout as the docs assume it (the scripts, the
     task modules, train_utils, the guide's my_task.py); return the environment

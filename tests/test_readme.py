@@ -67,8 +67,8 @@ def check_shown_output(block: str, stdout: str) -> None:
     """Called by tests/test_docs.py's one-folder walk, which runs the README's
     blocks as written, with each block and what it printed: for Step 1's block,
     the output shown there against its first command, `python singlegpu.py`
-    (the default job is deterministic on a CPU; the block's second run starts
-    with its own `epoch 1/`); for the train.py section's block, the output
+    (the default job is deterministic on a CPU; a later run in the block
+    would start with its own `epoch 1/`); for the train.py section's block, the output
     shown against its second command (a resume); every number but the timings."""
     if block == _blocks(_section("Step 1"), "bash")[0]:
         assert block.splitlines()[0] == "python singlegpu.py"
