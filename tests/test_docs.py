@@ -10,7 +10,12 @@ test that covers them instead. Output shown in ```text blocks is not run.
 
 Every block runs in a walk through README.md and then the pages in
 reading order, all in one folder, as a newcomer runs them, so that what one
-block leaves behind (snapshots, metrics files) meets the next.
+block leaves behind (snapshots, metrics files) meets the next. The rungs'
+blocks run the ladder; every kit feature's block runs train.py.
+
+The pages also speak to users (no issue numbers, no remarks about the
+machines the project was built on) and their links lead to a file and a
+heading that exist.
 """
 
 import os
