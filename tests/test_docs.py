@@ -10,7 +10,12 @@ test that covers them instead. Output shown in ```text blocks is not run.
 
 Every block runs in a walk through README.md and then the pages in
 reading order, all in one folder, as a newcomer runs them, so that what one
-block leaves behind (snapshots, metrics files) meets the next.
+block leaves behind (snapshots, metrics files) meets the next. The rungs'
+blocks run the ladder; every kit feature's block runs train.py.
+
+The pages also speak to users (no issue numbers, no remarks about the
+machines the project was built on) and their links lead to a file and a
+heading that exist.
 """
 
 import os
@@ -89,6 +94,52 @@ def test_documented_commands_run_as_written(doc, number, block):
             assert wrapper.split("/")[1] in (REPO / "tests" / "test_slurm.py").read_text()
         pytest.skip(f"not run here: {reason}")
     assert not re.search(r"\b[A-Z][A-Z_]*_HOST\b|\bJOB_ID\b", block), "placeholders belong in ```text"
+
+
+# What user-facing pages do not say: the project's history and its test
+# machines belong in commit messages and results tables, not in running text.
+NOT_FOR_USERS = [
+    r"\bissues? #\d+", r"\(issue\b", r"\buntested (?:here|there)\b",
+    r"\bnot (?:run|tried|measured|tested|reproduced) here\b", r"\bno GPU was (?:lent|available)\b",
+    r"\bthe session\b", r"\bhere \(\d+ (?:CPU |shared )?cores", r"\b\d+ min \d+ s here\b",
+    r"\b(?:seen|measured|found|run|ran) here\b", r"\bon this machine\b", r"\bthis (?:VM|work)\b",
+    r"\b(?:an earlier version of this page|before this work)\b",
+]
+
+
+def test_user_pages_speak_to_users():
+    """README.md and docs/*.md carry no issue numbers, no "untested here", no
+    remarks about the machines or sessions the project was built on: measured
+    figures go in results tables that name the machine and torch version."""
+    found = [f"{doc.relative_to(REPO)}: {match.group(0)!r}"
+             for doc in DOCS for pattern in NOT_FOR_USERS
+             for match in re.finditer(pattern, doc.read_text(), re.I)]
+    assert not found, "\n".join(found)
+
+
+def test_the_phrase_check_can_fail():
+    assert any(re.search(p, "fixed in (issue #24), untested here", re.I) for p in NOT_FOR_USERS)
+    assert not any(re.search(p, "torchrun restarts every rank here", re.I) for p in NOT_FOR_USERS)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but - and _ dropped, spaces -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_lead_somewhere():
+    """Every relative link of README.md and docs/*.md names a file that exists
+    and, with a #fragment, a heading of that file."""
+    broken = []
+    for doc in DOCS:
+        for target, fragment in re.findall(r"\]\(([\w./-]*\.md)(?:#([\w-]+))?\)", doc.read_text()):
+            path = (doc.parent / target).resolve()
+            if not path.is_file():
+                broken.append(f"{doc.relative_to(REPO)}: {target}")
+            elif fragment and fragment not in {_anchor(h) for h in
+                                                re.findall(r"^#+ (.*)$", path.read_text(), re.M)}:
+                broken.append(f"{doc.relative_to(REPO)}: {target}#{fragment}")
+    assert not broken, broken
 
 
 def _workspace(folder, data_dir) -> dict:

@@ -1,7 +1,8 @@
-"""The README's two set-up commands are what users and CI run: keep them true;
-the output the README shows is what its commands print (checked by the walk
-in tests/test_docs.py, which runs them); and a new shell is told how to get
-`python` and `torchrun` from the environment."""
+"""The README: its two set-up commands are what users and CI run (keep them
+true); it stays short (what this is, the set-up, Steps 1-5, one per rung,
+then train.py); the output it shows is what its commands print (checked by the
+walk in tests/test_docs.py, which runs them); and a new shell is told how to
+get `python` and `torchrun` from the environment."""
 
 import re
 
@@ -65,33 +66,68 @@ def _assert_shown_in(shown: str, printed: str) -> None:
 def check_shown_output(block: str, stdout: str) -> None:
     """Called by tests/test_docs.py's one-folder walk, which runs the README's
     blocks as written, with each block and what it printed: for Step 1's block,
-    the Output example against its first command, `python singlegpu.py` (the
-    default job is deterministic on a CPU); for Step 3's, the output shown
-    against its second command (a resume); every number but the timings."""
+    the output shown there against its first command, `python singlegpu.py`
+    (the default job is deterministic on a CPU; a later run in the block
+    would start with its own `epoch 1/`); for the train.py section's block, the output
+    shown against its second command (a resume); every number but the timings."""
     if block == _blocks(_section("Step 1"), "bash")[0]:
         assert block.splitlines()[0] == "python singlegpu.py"
-        first_run = stdout.split("\ndevice ")[0]  # the block's second command starts with its own device line
-        shown, = _blocks(_section("Output"), "text")
+        second_start = stdout.find("epoch 1/", stdout.find("epoch 1/") + 1)
+        first_run = stdout[:second_start] if second_start > 0 else stdout
+        shown, = _blocks(_section("Step 1"), "text")
         _assert_shown_in(shown, first_run)
-    elif block == _blocks(_section("Step 3"), "bash")[0]:
+    elif block == _blocks(_section("For real runs"), "bash")[0]:
         second_run = "device " + stdout.split("\ndevice ")[1]
-        shown = re.search(r"The second command above prints:\n\n```text\n(.*?)```", _section("Step 3"), re.S)
-        _assert_shown_in(shown.group(1), second_run)
+        _assert_shown_in(_shown_resume(), second_run)
+
+
+def _shown_resume() -> str:
+    return re.search(r"The second command prints.*?\n\n```text\n(.*?)```", _section("For real runs"),
+                     re.S).group(1)
 
 
 def test_the_shown_output_is_compared_with_real_runs():
-    """check_shown_output recognises Step 1's and Step 3's blocks (the walk in
-    tests/test_docs.py runs them) and fails on a number that differs."""
-    step_1, step_3 = _blocks(_section("Step 1"), "bash")[0], _blocks(_section("Step 3"), "bash")[0]
-    shown, = _blocks(_section("Output"), "text")
+    """check_shown_output recognises Step 1's block and the train.py section's
+    (the walk in tests/test_docs.py runs them) and fails on a number that differs."""
+    step_1, kit = _blocks(_section("Step 1"), "bash")[0], _blocks(_section("For real runs"), "bash")[0]
+    shown, = _blocks(_section("Step 1"), "text")
     printed = shown.replace("...\n", "").replace("samples/s 2", "samples/s 9")  # timings may differ
-    check_shown_output(step_1, printed + "device cpu | the block's second run\n")
+    check_shown_output(step_1, printed + "epoch 1/2 | the block's second run\n")
     with pytest.raises(AssertionError):
         check_shown_output(step_1, printed.replace("test | loss 0.0", "test | loss 0.1"))
-    resumed = re.search(r"prints:\n\n```text\n(.*?)```", _section("Step 3"), re.S).group(1)
-    check_shown_output(step_3, "device cpu | the first run\n" + resumed)
+    resumed = _shown_resume()
+    check_shown_output(kit, "device cpu | the first run\n" + resumed)
     with pytest.raises(AssertionError):
-        check_shown_output(step_3, "device cpu | the first run\n" + resumed.replace("epoch 3/4", "epoch 3/5"))
+        check_shown_output(kit, "device cpu | the first run\n" + resumed.replace("epoch 3/4", "epoch 3/5"))
+
+
+# --------------------------------------------------------------------------
+# The README's shape: short, the set-up first, a step per rung, then the kit
+# --------------------------------------------------------------------------
+
+RUNGS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
+
+
+def test_the_readme_is_short_and_has_a_step_per_rung_then_the_kit():
+    """At most 250 lines; the two set-up commands in its first block; then
+    Step 1 to Step 5, one per rung, in ladder order, each running its rung
+    and, from Step 2 on, naming the `diff -u` to read; then the train.py section."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    headings = re.findall(r"^## (.*)$", readme, re.M)
+    steps = [h for h in headings if h.startswith("Step ")]
+    assert len(steps) == 5 and all(h.startswith(f"Step {n}: `{rung}`")
+                                   for n, (h, rung) in enumerate(zip(steps, RUNGS), start=1)), steps
+    assert headings.index("For real runs: `train.py`") == headings.index(steps[-1]) + 1
+    for n, (previous, rung) in enumerate(zip([None] + RUNGS, RUNGS), start=1):
+        section = _section(f"Step {n}")
+        assert rung in "".join(_blocks(section, "bash")), rung
+        if previous:
+            assert f"diff -u {previous} {rung}" in section, rung
+    assert "train.py" in "".join(_blocks(_section("For real runs"), "bash"))
+    assert readme.index("```bash") < readme.index("## Step 1")  # the set-up commands come first
+    for doc in re.findall(r"\]\((docs/[\w-]+\.md)\)", readme):
+        assert (REPO / doc).is_file(), doc
 
 
 def test_the_readme_says_to_activate_the_environment_after_its_two_commands():
