@@ -53,11 +53,10 @@ fi
 DATA="${DATA_DIR:-${SLURM_TMPDIR:-/tmp/${USER:-$(id -un)}/ddp-data}}"
 
 # rendezvous_port: prints the port the ranks of this job meet at on its first
-# node, 15000 + job id % 15000: 15000-29999, below Linux's ephemeral range,
-# the same for a requeued job, different for jobs sharing a node. Under srun
-# without torchrun each rank derives the same port itself (train_utils).
+# node. The formula lives once, in train_utils/rendezvous.py (run as a file: no
+# torch import), which the srun ranks use too; run after require_launcher.
 rendezvous_port() {
-    echo $((15000 + SLURM_JOB_ID % 15000))
+    ${CONTAINER[@]+"${CONTAINER[@]}"} python "$PROJECT/train_utils/rendezvous.py" "$SLURM_JOB_ID"
 }
 
 # require_launcher python|torchrun: one line and exit 2 when that command,

@@ -200,12 +200,14 @@ def test_env_sh_refuses_a_missing_script_or_launcher_in_one_line(tmp_path):
 def test_the_shell_and_each_srun_rank_derive_the_same_rendezvous_port(tmp_path, monkeypatch, job_id):
     """multi_node.sh's torchrun rendezvous (rendezvous_port in slurm/env.sh)
     and multi_node_srun.sh's ranks (train_utils.launcher_store under srun, no
-    torchrun) meet at the same port for a job: 15000 + job id % 15000. The
+    torchrun) meet at the same port for a job: 15000 + job id % 15000, the
+    formula train_utils/rendezvous.py holds for both. The
     srun rank also takes rank, local rank, world size and the first host from
     Slurm's variables."""
     import train_utils
 
-    shell = _env_sh(tmp_path, "rendezvous_port", SLURM_JOB_ID=job_id)
+    shell = _env_sh(tmp_path, "rendezvous_port", path=f"{Path(sys.executable).parent}:/usr/bin:/bin",
+                    SLURM_JOB_ID=job_id)
     assert shell.returncode == 0, shell.stderr
     env = {key: value for key, value in os.environ.items()
            if not key.startswith("SLURM_") and key not in LAUNCHER_VARIABLES}
