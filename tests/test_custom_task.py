@@ -21,7 +21,7 @@ def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path)
     """A loss that is not F.cross_entropy itself (label smoothing) still gets
     accuracy, because the task says it is a classification."""
     guide_task_module(tmp_path)
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                                    "--dataset", "my_task:build_task", "--total_epochs", "3"],
                        tmp_path, PYTHONPATH=str(tmp_path)))
     lines = epochs(result.stdout)
@@ -30,7 +30,7 @@ def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path)
     assert lines[-1]["train_loss"] < lines[0]["train_loss"]
     assert parse_test(result.stdout)["acc"] >= 0.9
     assert "world_size 2" in result.stdout
-    snapshot = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)
+    snapshot = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)
     assert snapshot["config"]["dataset"] == "my_task:build_task"
     assert snapshot["model"]["2.weight"].shape == (3, 32)  # the guide's model, 3 classes
 

@@ -107,7 +107,7 @@ def tagged(tag: str) -> list:
 
 def tiny_job(tmp_path, nproc: int, *flags: str) -> list:
     (tmp_path / "tiny_task.py").write_text(TINY_TASK)
-    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "multigpu_torchrun.py",
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "train.py",
                        "--dataset", "tiny_task:build_task", "--batch_size", "8", *flags]
 
 

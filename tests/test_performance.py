@@ -133,7 +133,7 @@ def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(mnist_roo
     results = {}
     for path in ("fast", "torchvision"):
         (tmp_path / path).mkdir()
-        result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+        result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                                        "--dataset", "mnist", "--data_dir", mnist_root,
                                        "--total_epochs", "3", "--input_path", path], tmp_path / path))
         results[path] = (epochs(result.stdout), parse_test(result.stdout))
@@ -152,16 +152,16 @@ def test_cifar10_fast_path_resumes_bitwise(tmp_path):
     root = build_cifar10_root(tmp_path / "cifar")
     # A constant learning rate: cifar10's default cosine schedule follows --total_epochs, so
     # a 1-epoch run continued to 2 is another schedule than a 2-epoch run (docs/recipes.md).
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", MD5_BYPASS, REPO / "multigpu_torchrun.py",
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", MD5_BYPASS, REPO / "train.py",
                          "--dataset", "cifar10", "--data_dir", root, "--batch_size", "8", "--lr_schedule", "constant"]
     for name in ("straight", "resumed"):
         (tmp_path / name).mkdir()
     check(run(launch + ["--total_epochs", "2"], tmp_path / "straight"))
     check(run(launch + ["--total_epochs", "1"], tmp_path / "resumed"))
     second = check(run(launch + ["--total_epochs", "2"], tmp_path / "resumed"))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in second.stdout
-    _, straight = snapshot_tensors(tmp_path / "straight" / "snapshot_multigpu_torchrun.pt", rng=True)
-    _, resumed = snapshot_tensors(tmp_path / "resumed" / "snapshot_multigpu_torchrun.pt", rng=True)
+    assert "resuming from snapshot snapshot_train.pt after epoch 1" in second.stdout
+    _, straight = snapshot_tensors(tmp_path / "straight" / "snapshot_train.pt", rng=True)
+    _, resumed = snapshot_tensors(tmp_path / "resumed" / "snapshot_train.pt", rng=True)
     assert [name for name in straight if not torch.equal(straight[name], resumed[name])] == []
 
 
@@ -185,8 +185,8 @@ def test_accumulating_two_half_batches_equals_one_full_batch(script, tmp_path):
     if script == "singlegpu":
         launch, saved, world = [sys.executable, REPO / "singlegpu.py"], "checkpoint_singlegpu.pt", 1
     else:
-        launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
-        saved, world = "snapshot_multigpu_torchrun.pt", 2
+        launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+        saved, world = "snapshot_train.pt", 2
     accumulated, a = _final_weights(tmp_path, "accum", launch, 8, 2, saved)
     _, b = _final_weights(tmp_path, "full", launch, 16, 1, saved)
     _, c = _final_weights(tmp_path, "half", launch, 8, 1, saved)
@@ -208,19 +208,19 @@ def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
     flags = ["--total_epochs", "2", "--snapshot_every_steps", "4", "--grad_accum_steps", "2"]
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
-    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"] + flags,
+    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"] + flags,
               tmp_path / "clean"))
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                   REPO / "multigpu_torchrun.py"] + flags, tmp_path / "killed",
+                                   REPO / "train.py"] + flags, tmp_path / "killed",
                        DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 steps each), step 11
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch 2 after step 8" in killed.stdout
-    _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot_multigpu_torchrun.pt")
-    _, resumed = snapshot_tensors(tmp_path / "killed" / "snapshot_multigpu_torchrun.pt")
+    assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 8" in killed.stdout
+    _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot_train.pt")
+    _, resumed = snapshot_tensors(tmp_path / "killed" / "snapshot_train.pt")
     assert [name for name in clean if not torch.equal(clean[name], resumed[name])] == []
 
 
 def test_snapshot_interval_must_fall_between_optimizer_steps(tmp_path):
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                              "--grad_accum_steps", "2", "--snapshot_every_steps", "3"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
@@ -284,13 +284,13 @@ def test_no_sync_skips_the_all_reduce_of_all_but_the_last_micro_batch(module_nam
 # --------------------------------------------------------------------------
 
 def test_snapshot_written_with_compile_loads_without_it(tmp_path):
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multigpu_torchrun.py"]
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
     check(run(launch + ["--total_epochs", "1", "--compile"], tmp_path))
-    state = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)["model"]
+    state = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["model"]
     assert not [key for key in state if "_orig_mod" in key or key.startswith("module.")]
     common.synthetic_model("mlp").load_state_dict(state)  # a plain model takes it
     resumed = check(run(launch + ["--total_epochs", "2"], tmp_path))  # no --compile
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in resumed.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 1" in resumed.stdout
     assert [int(e["epoch"]) for e in epochs(resumed.stdout)] == [2]
 
 

@@ -49,7 +49,7 @@ def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp
     profiled, plain = tmp_path / "profiled", tmp_path / "plain"
     for folder in (profiled, plain):
         folder.mkdir()
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
     check(run(launch + ["--total_epochs", "1", "--profile_dir", "prof"], profiled))
     first = traces(profiled / "prof")
     assert sorted(rank for rank, _ in first.values()) == [0, 1]
@@ -60,12 +60,12 @@ def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp
         assert names["c10d::allreduce_"] >= 3  # DDP's gradients, at least one bucket a step
 
     resumed = check(run(launch + ["--total_epochs", "2", "--profile_dir", "prof"], profiled))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in resumed.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 1" in resumed.stdout
     assert resumed.stdout.count("profiler: steps 3-5 of this start") == 1
     assert sorted(rank for rank, _ in traces(profiled / "prof").values()) == [0, 0, 1, 1]
 
     check(run(launch + ["--total_epochs", "2"], plain))
-    assert_same_snapshot(profiled / "snapshot_multigpu_torchrun.pt", plain / "snapshot_multigpu_torchrun.pt")
+    assert_same_snapshot(profiled / "snapshot_train.pt", plain / "snapshot_train.pt")
 
 
 def test_an_unwritable_profile_dir_stops_before_training_in_one_line(tmp_path):

@@ -16,7 +16,7 @@ MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
 def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_path):
     """Train on 7,200 real digits (8,000 minus the 10% validation split) with two
     ranks under torchrun; score on 2,000 real digits the model never saw."""
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                                    "--dataset", "mnist", "--data_dir", mnist_root,
                                    "--total_epochs", "3", "--metrics_path", "metrics.jsonl"],
                        tmp_path))
@@ -39,13 +39,13 @@ def test_cifar10_trains_under_torchrun(cifar_root, tmp_path):
     """ResNet-18 through the real torchvision CIFAR10 reader (md5 check bypassed: the
     files are ours, not the official ones), two ranks, two epochs."""
     result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", MD5_BYPASS,
-                                   REPO / "multigpu_torchrun.py", "--dataset", "cifar10",
+                                   REPO / "train.py", "--dataset", "cifar10",
                                    "--data_dir", cifar_root, "--total_epochs", "2",
                                    "--batch_size", "8"], tmp_path))
     lines = epochs(result.stdout)
     assert len(lines) == 2 and all(0 <= e["val_acc"] <= 1 for e in lines)
     assert 0 <= parse_test(result.stdout)["acc"] <= 1
-    snapshot = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)
+    snapshot = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)
     assert snapshot["config"]["model"] == "resnet18"
     assert snapshot["model"]["fc.weight"].shape == (10, 512)
 

@@ -21,7 +21,7 @@ from dataset_files import build_cifar10_root
 from helpers import (REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, free_port,
                      parse_test, run, script_trainer, signal_when)
 
-TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
 
 
 def recipe_args(**flags) -> argparse.Namespace:
@@ -131,13 +131,13 @@ COSINE = ["--batch_size", "16", "--lr_schedule", "cosine", "--warmup_epochs", "0
 
 def test_a_resume_says_what_a_new_horizon_or_lr_changes_and_refuses_another_optimizer(tmp_path):
     check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "2"], tmp_path))
-    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
+    before = (tmp_path / "snapshot_train.pt").read_bytes()
     refused = run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--optimizer", "adamw"], tmp_path)
     assert refused.returncode != 0
     assert set(error_lines(refused.stderr)) == {
-        "error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (optimizer sgd -> adamw); "
+        "error: snapshot snapshot_train.pt comes from a different run (optimizer sgd -> adamw); "
         "resume with its settings, or delete it or pass another --snapshot_path to start afresh"}
-    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
     resumed = check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--lr", "0.02"], tmp_path))
     # 1844 samples, 2 ranks of batch 16: 57 steps per epoch, 28 of warm-up, 171 in all
@@ -166,10 +166,10 @@ def test_fp16_with_clipping_stopped_by_sigterm_resumes_bitwise(tmp_path):
     text = signal_when(TORCHRUN_2 + flags, interrupted, "epoch 2/6", signal.SIGTERM)
     assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
     resumed = check(run(TORCHRUN_2 + flags, interrupted))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch" in resumed.stdout
-    snapshot = torch.load(interrupted / "snapshot_multigpu_torchrun.pt", weights_only=True)
+    assert "resuming from snapshot snapshot_train.pt in epoch" in resumed.stdout
+    snapshot = torch.load(interrupted / "snapshot_train.pt", weights_only=True)
     assert snapshot["loss_scaler"]["scale"] < 65536.0 and snapshot["lr_schedule"]["last_epoch"] > 0
-    assert_same_snapshot(interrupted / "snapshot_multigpu_torchrun.pt", reference / "snapshot_multigpu_torchrun.pt")
+    assert_same_snapshot(interrupted / "snapshot_train.pt", reference / "snapshot_train.pt")
     assert parse_test(resumed.stdout) == parse_test(straight.stdout)
 
 
@@ -289,17 +289,17 @@ def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
     5e-4, cosine) on CIFAR-shaped synthetic images in the real file format: the
     training loss falls, the run resumes from its snapshot and continues."""
     data = build_cifar10_root(tmp_path / "data", per_batch=32, n_test=20)
-    launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py", REPO / "multigpu_torchrun.py"]
+    launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py", REPO / "train.py"]
     flags = ["--dataset", "cifar10", "--data_dir", data, "--batch_size", "16", "--lr", "0.02"]
     first = check(run(launch + flags + ["--total_epochs", "2"], tmp_path))
     assert "device cpu" in first.stdout
     lines = epochs(first.stdout)
     assert lines[1]["train_loss"] < lines[0]["train_loss"]
-    config = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)["config"]
+    config = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["config"]
     assert (config["model"], config["optimizer"], config["weight_decay"], config["lr_schedule"]) == \
         ("resnet18", "sgd", 5e-4, "cosine")
     second = check(run(launch + flags + ["--total_epochs", "3"], tmp_path))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 2" in second.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 2" in second.stdout
     assert "recipe changed at resume (total_epochs 2 -> 3)" in second.stdout
 
 

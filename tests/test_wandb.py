@@ -145,14 +145,14 @@ def test_a_stopped_and_resumed_run_continues_the_same_wandb_run(script, tmp_path
 
 def test_a_snapshot_without_a_wandb_id_resumes_into_a_new_wandb_run(tmp_path):
     """Snapshots written before the id was kept still resume; their run gets a fresh W&B run."""
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                          "--wandb_project", "ladder"]
     check(run(launch + ["--total_epochs", "1"], tmp_path, **offline(tmp_path)))
-    snapshot = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)
+    snapshot = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)
     kept = snapshot.pop("wandb_run_id")
-    torch.save(snapshot, tmp_path / "snapshot_multigpu_torchrun.pt")
+    torch.save(snapshot, tmp_path / "snapshot_train.pt")
     resumed = check(run(launch + ["--total_epochs", "2"], tmp_path, **offline(tmp_path)))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in resumed.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 1" in resumed.stdout
     first, second = wandb_runs(tmp_path)
     assert first["id"] == kept and second["id"] != kept
     assert [row["_step"] for row in second["rows"]] == [2]
@@ -172,7 +172,7 @@ def test_missing_wandb_is_one_line(tmp_path):
 def test_no_wandb_login_stops_every_rank_before_training_in_one_line(tmp_path):
     """Online without an API key, wandb.init fails on rank 0: every rank stops
     before training, with one line that says what to do."""
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                              "--wandb_project", "ladder"], tmp_path,
                  WANDB_MODE="online", WANDB_API_KEY="", HOME=str(tmp_path), WANDB_DIR=str(tmp_path),
                  NETRC=str(tmp_path / "netrc"))
@@ -180,4 +180,4 @@ def test_no_wandb_login_stops_every_rank_before_training_in_one_line(tmp_path):
     (line,) = error_lines(result.stderr)
     assert line.startswith("error: --wandb_project ladder: wandb could not start its run (")
     assert "run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline" in line
-    assert not epochs(result.stdout) and not (tmp_path / "snapshot_multigpu_torchrun.pt").exists()
+    assert not epochs(result.stdout) and not (tmp_path / "snapshot_train.pt").exists()
