@@ -1,5 +1,6 @@
-"""Real faults under real launchers: killed workers, torn and corrupt
-snapshots, crafted files, failing and hanging ranks, uneven data, bad input.
+"""Real faults in the kit, train.py under torchrun: killed workers, torn and
+corrupt snapshots, crafted files, failing and hanging ranks, uneven data, bad
+input, stop signals. (The rungs' own resume is tested with the rungs.)
 
 Faults are injected with the test hook train_utils.testing.fault_point, switched on by the
 DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
@@ -17,7 +18,7 @@ import torch
 
 from dataset_files import build_mnist_root
 from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs, error_lines,
-                     free_port, parse_test, run, script_env)
+                     parse_test, run, script_env)
 
 import train_utils
 

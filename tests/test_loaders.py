@@ -113,8 +113,9 @@ def tiny_job(tmp_path, nproc: int, *flags: str) -> list:
 @pytest.mark.parametrize("nproc,total_epochs", [(3, 40)])
 def test_loader_workers_started_every_epoch_never_hang(tmp_path, nproc, total_epochs):
     """Each epoch starts 2 new workers per rank for training and 2 for
-    evaluation: 40 epochs at 3 ranks start 486 (the test split's included). The run must finish, and no worker may be a fork of
-    its rank, which runs gloo's threads by then: such a fork could deadlock
+    evaluation: 40 epochs at 3 ranks start 486 (the test split's included).
+    The run must finish, and no worker may be a fork of its rank, which runs
+    gloo's threads by then: such a fork could deadlock
     (docs/pitfalls.md; seen once on torch 2.8 with Python 3.9), rarely enough
     that only the parentage shows the cause every time."""
     log = tmp_path / "workers"

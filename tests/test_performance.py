@@ -129,8 +129,9 @@ def test_cifar10_fast_path_reads_the_real_format(tmp_path, monkeypatch):
 
 def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(mnist_root, tmp_path):
     """7,200 real digits (8,000 minus the 10% validation split), 3 epochs, two
-    ranks under torchrun, scored on 2,000 held-out digits the model never saw. MNIST has no augmentation, and both paths make the same
-    floats in the same order, so the runs agree to the last digit."""
+    ranks under torchrun, scored on 2,000 held-out digits the model never saw.
+    MNIST has no augmentation, and both paths make the same floats in the same
+    order, so the runs agree to the last digit."""
     results = {}
     for path in ("fast", "torchvision"):
         (tmp_path / path).mkdir()

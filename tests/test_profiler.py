@@ -5,8 +5,6 @@ plugin open; the profiled run trains bitwise as an unprofiled one."""
 import collections
 import json
 
-import torch
-
 from helpers import REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, run
 
 PROFILED_STEPS = ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]  # training steps 3-5

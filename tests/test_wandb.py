@@ -6,7 +6,6 @@ test figures; a stopped and resumed run continues the same W&B run."""
 import json
 import signal
 import struct
-import sys
 
 import pytest
 import torch
