@@ -1,6 +1,7 @@
-# The image the scripts run in: a base image's Python and torch, plus
-# requirements.txt and the scripts at /workspace. docs/containers.md has the
-# commands (docker, podman, two nodes, Apptainer, Slurm) and what was tested.
+# The image the kit and the ladder run in: a base image's Python and torch,
+# plus requirements.txt, train.py with its train_utils package, and the five
+# rungs at /workspace. docs/containers.md has the commands (docker, podman,
+# two nodes, Apptainer, Slurm) and what was tested.
 #
 #   docker build -t ddp-scripts .
 #   docker run -it --rm --gpus all --network=host --ipc=host ddp-scripts
@@ -39,9 +40,9 @@ RUN if [ -z "$PIP_CERT" ]; then unset PIP_CERT; fi \
     && python3 -c "import torch, torchvision, tqdm; print('torch', torch.__version__, '| torchvision', torchvision.__version__)" \
     && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 
-# The project: the training scripts, the task modules and the train_utils
-# package (a bind mount of a checkout over /workspace, -v "$PWD":/workspace,
-# works as well).
+# The project: train.py (the kit) and its train_utils package, the five rungs,
+# and the task modules (a bind mount of a checkout over /workspace,
+# -v "$PWD":/workspace, works as well).
 COPY *.py ./
 COPY train_utils/*.py ./train_utils/
 

@@ -1,4 +1,4 @@
-"""Side-by-side performance measurements of the ladder, in one run.
+"""Side-by-side performance measurements of the kit (train.py), in one run.
 
     .venv/bin/python benchmarks/run.py             # everything, about 2 minutes on 2 idle CPU cores
     .venv/bin/python benchmarks/run.py --only 1 2  # some sections
@@ -10,16 +10,15 @@ datasets with tests/dataset_files.py) and, for sections 3 and 4, the real MNIST
 digits in ../shared/data/mnist-t10k (or $MNIST_T10K_DIR).
 
 Sections:
-  1  overhead: steps/s of each script's Trainer._run_batch over a bare
-     zero_grad/forward/backward/step loop on the same model, batch and data
-     (the DDP scripts' against a bare loop on the same DDP model, in a
-     1-process gloo group); repetitions interleaved.
+  1  overhead: steps/s of train.py's Trainer._run_batch over a bare
+     zero_grad/forward/backward/step loop on the same DDP model, batch and
+     data, in a 1-process gloo group; repetitions interleaved.
   1b bf16 autocast on this CPU: samples/s with and without, per model (the
      measurement behind --amp's CPU rule).
   2  input pipeline: CIFAR-10-shaped images/s, read from the real on-disk
      format, of the fast path (uint8 batches + augmentation on the device)
      against torchvision per-sample transforms with 2 DataLoader workers.
-  3  scaling: global samples/s of multigpu_torchrun.py on real MNIST with 1
+  3  scaling: global samples/s of train.py on real MNIST with 1
      and 2 processes (gloo on CPU, nccl on GPUs), and the share of a training
      step that is gradient all-reduce.
   4  time to 95% validation accuracy on real MNIST (wall seconds from launch,
@@ -29,8 +28,8 @@ Sections:
      FLOP/s that is. Without CUDA: "skipped: no CUDA device".
   6  FSDP vs DDP at world size 2 (gloo on CPU, nccl on GPUs): time of a
      training step and bytes of training state per rank (params + grads +
-     SGD momentum), MNIST CNN and ResNet-18, as multinode_fsdp.py and
-     multinode.py wrap them; on CUDA also each one's peak GPU memory.
+     SGD momentum), MNIST CNN and ResNet-18, as train.py --strategy fsdp
+     and --strategy ddp wrap them; on CUDA also each one's peak GPU memory.
   7  snapshot save rate: atomic_save of 64 MiB to 1 GiB, MiB/s, in --save_dir
      (your snapshots' storage), and the model size whose snapshot fits in
      what Slurm's KillWait leaves (docs/slurm.md).
@@ -70,13 +69,9 @@ import common  # noqa: E402
 import fast_images  # noqa: E402
 import train_utils  # noqa: E402
 import vision_tasks  # noqa: E402
-import multigpu_spawn  # noqa: E402
-import multigpu_torchrun  # noqa: E402
-import multinode  # noqa: E402
-import multinode_fsdp  # noqa: E402
-import singlegpu  # noqa: E402
+import train  # noqa: E402
 from dataset_files import build_cifar10_root, build_mnist_root  # noqa: E402
-from helpers import EPOCH_LINE, TORCHRUN, free_port, load_task, script_env, script_trainer  # noqa: E402
+from helpers import EPOCH_LINE, TORCHRUN, free_port, kit_trainer, load_task, script_env  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -203,21 +198,19 @@ def interleaved(blocks: dict, reps: int) -> dict:
 
 
 # --------------------------------------------------------------------------
-# 1. Overhead of each script's training step over a bare loop
+# 1. Overhead of train.py's training step over a bare loop
 # --------------------------------------------------------------------------
 
 # Blocks of ~0.2 s or more: much shorter ones measure the clock's and the
 # scheduler's noise (3 CNN steps per block gave pair ratios of 0.85-1.05).
 OVERHEAD_CASES = [("mnist cnn", "mnist", "cnn", (64, 1, 28, 28), 8),
                   ("synthetic mlp", "synthetic", "mlp", (32, 20), 1500)]
-# Each script and its bare loop: the plain model for singlegpu, the DDP model
-# for the DDP scripts (the same DDP: only the script's code differs).
-OVERHEAD_SCRIPTS = [("singlegpu", singlegpu, "bare"), ("spawn", multigpu_spawn, "bare DDP"),
-                    ("torchrun", multigpu_torchrun, "bare DDP"), ("multinode", multinode, "bare DDP")]
+# train.py's Trainer and its bare loop on the same DDP model: only the kit's code differs.
+OVERHEAD_SCRIPTS = [("train.py", "bare DDP")]
 
 
 def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -> dict:
-    """{name: step()} of the two bare loops and each script's Trainer._run_batch,
+    """{name: step()} of the bare DDP loop and train.py's Trainer._run_batch,
     each on its own copy of one model, on the same batch."""
     torch.manual_seed(0)
     base = build_model(dataset, model_name)
@@ -228,14 +221,13 @@ def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -
     else:
         y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
     steps = {}
-    for name, module in [("bare", None), ("bare DDP", None)] + [s[:2] for s in OVERHEAD_SCRIPTS]:
+    for name in ("bare DDP", "train.py"):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        if module is None:
-            steps[name] = train_step(ddp(model, CPU) if name == "bare DDP" else model, opt, loss_fn, x, y)
+        if name == "bare DDP":
+            steps[name] = train_step(ddp(model, CPU), opt, loss_fn, x, y)
         else:  # micro-batch 0 of an epoch: with --grad_accum_steps 1, every one a whole step
-            steps[name] = functools.partial(script_trainer(module, model, opt, loss_fn, out_dir)._run_batch,
-                                            x, y, 0)
+            steps[name] = functools.partial(kit_trainer(model, opt, loss_fn, out_dir)._run_batch, x, y, 0)
     return steps
 
 
@@ -256,27 +248,27 @@ def _overhead_pairs(bare, script, steps: int, reps: int) -> dict:
 
 def section_overhead(reps: int = 30) -> dict:
     results = []
-    with process_group(0, 1, free_port(), CPU):  # the DDP scripts' Trainers need one
+    with process_group(0, 1, free_port(), CPU):  # train.py's Trainer (DDP) needs one
         for label, dataset, model_name, shape, steps in OVERHEAD_CASES:
             runners = _overhead_steps(dataset, model_name, shape, tempfile.mkdtemp())
             for step in runners.values():  # warm-up
                 for _ in range(3):
                     step()
-            for name, _, reference in OVERHEAD_SCRIPTS:
+            for name, reference in OVERHEAD_SCRIPTS:
                 results.append({"case": label, "batch": shape[0], "script": name, "reference": reference,
                                 **_overhead_pairs(runners[reference], runners[name], steps, reps)})
     rows = [[r["case"], r["batch"], r["script"], r["reference"], r["bare_steps_per_s"],
              r["script_steps_per_s"], r["ratio_median_of_pairs"],
              "{:.3f}-{:.3f}".format(*r["ratio_quartiles"]),
              f"{r['ratio_quartiles'][1] - r['ratio_quartiles'][0]:.1%}"] for r in results]
-    text = table(f"1. Overhead: script's _run_batch vs a bare loop, CPU time, {reps} interleaved "
+    text = table(f"1. Overhead: train.py's _run_batch vs a bare loop, CPU time, {reps} interleaved "
                  f"pairs of blocks (target ratio >= 0.97; read it only where the band is well "
                  f"under 3%)",
                  ["model", "batch", "script", "bare loop on", "bare steps/s (best)",
                   "script steps/s (best)", "median of pair ratios", "pair ratio quartiles",
                   "band (quartile spread)"], rows)
     return {"results": results, "pairs": reps, "table": text,
-            "note": "median over adjacent (bare, script) pairs of blocks; DDP scripts in a "
+            "note": "median over adjacent (bare, train.py) pairs of blocks; in a "
                     "1-process gloo group"}
 
 
@@ -431,7 +423,7 @@ def section_scaling(mnist: Path, epochs: int = 2) -> dict:
         cwd = Path(tempfile.mkdtemp())
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
         records = _metrics_run(TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}",
-                                           REPO / "multigpu_torchrun.py", "--dataset", "mnist",
+                                           REPO / "train.py", "--dataset", "mnist",
                                            "--data_dir", mnist, "--total_epochs", str(epochs),
                                            "--metrics_path", "m.jsonl"], cwd, **env)
         last = [r for r in records if "epoch" in r][-1]
@@ -441,7 +433,7 @@ def section_scaling(mnist: Path, epochs: int = 2) -> dict:
     rows = [[r["processes"], r["threads_per_process"], backend, r.get("samples_per_s", r.get("skipped")),
              r["samples_per_s"] / results[1]["samples_per_s"] if "samples_per_s" in r else "-",
              r.get("epoch_seconds", "-")] for r in results]
-    text = table(f"3. Scaling: multigpu_torchrun.py, real MNIST (7,200 training digits), batch 32 "
+    text = table(f"3. Scaling: train.py, real MNIST (7,200 training digits), batch 32 "
                  f"per process, epoch {epochs}",
                  ["processes", "threads each", "backend", "global samples/s",
                   "vs 1 process x 1 thread", "epoch s"], rows)
@@ -466,7 +458,7 @@ def section_scaling(mnist: Path, epochs: int = 2) -> dict:
 
 def _time_to_accuracy(mnist: Path, input_path: str, target: float, max_epochs: int) -> dict:
     cwd = Path(tempfile.mkdtemp())
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                       "--dataset", "mnist", "--data_dir", mnist, "--total_epochs", str(max_epochs),
                       "--input_path", input_path]
     start = time.perf_counter()
@@ -504,7 +496,7 @@ def section_time_to_accuracy(mnist: Path, target: float = 0.95, reps: int = 2) -
                      ", ".join(str(r["epoch"]) for r in mine),
                      ", ".join(f"{r['seconds']:.1f}" if r["seconds"] else "-" for r in mine)])
     text = table(f"4. Time to {target:.0%} validation accuracy, real MNIST (7,200 training digits, "
-                 f"800 validation), multigpu_torchrun.py, 2 processes, batch 32 each, "
+                 f"800 validation), train.py, 2 processes, batch 32 each, "
                  f"{'GPU' if torch.cuda.is_available() else 'CPU'}",
                  ["input path", "median wall s from launch", "epoch reached (per run)",
                   "wall s (per run)"], rows)
@@ -621,7 +613,7 @@ def _fsdp_vs_ddp_case(dataset: str, model_name: str, shape: tuple, device: torch
     for kind in ("DDP", "FSDP"):
         torch.manual_seed(0)
         model = build_model(dataset, model_name).to(device)
-        model = ddp(model, device) if kind == "DDP" else multinode_fsdp.shard_model(model, device, dtype=None)
+        model = ddp(model, device) if kind == "DDP" else train.shard_model(model, device, dtype=None)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         step[kind] = train_step(model, opt, F.cross_entropy, x, y)
         step[kind]()  # gradients and momentum buffers exist from here on
@@ -661,7 +653,7 @@ def section_fsdp(steps: int = 10, reps: int = 5) -> dict:
              r["FSDP_state_bytes"] / 2**20, r["DDP_state_bytes"] / r["FSDP_state_bytes"]]
             + ([r["DDP_peak_gpu_memory_mib"], r["FSDP_peak_gpu_memory_mib"]] if cuda else [])
             for r in results]
-    text = table(f"6. FSDP (multinode_fsdp.shard_model) vs DDP, world size 2, {backend}: median "
+    text = table(f"6. FSDP (train.shard_model) vs DDP, world size 2, {backend}: median "
                  f"step time over {reps} blocks of {steps} steps; training state per rank "
                  f"(params + grads + SGD momentum, the largest rank)",
                  ["model", "batch per rank", "DDP step ms", "FSDP step ms", "FSDP / DDP time",

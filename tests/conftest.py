@@ -58,18 +58,18 @@ def slurm_cluster(tmp_path_factory):
 # --------------------------------------------------------------------------
 
 # The tests `-m quick` selects: every rung end to end, resume, bad input, the
-# README's promises; a few minutes on 2 CPU cores, no root, no Slurm, no
-# podman, no network. An entry is a file (all its tests) or a test id, with or
+# kit's resume and refusals, the README's promises; a few minutes on 2 CPU
+# cores, no root, no Slurm, no podman, no network. An entry is a file (all its tests) or a test id, with or
 # without its parameters. The full suite (.ci/run) is the rest.
 QUICK = [
-    "test_ladder.py",  # singlegpu, spawn, torchrun, multinode end to end; bad flags and data
+    "test_ladder.py",  # the five rungs end to end, their resume, standalone; bad flags and data
     "test_ladder_diffs.py",
     "test_package_map.py",
     "test_readme.py",
     "test_multinode.py::test_two_nodes_train_together",
-    "test_fsdp.py::test_resume_equals_uninterrupted_run",  # the FSDP rung, stopped and resumed
-    "test_distributed_correctness.py::test_resume_equals_uninterrupted_run[multigpu_torchrun.py-synthetic]",
-    "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",
+    "test_fsdp.py::test_resume_equals_uninterrupted_run",  # train.py --strategy fsdp, stopped and resumed
+    "test_distributed_correctness.py::test_resume_equals_uninterrupted_run",
+    "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",  # the kit, train.py:
     "test_reruns_and_errors.py::test_fewer_epochs_than_the_snapshot_holds_is_refused",
     "test_reruns_and_errors.py::test_a_typo_under_torchrun_prints_usage_once_and_is_the_root_cause",
     "test_reruns_and_errors.py::test_flags_spelled_as_in_pytorch_examples_get_the_flag_meant",

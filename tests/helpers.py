@@ -1,5 +1,5 @@
 """Shared test helpers: run the scripts the way users do, parse their output,
-read their snapshots, and build a script's Trainer. Plain functions, no pytest
+read their snapshots, and build train.py's Trainer. Plain functions, no pytest
 fixtures or hooks (those are in conftest.py); the datasets written in the real
 on-disk formats are in dataset_files.py."""
 
@@ -214,21 +214,20 @@ def plain_task(loss_fn, classification: bool):
     return common.Task(None, None, None, None, loss_fn, classification)
 
 
-def script_trainer(module, model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: int = 0,
-                   grad_accum_steps: int = 1, **recipe):
-    """The Trainer of script ``module`` (singlegpu, multigpu_spawn, multigpu_torchrun,
-    multinode) around ``model`` on the CPU, with no data and no snapshot to resume:
-    for calling its ``_run_batch`` directly. All but singlegpu need a process group.
-
-    Built by keyword from the constructor's own parameter names, each given only
-    where the constructor takes it (``rank``, ``local_rank``), so a script's
-    constructor can change its order or parameters without this changing."""
+def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: int = 0,
+                grad_accum_steps: int = 1, **recipe):
+    """train.py's Trainer (DDP) around ``model`` on the CPU, with no data and no
+    snapshot to resume: for calling its ``_run_batch`` directly. Needs a process
+    group (DDP wraps the model). ``optimizer``'s type and lr, ``grad_accum_steps``
+    and ``recipe`` (recipe flags, e.g. ``clip_grad_norm=0.05``) are the run's flags.
+    Raises AssertionError where train.Trainer takes a parameter this does not give."""
     import common
+    import train
     import train_utils
 
     args = argparse.Namespace(
-        grad_accum_steps=grad_accum_steps, amp=None, compile=False, save_every=1, total_epochs=1,
-        metrics_path=None, checkpoint_path=os.path.join(out_dir, "unused.pt"),
+        strategy="ddp", grad_accum_steps=grad_accum_steps, amp=None, compile=False, save_every=1,
+        total_epochs=1, metrics_path=None, tensorboard_dir=None, wandb_project=None, profile_dir=None,
         snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, pg_timeout_s=600,
         **{**common.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
            "optimizer": type(optimizer).__name__.lower(), **recipe})
@@ -237,9 +236,7 @@ def script_trainer(module, model: torch.nn.Module, optimizer, loss_fn, out_dir: 
                      recipe=train_utils.Recipe(optimizer, args, steps_per_epoch=1, device=device),
                      task=plain_task(loss_fn, False), device=device,
                      rank=rank, local_rank=rank, args=args)
-    parameters = inspect.signature(module.Trainer).parameters
-    missing = [name for name, p in parameters.items()
-               if name not in available and p.default is p.empty
-               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    assert not missing, f"{module.__name__}.Trainer takes {missing}, which script_trainer does not give"
-    return module.Trainer(**{name: value for name, value in available.items() if name in parameters})
+    parameters = inspect.signature(train.Trainer).parameters
+    missing = [name for name in parameters if name not in available]
+    assert not missing, f"train.Trainer takes {missing}, which kit_trainer does not give"
+    return train.Trainer(**available)

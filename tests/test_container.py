@@ -7,9 +7,9 @@ mirror apt uses here, imported with `podman import` and passed as
 ``--build-arg BASE``. The build then installs requirements.txt from PyPI (the
 CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
 
-- multigpu_torchrun.py, 2 processes under torchrun, trains on the real MNIST
-  digits and scores at least 95% on the held-out ones;
-- multinode.py in two containers as two torchrun nodes on the host network,
+- train.py, 2 processes under torchrun, trains on the real MNIST digits and
+  scores at least 95% on the held-out ones;
+- train.py in two containers as two torchrun nodes on the host network,
   with the checkout bind-mounted over /workspace (the seeds' way);
 - slurm/multi_node.sh with CONTAINER_IMAGE on a real Slurm cluster
   (tests/slurm_cluster.py), a podman command as CONTAINER_RUN;
@@ -278,30 +278,31 @@ def image(tmp_path_factory) -> Image:
 
 def test_image_holds_the_project(image):
     """The image's Python has torch, torchvision and tqdm as requirements.txt
-    asks, the scripts are in /workspace (its working directory), and torchrun
-    and python are on the PATH (one container: each start costs seconds)."""
-    probe = ("import os, torch, torchvision, tqdm; print(os.getcwd()); print(torch.__version__); "
+    asks, the kit (train.py, train_utils) and the five rungs are in /workspace
+    (its working directory), train_utils imports, and torchrun and python are
+    on the PATH (one container: each start costs seconds)."""
+    probe = ("import os, torch, torchvision, tqdm, train_utils; print(os.getcwd()); print(torch.__version__); "
              "print(sorted(f for f in os.listdir('.') if f.endswith('.py')))")
     result = _checked(image.podman.run(image.tag, "sh", "-c", 'python3 -c "$0" && torchrun --help >/dev/null '
                                        '&& python --version', probe), "probe")
     cwd, version, files, python = result.stdout.splitlines()[-4:]
     assert cwd == "/workspace"
     assert tuple(int(part) for part in version.split(".")[:2]) >= (2, 13)
-    for script in ("common.py", "vision_tasks.py", "fast_images.py", "singlegpu.py", "multigpu_spawn.py",
-                   "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"):
+    for script in ("train.py", "common.py", "vision_tasks.py", "fast_images.py", "singlegpu.py",
+                   "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"):
         assert f"'{script}'" in files
     assert python.startswith("Python 3.")
 
 
 def test_torchrun_in_the_container_learns_real_mnist(image, tmp_path):
-    """torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py on 8,000 real
+    """torchrun --standalone --nproc_per_node=2 train.py on 8,000 real
     digits (mounted read-only at /data), 3 epochs: >= 95% on the 2,000 held out.
     Outputs go to a mounted folder."""
     data = build_mnist_root(tmp_path / "data")
     out = tmp_path / "out"
     out.mkdir()
     cmd = image.podman.run_cmd(
-        image.tag, "torchrun", "--standalone", "--nproc_per_node=2", "multigpu_torchrun.py",
+        image.tag, "torchrun", "--standalone", "--nproc_per_node=2", "train.py",
         "--dataset", "mnist", "--data_dir", "/data", "--total_epochs", "3",
         "--snapshot_path", "/out/snapshot.pt", "--metrics_path", "/out/metrics.jsonl",
         volumes={data: "/data:ro", out: "/out"})
@@ -319,7 +320,7 @@ def test_torchrun_in_the_container_learns_real_mnist(image, tmp_path):
 
 
 def test_two_containers_as_two_nodes(image, tmp_path):
-    """multinode.py in two containers on the host network, one torchrun agent
+    """train.py in two containers on the host network, one torchrun agent
     each (--nnodes=2 --nproc_per_node=1), meeting through c10d rendezvous.
     Both containers share the host name and run torchrun as PID 1, so each
     gets its own --local-addr (127.0.0.1, 127.0.0.2); without it they describe
@@ -334,7 +335,7 @@ def test_two_containers_as_two_nodes(image, tmp_path):
         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=container{port}",
         f"--local-addr=127.0.0.{node + 1}",
         f"--rdzv-conf=is_host={int(node == 0)}",  # the first agent hosts the rendezvous store
-        "/workspace/multinode.py", "--total_epochs", "2",
+        "/workspace/train.py", "--total_epochs", "2",
         volumes={REPO: "/workspace:ro", shared: "/shared"}, workdir="/shared",
         env={"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}) for node in range(2)]
     started = time.monotonic()
@@ -352,7 +353,7 @@ def test_two_containers_as_two_nodes(image, tmp_path):
     # Each container ran one process: global ranks 0 and 1, local rank 0 on both.
     ranks = [(int(rank), int(local)) for rank, local, _, _ in RANK_LINE.findall(everything)]
     assert sorted(set(ranks)) == [(0, 0), (1, 0)] and len(ranks) == 4  # 2 ranks x 2 epochs
-    assert (shared / "snapshot_multinode.pt").is_file()  # multinode.py's default --snapshot_path
+    assert (shared / "snapshot_train.pt").is_file()  # train.py's default --snapshot_path
 
 
 def _podman_env(image: Image) -> dict:
@@ -463,12 +464,12 @@ def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
     (tests/test_stop_paths.py)."""
     scenarios = [
         Scenario("container-preempt", "multi_gpu.sh", "ddp-stop1", ["--gres=gpu:2"], CONTAINER_SHORT, preempt,
-                 ("multigpu_torchrun.py", 2), env=dict(HOLD_FOR_PREEMPTION),
+                 ("train.py", 2), env=dict(HOLD_FOR_PREEMPTION),
                  trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                                "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
         Scenario("container-srun-requeue", "multi_node_srun.sh", "ddp-stop[2-3]",
                  ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], CONTAINER_SHORT, scontrol_requeue,
-                 ("multinode.py", 2)),
+                 ("train.py", 2)),
     ]
     threads = []
     for scenario in scenarios:

@@ -1,5 +1,6 @@
-"""Real faults under real launchers: killed workers, torn and corrupt
-snapshots, crafted files, failing and hanging ranks, uneven data, bad input.
+"""Real faults in the kit, train.py under torchrun: killed workers, torn and
+corrupt snapshots, crafted files, failing and hanging ranks, uneven data, bad
+input, stop signals. (The rungs' own resume is tested with the rungs.)
 
 Faults are injected with the test hook train_utils.testing.fault_point, switched on by the
 DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
@@ -17,12 +18,12 @@ import torch
 
 from dataset_files import build_mnist_root
 from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs, error_lines,
-                     free_port, parse_test, run, script_env)
+                     parse_test, run, script_env)
 
 import train_utils
 
-TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
-SNAPSHOT = "snapshot_multigpu_torchrun.pt"  # its default --snapshot_path
+TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+SNAPSHOT = "snapshot_train.pt"  # its default --snapshot_path
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def small_mnist(tmp_path_factory):
 # 1. A worker SIGKILLed mid-epoch; torchrun restarts; the result is unchanged
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
+@pytest.mark.parametrize("dataset", ["mnist"])  # dropout: every rank's RNG state restored mid-epoch
 def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(dataset, small_mnist, tmp_path):
     # A recipe with state of its own: the cosine schedule's step, AdamW's moments.
     flags = ["--total_epochs", "3", "--snapshot_every_steps", "3", "--dataset", dataset, "--optimizer", "adamw",
@@ -48,11 +49,11 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(dataset,
     (tmp_path / "killed").mkdir()
     check(run(TORCHRUN_SCRIPT + flags, tmp_path / "clean"))
     killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=3",
-                                      REPO / "multigpu_torchrun.py"] + flags,
+                                      REPO / "train.py"] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
     assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
     # It resumed inside an epoch, from the last mid-epoch snapshot.
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch 2 after step 6" in killed.stdout
+    assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 6" in killed.stdout
     assert "epoch 3/3" in killed.stdout
     assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)
 
@@ -65,7 +66,7 @@ def test_mid_epoch_resume_repeats_and_skips_no_batch(tmp_path):
     (tmp_path / "killed").mkdir()
     check(run(TORCHRUN_SCRIPT + flags, tmp_path / "clean"))
     check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                             REPO / "multigpu_torchrun.py"] + flags,
+                             REPO / "train.py"] + flags,
               tmp_path / "killed", DDP_TEST_FAULT="step:0:40:kill"))  # epoch 2, step 12
 
     def losses(path):
@@ -87,12 +88,12 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
     # Saves: epoch 1 steps 10 and 20, then epoch 2 step 10 (the 3rd), killed
     # after its temporary file is written, before the rename.
     killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                      REPO / "multigpu_torchrun.py"] + flags,
+                                      REPO / "train.py"] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT="save:0:3:kill"))
     assert "DDP_TEST_FAULT: kill at save 3 on rank 0" in killed.stderr
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch 1 after step 20" in killed.stdout
+    assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 20" in killed.stdout
     assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)
-    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot_multigpu_torchrun.pt"]  # no stale temp
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot_train.pt"]  # no stale temp
 
 
 # --------------------------------------------------------------------------
@@ -101,13 +102,13 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
 
 def test_truncated_snapshot_stops_with_one_line_and_is_kept(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    path = tmp_path / "snapshot_multigpu_torchrun.pt"
+    path = tmp_path / "snapshot_train.pt"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     torn = path.read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
-    assert len(errors) == 1 and errors[0].startswith("error: cannot read snapshot snapshot_multigpu_torchrun.pt (")
+    assert len(errors) == 1 and errors[0].startswith("error: cannot read snapshot snapshot_train.pt (")
     assert "move it away to start afresh" in errors[0]
     assert path.read_bytes() == torn  # never silently replaced by a fresh start
     assert "epoch 1/2" not in result.stdout
@@ -115,7 +116,7 @@ def test_truncated_snapshot_stops_with_one_line_and_is_kept(tmp_path):
 
 def test_crafted_snapshot_is_refused_and_its_code_never_runs(tmp_path):
     marker = tmp_path / "payload_ran"
-    crafted = tmp_path / "snapshot_multigpu_torchrun.pt"
+    crafted = tmp_path / "snapshot_train.pt"
     # A pickle whose unpickling calls os.system: what a hostile snapshot looks like.
     subprocess.run([sys.executable, "-c", f"""
 import os, torch
@@ -143,11 +144,11 @@ def test_a_mid_epoch_snapshot_from_another_world_size_is_refused(tmp_path):
                   DDP_TEST_FAULT="step:0:8:raise")  # after the snapshot at step 5
     assert stopped.returncode != 0
     before = (tmp_path / SNAPSHOT).read_bytes()
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multigpu_torchrun.py",
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py",
                              "--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        "error: snapshot snapshot_multigpu_torchrun.pt was taken inside epoch 1 (after step 5) by world_size 2, "
+        "error: snapshot snapshot_train.pt was taken inside epoch 1 (after step 5) by world_size 2, "
         "which splits that epoch: resume it with world_size 2 (only a snapshot taken at an epoch's end resumes "
         "at another world size), or delete it or pass another --snapshot_path to start afresh"]
     assert (tmp_path / SNAPSHOT).read_bytes() == before
@@ -157,25 +158,16 @@ def test_a_mid_epoch_snapshot_from_another_world_size_is_refused(tmp_path):
 # 6. No hangs: one rank fails or hangs, the whole job exits non-zero
 # --------------------------------------------------------------------------
 
-LAUNCH = {
-    "torchrun": lambda: (TORCHRUN_SCRIPT, {}),
-    "spawn": lambda: ([sys.executable, REPO / "multigpu_spawn.py", "--world_size", "2"],
-                      {"MASTER_PORT": str(free_port())}),
-}
-
-
-@pytest.mark.parametrize("launcher", LAUNCH)
 @pytest.mark.parametrize("action", ["raise", "hang"])
-def test_one_failing_or_hanging_rank_ends_the_whole_job(launcher, action, tmp_path):
+def test_one_failing_or_hanging_rank_ends_the_whole_job(action, tmp_path):
     """rank 1 raises (or hangs) at its 5th step while rank 0 waits in the next
     all-reduce: the job must end, non-zero, inside the first epoch, not after
     the start-up time-out (30 min). A hang is caught by the process group
     timeout (--pg_timeout_s), which the error line names."""
     if action == "hang" and train_utils.torch_version() < (2, 10):
         pytest.skip(f"torch {torch.__version__}'s gloo keeps the start-up timeout: --pg_timeout_s needs 2.10")
-    cmd, env = LAUNCH[launcher]()
-    result = run(cmd + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=300,
-                 DDP_TEST_FAULT=f"step:1:5:{action}", **env)
+    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=300,
+                 DDP_TEST_FAULT=f"step:1:5:{action}")
     assert result.returncode != 0
     assert f"DDP_TEST_FAULT: {action} at step 5 on rank 1" in result.stderr
     assert "epoch 1/3 |" not in result.stdout  # it stopped inside the first epoch
@@ -194,19 +186,24 @@ def test_one_failing_or_hanging_rank_ends_the_whole_job(launcher, action, tmp_pa
 def test_uneven_data_trains_and_evaluates_exactly(tmp_path):
     """901 training digits, 100 for validation, 199 for test; 3 ranks; batch 7."""
     root = build_mnist_root(tmp_path / "data", n_train=1001, n_test=199)
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=3", REPO / "multigpu_torchrun.py",
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=3", REPO / "train.py",
                                    "--dataset", "mnist", "--data_dir", root, "--batch_size", "7",
                                    "--total_epochs", "2", "--metrics_path", "m.jsonl"], tmp_path))
     assert len(epochs(result.stdout)) == 2
     reported = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
 
-    import singlegpu
-
+    # The reference: one process scores every test sample of the saved model.
     task = load_task("mnist", root)
-    model = task.model
-    model.load_state_dict(torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)["model"])
-    loader = singlegpu.prepare_dataloader(task.test_set, 64, 0, False, 0)
-    loss, accuracy = singlegpu.evaluate(model, loader, task, torch.device("cpu"))
+    model = task.model.eval()
+    model.load_state_dict(torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["model"])
+    loss_sum, correct, samples = 0.0, 0, 0
+    with torch.no_grad():
+        for source, targets in torch.utils.data.DataLoader(task.test_set, batch_size=64):
+            output = model(task.eval_transform(source))
+            loss_sum += task.loss_fn(output, targets, reduction="sum").item()
+            correct += (output.argmax(dim=1) == targets).sum().item()
+            samples += len(targets)
+    loss, accuracy = loss_sum / samples, correct / samples
     assert abs(reported["test_loss"] - loss) <= 1e-6
     assert abs(reported["test_accuracy"] - accuracy) <= 1e-6
     assert parse_test(result.stdout)["acc"] == pytest.approx(accuracy, abs=1e-4)
@@ -216,25 +213,9 @@ def test_uneven_data_trains_and_evaluates_exactly(tmp_path):
 # Bad input: one line, non-zero exit, nothing saved overwritten
 # --------------------------------------------------------------------------
 
-def test_world_size_above_gpu_count_is_refused(tmp_path):
-    """Pretend this machine has 2 GPUs; ask for 4 processes."""
-    code = (f"import runpy, sys, torch; sys.path.insert(0, {str(REPO)!r}); "
-            "torch.cuda.device_count = lambda: 2; "
-            f"sys.argv = ['multigpu_spawn.py', '--world_size', '4']; "
-            f"runpy.run_path({str(REPO / 'multigpu_spawn.py')!r}, run_name='__main__')")
-    result = run([sys.executable, "-c", code], tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip().endswith("error: --world_size 4 is more than the 2 GPUs of this machine")
-
-
-@pytest.mark.parametrize("script", ["singlegpu", "torchrun"])
-def test_unwritable_save_folder_is_refused_before_training(script, tmp_path):
+def test_unwritable_save_folder_is_refused_before_training(tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
-    if script == "singlegpu":
-        cmd = [sys.executable, REPO / "singlegpu.py", "--checkpoint_path", "a_file/checkpoint.pt"]
-    else:
-        cmd = TORCHRUN_SCRIPT + ["--snapshot_path", "a_file/snapshot.pt"]
-    result = run(cmd, tmp_path)
+    result = run(TORCHRUN_SCRIPT + ["--snapshot_path", "a_file/snapshot.pt"], tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and "a_file is a file, not a folder" in errors[0]
@@ -243,29 +224,21 @@ def test_unwritable_save_folder_is_refused_before_training(script, tmp_path):
 
 
 def test_missing_save_folder_is_created(tmp_path):
-    check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "1",
-               "--checkpoint_path", "runs/a/checkpoint.pt"], tmp_path))
-    assert (tmp_path / "runs" / "a" / "checkpoint.pt").exists()
+    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1", "--snapshot_path", "runs/a/snapshot.pt"], tmp_path))
+    assert (tmp_path / "runs" / "a" / "snapshot.pt").exists()
 
 
 @pytest.mark.parametrize("snapshot_every_steps", ["0", "10"])
 def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
+    before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "3", "--lr", "1e6",
                                     "--snapshot_every_steps", snapshot_every_steps], tmp_path)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: training loss became ")
     assert "in epoch 2" in errors[0] and "Lower --lr" in errors[0]
-    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
-
-
-def test_diverging_loss_in_singlegpu_saves_nothing(tmp_path):
-    result = run([sys.executable, REPO / "singlegpu.py", "--lr", "1e6"], tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.startswith("error: training loss became ")
-    assert not (tmp_path / "checkpoint_singlegpu.pt").exists()
+    assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
 
 # --------------------------------------------------------------------------
@@ -306,10 +279,10 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     interrupted.mkdir()
     reference.mkdir()
     nprocs = f"--nproc_per_node={nproc}"
-    launch = TORCHRUN + ["--standalone", nprocs, *relay, str(REPO / "multigpu_torchrun.py"), *args]
+    launch = TORCHRUN + ["--standalone", nprocs, *relay, str(REPO / "train.py"), *args]
     text = signal_when(launch, interrupted, "epoch 2/12", signum)
     name = signal.Signals(signum).name
-    stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_multigpu_torchrun\.pt$", text, re.M)
+    stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_train\.pt$", text, re.M)
     assert len(stops) == 1 and text.count(f"stopped by {name}") == 1, text
     assert "test | loss" not in text  # stopped, not finished
     if signum == signal.SIGINT:  # one line says what happens, no worker traceback
@@ -319,12 +292,12 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     assert int(step) % accum == 0
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1
 
-    resumed = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "multigpu_torchrun.py", *args],
+    resumed = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args],
                         interrupted))
-    assert f"resuming from snapshot snapshot_multigpu_torchrun.pt in epoch {epoch} after step {step}" in resumed.stdout
+    assert f"resuming from snapshot snapshot_train.pt in epoch {epoch} after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 13))
-    check(run(TORCHRUN + ["--standalone", nprocs, REPO / "multigpu_torchrun.py", *args], reference))
-    assert_same_snapshot(interrupted / "snapshot_multigpu_torchrun.pt", reference / "snapshot_multigpu_torchrun.pt")
+    check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args], reference))
+    assert_same_snapshot(interrupted / "snapshot_train.pt", reference / "snapshot_train.pt")
 
 
 def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(tmp_path):
@@ -335,21 +308,21 @@ def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(
     snapshot on disk is untouched, and the same command resumes from it. Before
     the handler was installed at the top of main, SIGTERM's default action
     killed each rank there."""
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "multigpu_torchrun.py"),
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
                          "--batch_size", "32"]
     check(run([*launch, "--total_epochs", "2"], tmp_path))
-    snapshot = tmp_path / "snapshot_multigpu_torchrun.pt"
+    snapshot = tmp_path / "snapshot_train.pt"
     before = snapshot.read_bytes()
     text = signal_when([*launch, "--total_epochs", "3"], tmp_path,
                        ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1"),
                        signal.SIGTERM, DDP_TEST_FAULT="startup:*:1:hang")
     assert text.count("stopped by SIGTERM during start-up, before the first training step") == 1, text
     # torchrun's own SignalException traceback follows (docs/pitfalls.md); none from a rank:
-    assert "multigpu_torchrun.py\", line" not in text and "epoch 3/3" not in text, text
+    assert "train.py\", line" not in text and "epoch 3/3" not in text, text
     assert "exitcode" not in text, text  # torchrun saw no worker fail
     assert snapshot.read_bytes() == before
     resumed = check(run([*launch, "--total_epochs", "3"], tmp_path))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 2" in resumed.stdout, resumed.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 2" in resumed.stdout, resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [3]
 
 
@@ -358,7 +331,7 @@ def test_a_second_ctrl_c_quits_at_once_without_a_snapshot(tmp_path):
     at once instead of finishing what the first one asked for. The first stop's
     save is held up (the test hook hangs rank 0 inside it), as a slow save on a
     busy file system would; the second Ctrl-C ends the run without a snapshot."""
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "multigpu_torchrun.py"),
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
                          "--total_epochs", "200", "--save_every", "1000"]
     log = tmp_path / "log.txt"
     with open(log, "w") as out:
@@ -378,7 +351,7 @@ def test_a_second_ctrl_c_quits_at_once_without_a_snapshot(tmp_path):
     text = log.read_text()
     assert text.count("Ctrl-C: every rank stops after the current step") == 1, text
     assert "second stop request: quitting at once, without a snapshot" in text, text
-    assert not (tmp_path / "snapshot_multigpu_torchrun.pt").exists()
+    assert not (tmp_path / "snapshot_train.pt").exists()
 
 
 # --------------------------------------------------------------------------
@@ -456,7 +429,7 @@ def test_a_three_rank_amp_run_resumed_mid_epoch_is_bitwise_unchanged(small_mnist
         pytest.skip(f"--amp refused on this CPU: {refused}")
     flags = ["--total_epochs", "2", "--snapshot_every_steps", "2", "--dataset", "mnist",
              "--data_dir", small_mnist, "--amp"]
-    three = TORCHRUN + ["--standalone", "--nproc_per_node=3", "--max-restarts=3", REPO / "multigpu_torchrun.py"]
+    three = TORCHRUN + ["--standalone", "--nproc_per_node=3", "--max-restarts=3", REPO / "train.py"]
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
     check(run(three + flags, tmp_path / "clean"))

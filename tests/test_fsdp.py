@@ -1,7 +1,8 @@
-"""multinode_fsdp.py, the FSDP2 rung, on CPU with gloo under real torchrun:
+"""train.py --strategy fsdp, the kit's FSDP2, on CPU with gloo under real torchrun:
 parity with one process, real MNIST, exact sharded evaluation, resume
 (bitwise, across world sizes, after a kill during a save, after SIGUSR1),
-the converted checkpoint in singlegpu's model, and memory per rank."""
+the gathered snapshot as a plain checkpoint of the task's model, and memory
+per rank. (The FSDP rung, multinode_fsdp.py, is tested with the other rungs.)"""
 
 import os
 import re
@@ -16,16 +17,16 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dataset_files import build_mnist_root
-from helpers import (REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, plain_task, run,
+from helpers import (REPO, TORCHRUN, check, epochs, free_port, parse_test, plain_task, run,
                      signal_when, stdout_lines)
-from test_distributed_correctness import N_EVAL, _eval_problem
 
 import common
 import train_utils
 import vision_tasks
 
-FSDP = REPO / "multinode_fsdp.py"
-# These tests run on the CPU, where multinode_fsdp.py refuses gloo before torch 2.10 (it
+FSDP = REPO / "train.py"
+SNAPSHOT = "snapshot_train_fsdp"  # train.py's default --snapshot_path under --strategy fsdp
+# These tests run on the CPU, where train.py --strategy fsdp refuses gloo before torch 2.10 (it
 # sums in reduce_scatter; tests/test_train_utils.py measures that and tests the refusal).
 pytestmark = pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
                                 reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
@@ -36,7 +37,8 @@ MEMORY_LINE = re.compile(r"^state per rank: .* \((?P<bytes>\d+) bytes, rank (?P<
 
 def fsdp(nproc: int, *flags, restarts: int = 0) -> list:
     extra = [f"--max-restarts={restarts}"] if restarts else []
-    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, FSDP, *map(str, flags)]
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, FSDP, "--strategy", "fsdp",
+                       *map(str, flags)]
 
 
 def snapshot_folder(root) -> str:
@@ -75,6 +77,48 @@ def assert_bitwise(a: dict, b: dict) -> None:
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
+@torch.no_grad()
+def one_process_evaluation(model: torch.nn.Module, dataset, task) -> tuple:
+    """(mean loss, accuracy) of ``model`` over every sample of ``dataset`` in one
+    process, in batches of 8: the reference a sharded evaluation must equal."""
+    model.eval()
+    loss_sum, correct, samples = 0.0, 0, 0
+    for source, targets in torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=common.collate):
+        output = model(task.eval_transform(source))
+        loss_sum += task.loss_fn(output, targets, reduction="sum").item()
+        correct += (output.argmax(dim=1) == targets).sum().item()
+        samples += len(targets)
+    return loss_sum / samples, correct / samples
+
+
+N_EVAL = 97  # divisible by neither 2 nor 3 nor the batch size
+
+
+class _Classifier(torch.nn.Module):
+    """A linear classifier behind a BatchNorm, whose running stats we make
+    differ per rank, as they do after training."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(5)
+        self.fc = torch.nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def _eval_problem():
+    """(97 samples of 5 features in 4 classes, a _Classifier with set BatchNorm statistics)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N_EVAL, 5, generator=g)
+    y = torch.randint(0, 4, (N_EVAL,), generator=g)
+    torch.manual_seed(3)
+    model = _Classifier()
+    model.norm.running_mean.copy_(torch.randn(5, generator=g))
+    model.norm.running_var.copy_(torch.rand(5, generator=g) + 0.5)
+    return torch.utils.data.TensorDataset(x, y), model
+
+
 def memory(stdout: str) -> dict:
     lines = [m.groupdict() for m in MEMORY_LINE.finditer(stdout)]
     assert len(lines) == 1, stdout[-2000:]
@@ -101,17 +145,17 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
     """One epoch of SGD steps (115 at world size 2; 76 at 3, each accumulating 2
     micro-batches through set_requires_gradient_sync). The MLP's last layer has 1
     output row and its first 64, which divide by neither 2 nor 3: FSDP pads their
-    shards. The reference is multinode.py with one process, whose DDP is plain
+    shards. The reference is train.py's DDP with one process, which is plain
     training; the FSDP snapshot is gathered with DCP's converter."""
     global_batch = batch_size * accum * world_size
     (tmp_path / "one").mkdir()
     (tmp_path / "fsdp").mkdir()
-    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "multinode.py",
+    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py",
                           "--total_epochs", "1", "--batch_size", str(global_batch)], tmp_path / "one"))
     result = check(run(fsdp(world_size, "--total_epochs", 1, "--batch_size", batch_size,
                             "--grad_accum_steps", accum, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
-    reference = torch.load(tmp_path / "one" / "snapshot_multinode.pt", weights_only=True)["model"]
-    weights, _ = full_state(snapshot_folder(tmp_path / "fsdp" / "snapshot_multinode_fsdp"), tmp_path / "gathered")
+    reference = torch.load(tmp_path / "one" / "snapshot_train.pt", weights_only=True)["model"]
+    weights, _ = full_state(snapshot_folder(tmp_path / "fsdp" / "snapshot_train_fsdp"), tmp_path / "gathered")
     start = common.synthetic_model("mlp").state_dict()
     assert weights.keys() == reference.keys()
     worst = max((weights[name] - reference[name]).abs().max().item() for name in reference)
@@ -157,30 +201,27 @@ def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_pa
 def _fsdp_eval_worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import multinode_fsdp
+    import train
 
     dataset, model = _eval_problem()
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
-    model = multinode_fsdp.shard_model(model, torch.device("cpu"), dtype=None)
-    loader = multinode_fsdp.prepare_dataloader(dataset, 8, 0, False, 0)
-    loss, accuracy = multinode_fsdp.evaluate(model, loader, plain_task(F.cross_entropy, True),
-                                             torch.device("cpu"))
+    model = train.shard_model(model, torch.device("cpu"), dtype=None)
+    loader = train.prepare_dataloader(dataset, 8, 0, False, 0)
+    loss, accuracy = train.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"),
+                                    fsdp=True)
     torch.save({"loss": loss, "accuracy": accuracy, "counted": sum(len(y) for _, y in loader),
                 "batches": len(loader)}, os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as the FSDP rung ends: gloo's threads can abort the teardown
+    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp_evaluation_equals_single_process(world_size, tmp_path):
     """97 samples, batch 8: shards of 49/48 (7 and 6 batches) or 33/32/32 (5, 4, 4):
     the ranks with fewer batches run extra forwards, counted nowhere."""
-    import singlegpu
-
     dataset, model = _eval_problem()
-    loader = singlegpu.prepare_dataloader(dataset, 8, 0, False, 0)
-    expected = singlegpu.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
+    expected = one_process_evaluation(model, dataset, plain_task(F.cross_entropy, True))
     mp.spawn(_fsdp_eval_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world_size)]
     assert sum(r["counted"] for r in results) == N_EVAL  # every sample once
@@ -193,12 +234,12 @@ def test_fsdp_evaluation_equals_single_process(world_size, tmp_path):
 def _bf16_worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import multinode_fsdp
+    import train
 
     losses = {}
     for bf16 in (False, True):
         torch.manual_seed(0)
-        model = multinode_fsdp.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
+        model = train.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
                                            torch.device("cpu"), torch.bfloat16 if bf16 else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
@@ -211,7 +252,7 @@ def _bf16_worker(rank, world_size, port, out_dir):
                         {p.grad.dtype for p in model.parameters()})
     torch.save(losses, os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as the FSDP rung ends: gloo's threads can abort the teardown
+    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
 
 
 def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path):
@@ -230,7 +271,7 @@ def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path)
 def _channels_last_worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import multinode_fsdp
+    import train
 
     torch.manual_seed(0)
     model = vision_tasks.build_model("cifar10", "resnet18").to(memory_format=torch.channels_last)
@@ -239,13 +280,13 @@ def _channels_last_worker(rank, world_size, port, out_dir):
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     expected = plain(x).sum().item()
     try:
-        sharded = multinode_fsdp.shard_model(model, torch.device("cpu"), dtype=None)
+        sharded = train.shard_model(model, torch.device("cpu"), dtype=None)
         result = sharded(x.contiguous(memory_format=torch.channels_last)).sum().item()
     except NotImplementedError as exc:
         result = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     torch.save({"expected": expected, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as the FSDP rung ends: gloo's threads can abort the teardown
+    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
 
 
 def test_shard_model_takes_a_channels_last_resnet(tmp_path):
@@ -268,7 +309,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     same world size runs the same all-gathers and reduce-scatters in the same order
     on CPU. The MNIST CNN's dropout needs every rank's RNG state restored too (the
     synthetic task's resume is bitwise in the fault tests below). The gathered
-    weights load into singlegpu.py's model as they are."""
+    weights load into the task's plain model as they are."""
     data_dir = build_mnist_root(tmp_path / "data", n_train=500, n_test=200)
     flags = ["--dataset", "mnist", "--data_dir", data_dir, "--batch_size", "32"]
     (tmp_path / "straight").mkdir()
@@ -277,42 +318,38 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     first = check(run(fsdp(2, *flags, "--total_epochs", 2), tmp_path / "resumed"))
     assert "resuming" not in first.stdout
     second = check(run(fsdp(2, *flags, "--total_epochs", 4), tmp_path / "resumed"))
-    assert "resuming from snapshot snapshot_multinode_fsdp/epoch-2 after epoch 2\n" in second.stdout
+    assert "resuming from snapshot snapshot_train_fsdp/epoch-2 after epoch 2\n" in second.stdout
     assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
 
-    weights, straight = full_state(snapshot_folder(tmp_path / "straight" / "snapshot_multinode_fsdp"), tmp_path / "a")
-    _, resumed = full_state(snapshot_folder(tmp_path / "resumed" / "snapshot_multinode_fsdp"), tmp_path / "b")
+    weights, straight = full_state(snapshot_folder(tmp_path / "straight" / "snapshot_train_fsdp"), tmp_path / "a")
+    _, resumed = full_state(snapshot_folder(tmp_path / "resumed" / "snapshot_train_fsdp"), tmp_path / "b")
     assert straight["position"].tolist() == [4, 0]
     assert_bitwise(straight, resumed)
 
-    # The gathered weights are a checkpoint of singlegpu.py's model: loaded as they are
-    # (strict) and scored by singlegpu.py's evaluation, they give the test loss the run printed.
-    import singlegpu
+    # The gathered weights are a checkpoint of the task's plain model: loaded as they are
+    # (strict) and scored in one process, they give the test loss the run printed.
     from helpers import load_task
 
     task = load_task("mnist", data_dir, "fast")
     task.model.load_state_dict(weights)
-    loader = singlegpu.prepare_dataloader(task.test_set, 32, 0, False, 0)
-    loss, _ = singlegpu.evaluate(task.model, loader, task, torch.device("cpu"))
+    loss, _ = one_process_evaluation(task.model, task.test_set, task)
     assert abs(loss - parse_test(second.stdout)["loss"]) <= 1e-6
 
 
 def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import multinode_fsdp
+    import train
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    sys.argv = ["multinode_fsdp.py", "--snapshot_path", snapshot_path]
-    args = train_utils.parse_args(None, common.TASKS, ["snapshot_path", "snapshot_every_steps",
+    sys.argv = ["train.py", "--strategy", "fsdp", "--snapshot_path", snapshot_path]
+    args = train_utils.parse_args(None, common.TASKS, ["strategy", "snapshot_path", "snapshot_every_steps",
                                                        "pg_timeout_s"])
-    torch.manual_seed(args.seed)
     device = torch.device("cpu")
-    task, optimizer = multinode_fsdp.load_train_objs(args, False, device)
-    train_data = multinode_fsdp.prepare_dataloader(task.train_set, 32, 0, True, 0)
+    task, optimizer = train.build(args, rank, rank, device)  # seeded and sharded as train.py does
+    train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0)
     recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
-    trainer = multinode_fsdp.Trainer(task.model, train_data, None, recipe, task, device, rank,
-                                     rank, args)
+    trainer = train.Trainer(task.model, train_data, None, recipe, task, device, rank, rank, args)
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
@@ -320,7 +357,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
         torch.save({"weights": weights, "optimizer": optimizer_state, "epochs_run": trainer.progress.epochs_run}, out)
     trainer.stop.close()
     torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as the FSDP rung ends: gloo's threads can abort the teardown
+    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
 
 
 def test_resume_with_another_world_size(tmp_path, monkeypatch):
@@ -334,12 +371,12 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
     halving = ["--lr_schedule", "step", "--lr_gamma", "0.5"]
     first = check(run(fsdp(2, "--total_epochs", 1, *halving), tmp_path / "two"))
     shutil.copytree(tmp_path / "two", tmp_path / "three")
-    saved = snapshot_folder(tmp_path / "two" / "snapshot_multinode_fsdp")
+    saved = snapshot_folder(tmp_path / "two" / "snapshot_train_fsdp")
     weights, tensors = full_state(saved, tmp_path / "gathered")
 
-    # Loaded by the script's own Trainer in 3 processes, gathered again: bitwise.
+    # Loaded by train.py's own Trainer in 3 processes, gathered again: bitwise.
     out = tmp_path / "loaded.pt"
-    mp.spawn(_resharded_load_worker, args=(3, free_port(), str(tmp_path / "two" / "snapshot_multinode_fsdp"), str(out)),
+    mp.spawn(_resharded_load_worker, args=(3, free_port(), str(tmp_path / "two" / "snapshot_train_fsdp"), str(out)),
              nprocs=3)
     loaded = torch.load(out, weights_only=True)
     assert loaded["epochs_run"] == 1
@@ -349,13 +386,13 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
 
     # End to end: 3 ranks resume and train epoch 2 on.
     more = check(run(fsdp(3, "--total_epochs", 2, *halving), tmp_path / "three"))
-    assert ("resuming from snapshot snapshot_multinode_fsdp/epoch-1 after epoch 1 (saved by world_size 2, "
+    assert ("resuming from snapshot snapshot_train_fsdp/epoch-1 after epoch 1 (saved by world_size 2, "
             "resharded to 3: weights and optimizer state exact; random streams restored on "
             "ranks < 2 only)") in more.stdout
     assert [e["epoch"] for e in epochs(more.stdout)] == [2]
     assert epochs(first.stdout)[0]["lr"] == 0.05 and epochs(more.stdout)[0]["lr"] == 0.025
     assert epochs(more.stdout)[0]["train_loss"] < epochs(first.stdout)[0]["train_loss"]
-    assert sorted(os.listdir(tmp_path / "three" / "snapshot_multinode_fsdp")) == ["epoch-2"]
+    assert sorted(os.listdir(tmp_path / "three" / "snapshot_train_fsdp")) == ["epoch-2"]
 
     # Mid-epoch at another world size: refused with one line, the snapshot kept.
     meta = torch.load(os.path.join(saved, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
@@ -377,7 +414,7 @@ FAULT_FLAGS = ["--total_epochs", "2", "--batch_size", "8", "--snapshot_every_ste
 def reference_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("reference")
     check(run(fsdp(2, *FAULT_FLAGS), cwd))
-    return full_state(snapshot_folder(cwd / "snapshot_multinode_fsdp"), cwd / "gathered")[1]
+    return full_state(snapshot_folder(cwd / "snapshot_train_fsdp"), cwd / "gathered")[1]
 
 
 def test_kill_during_a_save_keeps_the_previous_snapshot(reference_run, tmp_path):
@@ -387,9 +424,9 @@ def test_kill_during_a_save_keeps_the_previous_snapshot(reference_run, tmp_path)
     ends bitwise where the uninterrupted run ends."""
     killed = check(run(fsdp(2, *FAULT_FLAGS, restarts=1), tmp_path, DDP_TEST_FAULT="save:0:2:kill"))
     assert "DDP_TEST_FAULT: kill at save 2 on rank 0" in killed.stderr
-    assert "resuming from snapshot snapshot_multinode_fsdp/epoch-1-step-40 in epoch 1 after step 40" in killed.stdout
-    assert sorted(os.listdir(tmp_path / "snapshot_multinode_fsdp")) == ["epoch-2"]
-    assert_bitwise(reference_run, full_state(tmp_path / "snapshot_multinode_fsdp" / "epoch-2", tmp_path / "g")[1])
+    assert "resuming from snapshot snapshot_train_fsdp/epoch-1-step-40 in epoch 1 after step 40" in killed.stdout
+    assert sorted(os.listdir(tmp_path / "snapshot_train_fsdp")) == ["epoch-2"]
+    assert_bitwise(reference_run, full_state(tmp_path / "snapshot_train_fsdp" / "epoch-2", tmp_path / "g")[1])
 
 
 def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp_path):
@@ -400,21 +437,11 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
     text = signal_when(launch, tmp_path, "epoch 1/2", signal.SIGUSR1, start_s=180, stop_s=120)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text
     after_stop = text.split("stopped by SIGUSR1")[1]
-    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_multinode_fsdp/epoch-\1-step-\2$",
+    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_train_fsdp/epoch-\1-step-\2$",
                             after_stop, re.M).groups()
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1  # stopped inside the next epoch
     resumed = check(run(fsdp(2, *FAULT_FLAGS), tmp_path))
-    assert (f"resuming from snapshot snapshot_multinode_fsdp/epoch-{epoch}-step-{step} in epoch {epoch} "
+    assert (f"resuming from snapshot snapshot_train_fsdp/epoch-{epoch}-step-{step} in epoch {epoch} "
             f"after step {step}") in resumed.stdout
-    assert_bitwise(reference_run, full_state(snapshot_folder(tmp_path / "snapshot_multinode_fsdp"), tmp_path / "g")[1])
+    assert_bitwise(reference_run, full_state(snapshot_folder(tmp_path / "snapshot_train_fsdp"), tmp_path / "g")[1])
 
-
-def test_a_multinode_snapshot_file_is_refused_in_one_line(tmp_path):
-    (tmp_path / "snapshot_multinode.pt").write_bytes(b"a multinode.py snapshot file")
-    result = run(fsdp(1, "--total_epochs", 1, "--snapshot_path", "snapshot_multinode.pt"), tmp_path)
-    assert result.returncode != 0
-    errors = error_lines(result.stderr)
-    assert len(errors) == 1, result.stderr
-    assert "cannot write --snapshot_path snapshot_multinode.pt: it is a file, where a snapshot folder is expected" \
-        in errors[0]
-    assert (tmp_path / "snapshot_multinode.pt").read_bytes() == b"a multinode.py snapshot file"

@@ -1,9 +1,9 @@
 """Where a run writes, and what it reads back: every output path checked
 before training with one wording, files that are not the run's never
 overwritten, damaged snapshots refused by their zip archive's CRCs, and the
-advice and --help text a user reads around them.
+--help text a user reads around them.
 
-Every run is a real script on the CPU, from a folder other than the scripts'."""
+Every run is train.py, the kit, under torchrun on the CPU, from a folder other than the repository."""
 
 import io
 import os
@@ -20,13 +20,12 @@ from helpers import REPO, TORCHRUN, check, error_lines, run, task_args
 import common
 import train_utils
 
-SINGLEGPU = [sys.executable, REPO / "singlegpu.py", "--total_epochs", "1"]
-# Both with the snapshot path spelled out, so the messages below read the same in every rung.
-TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1"]
+# Both with the snapshot path spelled out, so the messages below read the same for DDP and FSDP.
+TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
                               "--snapshot_path", "snapshot.pt"]
-FSDP_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multinode_fsdp.py",
+FSDP_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", "fsdp",
                           "--snapshot_path", "snapshot.pt"]
-SCRIPTS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
 
 
 def refused_before_training(result: subprocess.CompletedProcess) -> str:
@@ -45,18 +44,17 @@ def refused_before_training(result: subprocess.CompletedProcess) -> str:
 # Output paths: checked up front, one wording
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag", ["--checkpoint_path", "--metrics_path"])
+@pytest.mark.parametrize("flag", ["--metrics_path"])  # --snapshot_path: the next test
 def test_a_folder_given_as_an_output_file_is_refused_before_training(flag, tmp_path):
     (tmp_path / "runs").mkdir()
-    result = run(SINGLEGPU + [flag, "runs"], tmp_path)
-    assert result.returncode == 2
+    result = run(ONE_RANK + [flag, "runs"], tmp_path)
     assert refused_before_training(result) == (
         f"error: cannot write {flag} runs: it is a folder, where a file is expected; pass another {flag}")
     assert os.listdir(tmp_path / "runs") == []
 
 
 def test_a_folder_given_as_a_snapshot_file_is_refused_before_training(tmp_path):
-    """multigpu_torchrun.py's --snapshot_path is a file (multinode_fsdp.py's is a folder)."""
+    """DDP's --snapshot_path is a file (FSDP's is a folder)."""
     (tmp_path / "snapshot.pt").mkdir()
     error = refused_before_training(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
     assert error == ("error: cannot write --snapshot_path snapshot.pt: it is a folder, where a snapshot "
@@ -66,16 +64,16 @@ def test_a_folder_given_as_a_snapshot_file_is_refused_before_training(tmp_path):
 @pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
 def test_a_file_where_the_fsdp_snapshot_folder_goes_is_refused_and_kept(tmp_path):
-    (tmp_path / "snapshot.pt").write_bytes(b"a multinode.py snapshot file")
+    (tmp_path / "snapshot.pt").write_bytes(b"a DDP snapshot file")
     error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "1"], tmp_path))
     assert error == ("error: cannot write --snapshot_path snapshot.pt: it is a file, where a snapshot "
                      "folder is expected; pass another --snapshot_path")
-    assert (tmp_path / "snapshot.pt").read_bytes() == b"a multinode.py snapshot file"
+    assert (tmp_path / "snapshot.pt").read_bytes() == b"a DDP snapshot file"
 
 
 def test_a_file_given_as_the_tensorboard_folder_is_refused_before_training(tmp_path):
     (tmp_path / "tb").write_text("notes")
-    error = refused_before_training(run(SINGLEGPU + ["--tensorboard_dir", "tb"], tmp_path))
+    error = refused_before_training(run(ONE_RANK + ["--tensorboard_dir", "tb"], tmp_path))
     assert error == ("error: cannot write --tensorboard_dir tb: it is a file, where a folder is expected; "
                      "pass another --tensorboard_dir")
     assert (tmp_path / "tb").read_text() == "notes"
@@ -83,35 +81,27 @@ def test_a_file_given_as_the_tensorboard_folder_is_refused_before_training(tmp_p
 
 def test_a_file_in_the_path_is_named_as_a_file_not_an_unwritable_folder(tmp_path):
     (tmp_path / "notes").write_text("not a folder")
-    error = refused_before_training(run(SINGLEGPU + ["--checkpoint_path", "notes/run1/checkpoint.pt"],
-                                        tmp_path))
-    assert error == ("error: cannot write --checkpoint_path notes/run1/checkpoint.pt: notes is a file, "
-                     "not a folder; pass another --checkpoint_path")
+    error = refused_before_training(run(ONE_RANK + ["--snapshot_path", "notes/run1/snapshot.pt"], tmp_path))
+    assert error == ("error: cannot write --snapshot_path notes/run1/snapshot.pt: notes is a file, "
+                     "not a folder; pass another --snapshot_path")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_a_folder_that_takes_no_files_says_what_fails(tmp_path):
     """/proc exists and is listable; creating a file there fails with ENOENT,
     not with 'not writable'."""
-    error = refused_before_training(run(SINGLEGPU + ["--checkpoint_path", "/proc/x.pt"], tmp_path))
-    assert error == ("error: cannot write --checkpoint_path /proc/x.pt: folder /proc takes no new files "
-                     "(creating one fails: No such file or directory); pass another --checkpoint_path")
+    error = refused_before_training(run(ONE_RANK + ["--snapshot_path", "/proc/x.pt"], tmp_path))
+    assert error == ("error: cannot write --snapshot_path /proc/x.pt: folder /proc takes no new files "
+                     "(creating one fails: No such file or directory); pass another --snapshot_path")
 
 
 def test_a_file_torch_save_did_not_write_is_never_overwritten(tmp_path):
+    """A snapshot path is read before it is written: a file that is not a
+    snapshot is refused, never replaced by a fresh start."""
     (tmp_path / "notes.txt").write_text("my notes\n")
-    error = refused_before_training(run(SINGLEGPU + ["--checkpoint_path", "notes.txt"], tmp_path))
-    assert error == ("error: cannot write --checkpoint_path notes.txt: it is a file torch.save did not write, "
-                     "which saving would replace; move it away, or pass another --checkpoint_path")
+    error = refused_before_training(run(ONE_RANK + ["--snapshot_path", "notes.txt"], tmp_path))
+    assert error.startswith("error: cannot read snapshot notes.txt (not a zip archive as torch.save writes")
     assert (tmp_path / "notes.txt").read_text() == "my notes\n"
-
-
-def test_a_rerun_replaces_its_own_checkpoint(tmp_path):
-    check(run(SINGLEGPU + ["--checkpoint_path", "c.pt"], tmp_path))
-    first = (tmp_path / "c.pt").read_bytes()
-    check(run(SINGLEGPU + ["--checkpoint_path", "c.pt", "--seed", "1"], tmp_path))
-    assert (tmp_path / "c.pt").read_bytes() != first  # replaced by the new run's weights
-    assert train_utils.checks.is_torch_save(str(tmp_path / "c.pt"))
 
 
 # --------------------------------------------------------------------------
@@ -224,29 +214,20 @@ torch.save({{"model": Payload()}}, {str(crafted)!r})
 # Advice and help that fit the script
 # --------------------------------------------------------------------------
 
-def test_a_diverged_run_of_a_script_without_snapshots_is_not_told_to_resume(tmp_path):
-    result = run([sys.executable, REPO / "singlegpu.py", "--lr", "1e6"], tmp_path)
-    assert result.returncode == 2
-    (error,) = error_lines(result.stderr)
-    assert error.startswith("error: training loss became ") and "and resume" not in error
-    assert error.endswith("Lower --lr and train again (this script does not resume from its checkpoint)")
-
-
-@pytest.mark.parametrize("script", ["multinode.py", "multinode_fsdp.py"])
-def test_help_keeps_the_launch_command_as_written(script, tmp_path):
+def test_help_keeps_the_launch_command_as_written(tmp_path):
     """The torchrun line and its backslash continuation, each on its own
     line: pasted into a shell, it is the documented command."""
+    script = "train.py"
     result = check(run([sys.executable, REPO / script, "--help"], tmp_path))
     lines = result.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith("torchrun --nnodes"))
     assert lines[start].endswith(" \\") and lines[start + 1].startswith("        --rdzv-endpoint")
-    command = shlex.split(lines[start][:-1] + lines[start + 1])
+    command = shlex.split(lines[start][:-1] + lines[start + 1], comments=True)
     assert command[0] == "torchrun" and command[-1] == script and "--rdzv-id=JOB_ID" in command
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_help_sends_your_task_to_its_own_file_and_lists_each_tasks_models(script, tmp_path):
-    text = " ".join(check(run([sys.executable, REPO / script, "--help"], tmp_path)).stdout.split())
+def test_help_sends_your_task_to_its_own_file_and_lists_each_tasks_models(tmp_path):
+    text = " ".join(check(run([sys.executable, REPO / "train.py", "--help"], tmp_path)).stdout.split())
     assert "common.py" not in text and "docs/custom-task.md" in text
     assert ("model for the task: synthetic mlp, linear; mnist cnn; cifar10 resnet18, resnet50, "
             "resnet18_imagenet, resnet50_imagenet; your own task: what its task function accepts") in text

@@ -4,9 +4,6 @@ plugin open; the profiled run trains bitwise as an unprofiled one."""
 
 import collections
 import json
-import sys
-
-import torch
 
 from helpers import REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, run
 
@@ -23,25 +20,6 @@ def traces(folder) -> dict:
     return found
 
 
-def test_singlegpu_traces_three_steps_and_trains_as_without(tmp_path):
-    profiled, plain = tmp_path / "profiled", tmp_path / "plain"
-    for folder in (profiled, plain):
-        folder.mkdir()
-    result = check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "2", "--profile_dir", "prof"],
-                       profiled))
-    assert result.stdout.count("profiler: steps 3-5 of this start traced on every rank") == 1
-    (name, (rank, names)), = traces(profiled / "prof").items()
-    assert name.startswith("rank0.") and rank == 0
-    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == PROFILED_STEPS
-    assert names["aten::addmm"] >= 3 * 2  # the MLP's two Linear layers, forward, in each step
-    assert names["Optimizer.step#SGD.step"] == 3
-
-    check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "2"], plain))
-    saved = [torch.load(folder / "checkpoint_singlegpu.pt", weights_only=True) for folder in (profiled, plain)]
-    assert saved[0].keys() == saved[1].keys()
-    assert all(torch.equal(saved[0][key], saved[1][key]) for key in saved[0])
-
-
 def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp_path):
     """Two ranks, two traces a start, each of its own rank, with the step's
     operators and DDP's gradient all-reduce; resumed with the flag, the run
@@ -49,8 +27,9 @@ def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp
     profiled, plain = tmp_path / "profiled", tmp_path / "plain"
     for folder in (profiled, plain):
         folder.mkdir()
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
-    check(run(launch + ["--total_epochs", "1", "--profile_dir", "prof"], profiled))
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+    result = check(run(launch + ["--total_epochs", "1", "--profile_dir", "prof"], profiled))
+    assert result.stdout.count("profiler: steps 3-5 of this start traced on every rank") == 1
     first = traces(profiled / "prof")
     assert sorted(rank for rank, _ in first.values()) == [0, 1]
     for name, (rank, names) in first.items():
@@ -58,20 +37,22 @@ def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp
         assert sorted(n for n in names if n.startswith("ProfilerStep#")) == PROFILED_STEPS
         assert names["aten::addmm"] >= 3 * 2
         assert names["c10d::allreduce_"] >= 3  # DDP's gradients, at least one bucket a step
+        assert names["Optimizer.step#SGD.step"] == 3
 
     resumed = check(run(launch + ["--total_epochs", "2", "--profile_dir", "prof"], profiled))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 1" in resumed.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 1" in resumed.stdout
     assert resumed.stdout.count("profiler: steps 3-5 of this start") == 1
     assert sorted(rank for rank, _ in traces(profiled / "prof").values()) == [0, 0, 1, 1]
 
     check(run(launch + ["--total_epochs", "2"], plain))
-    assert_same_snapshot(profiled / "snapshot_multigpu_torchrun.pt", plain / "snapshot_multigpu_torchrun.pt")
+    assert_same_snapshot(profiled / "snapshot_train.pt", plain / "snapshot_train.pt")
 
 
 def test_an_unwritable_profile_dir_stops_before_training_in_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
-    result = run([sys.executable, REPO / "singlegpu.py", "--profile_dir", "a_file/prof"], tmp_path)
-    assert result.returncode == 2
-    assert error_lines(result.stderr) == [result.stderr.strip()] == [
+    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--profile_dir", "a_file/prof"],
+                 tmp_path)
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == [
         "error: cannot write --profile_dir a_file/prof: a_file is a file, not a folder; pass another --profile_dir"]
     assert not epochs(result.stdout)

@@ -19,9 +19,10 @@ import train_utils
 import vision_tasks
 from dataset_files import build_cifar10_root
 from helpers import (REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, free_port,
-                     parse_test, run, script_trainer, signal_when)
+                     parse_test, run, kit_trainer, signal_when)
 
-TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+TORCHRUN_1 = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
+TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
 
 
 def recipe_args(**flags) -> argparse.Namespace:
@@ -109,7 +110,7 @@ def test_a_snapshot_from_before_the_optimizer_flag_is_sgds(tmp_path):
 def test_epoch_line_metrics_and_tensorboard_show_the_learning_rate(tmp_path):
     """Step decay x0.5 per epoch: the epoch line, the JSON record and TensorBoard's
     "lr" scalar give each epoch's learning rate."""
-    result = check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "3", "--lr", "0.08",
+    result = check(run(TORCHRUN_1 + ["--total_epochs", "3", "--lr", "0.08",
                         "--lr_schedule", "step", "--lr_gamma", "0.5", "--metrics_path", "m.jsonl",
                         "--tensorboard_dir", "tb"], tmp_path))
     assert [e["lr"] for e in epochs(result.stdout)] == [0.08, 0.04, 0.02]
@@ -131,13 +132,13 @@ COSINE = ["--batch_size", "16", "--lr_schedule", "cosine", "--warmup_epochs", "0
 
 def test_a_resume_says_what_a_new_horizon_or_lr_changes_and_refuses_another_optimizer(tmp_path):
     check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "2"], tmp_path))
-    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
+    before = (tmp_path / "snapshot_train.pt").read_bytes()
     refused = run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--optimizer", "adamw"], tmp_path)
     assert refused.returncode != 0
     assert set(error_lines(refused.stderr)) == {
-        "error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (optimizer sgd -> adamw); "
+        "error: snapshot snapshot_train.pt comes from a different run (optimizer sgd -> adamw); "
         "resume with its settings, or delete it or pass another --snapshot_path to start afresh"}
-    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
     resumed = check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--lr", "0.02"], tmp_path))
     # 1844 samples, 2 ranks of batch 16: 57 steps per epoch, 28 of warm-up, 171 in all
@@ -166,17 +167,17 @@ def test_fp16_with_clipping_stopped_by_sigterm_resumes_bitwise(tmp_path):
     text = signal_when(TORCHRUN_2 + flags, interrupted, "epoch 2/6", signal.SIGTERM)
     assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
     resumed = check(run(TORCHRUN_2 + flags, interrupted))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt in epoch" in resumed.stdout
-    snapshot = torch.load(interrupted / "snapshot_multigpu_torchrun.pt", weights_only=True)
+    assert "resuming from snapshot snapshot_train.pt in epoch" in resumed.stdout
+    snapshot = torch.load(interrupted / "snapshot_train.pt", weights_only=True)
     assert snapshot["loss_scaler"]["scale"] < 65536.0 and snapshot["lr_schedule"]["last_epoch"] > 0
-    assert_same_snapshot(interrupted / "snapshot_multigpu_torchrun.pt", reference / "snapshot_multigpu_torchrun.pt")
+    assert_same_snapshot(interrupted / "snapshot_train.pt", reference / "snapshot_train.pt")
     assert parse_test(resumed.stdout) == parse_test(straight.stdout)
 
 
 @pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
                     reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
 def test_fsdp_recipe_killed_and_restarted_ends_bitwise(tmp_path):
-    """The FSDP rung: AdamW, cosine with warm-up, clipping of sharded (DTensor)
+    """train.py --strategy fsdp: AdamW, cosine with warm-up, clipping of sharded (DTensor)
     gradients, fp16 with the loss scaler, 2 micro-batches per step; a rank
     SIGKILLed mid-epoch, torchrun restarts all, the sharded snapshot resumes the
     schedule and the scale: the final shards are bitwise the uninterrupted run's."""
@@ -190,11 +191,11 @@ def test_fsdp_recipe_killed_and_restarted_ends_bitwise(tmp_path):
     check(run(fsdp(2, *flags), tmp_path / "a"))
     killed = check(run(fsdp(2, *flags, restarts=1), tmp_path / "b", DDP_TEST_FAULT="step:1:150:kill"))
     # 115 micro-batches per epoch; killed at the 150th, the restart goes back to the last snapshot
-    assert "resuming from snapshot snapshot_multinode_fsdp/epoch-1-step-80 in epoch 1 after step 80" in killed.stdout
+    assert "resuming from snapshot snapshot_train_fsdp/epoch-1-step-80 in epoch 1 after step 80" in killed.stdout
     assert epochs(killed.stdout)[0] == {**epochs(killed.stdout)[1], "epoch_s": epochs(killed.stdout)[0]["epoch_s"],
                                         "samples_per_s": epochs(killed.stdout)[0]["samples_per_s"]}
-    straight = full_state(snapshot_folder(tmp_path / "a" / "snapshot_multinode_fsdp"), tmp_path / "ga")[1]
-    restarted = full_state(snapshot_folder(tmp_path / "b" / "snapshot_multinode_fsdp"), tmp_path / "gb")[1]
+    straight = full_state(snapshot_folder(tmp_path / "a" / "snapshot_train_fsdp"), tmp_path / "ga")[1]
+    restarted = full_state(snapshot_folder(tmp_path / "b" / "snapshot_train_fsdp"), tmp_path / "gb")[1]
     assert "optimizer.0.weight.exp_avg_sq" in straight and straight["loss_scaler.scale"] < 65536.0
     assert_bitwise(straight, restarted)
 
@@ -209,22 +210,21 @@ MAX_NORM = 0.05
 def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import multigpu_torchrun
-    import multinode_fsdp
+    import train
 
     x, y = torch.load(os.path.join(out, "batch.pt"))
     mine = slice(rank * 8, rank * 8 + 8)  # each rank its half of the global batch of 16
-    # DDP, as multigpu_torchrun's Trainer runs it: 2 micro-batches of 4, then one clipped step.
+    # DDP, as train.py's Trainer runs it: 2 micro-batches of 4, then one clipped step.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    trainer = script_trainer(multigpu_torchrun, model, torch.optim.SGD(model.parameters(), lr=1.0),
-                             F.mse_loss, out, rank, grad_accum_steps=2, clip_grad_norm=MAX_NORM)
+    trainer = kit_trainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                          F.mse_loss, out, rank, grad_accum_steps=2, clip_grad_norm=MAX_NORM)
     for step, part in enumerate((slice(mine.start, mine.start + 4), slice(mine.start + 4, mine.stop))):
         trainer._run_batch(x[part], y[part], step)
     ddp = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
     # FSDP: the same model sharded, the same half batch, one step through the Recipe.
     torch.manual_seed(0)
-    model = multinode_fsdp.shard_model(
+    model = train.shard_model(
         torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
         torch.device("cpu"), dtype=None)
     recipe = train_utils.Recipe(torch.optim.SGD(model.parameters(), lr=1.0),
@@ -235,7 +235,7 @@ def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     if rank == 0:
         torch.save({"ddp": ddp, "fsdp": fsdp}, os.path.join(out, "result.pt"))
     torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as the FSDP rung ends: gloo's threads can abort the teardown
+    train_utils.exit_skipping_teardown()  # as train.py's FSDP run ends: gloo's threads can abort the teardown
 
 
 def test_clip_grad_norm_clips_the_global_norm_under_ddp_accumulation_and_fsdp(tmp_path):
@@ -289,17 +289,17 @@ def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
     5e-4, cosine) on CIFAR-shaped synthetic images in the real file format: the
     training loss falls, the run resumes from its snapshot and continues."""
     data = build_cifar10_root(tmp_path / "data", per_batch=32, n_test=20)
-    launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py", REPO / "multigpu_torchrun.py"]
+    launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py", REPO / "train.py"]
     flags = ["--dataset", "cifar10", "--data_dir", data, "--batch_size", "16", "--lr", "0.02"]
     first = check(run(launch + flags + ["--total_epochs", "2"], tmp_path))
     assert "device cpu" in first.stdout
     lines = epochs(first.stdout)
     assert lines[1]["train_loss"] < lines[0]["train_loss"]
-    config = torch.load(tmp_path / "snapshot_multigpu_torchrun.pt", weights_only=True)["config"]
+    config = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["config"]
     assert (config["model"], config["optimizer"], config["weight_decay"], config["lr_schedule"]) == \
         ("resnet18", "sgd", 5e-4, "cosine")
     second = check(run(launch + flags + ["--total_epochs", "3"], tmp_path))
-    assert "resuming from snapshot snapshot_multigpu_torchrun.pt after epoch 2" in second.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 2" in second.stdout
     assert "recipe changed at resume (total_epochs 2 -> 3)" in second.stdout
 
 
@@ -309,8 +309,8 @@ def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
 
 def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     """Here: the CPU and gloo. An XPU (faked: none on these machines) gives
-    xpu:LOCAL_RANK, MPS one device for singlegpu.py only; the process-group
-    rungs run on the CPU there."""
+    xpu:LOCAL_RANK; MPS one device for a single process only (no process-group
+    backend: a process group runs on the CPU there)."""
     assert train_utils.device_for(0) == torch.device("cpu")
     assert train_utils.backend_for(torch.device("cpu")) == "gloo"
     if not hasattr(torch, "accelerator"):
@@ -350,7 +350,10 @@ def test_the_seed_recipes_for_cifar10_run_as_documented(tmp_path):
     import shutil
 
     found = documented_cifar10_commands()
-    assert [c.split()[0] for c in found] == ["python", "torchrun"], found  # tutorials 000 and 003
+    assert found, "docs/recipes.md gives no python or torchrun command for --dataset cifar10"
+    recipe_flags = ("--optimizer", "--lr", "--weight_decay", "--lr_schedule", "--warmup_epochs", "--amp")
+    # The recipe flags are the kit's: a command that passes one runs train.py.
+    assert [c for c in found if any(f in c.split() for f in recipe_flags) and "train.py" not in c] == []
     data = build_cifar10_root(tmp_path / "data", per_batch=64, n_test=20)  # 288 to train: 1 step of 128 per rank
     patch = tmp_path / "patch"
     patch.mkdir()

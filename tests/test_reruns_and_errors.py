@@ -1,6 +1,6 @@
 """What a user meets around a run: reruns in a folder that already holds a
 snapshot, settings that differ between ranks, errors under torchrun that stay
-one line, file permissions, oversubscribed CPUs."""
+one line, file permissions. All through train.py, the kit."""
 
 import os
 import stat
@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from helpers import (REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run, run_together,
+from helpers import (REPO, TORCHRUN, check, epochs, error_lines, free_port, run, run_together,
                      script_env, stdout_lines)
 
-TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 
 
 # --------------------------------------------------------------------------
@@ -21,24 +22,24 @@ TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "mult
 
 def test_rerunning_a_finished_run_says_nothing_to_train(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path))
-    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
+    before = (tmp_path / "snapshot_train.pt").read_bytes()
     again = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--lr", "0.01"], tmp_path))
     assert stdout_lines(again.stdout.strip())[-1] == (
-        "snapshot snapshot_multigpu_torchrun.pt already holds all 2 epochs: nothing to train (raise --total_epochs "
+        "snapshot snapshot_train.pt already holds all 2 epochs: nothing to train (raise --total_epochs "
         "to train on, or delete it or pass another --snapshot_path to start afresh)")
     assert not epochs(again.stdout) and "test | loss" not in again.stdout  # no look of a run
-    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
 
 def test_fewer_epochs_than_the_snapshot_holds_is_refused(tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "3"], tmp_path))
-    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
+    before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        "error: --total_epochs 2 is below the 3 epochs snapshot snapshot_multigpu_torchrun.pt already holds; raise "
+        "error: --total_epochs 2 is below the 3 epochs snapshot snapshot_train.pt already holds; raise "
         "--total_epochs, or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
 
 @pytest.mark.parametrize("flags, change", [
@@ -47,13 +48,13 @@ def test_fewer_epochs_than_the_snapshot_holds_is_refused(tmp_path):
 ])
 def test_a_snapshot_of_other_data_or_seed_is_refused_naming_the_fix(flags, change, tmp_path):
     check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
+    before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2", *flags], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        f"error: snapshot snapshot_multigpu_torchrun.pt comes from a different run ({change}); resume with its "
+        f"error: snapshot snapshot_train.pt comes from a different run ({change}); resume with its "
         f"settings, or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before
+    assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
 
 def test_ranks_started_with_different_settings_stop_in_one_line(tmp_path):
@@ -62,7 +63,7 @@ def test_ranks_started_with_different_settings_stop_in_one_line(tmp_path):
     port = free_port()
     cmds = [TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                         f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=settings{port}",
-                        f"--rdzv-conf=is_host={int(node == 0)}", REPO / "multinode.py",
+                        f"--rdzv-conf=is_host={int(node == 0)}", REPO / "train.py",
                         "--total_epochs", "2", "--batch_size", str(32 * (node + 1))]
             for node in range(2)]
     outputs = run_together(cmds, [tmp_path, tmp_path], script_env(), timeout=120)
@@ -71,7 +72,7 @@ def test_ranks_started_with_different_settings_stop_in_one_line(tmp_path):
     assert errors == ["error: ranks disagree on --batch_size: 32 on ranks [0], 64 on ranks [1]; "
                       "start every process with the same arguments"]
     assert not any(epochs(out) for _, out, _ in outputs)
-    assert not (tmp_path / "snapshot_multinode.pt").exists()
+    assert not (tmp_path / "snapshot_train.pt").exists()
 
 
 # --------------------------------------------------------------------------
@@ -94,29 +95,30 @@ def test_a_typo_under_torchrun_prints_usage_once_and_is_the_root_cause(tmp_path)
 def test_flags_spelled_as_in_pytorch_examples_get_the_flag_meant(tmp_path):
     """pytorch/examples (and tutorial 004) spell --batch-size and --epochs: the
     error names the flags these scripts take; an unknown flag gets no guess."""
-    result = run([sys.executable, REPO / "singlegpu.py", "--batch-size", "64", "--epochs", "2"], tmp_path)
+    result = run([sys.executable, REPO / "train.py", "--batch-size", "64", "--epochs", "2"], tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1] == (
-        "singlegpu.py: error: unrecognized arguments: --batch-size 64 --epochs 2 "
+        "train.py: error: unrecognized arguments: --batch-size 64 --epochs 2 "
         "(did you mean: --batch-size -> --batch_size, --epochs -> --total_epochs?)")
-    result = run([sys.executable, REPO / "singlegpu.py", "--bogus"], tmp_path)
-    assert result.stderr.splitlines()[-1] == "singlegpu.py: error: unrecognized arguments: --bogus"
+    result = run([sys.executable, REPO / "train.py", "--bogus"], tmp_path)
+    assert result.stderr.splitlines()[-1] == "train.py: error: unrecognized arguments: --bogus"
 
 
 def test_the_scripts_import_and_train_without_posix_only_signals(tmp_path):
     """Windows has no SIGUSR1 or signal masks: with them taken out of the
-    signal module, the package and all five scripts import, and singlegpu.py
-    trains (the closest check of a Windows start-up these Linux machines allow;
-    SIGKILL stays: torch's own elastic module names it at import here)."""
+    signal module, the kit imports and train.py trains, as one rank of a
+    launcher's group (the closest check of a Windows start-up these Linux
+    machines allow; SIGKILL stays: torch's own elastic module names it at import here)."""
     code = ("import runpy, signal, sys\n"
             "for name in ('SIGUSR1', 'SIGUSR2', 'pthread_sigmask'):\n"
             "    delattr(signal, name)\n"
             f"sys.path.insert(0, {str(REPO)!r})\n"
-            "import train_utils, singlegpu, multigpu_spawn, multigpu_torchrun, multinode, multinode_fsdp\n"
+            "import train_utils, train\n"
             "assert train_utils.STOP_SIGNALS == (signal.SIGTERM, signal.SIGINT)\n"
-            "sys.argv = ['singlegpu.py', '--total_epochs', '1']\n"
-            f"runpy.run_path({str(REPO / 'singlegpu.py')!r}, run_name='__main__')\n")
-    result = check(run([sys.executable, "-c", code], tmp_path))
+            "sys.argv = ['train.py', '--total_epochs', '1']\n"
+            f"runpy.run_path({str(REPO / 'train.py')!r}, run_name='__main__')\n")
+    result = check(run([sys.executable, "-c", code], tmp_path, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
     assert len(epochs(result.stdout)) == 1 and "test | loss" in result.stdout
 
 
@@ -125,21 +127,20 @@ def test_a_config_error_is_torchruns_root_cause(tmp_path):
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--batch_size", "16"], tmp_path)
     assert result.returncode != 0
     root_cause = result.stderr.split("Root Cause")[1]
-    assert ("error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (batch_size 32 -> 16)"
+    assert ("error: snapshot snapshot_train.pt comes from a different run (batch_size 32 -> 16)"
             in root_cause)
     assert "To enable traceback" not in root_cause
 
 
 def test_metrics_path_in_a_missing_folder_is_created(tmp_path):
-    check(run([sys.executable, REPO / "singlegpu.py", "--total_epochs", "1",
-               "--metrics_path", "runs/exp2/m.jsonl"], tmp_path))
+    check(run(ONE_RANK + ["--total_epochs", "1", "--metrics_path", "runs/exp2/m.jsonl"], tmp_path))
     assert (tmp_path / "runs" / "exp2" / "m.jsonl").read_text().count('"epoch": 1') == 1
 
 
 def test_metrics_path_that_cannot_be_written_is_refused_before_training(tmp_path):
     (tmp_path / "runs").write_text("a file, not a folder")
-    result = run([sys.executable, REPO / "singlegpu.py", "--metrics_path", "runs/m.jsonl"], tmp_path)
-    assert result.returncode == 2
+    result = run(ONE_RANK + ["--metrics_path", "runs/m.jsonl"], tmp_path)
+    assert result.returncode != 0
     assert error_lines(result.stderr)[0].startswith("error: cannot write --metrics_path runs/m.jsonl")
     assert "epoch 1/" not in result.stdout
 
@@ -147,32 +148,8 @@ def test_metrics_path_that_cannot_be_written_is_refused_before_training(tmp_path
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_saved_files_honour_the_umask(umask, mode, tmp_path):
     """As torch.save's own files do: a group that shares a project folder can read them."""
-    cmd = [sys.executable, str(REPO / "singlegpu.py"), "--total_epochs", "1"]
+    cmd = [str(part) for part in ONE_RANK + ["--total_epochs", "1"]]
     result = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True,
                             preexec_fn=lambda: os.umask(umask))
     check(result)
-    assert stat.S_IMODE((tmp_path / "checkpoint_singlegpu.pt").stat().st_mode) == mode
-
-
-# --------------------------------------------------------------------------
-# mp.spawn on a CPU: oversubscription allowed, the usable CPUs counted
-# --------------------------------------------------------------------------
-
-def test_spawn_runs_more_processes_than_cpus_with_a_warning(tmp_path):
-    cpus = len(os.sched_getaffinity(0))
-    result = check(run([sys.executable, REPO / "multigpu_spawn.py", "--world_size", str(cpus + 1),
-                        "--total_epochs", "1"], tmp_path, MASTER_PORT=str(free_port())))
-    assert (f"warning: {cpus + 1} processes share {cpus} usable CPU cores; each runs slower, "
-            f"the results are the same") in result.stderr
-    assert f"world_size {cpus + 1} |" in result.stdout
-    assert parse_test(result.stdout)["loss"] < 0.5
-
-
-def test_spawn_counts_the_cpus_this_process_may_use(tmp_path):
-    """Inside an allocation (Slurm's cgroup/affinity, taskset) the machine's
-    core count is not what the job may use."""
-    result = subprocess.run([sys.executable, str(REPO / "multigpu_spawn.py"), "--total_epochs", "1"],
-                            cwd=tmp_path, env=script_env(MASTER_PORT=str(free_port())),
-                            capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
-    check(result)
-    assert "warning: 2 processes share 1 usable CPU cores" in result.stderr
+    assert stat.S_IMODE((tmp_path / "snapshot_train.pt").stat().st_mode) == mode

@@ -1,4 +1,4 @@
-"""A DDP job that comes back at another world size (issue #24, item 7): a
+"""A DDP job of train.py that comes back at another world size: a
 snapshot taken at an epoch's end resumes with more or fewer ranks, and the
 resumed run is the run that changed its world size at that epoch. (A snapshot
 taken inside an epoch is refused at another world size:
@@ -32,8 +32,8 @@ def cosine_lr(lr: float, step: int, steps: int) -> float:
     return lr * ramp * 0.5 * (1 + math.cos(math.pi * max(0, step - warmup) / (total - warmup)))
 
 
-@pytest.mark.parametrize("script, saved, resumed", [("multigpu_torchrun", 2, 3), ("multinode", 3, 2)])
-def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(script, saved, resumed, tmp_path):
+@pytest.mark.parametrize("saved, resumed", [(2, 3), (3, 2)])  # more ranks, fewer ranks
+def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(saved, resumed, tmp_path):
     """Epoch 1 of a 3-epoch run at ``saved`` ranks, stopped as it starts epoch 2;
     then the same command at ``resumed`` ranks. The reference for the second
     part does not go through the resize: the same snapshot, rewritten as if
@@ -43,10 +43,10 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(script, sav
     end bitwise equal (weights, optimizer state, schedule step, every rank's
     RNG state); the learning rates must follow the cosine counted in the new
     steps per epoch to its end at epoch 3; the resume line says what changed."""
-    name = f"snapshot_{script}.pt"
-    launch = TORCHRUN + ["--standalone", f"--nproc_per_node={resumed}", REPO / f"{script}.py"] + FLAGS
+    name = "snapshot_train.pt"
+    launch = TORCHRUN + ["--standalone", f"--nproc_per_node={resumed}", REPO / "train.py"] + FLAGS
     steps = {size: steps_per_epoch(size) for size in (saved, resumed)}
-    stopped = run(TORCHRUN + ["--standalone", f"--nproc_per_node={saved}", REPO / f"{script}.py"] + FLAGS,
+    stopped = run(TORCHRUN + ["--standalone", f"--nproc_per_node={saved}", REPO / "train.py"] + FLAGS,
                   tmp_path, DDP_TEST_FAULT=f"step:0:{steps[saved] + 1}:raise")  # epoch 2's first step
     assert stopped.returncode != 0
     first = epochs(stopped.stdout)
@@ -73,9 +73,9 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(script, sav
             f"{steps[saved]} -> {steps[resumed]}; the cosine lr schedule with warm-up, counted in epochs, "
             f"goes on at step {steps[resumed]} of {3 * steps[resumed]}; {streams})") in stdout_lines(resized.stdout)
     assert f"resuming from snapshot {name} after epoch 1" in stdout_lines(reference.stdout)  # no note
-    if script == "multinode":  # each rank prints its epoch's steps
-        assert "[rank 1 | local_rank 1 | host " in resized.stdout
-        assert f"] epoch 2 | batch_size {BATCH} | steps {steps[resumed]}" in resized.stdout
+    # Each rank prints its epoch's steps.
+    assert "[rank 1 | local_rank 1 | host " in resized.stdout
+    assert f"] epoch 2 | batch_size {BATCH} | steps {steps[resumed]}" in resized.stdout
 
     # Bitwise the run resumed without the resize path.
     epochs_a, a = snapshot_tensors(tmp_path / "resized" / name, rng=True)
