@@ -194,7 +194,7 @@ class Trainer:
         snapshot = train_utils.read_snapshot(snapshot_path, self.config)  # refuses another run's
         self.model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
-        self._resume(snapshot, snapshot_path, self.progress.resize_note(self.recipe))
+        self._resume(snapshot, snapshot_path)
 
     def _load_sharded_snapshot(self, folder: str) -> None:
         """FSDP: DCP loads into this model's and optimizer's own sharded state dicts,
@@ -205,14 +205,18 @@ class Trainer:
         dcp.load(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
         set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
                        optim_state_dict=optimizer_state)
-        self._resume(snapshot, folder, train_utils.resharding_note(snapshot["world_size"]))
+        self._resume(snapshot, folder)
 
-    def _resume(self, snapshot: dict, path: str, note: str) -> None:
+    def _resume(self, snapshot: dict, path: str) -> None:
         """What every snapshot holds besides the weights: the recipe's state, the
-        position and RNG states, the W&B run; then the resume line (rank 0)."""
+        position and RNG states, the W&B run; then the resume line (rank 0), which
+        says what changed when the snapshot came from another world size."""
         self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
         self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
         self.log.wandb.load_state_dict(snapshot)  # the resumed run logs to the same W&B run
+        # After both loads: the note compares the saved position and world size with this run's.
+        note = (train_utils.resharding_note(snapshot["world_size"]) if self.fsdp
+                else self.progress.resize_note(self.recipe))
         if self.rank == 0:
             self.log.resumed(path, self.progress.position(), note)
 

@@ -235,7 +235,7 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: 
     available = dict(model=model, train_data=None, val_data=None,
                      recipe=train_utils.Recipe(optimizer, args, steps_per_epoch=1, device=device),
                      task=plain_task(loss_fn, False), device=device,
-                     rank=rank, local_rank=rank, args=args)
+                     rank=rank, local_rank=rank, log=train_utils.RunLog(args), args=args)
     parameters = inspect.signature(train.Trainer).parameters
     missing = [name for name in parameters if name not in available]
     assert not missing, f"train.Trainer takes {missing}, which kit_trainer does not give"

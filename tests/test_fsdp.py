@@ -343,13 +343,13 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     sys.argv = ["train.py", "--strategy", "fsdp", "--snapshot_path", snapshot_path]
-    args = train_utils.parse_args(None, common.TASKS, ["strategy", "snapshot_path", "snapshot_every_steps",
-                                                       "pg_timeout_s"])
+    args = train_utils.parse_args(None, common.TASKS)
     device = torch.device("cpu")
     task, optimizer = train.build(args, rank, rank, device)  # seeded and sharded as train.py does
     train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0)
     recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
-    trainer = train.Trainer(task.model, train_data, None, recipe, task, device, rank, rank, args)
+    trainer = train.Trainer(task.model, train_data, None, recipe, task, device, rank, rank,
+                            train_utils.RunLog(args), args)
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))

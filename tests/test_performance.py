@@ -394,10 +394,9 @@ def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
 def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
     from helpers import EPOCH_LINE
 
-    train_utils.log_metrics({"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0,
-                        "epoch_seconds": 1.0, "val_loss": 0.5, "val_accuracy": None,
-                        "peak_gpu_memory_mib": 1536.25},
-                           argparse.Namespace(metrics_path=None, tensorboard_dir=None))
+    train_utils.RunLog(argparse.Namespace(metrics_path=None, tensorboard_dir=None, wandb_project=None)).log(
+        {"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0, "epoch_seconds": 1.0,
+         "val_loss": 0.5, "val_accuracy": None, "peak_gpu_memory_mib": 1536.25})
     line = capsys.readouterr().out.strip()
     assert line.endswith("| epoch_s 1.00 | peak_mem_mib 1536.2")
     assert EPOCH_LINE.match(line).group("peak_mem_mib") == "1536.2"
