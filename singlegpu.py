@@ -4,12 +4,8 @@ Launch:
     python singlegpu.py                                    # synthetic task, no download
     python singlegpu.py --dataset mnist --total_epochs 5   # real data
 
-One process on one device (the first GPU, else the CPU) trains the task that
---dataset names with that task's own recipe (optimizer, learning-rate
-schedule), scores the validation split after every epoch and the test split
-at the end, and saves the model's weights. Each later script adds one
-distributed concept; `diff -u singlegpu.py multigpu_spawn.py` shows the first.
-For real runs use train.py, the kit.
+One process, one device (the first GPU, else the CPU), a task and its recipe.
+Each later script adds one distributed concept: `diff -u singlegpu.py multigpu_spawn.py`.
 """
 
 import argparse
@@ -53,7 +49,7 @@ class Trainer:
         start = time.perf_counter()
         # Loss sum and sample count, kept on the device: an .item() per step would wait for it.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for source, targets in tqdm(self.train_data, desc=f"epoch {epoch + 1}", leave=False, disable=None):
+        for source, targets in progress(self.train_data, f"epoch {epoch + 1}"):
             source = self.task.train_transform(source.to(self.device))
             targets = targets.to(self.device)
             loss = self._run_batch(source, targets)
@@ -71,9 +67,9 @@ class Trainer:
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model, self.val_data, self.task, self.device)
             accuracy = f" | val_acc {val_acc:.4f}" if val_acc is not None else ""
-            print(f"epoch {epoch + 1}/{max_epochs} | train_loss {train_loss:.6f} | val_loss {val_loss:.6f}"
-                  f"{accuracy} | samples/s {samples / seconds:.1f} | epoch_s {seconds:.2f} | lr {self.lr:.6g}",
-                  flush=True)
+            line = (f"epoch {epoch + 1}/{max_epochs} | train_loss {train_loss:.6f} | val_loss {val_loss:.6f}"
+                    f"{accuracy} | samples/s {samples / seconds:.1f} | epoch_s {seconds:.2f} | lr {self.lr:.6g}")
+            print(line, flush=True)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
@@ -85,10 +81,11 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
              device: torch.device) -> tuple[float, float | None]:
     """(mean loss, accuracy or None) over every sample of ``data``: the sum of
     per-sample losses / samples, not a mean of batch means, which would
-    over-weight a short last batch. Accuracy for a classification task only."""
+    over-weight a short last batch. Accuracy for a classification task only.
+    """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets in tqdm(data, desc="evaluating", leave=False, disable=None):
+    for source, targets in progress(data, "evaluating"):
         source = task.eval_transform(source.to(device))
         targets = targets.to(device)
         output = model(source)
@@ -101,9 +98,16 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
+def progress(batches: DataLoader, desc: str) -> tqdm:
+    """``batches`` with a progress bar on stderr where it is a terminal (not in logs),
+    removed when the loop ends (the epoch line says the rest)."""
+    return tqdm(batches, desc=desc, leave=False, disable=None)
+
+
 def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int) -> DataLoader:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
-    (a batch of 1 would break BatchNorm). Evaluation: every sample, in order."""
+    (a batch of 1 would break BatchNorm). Evaluation: every sample, in order.
+    """
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -116,7 +120,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int
 
 def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(args.seed)  # the same initial weights on every run
+    torch.manual_seed(args.seed)  # the initial weights come from the seed
     task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
     model = task.model.to(device)
     optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
@@ -124,14 +128,23 @@ def main(args: argparse.Namespace) -> None:
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed)
     test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed)
     if len(train_data) == 0:
-        raise common.ConfigError(f"--batch_size {args.batch_size} is larger than the training split "
-                                 f"({len(task.train_set)} samples); pass a smaller one")
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
+                                 f"data for a process; pass a smaller one")
     scheduler = LambdaLR(optimizer, common.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
     test_loss, test_acc = evaluate(model, test_data, task, device)
-    accuracy = f" | acc {test_acc:.4f}" if test_acc is not None else ""
-    print(f"test | loss {test_loss:.6f}{accuracy}", flush=True)
+    line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
+    print(line, flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    """``main``; a ConfigError (a bad --dataset or --model, missing data) as one line, exit status 2."""
+    try:
+        main(args)
+    except common.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def positive(text: str) -> int:
@@ -154,13 +167,9 @@ def parse_args() -> argparse.Namespace:
                         help="dataset root (default: $DATA_DIR or ./data)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data split, weights, shuffling (default: 0)")
     parser.add_argument("--checkpoint_path", default="checkpoint_singlegpu.pt",
-                        help="where to save the model's state_dict (default: checkpoint_singlegpu.pt)")
+                        help="where to save the model's state_dict (default: %(default)s)")
     return parser.parse_args()
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except common.ConfigError as exc:  # a bad --dataset or --model, missing data: one line
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(parse_args())
