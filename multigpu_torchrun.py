@@ -226,6 +226,5 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:
-        sys.exit("error: start this script with torchrun: torchrun --standalone --nproc_per_node=gpu "
-                 "multigpu_torchrun.py (--nproc_per_node=2 on a CPU)")
+        sys.exit(f"error: start {sys.argv[0]} with torchrun, as the launch lines at its top show")
     run(parse_args())
