@@ -22,7 +22,6 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
-from tqdm import tqdm
 
 import common
 
@@ -58,7 +57,7 @@ class Trainer:
         start = time.perf_counter()
         # Loss sum and sample count, kept on the device: an .item() per step would wait for it.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for source, targets in progress(self.train_data, f"epoch {epoch + 1}"):
+        for source, targets in self.train_data:
             source = self.task.train_transform(source.to(self.device))
             targets = targets.to(self.device)
             loss = self._run_batch(source, targets)
@@ -101,7 +100,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
         dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets in progress(data, "evaluating"):
+    for source, targets in data:
         source = task.eval_transform(source.to(device))
         targets = targets.to(device)
         output = model(source)
@@ -113,12 +112,6 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     dist.all_reduce(totals)
     loss_sum, correct, samples = totals.tolist()
     return loss_sum / samples, (correct / samples if task.classification else None)
-
-
-def progress(batches: DataLoader, desc: str) -> tqdm:
-    """``batches`` with a progress bar on stderr where it is a terminal (not in logs),
-    removed when the loop ends (the epoch line says the rest)."""
-    return tqdm(batches, desc=desc, leave=False, disable=None if dist.get_rank() == 0 else True)  # rank 0's
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int) -> DataLoader:
@@ -191,20 +184,17 @@ def positive(text: str) -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--total_epochs", type=positive, default=10, help="epochs to train (default: 10)")
-    parser.add_argument("--save_every", type=positive, default=5,
-                        help="save every N epochs, and after the last (default: 5)")
-    parser.add_argument("--batch_size", type=positive, default=32, help="samples per step and process (default: 32)")
-    parser.add_argument("--dataset", default="synthetic",
-                        help=f"task to train: {', '.join(common.TASKS)}, or module:function (default: synthetic)")
-    parser.add_argument("--model", default=None, help="model for the task (default: the task's first)")
-    parser.add_argument("--data_dir", default=os.environ.get("DATA_DIR", "data"),
-                        help="dataset root (default: $DATA_DIR or ./data)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for data split, weights, shuffling (default: 0)")
-    parser.add_argument("--checkpoint_path", default="checkpoint_multigpu_spawn.pt",
-                        help="where to save the model's state_dict (default: %(default)s)")
-    parser.add_argument("--world_size", type=positive, default=torch.cuda.device_count() or 2,
-                        help="processes to start (default: one per GPU, or 2 without GPUs)")
+    add = parser.add_argument  # every default is shown by --help
+    add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
+    add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")
+    add("--batch_size", type=positive, default=32, help="samples per step and process (default: %(default)s)")
+    add("--dataset", default="synthetic", help=f"{', '.join(common.TASKS)}, or module:function (default: %(default)s)")
+    add("--model", default=None, help="model for the task (default: the task's first)")
+    add("--data_dir", default=os.environ.get("DATA_DIR", "data"), help="dataset root (default: $DATA_DIR or ./data)")
+    add("--seed", type=int, default=0, help="seed for data split, weights, shuffling (default: %(default)s)")
+    add("--checkpoint_path", default="checkpoint_multigpu_spawn.pt", help="the model's state_dict (default: %(default)s)")
+    add("--world_size", type=positive, default=torch.cuda.device_count() or 2,
+        help="processes to start (default: one per GPU, or 2 without GPUs)")
     return parser.parse_args()
 
 
