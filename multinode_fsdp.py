@@ -192,7 +192,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int
         batch_size=batch_size,
         shuffle=False,  # the sampler shuffles
         sampler=DistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
-        generator=torch.Generator().manual_seed(seed) if train else None,
+        generator=torch.Generator().manual_seed(seed) if train else None,  # the loader's seed draw: not dropout's RNG
         drop_last=train,
         collate_fn=common.collate,  # whole batches some tasks' datasets assemble pass through
     )

@@ -105,7 +105,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int
         dataset,
         batch_size=batch_size,
         shuffle=train,
-        generator=torch.Generator().manual_seed(seed) if train else None,
+        generator=torch.Generator().manual_seed(seed) if train else None,  # the shuffle's own stream
         drop_last=train,
         collate_fn=common.collate,  # whole batches some tasks' datasets assemble pass through
     )
