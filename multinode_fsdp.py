@@ -16,6 +16,7 @@ import shutil
 import socket
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
-             device: torch.device) -> tuple[float, float | None]:
+             device: torch.device) -> tuple[float, Optional[float]]:
     """(mean loss, accuracy or None) over every sample of ``data``: the sum of
     per-sample losses / samples, not a mean of batch means, which would
     over-weight a short last batch. Accuracy for a classification task only.
@@ -155,7 +156,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def latest_snapshot(root: str) -> str | None:
+def latest_snapshot(root: str) -> Optional[str]:
     """The newest complete snapshot folder under ``root`` (one holding meta.pt), else None."""
     names = os.listdir(root) if os.path.isdir(root) else []
     done = [name for name in names if os.path.exists(os.path.join(root, name, "meta.pt"))]

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -77,7 +78,7 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
-             device: torch.device) -> tuple[float, float | None]:
+             device: torch.device) -> tuple[float, Optional[float]]:
     """(mean loss, accuracy or None) over every sample of ``data``: the sum of
     per-sample losses / samples, not a mean of batch means, which would
     over-weight a short last batch. Accuracy for a classification task only.

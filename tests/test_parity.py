@@ -7,6 +7,7 @@ real MNIST digits, each with its task's default recipe."""
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO, TORCHRUN, check, free_port, run
 
@@ -64,6 +65,8 @@ def kit_losses(tmp_path_factory, data_flags):
 @pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
 @pytest.mark.parametrize("script", RUNGS)
 def test_rung_prints_the_losses_the_kit_prints(script, dataset, kit_losses, data_flags, tmp_path):
+    if RUNGS[script] == "fsdp" and not torch.cuda.is_available() and torch.__version__ < "2.10":
+        pytest.skip("FSDP on the CPU needs torch 2.10 (gloo's reduce_scatter sums before): both refuse")
     cmd, env = launch(script)
     result = check(run(cmd + FLAGS[dataset] + data_flags(dataset), tmp_path, **env))
     rung = epoch_losses(result.stdout)
