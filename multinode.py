@@ -156,6 +156,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int
 
 
 def main(args: argparse.Namespace) -> None:
+    # Every rank prints to one output: each line in one write, or two ranks' lines can run together.
+    sys.stdout.reconfigure(write_through=False, line_buffering=True)
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun, with RANK, WORLD_SIZE, MASTER_ADDR/PORT
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
