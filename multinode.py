@@ -223,6 +223,7 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" not in os.environ:
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:  # set by torchrun
         sys.exit(f"error: start {sys.argv[0]} with torchrun, as the launch lines at its top show")
-    run(parse_args())
+    run(args)

@@ -26,7 +26,7 @@ MOST_LINES = 250  # per rung
 # barrier, mp.spawn and its error exit; FSDP the sharding, the collective evaluation
 # and DCP snapshots. Strict: fixing one turns its test red until its entry goes.
 OVER_DIFF = {"multigpu_spawn.py": "86 changed lines", "multinode_fsdp.py": "107 changed lines"}
-OVER_LINES = {"multinode_fsdp.py": "277 lines"}
+OVER_LINES = {"multinode_fsdp.py": "278 lines"}
 
 
 def changed_lines(before: str, after: str) -> int:
