@@ -4,130 +4,85 @@ Launch:
     python multigpu_spawn.py                      # one process per GPU (2 on a CPU-only machine)
     MASTER_PORT=29501 python multigpu_spawn.py    # when port 12355 is taken
 
-Adds over singlegpu.py: the process group (rank, world_size, backend), DDP,
-DistributedSampler, metrics all-reduced across ranks, exact sharded
-evaluation, and rank 0 alone printing and saving.
-
-Your own task goes in its own file (docs/custom-task.md); the train_utils
-package holds the machinery you keep as it is.
+Adds over singlegpu.py: the process group, DDP, DistributedSampler + set_epoch,
+all-reduced metrics, exact sharded evaluation, rank 0 downloading and saving.
 """
 
-import contextlib
+import argparse
 import os
 import sys
-from datetime import timedelta
+import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: DDP's own later import would bind the group into
+# its defaults, keep it alive past destroy_process_group, and gloo's threads could abort the exit.
+import torch.distributed.nn  # noqa: F401
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, Subset
-from torch.utils.data.distributed import DistributedSampler
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 import common
-import train_utils
-
-
-def ddp_setup(rank: int, world_size: int, timeout_s: float) -> torch.device:
-    """Join the process group as ``rank`` of ``world_size`` at MASTER_ADDR:MASTER_PORT (see the
-    bottom of this file); return its device. A collective waiting over ``timeout_s`` s raises."""
-    device = train_utils.device_for(rank)  # one node: rank i drives GPU i
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
-        train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
-    train_utils.share_cpu_cores(device, world_size)
-    backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
-    return device
 
 
 class Trainer:
-    """Runs the epochs, evaluates, prints one summary line per epoch, saves
-    its checkpoint.
+    """Trains ``model`` (on ``device``) with ``optimizer`` and its lr ``scheduler``,
+    scores ``val_data`` after every epoch, prints one line per epoch, saves the weights.
+    ``task`` gives the loss and the batch transforms (common.Task); ``args`` the flags."""
 
-    ``task`` gives the loss and the batch transforms (see common.Task);
-    ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
-    --compile, --metrics_path, --tensorboard_dir, --profile_dir, the save path).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        train_data: DataLoader,
-        val_data: DataLoader,
-        recipe: train_utils.Recipe,
-        task: common.Task,
-        device: torch.device,
-        rank: int,
-        args,
-    ) -> None:
-        self.device = device
-        self.rank = rank
-        self.model = model.to(device)
-        self.train_data = train_data
-        self.val_data = val_data
-        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
-        self.optimizer = recipe.optimizer
-        self.task = task
-        self.args = args
-        self.autocast = train_utils.autocast(device, args.amp)  # made once: a step must stay cheap
+    def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
+                 optimizer: torch.optim.Optimizer, scheduler: LambdaLR, task: common.Task,
+                 device: torch.device, args: argparse.Namespace) -> None:
         # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward().
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        # The compiled module shares the model's weights and runs the training
-        # forward; saving and evaluation use the plain model, so what is saved
-        # loads without torch.compile.
-        self.compiled = train_utils.compile_model(self.model, args.compile)
-        self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.rank = dist.get_rank()
+        self.train_data, self.val_data = train_data, val_data
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.task, self.device, self.args = task, device, args
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch (``step`` counts them from 0 in
-        the epoch); the optimizer steps after every --grad_accum_steps-th."""
-        accum = self.args.grad_accum_steps
-        last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
-        if step % accum == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-        # DDP's forward decides whether its backward all-reduces the gradients: under
-        # no_sync() they are only summed locally, one all-reduce per optimizer step.
-        with contextlib.nullcontext() if last else self.model.no_sync(), self.autocast:
-            loss = self.task.loss_fn(self.compiled(source), targets)
-        # Summed over the micro-batches, the gradients of loss / accum are those
-        # of the mean loss over the whole accumulated batch. (No division without
-        # accumulation: an extra autograd op costs a small model ~10%.)
-        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
-        if last:
-            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
-            train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.task.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.lr = self.scheduler.get_last_lr()[0]  # the learning rate this step used
+        self.scheduler.step()  # the task's schedule moves after every optimizer step
         return loss.detach()
 
-    def _run_epoch(self, epoch: int, max_epochs: int) -> dict:
+    def _run_epoch(self, epoch: int) -> tuple[float, float, float]:
+        """One pass over the training data; (mean loss per sample, samples, seconds)."""
         self.model.train()
-        # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
-        self.train_data.sampler.set_epoch(epoch)
-        meter = train_utils.EpochMeter(epoch, max_epochs, self.device)  # loss sum, samples, time
-        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args)):
-            source = self.task.train_transform(source.to(self.device, non_blocking=True))
-            targets = targets.to(self.device, non_blocking=True)
-            meter.add(self._run_batch(source, targets, step), len(targets))
-            self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
-        dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
-        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, not epoch 0's again
+        start = time.perf_counter()
+        # Loss sum and sample count, kept on the device: an .item() per step would wait for it.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for source, targets in self.train_data:
+            source = self.task.train_transform(source.to(self.device))
+            targets = targets.to(self.device)
+            loss = self._run_batch(source, targets)
+            totals[0] += loss * len(targets)  # weighted by samples, as evaluate() is
+            totals[1] += len(targets)
+        dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
+        loss_sum, samples = totals.tolist()
+        return loss_sum / samples, samples, time.perf_counter() - start
 
     def _save_checkpoint(self, epoch: int) -> None:
         if self.rank != 0:  # every rank holds the same weights; one saves them
             return
-        train_utils.atomic_save(self.model.module.state_dict(), self.args.checkpoint_path)  # no DDP
-        train_utils.print_line(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}")
+        torch.save(self.model.module.state_dict(), self.args.checkpoint_path)  # without DDP's prefix
+        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}", flush=True)
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
-            record = self._run_epoch(epoch, max_epochs)
-            record["val_loss"], record["val_accuracy"] = evaluate(
-                self.model.module, self.val_data, self.task, self.device)
+            train_loss, samples, seconds = self._run_epoch(epoch)
+            val_loss, val_acc = evaluate(self.model.module, self.val_data, self.task, self.device)
+            accuracy = f" | val_acc {val_acc:.4f}" if val_acc is not None else ""
+            line = (f"epoch {epoch + 1}/{max_epochs} | train_loss {train_loss:.6f} | val_loss {val_loss:.6f}"
+                    f"{accuracy} | samples/s {samples / seconds:.1f} | epoch_s {seconds:.2f} | lr {self.lr:.6g}")
             if self.rank == 0:  # every rank holds the same numbers; one prints them
-                train_utils.log_metrics(record, self.args)
+                print(line, flush=True)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
@@ -137,19 +92,18 @@ class Trainer:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
              device: torch.device) -> tuple[float, Optional[float]]:
-    """Mean loss, and accuracy for a classification task, over every sample of ``data``.
-
-    The loss is weighted by samples (sum of per-sample losses / sample count),
-    not a mean of batch means, which would over-weight a short last batch.
-    Collective: ranks score their shards, sums all-reduced; pass ``.module``: DDP's forward is one too.
-    Returns (loss, accuracy or None).
+    """(mean loss, accuracy or None) over every sample of ``data``: the sum of
+    per-sample losses / samples, not a mean of batch means, which would
+    over-weight a short last batch. Accuracy for a classification task only.
+    Collective: each rank scores its shard, the sums are all-reduced. Pass DDP's ``.module``.
     """
-    train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
+    for buffer in model.buffers():  # BatchNorm statistics differ across ranks: use rank 0's, as saved
+        dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets in train_utils.evaluating(data):  # with a progress bar where stderr is a terminal
-        source = task.eval_transform(source.to(device, non_blocking=True))
-        targets = targets.to(device, non_blocking=True)
+    for source, targets in data:
+        source = task.eval_transform(source.to(device))
+        targets = targets.to(device)
         output = model(source)
         totals[0] += task.loss_fn(output, targets, reduction="sum")
         if task.classification:
@@ -161,18 +115,12 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def load_train_objs(args, download: bool) -> tuple[common.Task, torch.optim.Optimizer]:
-    task = train_utils.downloaders_first(common.load_task, args, download)
-    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
-    return task, optimizer
-
-
-def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
-                       seed: int) -> DataLoader:
+def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int) -> DataLoader:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
-    (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
-    epoch's permutation (DistributedSampler). Evaluation: rank r takes samples r,
-    r+W, r+2W, ... unpadded, each sample once."""
+    (a batch of 1 would break BatchNorm). Evaluation: every sample, in order.
+    Each rank takes its 1/world_size share of an epoch (DistributedSampler) and evaluation
+    samples r, r+W, r+2W, ...: each once (DistributedSampler would pad shards with repeats).
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
@@ -181,46 +129,82 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         batch_size=batch_size,
         shuffle=False,  # the sampler shuffles
         sampler=DistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
+        generator=torch.Generator().manual_seed(seed) if train else None,  # the loader's seed draw: not dropout's RNG
         drop_last=train,
-        **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
-        pin_memory=torch.cuda.is_available(),
-        collate_fn=common.collate,  # whole batches from InMemoryImages pass through
+        collate_fn=common.collate,  # whole batches some tasks' datasets assemble pass through
     )
 
 
-@train_utils.one_line_errors
-def main(rank: int, world_size: int, args) -> None:
-    device = ddp_setup(rank, world_size, args.startup_timeout_s)
-    # Each rank its own random stream, or all would draw the same dropout masks
-    # (initial weights still match: DDP copies rank 0's to all).
-    torch.manual_seed(args.seed + rank)
-    # Rank 0 downloads while the others wait, so no two write the same files.
-    task, optimizer = load_train_objs(args, download=rank == 0)
-    train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
-    val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
-    test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
-    train_utils.check_before_training(args, device, train_data, args.checkpoint_path, saves=rank == 0)
-    if rank == 0:
-        train_utils.print_line(train_utils.describe_run(device, args))
-    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
-    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, args)
-    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
+def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")  # rank i drives GPU i
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
+    # Join the others at MASTER_ADDR:MASTER_PORT (set at the bottom of this file).
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(args.seed)  # the initial weights come from the seed
+    if rank == 0:  # rank 0 downloads while the others wait, so no two write the same files
+        task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
+    dist.barrier()
+    if rank != 0:
+        task = common.load_task(args, download=False)
+    model = task.model.to(device)
+    torch.manual_seed(args.seed + rank)  # each rank its own stream, or all draw the same dropout masks
+    optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
+    train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed)
+    val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed)
+    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed)
+    if len(train_data) == 0:
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
+                                 f"data for a process; pass a smaller one")
+    scheduler = LambdaLR(optimizer, common.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
+    trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
-    test_loss, test_accuracy = evaluate(trainer.model.module, test_data, task, device)
+    test_loss, test_acc = evaluate(model, test_data, task, device)
+    line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
     if rank == 0:
-        train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
-    del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
+        print(line, flush=True)
+    del trainer  # free DDP before its process group
     dist.destroy_process_group()
 
 
+def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    """``main``; a ConfigError (a bad --dataset or --model, missing data) as one line, exit status 2."""
+    try:
+        main(rank, world_size, args)
+    except common.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive(text: str) -> int:
+    """argparse type: an int > 0."""
+    if int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return int(text)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument  # every default is shown by --help
+    add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
+    add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")
+    add("--batch_size", type=positive, default=32, help="samples per step and process (default: %(default)s)")
+    add("--dataset", default="synthetic", help=f"{', '.join(common.TASKS)}, or module:function (default: %(default)s)")
+    add("--model", default=None, help="model for the task (default: the task's first)")
+    add("--data_dir", default=os.environ.get("DATA_DIR", "data"), help="dataset root (default: $DATA_DIR or ./data)")
+    add("--seed", type=int, default=0, help="seed for data split, weights, shuffling (default: %(default)s)")
+    add("--checkpoint_path", default="checkpoint_multigpu_spawn.pt", help="the model's state_dict (default: %(default)s)")
+    add("--world_size", type=positive, default=torch.cuda.device_count() or 2,
+        help="processes to start (default: one per GPU, or 2 without GPUs)")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    args = train_utils.parse_args(__doc__, common.TASKS, ["checkpoint_path", "world_size", "pg_timeout_s"])
-    world_size = train_utils.spawn_world_size(args.world_size)  # GPUs, or 2 on a CPU
-    # A fixed address and port on one machine; the environment may override both.
+    args = parse_args()
+    # Where the processes meet: a fixed address and port on this machine; the environment may override them.
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "12355")
-    train_utils.check_port_free(int(os.environ["MASTER_PORT"]))
     try:
-        mp.spawn(main, args=(world_size, args), nprocs=world_size)
+        mp.spawn(run, args=(args.world_size, args), nprocs=args.world_size)  # run(rank, world_size, args)
     except mp.ProcessExitedException as exc:  # a rank exited non-zero; it said why
         sys.exit(exc.exit_code or 1)

@@ -1,22 +1,21 @@
-r"""Fully sharded data parallel (FSDP2) on several machines: each rank holds 1/world_size of the model.
+r"""Fully sharded data-parallel training (FSDP2) on several nodes, processes started by torchrun.
 
-Launch, on every node (N nodes, G processes each; --nproc_per_node=2 on CPUs):
-    torchrun --nnodes=N --nproc_per_node=gpu --rdzv-backend=c10d \
-        --rdzv-endpoint=FIRST_NODE_HOST:29500 --rdzv-id=JOB_ID multinode_fsdp.py
+Launch:
+    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-backend=c10d \
+        --rdzv-endpoint=FIRST_NODE_HOST:29500 --rdzv-id=JOB_ID multinode_fsdp.py   # on each node
+    torchrun --standalone --nproc_per_node=2 multinode_fsdp.py                       # one machine's CPU
 
-Adds over multinode.py: DDP keeps full parameters, gradients and optimizer state on
-every rank; FSDP (`fully_shard`) keeps 1/world_size of each, all-gathers a block's
-parameters just before it runs and reduce-scatters its gradients after. Snapshots
-become folders of per-rank shards (torch.distributed.checkpoint) that any world size
-can resume; see docs/fsdp.md.
-
-Your own task goes in its own file (docs/custom-task.md); the train_utils
-package holds the machinery you keep as it is.
+Adds over multinode.py: fully_shard on a device mesh instead of DDP (each rank holds
+1/world_size of the weights, gradients, optimizer state), evaluation that runs as many
+forwards on every rank, and sharded snapshots (torch.distributed.checkpoint, DCP).
 """
 
+import argparse
 import os
+import shutil
 import socket
-from datetime import timedelta
+import sys
+import time
 from typing import Optional
 
 import torch
@@ -24,252 +23,168 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.distributed.fsdp import fully_shard
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 import common
-import train_utils
-
-
-def ddp_setup(timeout_s: float) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun prepared (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT in the environment); return (rank, local_rank, device).
-    A collective waiting over ``timeout_s`` seconds raises, not hangs."""
-    timeout = timedelta(seconds=timeout_s)
-    store = train_utils.launcher_store(timeout)  # torchrun or srun; a fresh key prefix per restart
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = train_utils.device_for(local_rank)  # GPU indices restart at 0 on every node
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
-        train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
-    train_utils.share_cpu_cores(device, world_size)
-    backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
-    return rank, local_rank, device
 
 
 class Trainer:
-    """Runs the epochs, evaluates, prints one summary line per epoch, saves
-    snapshots and resumes from the newest complete one under --snapshot_path.
+    """Trains ``model`` (on ``device``) with ``optimizer`` and its lr ``scheduler``,
+    scores ``val_data`` after every epoch, prints one line per epoch, saves the weights.
+    ``task`` gives the loss and the batch transforms (common.Task); ``args`` the flags."""
 
-    ``model`` comes sharded (``shard_model``) and ``optimizer`` built on its shards;
-    ``task`` gives the loss and the batch transforms (see common.Task);
-    ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
-    --compile, --metrics_path, --tensorboard_dir, --profile_dir, the save path).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        train_data: DataLoader,
-        val_data: DataLoader,
-        recipe: train_utils.Recipe,
-        task: common.Task,
-        device: torch.device,
-        rank: int,
-        local_rank: int,
-        args,
-    ) -> None:
-        self.device = device
-        self.rank = rank
-        self.local_rank = local_rank
-        self.model = model  # sharded, on the device (load_train_objs)
-        self.train_data = train_data
-        self.val_data = val_data
-        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
-        self.optimizer = recipe.optimizer
-        self.task = task
-        self.args = args
-        self.config = dict(vars(args), world_size=None)  # saved; any world size resumes (DCP reshards)
-        self.progress = train_utils.Progress(device, train_data, rank)  # epochs, steps, RNG states
-        self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
-        self.memory_reported = False  # the state-per-rank line, once, after the first optimizer step
-        self.snapshots = train_utils.ShardedSnapshots(args.snapshot_path)  # a folder per save
-        folder = self.snapshots.latest()  # the newest complete one, on every node (or none)
-        if folder:
+    def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
+                 optimizer: torch.optim.Optimizer, scheduler: LambdaLR, task: common.Task,
+                 device: torch.device, args: argparse.Namespace) -> None:
+        self.model = model  # sharded (shard_model): FSDP gathers a block's weights just to run it
+        self.rank = dist.get_rank()  # global: unique across all nodes
+        self.local_rank = int(os.environ["LOCAL_RANK"])  # on this node: 0, 1, ... on every node
+        self.train_data, self.val_data = train_data, val_data
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.task, self.device, self.args = task, device, args
+        self.epochs_run = 0
+        folder = latest_snapshot(args.snapshot_path)
+        if folder:  # a restart (torchrun's, or yours): go on from there
             self._load_snapshot(folder)
-        # The compiled module shares the model's weights and runs the training
-        # forward; saving and evaluation use the plain model, so what is saved
-        # loads without torch.compile.
-        self.compiled = train_utils.compile_model(self.model, args.compile)
-        self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch (``step`` counts them from 0 in
-        the epoch); the optimizer steps after every --grad_accum_steps-th."""
-        accum = self.args.grad_accum_steps
-        last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
-        if step % accum == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-        # FSDP reduce-scatters gradients in backward; with sync off each block sums full-size
-        # gradients locally (held in memory): one reduce-scatter per optimizer step, not per micro-batch.
-        if accum > 1:
-            self.model.set_requires_gradient_sync(last)
-        loss = self.task.loss_fn(self.compiled(source), targets)  # --amp: shard_model's policy
-        # Summed over the micro-batches, the gradients of loss / accum are those
-        # of the mean loss over the whole accumulated batch. (No division without
-        # accumulation: an extra autograd op costs a small model ~10%.)
-        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
-        if last:
-            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
-            train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.task.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.lr = self.scheduler.get_last_lr()[0]  # the learning rate this step used
+        self.scheduler.step()  # the task's schedule moves after every optimizer step
         return loss.detach()
 
-    def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[dict]:
+    def _run_epoch(self, epoch: int) -> tuple[float, float, float]:
+        """One pass over the training data; (mean loss per sample, samples, seconds)."""
         self.model.train()
-        # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
-        self.train_data.sampler.set_epoch(epoch)
-        # After a mid-epoch resume, skip the batches this rank already trained on.
-        self.train_data.sampler.start = self.progress.steps_run * self.train_data.batch_size
-        host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
-        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
-                               f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
-        meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
-        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args),
-                                                 start=self.progress.steps_run):
-            source = self.task.train_transform(source.to(self.device, non_blocking=True))
-            targets = targets.to(self.device, non_blocking=True)
-            meter.add(self._run_batch(source, targets, step), len(targets))
-            self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
-            self.progress.steps_run = step + 1
-            if self.progress.steps_run % self.args.grad_accum_steps:
-                continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
-            if not self.memory_reported:  # optimizers make their state at the first step: measure now
-                train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
-                self.memory_reported = True
-            if self.stop.poll():  # some rank got the signal; every rank stops after this step
-                self._save_snapshot(meter)
-                return None
-            every = self.args.snapshot_every_steps  # and not at the epoch's end: that one comes next
-            if every and self.progress.steps_run % every == 0 and meter.steps_left:
-                self._save_snapshot(meter)
-        dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
-        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, not epoch 0's again
+        print(f"[rank {self.rank} | local_rank {self.local_rank} | host {socket.gethostname()}] epoch {epoch + 1} "
+              f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}", flush=True)
+        start = time.perf_counter()
+        # Loss sum and sample count, kept on the device: an .item() per step would wait for it.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for source, targets in self.train_data:
+            source = self.task.train_transform(source.to(self.device))
+            targets = targets.to(self.device)
+            loss = self._run_batch(source, targets)
+            totals[0] += loss * len(targets)  # weighted by samples, as evaluate() is
+            totals[1] += len(targets)
+        dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
+        loss_sum, samples = totals.tolist()
+        return loss_sum / samples, samples, time.perf_counter() - start
 
-    def _load_snapshot(self, folder: str) -> None:
-        snapshot = self.snapshots.read(folder, self.config, dist.get_world_size())  # or refuses it
-        # DCP loads into this model's and optimizer's own sharded state dicts, in place:
-        # each rank reads its shards' pieces from whichever files hold them (resharding).
+    def _load_snapshot(self, path: str) -> None:
+        # DCP fills this rank's own shards in place, reading their pieces from whichever files hold them.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
-        dcp.load(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
-                       optim_state_dict=optimizer_state)
-        self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
-        self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
+        dcp.load(model_state, checkpoint_id=os.path.join(path, "model"))
+        dcp.load(optimizer_state, checkpoint_id=os.path.join(path, "optimizer"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        snapshot = torch.load(os.path.join(path, "meta.pt"))
+        self.scheduler.load_state_dict(snapshot["lr_schedule"])
+        self.epochs_run = snapshot["epochs_run"]
         if self.rank == 0:
-            train_utils.log_resume(folder, self.progress.position(),
-                                   train_utils.resharding_note(snapshot["world_size"]))
+            print(f"resuming from snapshot {path} after epoch {self.epochs_run}", flush=True)
 
-    def _save_snapshot(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
-        """Collective: a new folder of every rank's shards; then the previous snapshot
-        goes. Mid-epoch, ``meter`` holds the epoch so far (its totals are saved too)."""
-        progress = self.progress.state_dict(meter)  # every rank's RNG states, gathered
-        train_utils.broadcast_buffers(self.model)  # FSDP never syncs BatchNorm statistics: save rank 0's
-        # Each rank writes its own shards, DCP's rank 0 the index (.metadata); no rank ever
-        # holds the full state. A new folder each time: DCP overwrites files in place.
-        folder = self.snapshots.folder(self.progress.tag())
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.save(model_state, checkpoint_id=os.path.join(folder, "model"))  # plain state_dict keys
-        dcp.save(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
-        if self.rank != 0:
+    def _save_snapshot(self, epoch: int) -> None:
+        # Collective: each rank writes its shards into a new folder (DCP overwrites files in place).
+        folder = os.path.join(self.args.snapshot_path, f"epoch-{epoch + 1}")
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # this rank's shards
+        dcp.save(model_state, checkpoint_id=os.path.join(folder, "model"))
+        dcp.save(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))  # returns once all wrote
+        if self.rank != 0:  # global rank 0 alone completes the save, on storage every node shares
             return
-        snapshot = {
-            **progress,  # epochs_run, steps_run, epoch_totals, rng_states
-            **self.recipe.state_dict(),  # lr_schedule, loss_scaler
-            "config": self.config,
-            "world_size": dist.get_world_size(),
-        }
-        self.snapshots.commit(snapshot, folder)  # written last: the folder is complete; older ones go
-        train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {folder}")
+        snapshot = {"lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1}
+        # meta.pt, last, completes the folder: one without it is a torn save. Written whole or not at all.
+        torch.save(snapshot, os.path.join(folder, "meta.pt.tmp"))
+        os.replace(os.path.join(folder, "meta.pt.tmp"), os.path.join(folder, "meta.pt"))
+        for name in os.listdir(self.args.snapshot_path):  # the older snapshots, and torn ones, go
+            if name != os.path.basename(folder):
+                shutil.rmtree(os.path.join(self.args.snapshot_path, name), ignore_errors=True)
+        print(f"epoch {epoch + 1} | snapshot saved at {folder}", flush=True)
 
-    def train(self, max_epochs: int) -> bool:
-        for epoch in range(self.progress.epochs_run, max_epochs):
-            record = self._run_epoch(epoch, max_epochs)
-            if record is None:  # stopped by the signal, after a snapshot of this step
-                return False
-            record["val_loss"], record["val_accuracy"] = evaluate(
-                self.model, self.val_data, self.task, self.device)
+    def train(self, max_epochs: int) -> None:
+        for epoch in range(self.epochs_run, max_epochs):
+            train_loss, samples, seconds = self._run_epoch(epoch)
+            val_loss, val_acc = evaluate(self.model, self.val_data, self.task, self.device)
+            accuracy = f" | val_acc {val_acc:.4f}" if val_acc is not None else ""
+            line = (f"epoch {epoch + 1}/{max_epochs} | train_loss {train_loss:.6f} | val_loss {val_loss:.6f}"
+                    f"{accuracy} | samples/s {samples / seconds:.1f} | epoch_s {seconds:.2f} | lr {self.lr:.6g}")
             if self.rank == 0:  # every rank holds the same numbers; one prints them
-                train_utils.log_metrics(record, self.args)
-            self.progress.end_epoch(epoch)
+                print(line, flush=True)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
-                self._save_snapshot()
-        return True
+                self._save_snapshot(epoch)
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
              device: torch.device) -> tuple[float, Optional[float]]:
-    """Mean loss, and accuracy for a classification task, over every sample of ``data``.
-
-    The loss is weighted by samples (sum of per-sample losses / sample count),
-    not a mean of batch means, which would over-weight a short last batch.
-    Collective: each rank scores its shard, the sums are all-reduced. Pass the FSDP
-    model: its forward all-gathers parameters, a collective too, so every rank runs as
-    many forwards as the longest shard has batches (``batches_for_every_rank``).
-    Returns (loss, accuracy or None).
+    """(mean loss, accuracy or None) over every sample of ``data``: the sum of
+    per-sample losses / samples, not a mean of batch means, which would
+    over-weight a short last batch. Accuracy for a classification task only.
+    Collective: each rank scores its shard, the sums are all-reduced. FSDP's forward all-gathers
+    weights: every rank runs as many as the longest shard has batches (the last again, uncounted).
     """
-    train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
+    for buffer in model.buffers():  # BatchNorm statistics differ across ranks: use rank 0's, as saved
+        dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets, counted in train_utils.evaluating(train_utils.batches_for_every_rank(data, device)):
-        source = task.eval_transform(source.to(device, non_blocking=True))
-        targets = targets.to(device, non_blocking=True)
+    most = torch.tensor(len(data), device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # shards differ by one sample at most: by one batch
+    batches, last = iter(data), None
+    for _ in range(most.item()):
+        batch = next(batches, None)  # None: this rank's shard is done
+        source, targets = last = batch if batch is not None else last
+        source = task.eval_transform(source.to(device))
+        targets = targets.to(device)
         output = model(source)
-        if not counted:  # this shard is done: the forward only joins the others' all-gathers
+        if batch is None:  # the forward only joined the others' all-gathers
             continue
         totals[0] += task.loss_fn(output, targets, reduction="sum")
         if task.classification:
             totals[1] += (output.argmax(dim=1) == targets).sum()
         totals[2] += len(targets)
     model.train()
-    model.reshard()  # the root stays gathered after a forward without backward: free it
+    model.reshard()  # the root stays gathered after a forward without a backward: free it
     dist.all_reduce(totals)
     loss_sum, correct, samples = totals.tolist()
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> torch.nn.Module:
-    """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
+def latest_snapshot(root: str) -> Optional[str]:
+    """The newest complete snapshot folder under ``root`` (one holding meta.pt), else None."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    done = [name for name in names if os.path.exists(os.path.join(root, name, "meta.pt"))]
+    return os.path.join(root, max(done, key=lambda name: int(name.split("-")[1]))) if done else None
 
-    Each of ``train_utils.fsdp_blocks`` becomes one FSDP unit, then the root takes the
-    parameters left; a unit's are all-gathered just before its forward and backward.
-    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
-    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
-    train_utils.contiguous_parameters(model)  # fully_shard refuses channels-last weights
-    # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    if dtype:
-        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        for norm in norms:
-            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
-    for block in train_utils.fsdp_blocks(model):
-        if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
-            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32, torch.float32))
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each child with parameters
+    (a Sequential's or ModuleList's children instead: ResNet's residual blocks) becomes one unit,
+    all-gathered just before its forward and backward; the root takes the parameters left."""
+    for param in model.parameters():  # fully_shard refuses channels-last weights (ResNets on CUDA)
+        param.data = param.data.contiguous()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # one dimension: every rank
+    for child in model.children():
+        blocks = list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)) else [child]
+        for block in blocks:
+            if next(block.parameters(), None) is not None:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
-def load_train_objs(args, download: bool, device: torch.device) -> tuple[common.Task, torch.optim.Optimizer]:
-    task = train_utils.downloaders_first(common.load_task, args, download)
-    # Before the optimizer: fully_shard replaces the parameters with sharded ones.
-    task.model = shard_model(task.model.to(device), device, train_utils.amp_dtype(device, args.amp))
-    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
-    return task, optimizer
-
-
-def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
-                       seed: int) -> DataLoader:
+def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int) -> DataLoader:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
-    (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
-    epoch's permutation (DistributedSampler). Evaluation: rank r takes samples r,
-    r+W, r+2W, ... unpadded, each sample once."""
+    (a batch of 1 would break BatchNorm). Evaluation: every sample, in order.
+    Each rank takes its 1/world_size share of an epoch (DistributedSampler) and evaluation
+    samples r, r+W, r+2W, ...: each once (DistributedSampler would pad shards with repeats).
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
@@ -277,48 +192,87 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         dataset,
         batch_size=batch_size,
         shuffle=False,  # the sampler shuffles
-        sampler=train_utils.ResumableDistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
-        # Workers are seeded from this generator, which snapshots save and restore.
-        generator=torch.Generator().manual_seed(seed + rank) if train else None,
+        sampler=DistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
+        generator=torch.Generator().manual_seed(seed) if train else None,  # the loader's seed draw: not dropout's RNG
         drop_last=train,
-        **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
-        pin_memory=torch.cuda.is_available(),
-        collate_fn=common.collate,  # whole batches from InMemoryImages pass through
+        collate_fn=common.collate,  # whole batches some tasks' datasets assemble pass through
     )
 
 
-@train_utils.one_line_errors
-def main(args) -> None:
-    train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
-    rank, local_rank, device = ddp_setup(args.startup_timeout_s)
-    train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
-    # One seed for the initial weights on every rank: each keeps its slice of its own
-    # copy (DDP copied rank 0's to all instead).
-    torch.manual_seed(args.seed)
-    # One process per node downloads (--data_dir is usually node-local; pre-stage a shared one).
-    task, optimizer = load_train_objs(args, download=local_rank == 0, device=device)
-    # Then each rank its own random stream, or all would draw the same dropout masks.
-    torch.manual_seed(args.seed + rank)
-    train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
-    val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
-    test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
-    train_utils.check_before_training(args, device, train_data,  # every rank writes its shards there
-                                      os.path.join(args.snapshot_path, "meta.pt"), saves=True)
+def main(args: argparse.Namespace) -> None:
+    # Every rank prints to one output: each line in one write, or two ranks' lines can run together.
+    sys.stdout.reconfigure(write_through=False, line_buffering=True)
+    local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun, with RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
+    # Rank, world size and where to meet come from torchrun's environment (env://).
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # FSDP averages gradients; gloo summed there
+        raise common.ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer (torch {torch.__version__}'s "
+                                 f"gloo sums where FSDP averages); pip install 'torch>=2.10', or train on GPUs")
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)  # the initial weights come from the seed
+    if local_rank == 0:  # one download per node (--data_dir is on each node's disk) while the others wait
+        task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
+    dist.barrier()
+    if local_rank != 0:
+        task = common.load_task(args, download=False)
+    model = shard_model(task.model.to(device), device)  # before the optimizer: it replaces the parameters
+    torch.manual_seed(args.seed + rank)  # each rank its own stream, or all draw the same dropout masks
+    optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
+    train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed)
+    val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed)
+    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed)
+    if len(train_data) == 0:
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
+                                 f"data for a process; pass a smaller one")
+    scheduler = LambdaLR(optimizer, common.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
+    trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
+    trainer.train(args.total_epochs)
+    test_loss, test_acc = evaluate(model, test_data, task, device)
+    line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
     if rank == 0:
-        train_utils.print_line(train_utils.describe_run(device, args))
-    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
-    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, args)
-    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
-    if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
-        test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
-        if rank == 0:
-            train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
-            train_utils.report_run_finished()  # a Slurm wrapper requeues only a run with epochs left
-    trainer.stop.close()
+        print(line, flush=True)
     dist.destroy_process_group()
+    # Once sharded tensors exist the process group outlives destroy_process_group (torch 2.15),
+    # and gloo's threads can abort the interpreter's teardown: end here (every print was flushed).
+    os._exit(0)
+
+
+def run(args: argparse.Namespace) -> None:
+    """``main``; a ConfigError (a bad --dataset or --model, missing data) as one line, exit status 2."""
+    try:
+        main(args)
+    except common.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive(text: str) -> int:
+    """argparse type: an int > 0."""
+    if int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return int(text)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument  # every default is shown by --help
+    add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
+    add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")
+    add("--batch_size", type=positive, default=32, help="samples per step and process (default: %(default)s)")
+    add("--dataset", default="synthetic", help=f"{', '.join(common.TASKS)}, or module:function (default: %(default)s)")
+    add("--model", default=None, help="model for the task (default: the task's first)")
+    add("--data_dir", default=os.environ.get("DATA_DIR", "data"), help="dataset root (default: $DATA_DIR or ./data)")
+    add("--seed", type=int, default=0, help="seed for data split, weights, shuffling (default: %(default)s)")
+    add("--snapshot_path", default="snapshot_multinode_fsdp",
+        help="snapshot to resume from when it exists, and to save to (default: %(default)s)")
+    return parser.parse_args()
 
 
 if __name__ == "__main__":
-    args = train_utils.parse_args(__doc__, common.TASKS, ["snapshot_path", "snapshot_every_steps", "pg_timeout_s"])
-    main(args)
-    train_utils.exit_skipping_teardown()  # FSDP: the process group outlives destroy (torch 2.15)
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:  # set by torchrun
+        sys.exit(f"error: start {sys.argv[0]} with torchrun, as the launch lines at its top show")
+    run(args)

@@ -4,94 +4,72 @@ Launch:
     python singlegpu.py                                    # synthetic task, no download
     python singlegpu.py --dataset mnist --total_epochs 5   # real data
 
-The baseline: one process on one device, the first GPU or else the CPU.
-Each later script adds one distributed concept; `diff -u singlegpu.py
-multigpu_spawn.py` shows the first.
-
-Your own task goes in its own file (docs/custom-task.md); the train_utils
-package holds the machinery you keep as it is.
+One process, one device (the first GPU, else the CPU), a task and its recipe.
+Each later script adds one distributed concept: `diff -u singlegpu.py multigpu_spawn.py`.
 """
 
+import argparse
+import os
+import sys
+import time
 from typing import Optional
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
 import common
-import train_utils
 
 
 class Trainer:
-    """Runs the epochs, evaluates, prints one summary line per epoch, saves
-    its checkpoint.
+    """Trains ``model`` (on ``device``) with ``optimizer`` and its lr ``scheduler``,
+    scores ``val_data`` after every epoch, prints one line per epoch, saves the weights.
+    ``task`` gives the loss and the batch transforms (common.Task); ``args`` the flags."""
 
-    ``task`` gives the loss and the batch transforms (see common.Task);
-    ``args`` the run's flags (--save_every, --grad_accum_steps, --amp,
-    --compile, --metrics_path, --tensorboard_dir, --profile_dir, the save path).
-    """
+    def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
+                 optimizer: torch.optim.Optimizer, scheduler: LambdaLR, task: common.Task,
+                 device: torch.device, args: argparse.Namespace) -> None:
+        self.model = model
+        self.train_data, self.val_data = train_data, val_data
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.task, self.device, self.args = task, device, args
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        train_data: DataLoader,
-        val_data: DataLoader,
-        recipe: train_utils.Recipe,
-        task: common.Task,
-        device: torch.device,
-        args,
-    ) -> None:
-        self.device = device
-        self.model = model.to(device)
-        self.train_data = train_data
-        self.val_data = val_data
-        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
-        self.optimizer = recipe.optimizer
-        self.task = task
-        self.args = args
-        self.autocast = train_utils.autocast(device, args.amp)  # made once: a step must stay cheap
-        # The compiled module shares the model's weights and runs the training
-        # forward; saving and evaluation use the plain model, so what is saved
-        # loads without torch.compile.
-        self.compiled = train_utils.compile_model(self.model, args.compile)
-        self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
-
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch (``step`` counts them from 0 in
-        the epoch); the optimizer steps after every --grad_accum_steps-th."""
-        accum = self.args.grad_accum_steps
-        last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
-        if step % accum == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast:
-            loss = self.task.loss_fn(self.compiled(source), targets)
-        # Summed over the micro-batches, the gradients of loss / accum are those
-        # of the mean loss over the whole accumulated batch. (No division without
-        # accumulation: an extra autograd op costs a small model ~10%.)
-        self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
-        if last:
-            self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.task.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.lr = self.scheduler.get_last_lr()[0]  # the learning rate this step used
+        self.scheduler.step()  # the task's schedule moves after every optimizer step
         return loss.detach()
 
-    def _run_epoch(self, epoch: int, max_epochs: int) -> dict:
+    def _run_epoch(self, epoch: int) -> tuple[float, float, float]:
+        """One pass over the training data; (mean loss per sample, samples, seconds)."""
         self.model.train()
-        meter = train_utils.EpochMeter(epoch, max_epochs, self.device)  # loss sum, samples, time
-        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args)):
-            source = self.task.train_transform(source.to(self.device, non_blocking=True))
-            targets = targets.to(self.device, non_blocking=True)
-            meter.add(self._run_batch(source, targets, step), len(targets))
-            self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
-        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
+        start = time.perf_counter()
+        # Loss sum and sample count, kept on the device: an .item() per step would wait for it.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for source, targets in self.train_data:
+            source = self.task.train_transform(source.to(self.device))
+            targets = targets.to(self.device)
+            loss = self._run_batch(source, targets)
+            totals[0] += loss * len(targets)  # weighted by samples, as evaluate() is
+            totals[1] += len(targets)
+        loss_sum, samples = totals.tolist()
+        return loss_sum / samples, samples, time.perf_counter() - start
 
     def _save_checkpoint(self, epoch: int) -> None:
-        train_utils.atomic_save(self.model.state_dict(), self.args.checkpoint_path)
-        train_utils.print_line(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}")
+        torch.save(self.model.state_dict(), self.args.checkpoint_path)
+        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}", flush=True)
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
-            record = self._run_epoch(epoch, max_epochs)
-            record["val_loss"], record["val_accuracy"] = evaluate(
-                self.model, self.val_data, self.task, self.device)
-            train_utils.log_metrics(record, self.args)
+            train_loss, samples, seconds = self._run_epoch(epoch)
+            val_loss, val_acc = evaluate(self.model, self.val_data, self.task, self.device)
+            accuracy = f" | val_acc {val_acc:.4f}" if val_acc is not None else ""
+            line = (f"epoch {epoch + 1}/{max_epochs} | train_loss {train_loss:.6f} | val_loss {val_loss:.6f}"
+                    f"{accuracy} | samples/s {samples / seconds:.1f} | epoch_s {seconds:.2f} | lr {self.lr:.6g}")
+            print(line, flush=True)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
@@ -101,17 +79,15 @@ class Trainer:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
              device: torch.device) -> tuple[float, Optional[float]]:
-    """Mean loss, and accuracy for a classification task, over every sample of ``data``.
-
-    The loss is weighted by samples (sum of per-sample losses / sample count),
-    not a mean of batch means, which would over-weight a short last batch.
-    Returns (loss, accuracy or None).
+    """(mean loss, accuracy or None) over every sample of ``data``: the sum of
+    per-sample losses / samples, not a mean of batch means, which would
+    over-weight a short last batch. Accuracy for a classification task only.
     """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for source, targets in train_utils.evaluating(data):  # with a progress bar where stderr is a terminal
-        source = task.eval_transform(source.to(device, non_blocking=True))
-        targets = targets.to(device, non_blocking=True)
+    for source, targets in data:
+        source = task.eval_transform(source.to(device))
+        targets = targets.to(device)
         output = model(source)
         totals[0] += task.loss_fn(output, targets, reduction="sum")
         if task.classification:
@@ -122,45 +98,69 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def load_train_objs(args, download: bool) -> tuple[common.Task, torch.optim.Optimizer]:
-    task = common.load_task(args, download)
-    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
-    return task, optimizer
-
-
-def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
-                       seed: int) -> DataLoader:
+def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int) -> DataLoader:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
-    (a batch of 1 would break BatchNorm). Evaluation: every sample, in order."""
+    (a batch of 1 would break BatchNorm). Evaluation: every sample, in order.
+    """
     return DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=train,
-        generator=torch.Generator().manual_seed(seed) if train else None,
+        generator=torch.Generator().manual_seed(seed) if train else None,  # the shuffle's own stream
         drop_last=train,
-        **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
-        pin_memory=torch.cuda.is_available(),
-        collate_fn=common.collate,  # whole batches from InMemoryImages pass through
+        collate_fn=common.collate,  # whole batches some tasks' datasets assemble pass through
     )
 
 
-@train_utils.one_line_errors
-def main(device: torch.device, args) -> None:
-    torch.manual_seed(args.seed)
-    task, optimizer = load_train_objs(args, download=True)
-    train_data = prepare_dataloader(task.train_set, args.batch_size, args.num_workers, True, args.seed)
-    val_data = prepare_dataloader(task.val_set, args.batch_size, args.num_workers, False, args.seed)
-    test_data = prepare_dataloader(task.test_set, args.batch_size, args.num_workers, False, args.seed)
-    train_utils.check_before_training(args, device, train_data, args.checkpoint_path, saves=True)
-    train_utils.print_line(train_utils.describe_run(device, args))
-    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
-    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, args)
-    train_utils.start_wandb_run(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
+def main(args: argparse.Namespace) -> None:
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)  # the initial weights come from the seed
+    task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
+    model = task.model.to(device)
+    optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
+    train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed)
+    val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed)
+    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed)
+    if len(train_data) == 0:
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
+                                 f"data for a process; pass a smaller one")
+    scheduler = LambdaLR(optimizer, common.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
+    trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
-    test_loss, test_accuracy = evaluate(trainer.model, test_data, task, device)
-    train_utils.log_metrics({"test_loss": test_loss, "test_accuracy": test_accuracy}, args)
+    test_loss, test_acc = evaluate(model, test_data, task, device)
+    line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
+    print(line, flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    """``main``; a ConfigError (a bad --dataset or --model, missing data) as one line, exit status 2."""
+    try:
+        main(args)
+    except common.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive(text: str) -> int:
+    """argparse type: an int > 0."""
+    if int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return int(text)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument  # every default is shown by --help
+    add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
+    add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")
+    add("--batch_size", type=positive, default=32, help="samples per step (default: %(default)s)")
+    add("--dataset", default="synthetic", help=f"{', '.join(common.TASKS)}, or module:function (default: %(default)s)")
+    add("--model", default=None, help="model for the task (default: the task's first)")
+    add("--data_dir", default=os.environ.get("DATA_DIR", "data"), help="dataset root (default: $DATA_DIR or ./data)")
+    add("--seed", type=int, default=0, help="seed for data split, weights, shuffling (default: %(default)s)")
+    add("--checkpoint_path", default="checkpoint_singlegpu.pt", help="the model's state_dict (default: %(default)s)")
+    return parser.parse_args()
 
 
 if __name__ == "__main__":
-    args = train_utils.parse_args(__doc__, common.TASKS, ["checkpoint_path"])
-    main(train_utils.device_for(0, one_process=True), args)  # a GPU, another accelerator, or the CPU
+    run(parse_args())

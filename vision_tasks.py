@@ -204,7 +204,7 @@ def vision_task(dataset: str, args: argparse.Namespace, download: bool) -> Task:
     stats = (MNIST_MEAN, MNIST_STD) if dataset == "mnist" else (CIFAR10_MEAN, CIFAR10_STD)
     normalize = [transforms.ToTensor(), transforms.Normalize(*stats)]
     augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
-    fast = args.input_path == "fast"
+    fast = getattr(args, "input_path", "fast") == "fast"  # the rungs have no --input_path
     if fast:  # the files as they are; DeviceTransform does the rest per batch
         train_tf = eval_tf = None
     else:

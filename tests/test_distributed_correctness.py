@@ -1,5 +1,8 @@
-"""The distributed logic is exact, not approximately right: DDP parity with a
-single process, exact sharded evaluation, bitwise resume from a snapshot."""
+"""The distributed logic is exact, not approximately right: DDP equals a single
+process with the global batch (the spawn rung's lesson), sharded evaluation
+equals a single process's (the spawn rung and the kit), and the kit resumes
+bitwise from a snapshot. (Rungs 3-5 resume at an epoch's end: test_ladder.py;
+they compute what the kit computes: test_parity.py.)"""
 
 import os
 import sys
@@ -13,9 +16,8 @@ from dataset_files import build_mnist_root
 from helpers import REPO, plain_task, TORCHRUN, check, error_lines, free_port, run, snapshot_tensors
 
 import multigpu_spawn
-import multigpu_torchrun
-import multinode
 import singlegpu
+import train
 
 
 def _weights(path):
@@ -27,8 +29,7 @@ def _weights(path):
 # 4. DDP parity: 2 processes x batch B == 1 process x batch 2B
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
-def test_ddp_matches_single_process_with_the_global_batch(launcher, tmp_path):
+def test_ddp_matches_single_process_with_the_global_batch(tmp_path):
     """DistributedSampler splits each global batch of the one-process run between
     the two ranks, and DDP averages their gradients, so after every SGD step
     (here 2 epochs x 115 steps) the weights agree up to float rounding."""
@@ -37,14 +38,9 @@ def test_ddp_matches_single_process_with_the_global_batch(launcher, tmp_path):
         out = tmp_path / f"w{world_size}"
         out.mkdir()
         common_flags = ["--total_epochs", "2", "--batch_size", str(batch_size)]
-        if launcher == "spawn":
-            cmd = [sys.executable, REPO / "multigpu_spawn.py", "--world_size", str(world_size)]
-            check(run(cmd + common_flags, out, MASTER_PORT=str(free_port())))
-            finals[world_size] = _weights(out / "checkpoint_multigpu_spawn.pt")
-        else:
-            cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={world_size}", REPO / "multigpu_torchrun.py"]
-            check(run(cmd + common_flags, out))
-            finals[world_size] = _weights(out / "snapshot_multigpu_torchrun.pt")
+        cmd = [sys.executable, REPO / "multigpu_spawn.py", "--world_size", str(world_size)]
+        check(run(cmd + common_flags, out, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1"))
+        finals[world_size] = _weights(out / "checkpoint_multigpu_spawn.pt")
     assert finals[1].keys() == finals[2].keys()
     start = singlegpu.common.synthetic_model("mlp").state_dict()
     for name in finals[1]:
@@ -88,22 +84,26 @@ def _eval_problem():
 def _eval_worker(rank, world_size, port, module_name, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    module = {"spawn": multigpu_spawn, "torchrun": multigpu_torchrun, "multinode": multinode}[module_name]
     dataset, model = _eval_problem()
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
-    loader = module.prepare_dataloader(dataset, 8, 0, False, 0)
+    if module_name == "spawn":  # the rungs 2-4 share this code; the kit has its own
+        loader = multigpu_spawn.prepare_dataloader(dataset, 8, False, 0)
+        evaluate = multigpu_spawn.evaluate
+    else:
+        loader = train.prepare_dataloader(dataset, 8, 0, False, 0)
+        evaluate = train.evaluate
     counted = sum(len(y) for _, y in loader)
-    loss, accuracy = module.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
+    loss, accuracy = evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
     torch.save({"loss": loss, "accuracy": accuracy, "counted": counted}, os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("module_name", ["spawn", "torchrun", "multinode"])
+@pytest.mark.parametrize("module_name", ["spawn", "train"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_path):
     dataset, model = _eval_problem()
-    loader = singlegpu.prepare_dataloader(dataset, 8, 0, False, 0)
+    loader = singlegpu.prepare_dataloader(dataset, 8, False, 0)
     expected_loss, expected_accuracy = singlegpu.evaluate(model, loader, plain_task(F.cross_entropy, True),
                                                           torch.device("cpu"))
     # Cross-check the reference itself against a plain full-batch computation.
@@ -122,13 +122,10 @@ def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_p
 
 
 # --------------------------------------------------------------------------
-# 6. Resume from a snapshot == an uninterrupted run, bitwise
+# 6. The kit's resume from a snapshot == an uninterrupted run, bitwise
 # --------------------------------------------------------------------------
 
-# multinode.py differs from multigpu_torchrun.py in where its ranks come from,
-# not in what it saves: the synthetic task there, both tasks on the torchrun rung.
-@pytest.mark.parametrize("script,dataset", [("multigpu_torchrun.py", "synthetic"), ("multigpu_torchrun.py", "mnist"),
-                                            ("multinode.py", "synthetic")])
+@pytest.mark.parametrize("script,dataset", [("train.py", "synthetic"), ("train.py", "mnist")])
 def test_resume_equals_uninterrupted_run(script, dataset, tmp_path):
     """Stop after epoch 2, start again asking for 4: the result is bitwise the
     4-epoch run. MNIST's CNN has dropout, so this also needs every rank's RNG
@@ -156,12 +153,12 @@ def test_resume_equals_uninterrupted_run(script, dataset, tmp_path):
 
 
 def test_resume_refuses_a_snapshot_from_another_run(tmp_path):
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py"]
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
     check(run(launch + ["--total_epochs", "1"], tmp_path))
-    before = (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes()
+    before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(launch + ["--total_epochs", "2", "--batch_size", "64", "--model", "linear"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        "error: snapshot snapshot_multigpu_torchrun.pt comes from a different run (model mlp -> linear, "
+        "error: snapshot snapshot_train.pt comes from a different run (model mlp -> linear, "
         "batch_size 32 -> 64); resume with its settings, or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / "snapshot_multigpu_torchrun.pt").read_bytes() == before  # untouched
+    assert (tmp_path / "snapshot_train.pt").read_bytes() == before  # untouched

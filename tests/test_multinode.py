@@ -1,15 +1,17 @@
-"""multinode.py as two nodes on this machine: two torchrun agents, one process
-each, meeting through c10d rendezvous on localhost, as the README shows."""
+"""Two nodes on this machine: two torchrun agents, one process each, meeting
+through c10d rendezvous on localhost, as the README shows: the multinode.py
+rung trains across them; the kit (train.py) refuses a snapshot that only one
+node's disk holds."""
 
 from helpers import REPO, TORCHRUN, epochs, error_lines, free_port, parse_test, run_together, script_env
 
 
-def _start_nodes(port, cwds, extra=()):
+def _start_nodes(port, cwds, extra=(), script="multinode.py"):
     cmds = [TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                         f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=test{port}",
                         # the first agent hosts the rendezvous store
                         f"--rdzv-conf=is_host={int(node == 0)}",
-                        str(REPO / "multinode.py"), "--total_epochs", "2", *extra]
+                        str(REPO / script), "--total_epochs", "2", *extra]
             for node in range(len(cwds))]
     return run_together(cmds, cwds, script_env())
 
@@ -33,19 +35,19 @@ def test_two_nodes_train_together(tmp_path):
 
 def test_snapshot_visible_on_one_node_only_is_refused(tmp_path):
     """Nodes with separate disks: a relative --snapshot_path found on node 0 but
-    not on node 1 would resume one and restart the other. Refused, and the
-    existing snapshot is left as it was."""
+    not on node 1 would resume one and restart the other. The kit refuses, and
+    the existing snapshot is left as it was."""
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node0.mkdir()
     node1.mkdir()
     # A real snapshot on node 0's disk, from a finished two-node run there.
-    first = _start_nodes(free_port(), [node0, node0])
+    first = _start_nodes(free_port(), [node0, node0], script="train.py")
     assert all(code == 0 for code, _, _ in first)
-    before = (node0 / "snapshot_multinode.pt").read_bytes()
-    outputs = _start_nodes(free_port(), [node0, node1], extra=["--total_epochs", "3"])
+    before = (node0 / "snapshot_train.pt").read_bytes()
+    outputs = _start_nodes(free_port(), [node0, node1], extra=["--total_epochs", "3"], script="train.py")
     assert all(code != 0 for code, _, _ in outputs)
     errors = [line for _, _, err in outputs for line in error_lines(err)]
-    assert errors == ["error: snapshot snapshot_multinode.pt is missing on ranks [1] but present on others; "
+    assert errors == ["error: snapshot snapshot_train.pt is missing on ranks [1] but present on others; "
                       "--snapshot_path must be on storage that every node shares"]
-    assert (node0 / "snapshot_multinode.pt").read_bytes() == before
-    assert not (node1 / "snapshot_multinode.pt").exists()
+    assert (node0 / "snapshot_train.pt").read_bytes() == before
+    assert not (node1 / "snapshot_train.pt").exists()

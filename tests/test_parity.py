@@ -1,0 +1,75 @@
+"""The kit is the lesson plus machinery, never another algorithm: for the same
+flags, world size (2) and seed, rungs 2-4 print the per-epoch train and
+validation losses that ``train.py`` (DDP) prints, and the FSDP rung those of
+``train.py --strategy fsdp``, digit for digit, on the synthetic task and on
+real MNIST digits, each with its task's default recipe."""
+
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, TORCHRUN, check, free_port, run
+
+RUNGS = {"multigpu_spawn.py": "ddp", "multigpu_torchrun.py": "ddp", "multinode.py": "ddp",
+         "multinode_fsdp.py": "fsdp"}
+# Few epochs, small: the synthetic task for 3 epochs; MNIST (8,000 real digits) for 1
+# epoch of 64 a step and process, a few seconds of training.
+FLAGS = {"synthetic": ["--total_epochs", "3", "--seed", "3"],
+         "mnist": ["--dataset", "mnist", "--total_epochs", "1", "--batch_size", "64"]}
+ENV = {"OMP_NUM_THREADS": "1"}  # what torchrun sets for 2 processes; mp.spawn sets nothing
+
+
+def epoch_losses(stdout: str) -> list[str]:
+    """Each epoch line's 'epoch E/N | train_loss X | val_loss Y[ | val_acc Z]' part, as printed."""
+    found = []
+    for line in stdout.splitlines():
+        if line.startswith("epoch ") and " | train_loss " in line:
+            parts = line.split(" | ")
+            found.append(" | ".join(part for part in parts if part.split(" ")[0] in
+                                    ("epoch", "train_loss", "val_loss", "val_acc")))
+    return found
+
+
+def launch(script: str) -> tuple[list, dict]:
+    if script == "multigpu_spawn.py":
+        return [sys.executable, REPO / script, "--world_size", "2"], dict(ENV, MASTER_PORT=str(free_port()))
+    return TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / script], ENV
+
+
+@pytest.fixture(scope="module")
+def data_flags(request):
+    """--data_dir for MNIST (the session's real digits); none for the synthetic task."""
+    def flags(dataset: str) -> list:
+        if dataset == "mnist":
+            return ["--data_dir", str(request.getfixturevalue("mnist_root"))]
+        return []
+    return flags
+
+
+@pytest.fixture(scope="module")
+def kit_losses(tmp_path_factory, data_flags):
+    """train.py's epoch losses per (dataset, strategy), each run once."""
+    cache = {}
+
+    def losses(dataset: str, strategy: str) -> list[str]:
+        if (dataset, strategy) not in cache:
+            folder = tmp_path_factory.mktemp(f"kit-{dataset}-{strategy}")
+            cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", strategy]
+            result = check(run(cmd + FLAGS[dataset] + data_flags(dataset), folder, **ENV))
+            cache[dataset, strategy] = epoch_losses(result.stdout)
+        return cache[dataset, strategy]
+    return losses
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
+@pytest.mark.parametrize("script", RUNGS)
+def test_rung_prints_the_losses_the_kit_prints(script, dataset, kit_losses, data_flags, tmp_path):
+    if RUNGS[script] == "fsdp" and not torch.cuda.is_available() and torch.__version__ < "2.10":
+        pytest.skip("FSDP on the CPU needs torch 2.10 (gloo's reduce_scatter sums before): both refuse")
+    cmd, env = launch(script)
+    result = check(run(cmd + FLAGS[dataset] + data_flags(dataset), tmp_path, **env))
+    rung = epoch_losses(result.stdout)
+    expected = kit_losses(dataset, RUNGS[script])
+    assert len(rung) == int(FLAGS[dataset][FLAGS[dataset].index("--total_epochs") + 1]), result.stdout
+    assert rung == expected
