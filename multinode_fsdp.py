@@ -208,7 +208,7 @@ def main(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
     # Rank, world size and where to meet come from torchrun's environment (env://).
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # FSDP averages gradients; gloo summed there
+    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # compared as versions; gloo summed there
         raise common.ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer (torch {torch.__version__}'s "
                                  f"gloo sums where FSDP averages); pip install 'torch>=2.10', or train on GPUs")
     rank = dist.get_rank()

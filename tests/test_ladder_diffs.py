@@ -21,12 +21,12 @@ LADDER = [
 ]
 MOST_LINES = 250  # per rung
 
-# Over budget as written, without bending lines to fit (measured; see each rung's diff):
-# spawn needs the process group, DDP, the sampler, sharded evaluation, the download
-# barrier, mp.spawn and its error exit; FSDP the sharding, the collective evaluation
-# and DCP snapshots. Strict: fixing one turns its test red until its entry goes.
-OVER_DIFF = {"multigpu_spawn.py": "86 changed lines", "multinode_fsdp.py": "107 changed lines"}
-OVER_LINES = {"multinode_fsdp.py": "278 lines"}
+# Over the budget as written, without bending lines to fit: spawn needs the
+# process group, DDP, the sampler, sharded evaluation, the download barrier, mp.spawn
+# and its error exit; FSDP the sharding, the collective evaluation and DCP snapshots.
+# Their measured size is their cap instead: no change may make them longer.
+OVER_DIFF = {"multigpu_spawn.py": 86, "multinode_fsdp.py": 107}
+OVER_LINES = {"multinode_fsdp.py": 278}
 
 
 def changed_lines(before: str, after: str) -> int:
@@ -36,22 +36,18 @@ def changed_lines(before: str, after: str) -> int:
     return sum(1 for line in diff.stdout.splitlines()[2:] if line[:1] in "+-")
 
 
-def _over(script: str, over: dict):
-    return pytest.mark.xfail(script in over, strict=True, reason=f"{script}: {over.get(script)}")
-
-
-@pytest.mark.parametrize("script, before, budget",
-                         [pytest.param(*rung, marks=_over(rung[0], OVER_DIFF), id=rung[0]) for rung in LADDER])
+@pytest.mark.parametrize("script, before, budget", LADDER, ids=[s for s, _, _ in LADDER])
 def test_each_rung_differs_from_the_one_before_by_at_most_its_budget(script, before, budget):
+    budget = OVER_DIFF.get(script, budget)
     changed = changed_lines(before, script)
     assert changed <= budget, f"diff -u {before} {script}: {changed} changed lines, over the budget of {budget}"
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=_over(s, OVER_LINES), id=s) for s in
-                                    ["singlegpu.py"] + [script for script, _, _ in LADDER]])
+@pytest.mark.parametrize("script", ["singlegpu.py"] + [script for script, _, _ in LADDER])
 def test_each_rung_is_at_most_250_lines(script):
+    most = OVER_LINES.get(script, MOST_LINES)
     lines = len((REPO / script).read_text().splitlines())
-    assert lines <= MOST_LINES, f"{script}: {lines} lines, over {MOST_LINES}"
+    assert lines <= most, f"{script}: {lines} lines, over {most}"
 
 
 @pytest.mark.parametrize("script, before, budget", LADDER, ids=[s for s, _, _ in LADDER])
