@@ -86,7 +86,10 @@ def pytest_configure(config) -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark the tests QUICK names ``quick``. An entry naming a file that was
     collected whole but none of its tests (a test renamed) is an error, not a
-    silently smaller tier."""
+    silently smaller tier. The cluster files go first, so that under ``-n 2``
+    their minutes of waiting overlap the other files' computing (a stable
+    sort: each file's tests keep their order)."""
+    items.sort(key=lambda item: _scope(item.nodeid) != "cluster")
     used = set()
     for item in items:
         file_name, _, test_id = item.nodeid.rpartition("/")[2].partition("::")
@@ -98,6 +101,39 @@ def pytest_collection_modifyitems(config, items) -> None:
     stale = [entry for entry in QUICK if entry.partition("::")[0] in files and entry not in used]
     if stale and not any("::" in arg for arg in config.args):
         raise pytest.UsageError(f"tests/conftest.py's QUICK names tests that do not exist: {stale}")
+
+
+# --------------------------------------------------------------------------
+# Two test processes (pytest -n 2): what runs on which
+# --------------------------------------------------------------------------
+
+# The files that share the session's Slurm cluster (and the container image,
+# built once): one unit of work, so they run in one test process, one after
+# the other. They wait on Slurm's timers and on downloads for minutes while
+# the other process runs the rest.
+CLUSTER_FILES = ("test_container.py", "test_slurm.py", "test_stop_paths.py")
+
+
+def _scope(nodeid: str) -> str:
+    """The unit of work a test belongs to: "cluster" for CLUSTER_FILES, else
+    its file (so a module's fixtures are built once)."""
+    path = nodeid.split("::")[0]
+    return "cluster" if path.rpartition("/")[2] in CLUSTER_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n 2``), hand out whole files, the cluster files
+    together as one, the cluster first (it is the longest); the files in
+    collection order after it."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    config.option.loadscopereorder = False  # the order pytest_collection_modifyitems made
+    return ByFile(config, log)
 
 
 # --------------------------------------------------------------------------
@@ -121,7 +157,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("seconds per test file")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all")
+    workers = getattr(terminalreporter.config.option, "numprocesses", None)
+    summed = " (summed over the test processes: more than the run's time)" if workers else ""
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all{summed}")
     terminalreporter.section("the 15 slowest tests (fixtures included)")
     for nodeid, seconds in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
