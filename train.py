@@ -55,7 +55,7 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
     train_utils.share_cpu_cores(device, world_size)
     backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
+    train_utils.watch_collectives(timeout_s)  # a side group that names the stuck ranks on a time-out
     return rank, local_rank, device
 
 

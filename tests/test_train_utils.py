@@ -255,6 +255,79 @@ def test_a_rank_that_never_joins_at_start_up_gives_one_timeout_line(tmp_path):
                         r"\(--startup_timeout_s sets the wait\)", line), line
 
 
+def _side_group_worker(rank, port, out_dir):
+    """Rank 1 joins the process group but never makes the side group, as an
+    NCCL rank does that never arrives (NCCL's init_process_group waits for no
+    one); rank 0 writes what its wait for the side group ended in."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from train_utils import timeouts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == 1:
+        os._exit(0)  # gone; the process group is left broken: no teardown
+    start = time.monotonic()
+    try:
+        timeouts.watch_collectives(2)
+        outcome = "made"
+    except Exception as exc:  # noqa: BLE001 - what it is, is the finding
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+        json.dump({"outcome": outcome, "seconds": time.monotonic() - start}, f)
+    os._exit(0)
+
+
+def test_a_rank_that_never_makes_the_side_group_ends_in_the_start_up_timeout_line(tmp_path):
+    """The side gloo group's wait is bounded by --startup_timeout_s (not gloo's
+    30-minute default) and ends in the start-up time-out line of docs/runs.md,
+    not in "gloo cannot set up its network" (GLOO_SOCKET_IFNAME)."""
+    import torch.multiprocessing as mp
+
+    from helpers import free_port
+
+    mp.spawn(_side_group_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["seconds"] < 10, result
+    assert re.fullmatch(r"RanksStuck: rank 0 timed out during start-up waiting for the other ranks to join "
+                        r"the process group \(wait timeout after 2000ms, keys: \S+\)\. A rank that did not "
+                        r"start, or failed before joining, holds up all: look at its output "
+                        r"\(--startup_timeout_s sets the wait\)", result["outcome"]), result
+
+
+@pytest.mark.parametrize("text, timeout", [
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv "
+     "operation to complete", True),
+    ("wait timeout after 1800000ms, keys: /default_pg/0//cuda//0", True),
+    ("[1] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value store by key "
+     "'0', but store->get('0') got error: wait timeout after 10000ms, keys: //worker/attempt_0/default_pg/0", True),
+    ("The client socket has timed out after 3000ms while trying to connect to (10.0.0.1, 29500).", True),
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, "
+     "NumelOut=1, Timeout(ms)=600000) ran for 600004 milliseconds before timing out.", True),
+    ("[Rank 1] Work WorkNCCL(SeqNum=5, OpType=ALLREDUCE) timed out in blocking wait.", True),
+    # NCCL's network errors: "timed out" in the text, but no time-out
+    ("NCCL error in: ProcessGroupNCCL.cpp:2043, remote process exited or there was a network error, NCCL "
+     "version 2.27.5\nncclRemoteError: A call failed possibly due to a network error or a remote process "
+     "exiting prematurely.\nLast error:\nNET/Socket : Connect to 10.0.0.2<45013> failed : Connection timed out",
+     False),
+    ("Some NCCL operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent "
+     "GPU operations might run on corrupted/incomplete data.", False),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4567", False),
+])
+def test_is_timeout_matches_time_outs_only(text, timeout):
+    """A time-out gets the time-out diagnosis (which ranks did not arrive); an
+    NCCL network error, whose text says "failed or timed out", does not."""
+    import torch.distributed as dist
+
+    from train_utils.timeouts import is_timeout
+
+    for kind in (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError):
+        assert is_timeout(kind(text)) == timeout, (kind, text)
+
+
 CONFIG_ERROR_IN_A_GROUP = """
 import atexit, sys
 sys.path.insert(0, sys.argv[1])

@@ -229,6 +229,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str,
              "(0: only at epoch ends) (default: 0)")
     add("--pg_timeout_s", type=positive(float), default=600,
         help="once training runs, seconds a collective may wait for the other ranks before the job "
-             "fails, naming the ranks that did not arrive (default: 600)")
+             "fails: on the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) "
+             "NCCL's watchdog ends every waiting rank (SIGABRT) and the flight recorder's dumps "
+             "name the collective (docs/runs.md) (default: 600)")
     add("--startup_timeout_s", type=positive(float), default=1800,
-        help="the same during start-up and the first training step (downloads, compilation) (default: 1800)")
+        help="the same during start-up and the first training step (downloads, compilation); a rank "
+             "that never joins ends the job with one line from every rank that waited (default: 1800)")
