@@ -104,6 +104,53 @@ def test_a_newer_major_without_ptx_is_refused(monkeypatch):
         train_utils.device_for(0)
 
 
+@pytest.mark.parametrize("capability, arches, advice", [
+    ((7, 0), "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120", "whl/cu126"),  # a V100 under CUDA 13: an older line
+    ((6, 0), "sm_70 sm_75 sm_80 sm_86 sm_90 sm_100 sm_120", "whl/cu126"),  # a P100 under cu128
+    ((10, 0), "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90", "whl/cu128"),  # a B200 under cu126: a newer line
+    ((12, 0), "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90", "whl/cu128"),  # an RTX 5090 under cu126
+    ((11, 0), "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120", "TORCH_CUDA_ARCH_LIST=11.0"),  # no wheel has sm_11x
+])
+def test_the_advice_names_the_build_that_fits_the_gpu(monkeypatch, capability, arches, advice):
+    """The build to install follows from the GPU's compute capability: an older
+    CUDA line for a GPU older than the build, a newer one for a newer GPU."""
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    show_gpus(monkeypatch, 1, capability=capability, arches=arches)
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.device_for(0)
+    assert advice in str(info.value) and "\n" not in str(info.value)
+
+
+class _RocmGpu:
+    """torch.cuda.get_device_properties of an MI250X, a ROCm GPU (gfx90a)."""
+    gcnArchName = "gfx90a:sramecc+:xnack-"
+
+
+@pytest.mark.parametrize("arches, taken", [
+    ("gfx900 gfx906 gfx908 gfx90a gfx942 gfx1030 gfx1100", True),  # a ROCm 6 wheel's list
+    ("gfx942 gfx1100", False),  # a build without gfx90a
+])
+def test_rocm_gpus_are_checked_by_their_gfx_name(monkeypatch, arches, taken):
+    """ROCm builds list gfx names, no sm_XY: a GPU whose gfx name is in the list
+    is taken (it was refused, with the advice to install CUDA 12.6); one whose
+    is not is refused naming its gfx, not a CUDA build."""
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    monkeypatch.delenv("HSA_OVERRIDE_GFX_VERSION", raising=False)
+    show_gpus(monkeypatch, 1, capability=(9, 0), arches=arches)  # ROCm answers 9.0 for gfx90a
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _RocmGpu())
+    if taken:
+        assert train_utils.device_for(0) == torch.device("cuda", 0)
+        return
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.device_for(0)
+    message = str(info.value)
+    assert "is a gfx90a" in message and "ROCm build with kernels for gfx90a" in message
+    assert "cu126" not in message and "\n" not in message
+    monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "9.4.2")  # runs gfx942's kernels: the user's call
+    assert train_utils.device_for(0) == torch.device("cuda", 0)
+
+
 def test_device_for_is_the_cpu_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert train_utils.device_for(5) == torch.device("cpu")
