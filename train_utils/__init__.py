@@ -8,6 +8,7 @@ tests use. The ladder's rungs never import this package.
   errors             a user error, a finished run, a time-out: one line, exit status
   output             one-write lines from several processes; the first error of any rank
   devices            device choice, CPU threads, the start-up line
+  kernels            does this torch build run this GPU (CUDA arch list, ROCm gfx); what to install
   speed              --amp, --compile, peak GPU memory
   epoch              the epoch's loss sums, time, progress bars (no collectives inside)
   loaders            DataLoader workers from a fork server, not forked
@@ -51,7 +52,8 @@ from .recipe import Recipe
 from .resume import Progress, ResumableDistributedSampler, rebuild_ddp_buckets
 from .sharded_snapshots import ShardedSnapshots, resharding_note
 from .snapshots import atomic_save, read_snapshot, snapshot_on_every_node
-from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib
+from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib, \
+    resolve_amp
 from .stop import STOP_SIGNALS, StopSignal, catch_stop_signals, ignore_stop_signal, report_run_finished
 from .timeouts import check_first_batches, note_phase, use_training_timeout, watch_collectives
 
@@ -63,7 +65,7 @@ __all__ = [
     "backend_for", "enable_nccl_diagnostics", "share_cpu_cores", "watch_collectives", "describe_run",
     "downloaders_first", "check_before_training", "loader_workers", "ResumableDistributedSampler",
     # the model and the recipe
-    "build_optimizer", "lr_factor", "Recipe", "amp_dtype", "autocast", "check_amp", "compile_model",
+    "build_optimizer", "lr_factor", "Recipe", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
     "check_fsdp_backend", "contiguous_parameters", "fsdp_blocks",
     # the loop: steps, time-outs, stops, evaluation
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",

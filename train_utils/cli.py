@@ -185,7 +185,7 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
              "whole batches on the device; 'torchvision' is the per-sample Dataset + "
              "transforms path (default: fast)")
     add("--amp", nargs="?", const="auto", choices=("auto", "bf16", "fp16"), default=None,
-        help="autocast for the training forward pass: bf16 where the GPU has it, else fp16 "
+        help="autocast for the training forward pass: bf16 where every GPU of the job has it, else fp16 "
              "with a loss scaler; 'bf16' or 'fp16' forces one, also on a CPU (plain --amp on "
              "a CPU only where it was measured to help, see docs/performance.md)")
     add("--compile", action="store_true",
