@@ -35,7 +35,8 @@ def amp_dtype(device: torch.device, amp: Optional[str]) -> Optional[torch.dtype]
     ``bf16`` or ``fp16`` when forced; ``auto`` (plain --amp): on CUDA bf16
     where the GPU runs it natively, else fp16 (with a loss scaler, see
     ``Recipe``); elsewhere bf16 (on a CPU without native bf16 ``check_amp``
-    refuses it). Raises ValueError for another value of ``amp``."""
+    refuses it). Per device: a job passes the value ``resolve_amp`` gave, the
+    same on every rank. Raises ValueError for another value of ``amp``."""
     if amp is None:
         return None
     if amp not in ("auto", "bf16", "fp16"):
