@@ -396,6 +396,7 @@ def main(args: argparse.Namespace) -> None:
                                                            (task.test_set, False)))
     saved = os.path.join(args.snapshot_path, "meta.pt") if args.strategy == "fsdp" else args.snapshot_path
     train_utils.check_before_training(args, device, train_data, saved, saves=rank == 0 or args.strategy == "fsdp")
+    train_utils.claim_snapshot(args.snapshot_path)  # one live run per snapshot: another's is refused here
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
@@ -408,6 +409,7 @@ def main(args: argparse.Namespace) -> None:
     fsdp = trainer.fsdp
     del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()
+    train_utils.release_claim()  # outside Slurm the next run may take the snapshot, on any host
     if fsdp:
         train_utils.exit_skipping_teardown()  # FSDP: the process group outlives destroy (torch 2.15)
 

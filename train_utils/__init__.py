@@ -16,6 +16,7 @@ tests use. The ladder's rungs never import this package.
   wandb_run          Weights & Biases: one run per training, its id kept in snapshots
   profiling          torch.profiler over a few steps, one trace per rank
   recipe             fp16's loss scaler, gradient clipping, the lr schedule's state in snapshots
+  claims             one live run per snapshot: its claim file, whether a holder lives
   snapshots          atomic save; reading a snapshot, "same run?" checks
   sharded_snapshots  a folder of DCP shards per save, complete when meta.pt is
   launch             the store under torchrun or srun, side gloo groups
@@ -33,6 +34,7 @@ docs/custom-task.md.
 """
 
 from common import ConfigError, build_optimizer, lr_factor  # the recipe's meaning lives with the tasks
+from .claims import claim_snapshot, release_claim
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores, \
@@ -69,7 +71,7 @@ __all__ = [
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",
     "StepProfiler", "batches_for_every_rank", "broadcast_buffers", "print_sharded_memory",
     # snapshots and resume
-    "Progress", "rebuild_ddp_buckets", "atomic_save", "read_snapshot", "snapshot_on_every_node",
+    "Progress", "rebuild_ddp_buckets", "claim_snapshot", "release_claim", "atomic_save", "read_snapshot", "snapshot_on_every_node",
     "ShardedSnapshots", "resharding_note",
     # output and the end of a run
     "RunLog", "print_line", "report_run_finished", "exit_skipping_teardown",
