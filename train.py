@@ -91,6 +91,7 @@ class Trainer:
         self.progress = train_utils.Progress(device, train_data, rank)  # epochs, steps, RNG states
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.memory_reported = not self.fsdp  # FSDP: the state-per-rank line after the first step
+        self.saved_at = ""  # the last snapshot saved or resumed from, and its position; '' for none
         if self.fsdp:
             self.snapshots = train_utils.ShardedSnapshots(args.snapshot_path)  # a folder per save
             folder = self.snapshots.latest()  # the newest complete one, on every node (or none)
@@ -219,6 +220,7 @@ class Trainer:
                 else self.progress.resize_note(self.recipe))
         if self.rank == 0:
             self.log.resumed(path, self.progress.position(), note)
+        self.saved_at = f"{path} ({self.progress.position()})"  # intact whatever happens next
 
     def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
         """Collective: a snapshot of this position. Mid-epoch, ``meter`` holds the
@@ -227,16 +229,24 @@ class Trainer:
         state = {**progress, **self.recipe.state_dict(),  # + lr_schedule, loss_scaler
                  **self.log.wandb.state_dict(),  # + wandb_run_id: a resumed run logs to the same W&B run
                  "config": self.config}
-        if self.fsdp:
-            self._save_sharded(state)
-        elif self.rank == 0:  # every rank holds the same weights; one saves them
-            state.update(model=self.model.module.state_dict(), optimizer=self.optimizer.state_dict())
-            # temp file + rename: never torn; the tests' hook may strike between the two
-            train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
-            train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
+        saved = self.args.snapshot_path
+        try:
+            if self.fsdp:
+                saved = self._save_sharded(state)
+            elif self.rank == 0:  # every rank holds the same weights; one saves them
+                state.update(model=self.model.module.state_dict(), optimizer=self.optimizer.state_dict())
+                # temp file + rename: never torn; the tests' hook may strike between the two
+                train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
+                train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
+        except Exception as exc:  # a full disk, say: one line naming the snapshot that is intact
+            failure = train_utils.save_failure(exc, self.args.snapshot_path, self.saved_at)
+            if failure:
+                raise failure from exc
+            raise
+        self.saved_at = f"{saved} ({self.progress.position()})"
 
-    def _save_sharded(self, state: dict) -> None:
-        """Collective: a new folder of every rank's shards; then the previous snapshot goes."""
+    def _save_sharded(self, state: dict) -> str:
+        """Collective: a new folder of every rank's shards, returned; then the previous snapshot goes."""
         train_utils.broadcast_buffers(self.model)  # FSDP never syncs BatchNorm statistics: save rank 0's
         # Each rank writes its own shards, DCP's rank 0 the index (.metadata); no rank ever
         # holds the full state. A new folder each time: DCP overwrites files in place.
@@ -248,6 +258,7 @@ class Trainer:
             self.snapshots.commit(dict(state, world_size=dist.get_world_size()), folder,  # complete now
                                   before_rename=lambda: fault_point("save"))
             train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {folder}")
+        return folder
 
     def train(self, max_epochs: int) -> bool:
         """Collective: train up to ``max_epochs``, evaluating and printing each epoch

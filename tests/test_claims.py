@@ -1,7 +1,9 @@
 """One live run per snapshot: the claim beside it (train_utils.claims), judged
 against real processes of this host, a stand-in squeue for Slurm's answers;
-and atomic_save's temporary files, each removed by its own writer only."""
+atomic_save's temporary files, each removed by its own writer only; and the
+one line an unexpected failure ends with (train_utils.one_line_errors)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -138,3 +140,24 @@ def test_atomic_save_removes_only_its_own_temporary_file(tmp_path, other_run):
     train_utils.atomic_save({"a": torch.arange(3)}, str(path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, remote.name, path.name])
     assert live.read_bytes() == b"half a snapshot"
+
+
+def test_an_unexpected_exception_ends_with_one_line_that_is_torchruns_root_cause(tmp_path, monkeypatch, capsys):
+    """Its traceback (where it came from), then one line naming it: the last
+    line on stderr and the message of torchrun's error file; exit status 1."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    @train_utils.one_line_errors
+    def main():
+        raise KeyError("label")
+
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 1
+    stderr = capsys.readouterr().err
+    line = ("error: unexpected KeyError: 'label'; the traceback above shows where: fix it there if it is your "
+            "task's code, else report it with this output; a snapshot saved before is intact (the same "
+            "command resumes from it)")
+    assert "Traceback (most recent call last)" in stderr and stderr.splitlines()[-1] == line
+    assert json.loads(error_file.read_text())["message"]["message"] == line
