@@ -70,7 +70,10 @@ def one_line_errors(fn: Callable) -> Callable:
     that timed out before the process group exists that of
     ``startup_timeout_line``; exit status 1. A stop signal during start-up
     (``catch_stop_signals``) becomes one line from rank 0 and the signal's
-    exit status, 128 + its number.
+    exit status, 128 + its number. A RunFailed (a full disk at a save:
+    ``snapshots.save_failure``) becomes its line, exit status 1; any other
+    exception its traceback, then one line naming it (``_end_unexpected``),
+    exit status 1. Every one of these lines is torchrun's root cause too.
 
     Under a process group only rank 0 prints, since such errors are raised on
     every rank alike (see ``downloaders_first``); the other ranks exit quietly.
