@@ -7,12 +7,14 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import train_utils
+from helpers import REPO, error_lines, free_port, run
 from train_utils.claims import start_ticks
 
 HOST = socket.gethostname()
@@ -69,6 +71,20 @@ def test_a_live_runs_claim_is_refused_naming_it_and_a_dead_ones_is_taken_over(tm
     claim.write_text(claimed_by(other_run.pid))
     train_utils.claim_snapshot(str(snapshot))
     assert claim.read_text() == claimed_by(os.getpid())
+
+
+def test_train_py_is_refused_before_training_while_another_run_holds_its_snapshot(tmp_path, other_run):
+    """train.py itself (one process, as a launcher starts it): the same line,
+    exit status 2, nothing trained, the other run's claim left as it was."""
+    claim = tmp_path / "snapshot_train.pt.job"
+    claim.write_text(claimed_by(other_run.pid))
+    result = run([sys.executable, REPO / "train.py", "--total_epochs", "1"], tmp_path, RANK="0", LOCAL_RANK="0",
+                 WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [
+        f"error: snapshot snapshot_train.pt is in use by pid {other_run.pid} on host {HOST}{REFUSED}"]
+    assert "epoch 1/" not in result.stdout and not (tmp_path / "snapshot_train.pt").exists()
+    assert claim.read_text() == claimed_by(other_run.pid)
 
 
 def test_a_torchrun_restart_keeps_its_own_claim(tmp_path, outside_slurm, monkeypatch):
