@@ -4,8 +4,8 @@ calls everything as ``train_utils.NAME``; the names below are all it and the
 tests use. The ladder's rungs never import this package.
 
   module             concern
-  cli                train.py's flags; one usage line under torchrun
-  errors             a user error, a finished run, a time-out: one line, exit status
+  cli                train.py's flags; one error line under torchrun
+  errors             a user error, a finished run, a time-out, a full disk, the unexpected: one line, exit status
   output             one-write lines from several processes; the first error of any rank
   devices            device choice, CPU threads, the start-up line
   speed              --amp, --compile, peak GPU memory
