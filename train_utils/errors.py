@@ -100,6 +100,14 @@ def one_line_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def _end_quietly(signum: int, _frame) -> None:
+    """Signal handler: this rank's end, asked for by the launcher: the claim
+    given back (``release_claim``), exit status 128 + ``signum``, no line."""
+    release_claim()
+    sys.stdout.flush()
+    os._exit(128 + signum)
+
+
 def _end_run_failed(exc: RunFailed) -> None:
     """Its line on stderr (rank 0 when raised on every rank, else the rank
     that raised it) and in torchrun's error file; exit 1."""
@@ -124,7 +132,7 @@ def _end_unexpected(exc: BaseException) -> None:
     this rank (SIGTERM), since that rank's own line says why; then one line."""
     where = f" on rank {dist.get_rank()} (host {socket.gethostname()})" if is_distributed() else ""
     if any(text in str(exc) for text in PEER_GONE):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, _end_quietly)
         time.sleep(PEER_GONE_WAIT_S)
         _end_run_failed(RunFailed(f"another rank ended{where and ', seen' + where}: its own error says "
                                   f"why (`{(str(exc).strip().splitlines() or [''])[0][:120]}`)"))
