@@ -39,8 +39,11 @@ def other_run():
     process.wait()
 
 
+PIDNS = os.stat("/proc/self/ns/pid").st_ino
+
+
 def claimed_by(pid: int) -> str:
-    return f"host={HOST} pid={pid} start={start_ticks(pid)}\n"
+    return f"host={HOST} pid={pid} start={start_ticks(pid)} pidns={PIDNS}\n"
 
 
 def squeue_says(tmp_path: Path, monkeypatch, state: str) -> None:
@@ -107,6 +110,10 @@ def test_a_claim_of_another_host_is_refused_saying_how_to_free_it(tmp_path, outs
         train_utils.claim_snapshot(str(snapshot))
     assert str(refusal.value) == (f"snapshot {snapshot} is in use by pid 4242 on host elsewhere, which cannot "
                                   f"be checked from here{REFUSED}; if it has ended, delete {claim}")
+    # This host's name, another pid namespace (a container on the host network): pid 4242 here says nothing.
+    claim.write_text(f"host={HOST} pid=4242 start=77 pidns=1\n")
+    with pytest.raises(train_utils.ConfigError, match=f"pid 4242 on host {HOST}, which cannot be checked from here"):
+        train_utils.claim_snapshot(str(snapshot))
 
 
 def test_slurm_jobs_claims_follow_squeue_and_a_requeued_job_keeps_its_own(tmp_path, outside_slurm,

@@ -6,7 +6,8 @@ The claim is the Slurm wrappers' (slurm/stop_and_requeue.sh): a file
 wrappers write the job id alone; a run writes ``job=<id> host=<name>
 pid=<pid> start=<ticks>``, the pid being that of the process that lasts the
 whole run: torchrun's agent, which restarts the workers (--max-restarts),
-else the script's own process; ``job`` only inside a Slurm job.
+else the script's own process; ``job`` only inside a Slurm job; ``pidns``
+the pid namespace those pids belong to (a container's own).
 """
 
 from __future__ import annotations
@@ -55,13 +56,24 @@ def this_run() -> dict:
     """This process's run as a claim names it: ``job`` (the Slurm job, an array
     task as <array job id>_<index>; absent outside Slurm), ``host``, ``pid`` and
     ``start`` of the process that lasts the whole run (torchrun's agent, the
-    parent, when TORCHELASTIC_RUN_ID says torchrun started this worker)."""
+    parent, when TORCHELASTIC_RUN_ID says torchrun started this worker), and
+    ``pidns``, the pid namespace they are in."""
     env = os.environ
     array = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
     pid = os.getppid() if "TORCHELASTIC_RUN_ID" in env else os.getpid()
     run = {"job": array or env.get("SLURM_JOB_ID", ""), "host": socket.gethostname(),
-           "pid": str(pid), "start": start_ticks(pid)}
+           "pid": str(pid), "start": start_ticks(pid), "pidns": _pid_namespace()}
     return {key: value for key, value in run.items() if value}
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (its inode number), '' where there is none
+    to read: containers that share a host name (host network) but not pids
+    (podman, docker) must not judge each other's pids."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
 
 
 def parse_claim(text: str) -> dict:
@@ -115,7 +127,8 @@ def live_holder(claim: dict, me: dict, ours: set) -> str:
     host, pid = claim.get("host"), claim.get("pid")
     if not claim or (host, pid) in ours:
         return ""
-    here = host == me["host"] and pid and os.name != "nt"  # Windows: no safe check (process_lives)
+    here = (host == me["host"] and pid and os.name != "nt"  # Windows: no safe check (process_lives)
+            and claim.get("pidns", me.get("pidns")) == me.get("pidns"))  # a container's pids are its own
     if claim.get("job") and claim["job"] == me.get("job"):  # this job, requeued or restarted
         alive = here and process_lives(pid, claim.get("start", ""))
         return f"pid {pid} on host {host}, another run in this job {claim['job']}" if alive else ""
