@@ -120,12 +120,12 @@ def job_state(job: str) -> Optional[str]:
 def live_holder(claim: dict, me: dict, ours: set) -> str:
     """Who else holds a claim and may still write ('' when this run may take
     it), for the refusal: "job 12 (RUNNING)", "pid 7 on host a". ``me`` is
-    ``this_run()``; ``ours`` the (host, pid) of every rank's ``this_run``:
+    ``this_run()``; ``ours`` the (host, pid, pidns) of every rank's ``this_run``:
     a claim of one of them is this run's (restarted by torchrun). A claim of
     another host that names no job Slurm can judge cannot be told dead:
     it counts as live."""
     host, pid = claim.get("host"), claim.get("pid")
-    if not claim or (host, pid) in ours:
+    if not claim or (host, pid, claim.get("pidns", "")) in ours:
         return ""
     here = (host == me["host"] and pid and os.name != "nt"  # Windows: no safe check (process_lives)
             and claim.get("pidns", me.get("pidns")) == me.get("pidns"))  # a container's pids are its own
@@ -158,19 +158,29 @@ def take_claim(path: str, me: dict, ours: set) -> str:
     except OSError as exc:
         return (f"cannot write {path} (the snapshot's claim: {exc.strerror}); pass a --snapshot_path "
                 f"in a folder you can write")
-    with claim:
-        _lock(claim)
-        claim.seek(0)
-        holder = live_holder(parse_claim(claim.read()), me, ours)
-        if holder:
-            snapshot = path[:-len(CLAIM_SUFFIX)]
-            unsure = f"; if it has ended, delete {path}" if "cannot be checked" in holder else ""
-            return (f"snapshot {snapshot} is in use by {holder}: two live runs must not write one "
-                    f"snapshot; wait for that run to end (or stop it), or pass another "
-                    f"--snapshot_path{unsure}")
-        claim.seek(0)
-        claim.truncate()
-        claim.write(" ".join(f"{key}={value}" for key, value in me.items()) + "\n")
+    try:
+        with claim:
+            return _judge_and_write(claim, path, me, ours)
+    except OSError as exc:  # a full disk, say
+        return (f"cannot write {path} (the snapshot's claim: {exc.strerror}); free space there, or pass "
+                f"another --snapshot_path")
+
+
+def _judge_and_write(claim, path: str, me: dict, ours: set) -> str:
+    """``take_claim``'s work on the open claim file: '' when written for ``me``."""
+    _lock(claim)
+    claim.seek(0)
+    holder = live_holder(parse_claim(claim.read()), me, ours)
+    if holder:
+        snapshot = path[:-len(CLAIM_SUFFIX)]
+        unsure = f"; if it has ended, delete {path}" if "cannot be checked" in holder else ""
+        return (f"snapshot {snapshot} is in use by {holder}: two live runs must not write one "
+                f"snapshot; wait for that run to end (or stop it), or pass another "
+                f"--snapshot_path{unsure}")
+    claim.seek(0)
+    claim.truncate()
+    claim.write(" ".join(f"{key}={value}" for key, value in me.items()) + "\n")
+    claim.flush()  # a full disk fails here, inside take_claim's OSError net
     return ""
 
 
@@ -188,7 +198,7 @@ def claim_snapshot(snapshot_path: str) -> None:
     error = ""
     if not is_distributed() or dist.get_rank() == 0:
         path = claim_path(snapshot_path)
-        error = take_claim(path, me, {(run["host"], run["pid"]) for run in runs})
+        error = take_claim(path, me, {(run["host"], run["pid"], run.get("pidns", "")) for run in runs})
         if not error and "job" not in me:
             _HELD.update(path=path, holder=me)
             atexit.register(release_claim)
