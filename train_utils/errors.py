@@ -2,7 +2,8 @@
 a failure that is nobody's input (a full disk), and an unexpected exception.
 
 A script's ``main`` is decorated with ``one_line_errors``; what it catches
-ends the process with one line and an exit status, never a traceback.
+ends the process with one line and an exit status, and no traceback but an
+unexpected exception's, which shows where it was raised.
 """
 
 from __future__ import annotations
@@ -131,12 +132,12 @@ def _end_unexpected(exc: BaseException) -> None:
     rank ended (``PEER_GONE``) first waits, quietly, for the launcher to end
     this rank (SIGTERM), since that rank's own line says why; then one line."""
     where = f" on rank {dist.get_rank()} (host {socket.gethostname()})" if is_distributed() else ""
-    if any(text in str(exc) for text in PEER_GONE):
+    note_stop_signals_only()
+    if isinstance(exc, RuntimeError) and any(text in str(exc) for text in PEER_GONE):  # torch's errors
         signal.signal(signal.SIGTERM, _end_quietly)
         time.sleep(PEER_GONE_WAIT_S)
         _end_run_failed(RunFailed(f"another rank ended{where and ', seen' + where}: its own error says "
                                   f"why (`{(str(exc).strip().splitlines() or [''])[0][:120]}`)"))
-    note_stop_signals_only()
     traceback.print_exc()
     detail = (str(exc).strip().splitlines() or [""])[0][:200]
     line = (f"error: unexpected {type(exc).__name__}{where}: {detail}; the traceback above shows where: "
