@@ -238,7 +238,7 @@ class Trainer:
                 # temp file + rename: never torn; the tests' hook may strike between the two
                 train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
                 train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
-        except Exception as exc:  # a full disk, say: one line naming the snapshot that is intact
+        except BaseException as exc:  # a full disk, say (DCP's CheckpointException is a BaseException)
             failure = train_utils.save_failure(exc, self.args.snapshot_path, self.saved_at)
             if failure:
                 raise failure from exc

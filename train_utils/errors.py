@@ -95,7 +95,9 @@ def one_line_errors(fn: Callable) -> Callable:
         except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
             _end_if_timeout(exc)
             _end_unexpected(exc)
-        except Exception as exc:
+        except (SystemExit, KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             _end_unexpected(exc)
 
     return wrapper
