@@ -408,6 +408,8 @@ def main(args: argparse.Namespace) -> None:
     saved = os.path.join(args.snapshot_path, "meta.pt") if args.strategy == "fsdp" else args.snapshot_path
     train_utils.check_before_training(args, device, train_data, saved, saves=rank == 0 or args.strategy == "fsdp")
     train_utils.claim_snapshot(args.snapshot_path)  # one live run per snapshot: another's is refused here
+    if rank == 0:  # claimed: a temporary file beside the snapshot is a killed writer's, on any host
+        train_utils.remove_stale_temporary_files(args.snapshot_path)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)

@@ -184,3 +184,16 @@ def test_an_unexpected_exception_ends_with_one_line_that_is_torchruns_root_cause
             "command resumes from it)")
     assert "Traceback (most recent call last)" in stderr and stderr.splitlines()[-1] == line
     assert json.loads(error_file.read_text())["message"]["message"] == line
+
+
+def test_the_claims_holder_removes_the_temporary_files_of_killed_writers_on_any_host(tmp_path):
+    """A requeued job on another node finds its killed incarnation's temporary
+    file (another host's name in it): the claim's holder removes it, and
+    nothing else (the snapshot, a rung's own <path>.tmp, other files)."""
+    path = tmp_path / "two.pt"
+    keep = [path, tmp_path / "two.pt.tmp", tmp_path / "two.pt.job", tmp_path / "other.pt.1@node7.ab.tmp"]
+    stale = [tmp_path / "two.pt.4242@node7.abcd1234.tmp", tmp_path / "two.pt.x1y2z3.tmp"]  # the latter: older name
+    for file in keep + stale:
+        file.write_bytes(b"x")
+    assert sorted(train_utils.remove_stale_temporary_files(str(path))) == sorted(p.name for p in stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in keep)

@@ -17,6 +17,7 @@ tests use. The ladder's rungs never import this package.
   profiling          torch.profiler over a few steps, one trace per rank
   recipe             fp16's loss scaler, gradient clipping, the lr schedule's state in snapshots
   claims             one live run per snapshot: its claim file, whether a holder lives
+  save_errors        a save the system refused: one line naming the intact snapshot
   snapshots          atomic save; reading a snapshot, "same run?" checks
   sharded_snapshots  a folder of DCP shards per save, complete when meta.pt is
   launch             the store under torchrun or srun, side gloo groups
@@ -52,7 +53,8 @@ from .profiling import StepProfiler
 from .recipe import Recipe
 from .resume import Progress, ResumableDistributedSampler, rebuild_ddp_buckets
 from .sharded_snapshots import ShardedSnapshots, resharding_note
-from .snapshots import atomic_save, read_snapshot, save_failure, snapshot_on_every_node
+from .save_errors import save_failure
+from .snapshots import atomic_save, read_snapshot, remove_stale_temporary_files, snapshot_on_every_node
 from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib
 from .stop import STOP_SIGNALS, StopSignal, catch_stop_signals, ignore_stop_signal, report_run_finished
 from .timeouts import check_first_batches, note_phase, use_training_timeout, watch_collectives
@@ -71,7 +73,8 @@ __all__ = [
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",
     "StepProfiler", "batches_for_every_rank", "broadcast_buffers", "print_sharded_memory",
     # snapshots and resume
-    "Progress", "rebuild_ddp_buckets", "claim_snapshot", "release_claim", "atomic_save", "save_failure", "read_snapshot", "snapshot_on_every_node",
+    "Progress", "rebuild_ddp_buckets", "claim_snapshot", "release_claim", "atomic_save", "save_failure",
+    "remove_stale_temporary_files", "read_snapshot", "snapshot_on_every_node",
     "ShardedSnapshots", "resharding_note",
     # output and the end of a run
     "RunLog", "print_line", "report_run_finished", "exit_skipping_teardown",
