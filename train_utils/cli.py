@@ -1,4 +1,4 @@
-"""train.py's command line: every flag of the kit, one usage line under torchrun.
+"""train.py's command line: every flag of the kit, one error line under torchrun.
 
 The callers say what varies with them: the task names, each task's models,
 the default snapshot paths (``parse_args``).
@@ -64,18 +64,24 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 class _OneRankParser(argparse.ArgumentParser):
-    """An ArgumentParser that, under torchrun, prints usage, help and errors
-    from rank 0 only (every rank parses the same command line), and makes the
-    error torchrun's root cause. Exit status 2 on an error, as argparse's."""
+    """An ArgumentParser that, under torchrun, prints help and errors from
+    rank 0 only (every rank parses the same command line), an error as one
+    line without the usage, and makes it torchrun's root cause. Exit status 2
+    on an error, as argparse's."""
 
     def _print_message(self, message, file=None) -> None:
         if os.environ.get("RANK", "0") == "0":
             super()._print_message(message, file)
 
     def error(self, message: str):
+        """argparse's usage and error, exit 2; under torchrun the error line
+        alone (a pointer to --help instead of the usage), which torchrun's
+        own failure report follows."""
         message += self._did_you_mean(message)
         report_to_torchrun(f"error: {message}")  # every rank: see one_line_errors
-        super().error(message)
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            super().error(message)
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
 
     def _did_you_mean(self, message: str) -> str:
         """For unrecognized flags, the flags meant: dashes for underscores
