@@ -19,7 +19,7 @@ import common
 import fast_images
 import train_utils
 import vision_tasks
-from dataset_files import build_cifar10_root
+from dataset_files import build_cifar10_root, build_mnist_root
 from helpers import (load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
                      kit_trainer, snapshot_tensors)
 
@@ -128,27 +128,27 @@ def test_cifar10_fast_path_reads_the_real_format(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------
 
 def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(mnist_root, tmp_path):
-    """7,200 real digits (8,000 minus the 10% validation split), 3 epochs, two
+    """7,200 real digits (8,000 minus the 10% validation split), one epoch, two
     ranks under torchrun, scored on 2,000 held-out digits the model never saw.
     MNIST has no augmentation, and both paths make the same floats in the same
-    order, so the runs agree to the last digit."""
+    order, so the runs agree to the last digit. (That the model learns MNIST
+    to 95% is test_fsdp's and test_container's.)"""
     results = {}
     for path in ("fast", "torchvision"):
         (tmp_path / path).mkdir()
         result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
-                                       "--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", "3",
+                                       "--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", "1",
                                        "--input_path", path, "--metrics_path", "metrics.jsonl"], tmp_path / path))
         results[path] = (epochs(result.stdout), parse_test(result.stdout))
     for path, (lines, test) in results.items():
         print(f"{path}: held-out accuracy {test['acc']:.4f}, samples/s {lines[-1]['samples_per_s']:.0f}")
-        assert len(lines) == 3 and all("val_acc" in e for e in lines)
-        assert lines[-1]["train_loss"] < lines[0]["train_loss"]
-        assert test["acc"] >= 0.95
+        assert len(lines) == 1 and "val_acc" in lines[0]
+        assert test["acc"] >= 0.9  # one epoch: it learns (0.956 with torch 2.14; chance is 0.1)
         record = json.loads((tmp_path / path / "metrics.jsonl").read_text().splitlines()[-1])
         assert record["test_accuracy"] == pytest.approx(test["acc"], abs=1e-4)
-    assert abs(results["fast"][1]["acc"] - results["torchvision"][1]["acc"]) <= 0.01
-    assert ([e["train_loss"] for e in results["fast"][0]]
-            == [e["train_loss"] for e in results["torchvision"][0]])
+    assert results["fast"][1] == results["torchvision"][1]
+    assert ([(e["train_loss"], e["val_loss"]) for e in results["fast"][0]]
+            == [(e["train_loss"], e["val_loss"]) for e in results["torchvision"][0]])
 
 
 def test_cifar10_fast_path_resumes_bitwise(tmp_path):
@@ -421,7 +421,7 @@ def test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus(monke
     assert sections["after"]["table"] == "after ran"
 
 
-def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
+def test_amp_on_cpu_follows_the_measurement_for_the_cnn(tmp_path):
     cpu = torch.device("cpu")
     train_utils.check_amp(None, cpu, "resnet18")  # no --amp: nothing to check
     train_utils.check_amp("fp16", cpu, "resnet18")  # forced: runs anyway
@@ -434,10 +434,12 @@ def test_amp_on_cpu_follows_the_measurement_for_the_cnn(mnist_root, tmp_path):
             train_utils.check_amp("auto", cpu, "cnn")
         return
     train_utils.check_amp("auto", cpu, "cnn")  # measured faster on a CPU with native bf16
-    # ...and it trains: one epoch of bf16 autocast on 7,200 real digits.
-    result = check(run(ONE_RANK + ["--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", "1", "--amp"],
+    # ...and it trains: one epoch of bf16 autocast on 2,250 real digits (0.75 held-out accuracy
+    # with torch 2.14 on a CPU; chance is 0.1).
+    data = build_mnist_root(tmp_path / "data", n_train=2500, n_test=500)
+    result = check(run(ONE_RANK + ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "1", "--amp"],
                        tmp_path))
-    assert parse_test(result.stdout)["acc"] >= 0.9
+    assert parse_test(result.stdout)["acc"] >= 0.6
 
 
 def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
