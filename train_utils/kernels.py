@@ -14,8 +14,11 @@ from common import ConfigError
 
 
 # PyTorch's CUDA wheel lines (download.pytorch.org/whl/<line>) and the
-# compute capabilities their kernels are built for (torch.cuda.get_arch_list()
-# of torch 2.8's cu126 and cu128 and torch 2.14's cu130), oldest line first.
+# compute capabilities their kernels are built for, oldest line first:
+# torch.cuda.get_arch_list() of torch 2.8's cu128 and torch 2.14's cu130
+# wheels; cu126 as PyTorch's wheel build script (.ci/manywheel/build_cuda.sh)
+# sets it, the same in 2.8 and 2.11 (pytorch/pytorch#182250). cu128 dropped
+# sm_70 from torch 2.11 on: a V100 is sent to cu126, which has it in every release.
 CUDA_WHEELS = (("cu126", "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90"),
                ("cu128", "sm_70 sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"),
                ("cu130", "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"))
