@@ -41,6 +41,7 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.optimizer, self.scheduler = optimizer, scheduler
         self.task, self.device, self.args = task, device, args
+        self.replacing = os.path.exists(args.checkpoint_path)  # an earlier run's: the first save says so
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -72,7 +73,9 @@ class Trainer:
         if self.rank != 0:  # every rank holds the same weights; one saves them
             return
         torch.save(self.model.module.state_dict(), self.args.checkpoint_path)  # without DDP's prefix
-        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}", flush=True)
+        note = " (replacing an earlier run's: this script does not resume)" if self.replacing else ""
+        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}{note}", flush=True)
+        self.replacing = False
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):

@@ -121,6 +121,23 @@ def test_singlegpu_trains_a_variable_length_task_named_by_its_file(tmp_path, mon
     printed = capsys.readouterr().out
     assert re.findall(r"^epoch (\d)/2 ", printed, re.M) == ["1", "2"] and "test | loss" in printed
     assert "acc" in printed and (tmp_path / "seq.pt").is_file()
+    assert "replacing" not in printed
+    # Run again: this rung never resumes, and says once that it replaces the earlier checkpoint.
+    singlegpu.main(args)
+    printed = capsys.readouterr().out
+    replacing = [line for line in printed.splitlines() if "replacing" in line]
+    assert replacing == [f"epoch 2 | checkpoint saved at {args.checkpoint_path} (replacing an earlier "
+                         f"run's: this script does not resume)"], printed
+
+
+def test_the_non_resuming_rungs_say_the_same_when_they_replace_a_checkpoint():
+    """multigpu_spawn.py saves on rank 0 with singlegpu.py's lines (tested above)."""
+    def replacing_lines(rung):
+        source = (REPO / rung).read_text()
+        return [line for line in source.splitlines() if "replac" in line]
+
+    assert len(replacing_lines("singlegpu.py")) == 3
+    assert replacing_lines("multigpu_spawn.py") == replacing_lines("singlegpu.py")
 
 
 # --------------------------------------------------------------------------
