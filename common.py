@@ -219,6 +219,11 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
                           f"{module_name!r} ({reason})") from None
 
 
+# The folders of the task files --dataset named by their path, first on
+# sys.path: DataLoader workers started afresh import the task's module from them.
+TASK_FILE_FOLDERS: list[str] = []
+
+
 def _task_file_module(path: str, function: str) -> str:
     """The module name of the task file at ``path`` (``dir/my_task.py`` ->
     ``my_task``), its folder first on ``sys.path`` so that this process and
@@ -238,9 +243,10 @@ def _task_file_module(path: str, function: str) -> str:
     if loaded and not os.path.samefile(loaded, path):
         raise ConfigError(f"cannot load task function {function!r} from {path}: a module named {name} "
                           f"is already imported from {loaded}; rename your file")
-    if folder in sys.path:
-        sys.path.remove(folder)
-    sys.path.insert(0, folder)
+    for folders in (sys.path, TASK_FILE_FOLDERS):
+        if folder in folders:
+            folders.remove(folder)
+        folders.insert(0, folder)
     return name
 
 

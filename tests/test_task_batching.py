@@ -170,8 +170,9 @@ def test_a_task_file_that_is_not_there_is_one_line(tmp_path, monkeypatch):
 
 
 def test_the_task_files_folder_is_where_loader_workers_import_it_from(tmp_path, monkeypatch):
-    """A fork server's workers import the dataset's module by name: the folder
-    of a task given as dir/file.py is on their import path."""
+    """A fork server's workers import the task's module (its collate_fn, its
+    dataset classes) by name: the folder of a task given as dir/file.py is on
+    their import path."""
     from train_utils import loaders
 
     (tmp_path / "tasks").mkdir()
@@ -179,13 +180,9 @@ def test_the_task_files_folder_is_where_loader_workers_import_it_from(tmp_path, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "seq_task", raising=False)
-
-    class Items(torch.utils.data.Dataset):  # a dataset whose class lives in the task's module
-        pass
-
-    Items.__module__ = "seq_task"
     common.load_task(task_args("tasks/seq_task.py:build"), download=False)
-    assert str(tmp_path / "tasks") in loaders._import_folders(Items())
+    assert loaders._import_folders()[0] == str(tmp_path / "tasks")
+    common.TASK_FILE_FOLDERS.remove(str(tmp_path / "tasks"))
 
 
 # --------------------------------------------------------------------------

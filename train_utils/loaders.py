@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
-from common import ConfigError
+from common import TASK_FILE_FOLDERS, ConfigError
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
 
@@ -101,7 +101,7 @@ def _fork_server(dataset: Dataset) -> Optional[multiprocessing.context.BaseConte
         # CPython up to 3.13 at least also ignores the sys.path it passes the
         # server: it finds the scripts' modules through PYTHONPATH.
         pythonpath = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(_import_folders(dataset))
+        os.environ["PYTHONPATH"] = os.pathsep.join(_import_folders())
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             multiprocessing.forkserver.ensure_running()  # a blocked signal arriving now waits, is not lost
@@ -115,13 +115,12 @@ def _fork_server(dataset: Dataset) -> Optional[multiprocessing.context.BaseConte
     return _CONTEXT
 
 
-def _import_folders(dataset: Dataset) -> list:
+def _import_folders() -> list:
     """Where this process imports the scripts' and the task's modules from
-    (``common.task_function``'s order): the folder of ``dataset``'s module
-    (a task named by its file, ``dir/my_task.py:build_task``), the main
-    script's folder, PYTHONPATH, the current folder."""
-    module_file = getattr(sys.modules.get(_module_of(dataset)), "__file__", None)
-    folders = [os.path.dirname(os.path.abspath(module_file))] if module_file else []
+    (``common.task_function``'s order): the folders of task files named by
+    their path (``--dataset dir/my_task.py:build_task``, ``TASK_FILE_FOLDERS``),
+    the main script's folder, PYTHONPATH, the current folder."""
+    folders = list(TASK_FILE_FOLDERS)
     main = getattr(sys.modules["__main__"], "__file__", None)
     folders += [os.path.dirname(os.path.abspath(main))] if main else []
     folders += [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
