@@ -186,13 +186,13 @@ def test_a_newcomer_runs_the_readme_then_every_page_in_one_folder(docs_data, tmp
     order, all in the same folder, so that what one block leaves behind
     (snapshots, checkpoints, metrics files, curves) meets the next. The blocks
     run elsewhere (Slurm, containers, a fresh install) are left out here too.
-    The output the README shows for its Steps 1 and 3 is compared with what
-    their blocks print here (tests/test_readme.py's check_shown_output)."""
+    The output the README shows for its Step 1 and its train.py resume, and
+    docs/custom-task.md's train.py outputs, are compared with what their
+    blocks print here (tests/test_readme.py's check_shown_output)."""
     env = _workspace(tmp_path, docs_data)
     blocks = bash_blocks()
     for page in reading_order():
         for doc, number, block in blocks:
             if doc == page and not covered_elsewhere(block):
                 stdout = _run_block(doc, number, block, tmp_path, env)
-                if doc == "README.md":
-                    check_shown_output(block, stdout)
+                check_shown_output(block, stdout, doc)
