@@ -65,7 +65,8 @@ def collate(batch):
     try:
         return default_collate(batch)
     except RuntimeError as exc:
-        if "stack expects each tensor to be equal size" not in str(exc):
+        if not any(sign in str(exc) for sign in ("stack expects each tensor to be equal size",
+                                                 "each element in list of batch should be of equal size")):
             raise
         raise ConfigError(f"the task's items differ in size ({exc}), so the default batching cannot "
                           f"stack them; give the Task a collate_fn that makes one batch of them, e.g. "

@@ -105,6 +105,8 @@ def test_items_of_different_sizes_without_a_collate_fn_are_one_line():
         next(iter(loader))
     message = str(info.value)
     assert "\n" not in message and "collate_fn" in message and "docs/custom-task.md" in message, message
+    with pytest.raises(common.ConfigError, match="give the Task a collate_fn"):  # lists of different lengths
+        common.collate([([1, 2], 0), ([1], 1)])
 
 
 def test_singlegpu_trains_a_variable_length_task_named_by_its_file(tmp_path, monkeypatch, capsys):
