@@ -78,11 +78,12 @@ class Task:
     """Everything a script needs to train one dataset.
 
     Items of the datasets are (input, target) pairs, made into batches by
-    ``collate_fn`` (a DataLoader's: a list of items -> (inputs, targets));
-    the default, ``collate``, stacks items of equal size; a task of
-    variable-length items gives its own (a top-level function, so that
-    DataLoader workers can be sent it), e.g. one that pads. ``loss_fn(output, targets, reduction="mean"|"sum")`` returns
-    the mean (training) or the sum (evaluation, so every sample counts once)
+    ``collate_fn`` (a DataLoader's: a list of items -> (inputs, targets),
+    tensors whose first dimension is the batch); the default, ``collate``,
+    stacks items of equal size; a task of variable-length items gives its
+    own (a top-level function, so that DataLoader workers can be sent it),
+    e.g. one that pads. ``loss_fn(output, targets, reduction="mean"|"sum")``
+    returns the mean (training) or the sum (evaluation, so every sample counts once)
     of the per-sample losses, as ``F.mse_loss`` and ``F.cross_entropy`` do
     (``functools.partial(F.cross_entropy, label_smoothing=0.1)`` too).
     ``classification``: the model outputs (N, classes) logits and targets are

@@ -1,8 +1,11 @@
 """A task of one's own, as a newcomer writes and names it: its own batching
 (``Task.collate_fn``, for items of different sizes), ``--dataset`` given as a
-file name or path, and a task function that returns something else. All
-in-process: the rungs' and the kit's own loader functions, on a world of one
-for the kit (a real gloo group), and singlegpu.py's ``main`` end to end."""
+file name or path, a task function that returns something else, a dataset
+loader workers cannot be sent; and the non-resuming rungs' note when they
+replace a checkpoint. All in-process: the rungs' and the kit's own loader
+functions, on a world of one for the kit (a real gloo group), and
+singlegpu.py's ``main`` end to end. The kit's whole run with such a task is
+docs/custom-task.md's command, run by tests/test_docs.py."""
 
 import argparse
 import os
