@@ -150,7 +150,8 @@ def test_the_non_resuming_rungs_say_the_same_when_they_replace_a_checkpoint():
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("given", ["seq_task.py:build", "tasks/seq_task.py:build", "./tasks/seq_task.py:build",
-                                   "ABSOLUTE/tasks/seq_task.py:build"])
+                                   "ABSOLUTE/tasks/seq_task.py:build"],
+                         ids=["file", "relative-path", "dot-relative-path", "absolute-path"])  # no '/' in ids
 def test_dataset_names_a_task_file_by_name_or_path(given, tmp_path, monkeypatch):
     write_task(tmp_path)
     (tmp_path / "tasks").mkdir()
