@@ -55,7 +55,7 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
     train_utils.share_cpu_cores(device, world_size)
     backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    train_utils.watch_collectives()  # a side group that names the stuck ranks on a time-out
+    train_utils.watch_collectives(timeout_s)  # a side group that names the stuck ranks on a time-out
     return rank, local_rank, device
 
 
@@ -91,6 +91,7 @@ class Trainer:
         self.progress = train_utils.Progress(device, train_data, rank)  # epochs, steps, RNG states
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.memory_reported = not self.fsdp  # FSDP: the state-per-rank line after the first step
+        self.saved_at = ""  # the last snapshot saved or resumed from, and its position; '' for none
         if self.fsdp:
             self.snapshots = train_utils.ShardedSnapshots(args.snapshot_path)  # a folder per save
             folder = self.snapshots.latest()  # the newest complete one, on every node (or none)
@@ -219,6 +220,7 @@ class Trainer:
                 else self.progress.resize_note(self.recipe))
         if self.rank == 0:
             self.log.resumed(path, self.progress.position(), note)
+        self.saved_at = f"{path} ({self.progress.position()})"  # intact whatever happens next
 
     def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
         """Collective: a snapshot of this position. Mid-epoch, ``meter`` holds the
@@ -227,16 +229,24 @@ class Trainer:
         state = {**progress, **self.recipe.state_dict(),  # + lr_schedule, loss_scaler
                  **self.log.wandb.state_dict(),  # + wandb_run_id: a resumed run logs to the same W&B run
                  "config": self.config}
-        if self.fsdp:
-            self._save_sharded(state)
-        elif self.rank == 0:  # every rank holds the same weights; one saves them
-            state.update(model=self.model.module.state_dict(), optimizer=self.optimizer.state_dict())
-            # temp file + rename: never torn; the tests' hook may strike between the two
-            train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
-            train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
+        saved = self.args.snapshot_path
+        try:
+            if self.fsdp:
+                saved = self._save_sharded(state)
+            elif self.rank == 0:  # every rank holds the same weights; one saves them
+                state.update(model=self.model.module.state_dict(), optimizer=self.optimizer.state_dict())
+                # temp file + rename: never torn; the tests' hook may strike between the two
+                train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
+                train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
+        except BaseException as exc:  # a full disk, say (DCP's CheckpointException is a BaseException)
+            failure = train_utils.save_failure(exc, self.args.snapshot_path, self.saved_at)
+            if failure:
+                raise failure from exc
+            raise
+        self.saved_at = f"{saved} ({self.progress.position()})"
 
-    def _save_sharded(self, state: dict) -> None:
-        """Collective: a new folder of every rank's shards; then the previous snapshot goes."""
+    def _save_sharded(self, state: dict) -> str:
+        """Collective: a new folder of every rank's shards, returned; then the previous snapshot goes."""
         train_utils.broadcast_buffers(self.model)  # FSDP never syncs BatchNorm statistics: save rank 0's
         # Each rank writes its own shards, DCP's rank 0 the index (.metadata); no rank ever
         # holds the full state. A new folder each time: DCP overwrites files in place.
@@ -248,6 +258,7 @@ class Trainer:
             self.snapshots.commit(dict(state, world_size=dist.get_world_size()), folder,  # complete now
                                   before_rename=lambda: fault_point("save"))
             train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {folder}")
+        return folder
 
     def train(self, max_epochs: int) -> bool:
         """Collective: train up to ``max_epochs``, evaluating and printing each epoch
@@ -389,6 +400,7 @@ def main(args: argparse.Namespace) -> None:
     log = train_utils.RunLog(args)  # its start time: the metrics file's start record
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     rank, local_rank, device = setup(args.startup_timeout_s)
+    args.amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
     if args.strategy == "fsdp":
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     task, optimizer = build(args, rank, local_rank, device)
@@ -398,6 +410,9 @@ def main(args: argparse.Namespace) -> None:
                                                            (task.test_set, False)))
     saved = os.path.join(args.snapshot_path, "meta.pt") if args.strategy == "fsdp" else args.snapshot_path
     train_utils.check_before_training(args, device, train_data, saved, saves=rank == 0 or args.strategy == "fsdp")
+    train_utils.claim_snapshot(args.snapshot_path)  # one live run per snapshot: another's is refused here
+    if rank == 0:  # claimed: a temporary file beside the snapshot is a killed writer's, on any host
+        train_utils.remove_stale_temporary_files(args.snapshot_path)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
@@ -410,6 +425,7 @@ def main(args: argparse.Namespace) -> None:
     fsdp = trainer.fsdp
     del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()
+    train_utils.release_claim()  # outside Slurm the next run may take the snapshot, on any host
     if fsdp:
         train_utils.exit_skipping_teardown()  # FSDP: the process group outlives destroy (torch 2.15)
 

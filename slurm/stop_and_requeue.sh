@@ -50,7 +50,8 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 # unless it names the snapshot to go on from (--snapshot_path). Then claims the snapshot for this
 # job (<snapshot>.job holds the job id, read and written under flock) and
 # exits 2 with one line when another job that is still queued or running holds
-# it: two live jobs must never write one snapshot.
+# it: two live jobs must never write one snapshot. A claim of a run started
+# without Slurm (host and pid, no job) stays: train.py refuses it while that run lives.
 snapshot_for() {
     local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" arg given="" after=""
     local strategy="" suffix=".pt"
@@ -91,6 +92,16 @@ snapshot_for() {
         echo "warning: cannot lock $claim (flock); two copies of this command starting together could both take it" >&2
     fi
     owner="$(cat "$claim")"
+    # train.py's run rewrites the claim as job=ID host=NAME pid=PID ...; one
+    # started by hand (no job=) is left for the script to judge: it checks the pid.
+    if [[ "$owner" == *=* ]]; then
+        if [[ " $owner " =~ \ job=([^ ]+)\  ]]; then
+            owner="${BASH_REMATCH[1]}"
+        else
+            exec {lock}>&-
+            return
+        fi
+    fi
     if [ -n "$owner" ] && [ "$owner" != "$job" ]; then
         if ! state="$(squeue -h -j "$owner" -o %T 2>&1)"; then
             if [[ "$state" != *"Invalid job id"* ]]; then  # long gone is fine; not knowing is said

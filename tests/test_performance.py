@@ -320,6 +320,55 @@ def test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused(mon
     assert train_utils.amp_dtype(gpu, "auto") == torch.bfloat16
 
 
+def _mixed_gpus_worker(rank, port, out_dir):
+    """Rank 0 on an A100 (native bf16), rank 1 on a V100 (none): torch.cuda's
+    answers faked, the process group real (gloo)."""
+    import contextlib
+    import io
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.cuda.is_bf16_supported = lambda including_emulation=True: rank == 0
+    torch.cuda.get_device_name = lambda device=None: ["NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB"][rank]
+    torch.cuda.get_device_capability = lambda device=None: [(8, 0), (7, 0)][rank]
+    gpu = torch.device("cuda", 0)
+    args = argparse.Namespace(amp="auto", batch_size=32)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        args.amp = train_utils.resolve_amp(args.amp, gpu)  # as train.py's main does
+    train_utils.checks.check_same_settings(args)
+    result = {"amp": args.amp, "dtype": str(train_utils.amp_dtype(gpu, args.amp)), "printed": printed.getvalue()}
+    try:
+        train_utils.resolve_amp("bf16", gpu)
+        result["forced_bf16"] = "accepted"
+    except train_utils.ConfigError as exc:
+        result["forced_bf16"] = str(exc)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_plain_amp_is_one_dtype_for_the_whole_job_on_mixed_gpus(tmp_path):
+    """A job on an A100 and a V100: plain --amp is fp16 with a loss scaler on
+    both ranks (per rank it was bf16 on one and fp16 on the other, which DDP
+    averages together and FSDP's loss scaler hangs on), rank 0 says why in one
+    note; a forced --amp bf16 is refused on every rank, naming the V100."""
+    import socket
+
+    mp.spawn(_mixed_gpus_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert [(r["amp"], r["dtype"]) for r in results] == [("fp16", "torch.float16")] * 2
+    host = socket.gethostname()
+    assert results[0]["printed"] == (
+        f"note: --amp is fp16 with a loss scaler on every rank: rank 1 of 2 runs on a GPU without native bf16 "
+        f"(Tesla V100-SXM2-32GB (compute capability 7.0) on {host}), and every rank must train in the same dtype\n")
+    assert results[1]["printed"] == ""
+    assert results[0]["forced_bf16"] == results[1]["forced_bf16"] == (
+        f"--amp bf16: rank 1 of 2 runs on a GPU without native bf16 (Tesla V100-SXM2-32GB (compute capability "
+        f"7.0) on {host}), which needs compute capability 8.0 (Ampere) or newer; bf16 autocast would be "
+        f"emulated and slower there. Use --amp (fp16 with a loss scaler on every rank)")
+
+
 def test_benchmark_matches_gpu_names_to_their_own_data_sheet():
     """'L4' must not give the L40S the L4's peak (1.5-3x off), nor 'A10' the A100's."""
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -333,3 +333,20 @@ def test_a_claim_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
     result = _snapshot_for(tmp_path, bin_dir, "6")
     assert result.returncode == 0 and "SNAPSHOT=snapshot-sweep.pt" in result.stdout, result.stderr
     assert (tmp_path / "snapshot-sweep.pt.job").read_text() == "6\n"
+
+
+def test_a_claim_train_py_rewrote_is_read_by_its_job_and_a_hand_started_runs_is_left_to_the_script(tmp_path):
+    """train.py writes job=ID host=... pid=...: the job id is what counts; a
+    claim of a run started by hand (no job) is neither refused nor taken here."""
+    bin_dir = tmp_path / "bin"
+    _stand_in_squeue(bin_dir, "RUNNING")
+    claim = tmp_path / "snapshot-sweep.pt.job"
+    claim.write_text("job=5 host=node1 pid=99 start=7\n")
+    refused = _snapshot_for(tmp_path, bin_dir, "6")
+    assert refused.returncode == 2 and "belongs to job 5, which is RUNNING" in refused.stderr, refused.stderr
+    requeued = _snapshot_for(tmp_path, bin_dir, "5")
+    assert requeued.returncode == 0 and claim.read_text() == "5\n", requeued.stderr
+    claim.write_text("host=node1 pid=99 start=7\n")
+    result = _snapshot_for(tmp_path, bin_dir, "6")
+    assert result.returncode == 0 and "SNAPSHOT=snapshot-sweep.pt" in result.stdout, result.stderr
+    assert claim.read_text() == "host=node1 pid=99 start=7\n"

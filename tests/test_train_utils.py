@@ -104,6 +104,53 @@ def test_a_newer_major_without_ptx_is_refused(monkeypatch):
         train_utils.device_for(0)
 
 
+@pytest.mark.parametrize("capability, arches, advice", [
+    ((7, 0), "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120", "whl/cu126"),  # a V100 under CUDA 13: an older line
+    ((6, 0), "sm_70 sm_75 sm_80 sm_86 sm_90 sm_100 sm_120", "whl/cu126"),  # a P100 under cu128
+    ((10, 0), "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90", "whl/cu128"),  # a B200 under cu126: a newer line
+    ((12, 0), "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90", "whl/cu128"),  # an RTX 5090 under cu126
+    ((11, 0), "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120", "TORCH_CUDA_ARCH_LIST=11.0"),  # no wheel has sm_11x
+])
+def test_the_advice_names_the_build_that_fits_the_gpu(monkeypatch, capability, arches, advice):
+    """The build to install follows from the GPU's compute capability: an older
+    CUDA line for a GPU older than the build, a newer one for a newer GPU."""
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    show_gpus(monkeypatch, 1, capability=capability, arches=arches)
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.device_for(0)
+    assert advice in str(info.value) and "\n" not in str(info.value)
+
+
+class _RocmGpu:
+    """torch.cuda.get_device_properties of an MI250X, a ROCm GPU (gfx90a)."""
+    gcnArchName = "gfx90a:sramecc+:xnack-"
+
+
+@pytest.mark.parametrize("arches, taken", [
+    ("gfx900 gfx906 gfx908 gfx90a gfx942 gfx1030 gfx1100", True),  # a ROCm 6 wheel's list
+    ("gfx942 gfx1100", False),  # a build without gfx90a
+])
+def test_rocm_gpus_are_checked_by_their_gfx_name(monkeypatch, arches, taken):
+    """ROCm builds list gfx names, no sm_XY: a GPU whose gfx name is in the list
+    is taken (it was refused, with the advice to install CUDA 12.6); one whose
+    is not is refused naming its gfx, not a CUDA build."""
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    monkeypatch.delenv("HSA_OVERRIDE_GFX_VERSION", raising=False)
+    show_gpus(monkeypatch, 1, capability=(9, 0), arches=arches)  # ROCm answers 9.0 for gfx90a
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _RocmGpu())
+    if taken:
+        assert train_utils.device_for(0) == torch.device("cuda", 0)
+        return
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.device_for(0)
+    message = str(info.value)
+    assert "is a gfx90a" in message and "ROCm build with kernels for gfx90a" in message
+    assert "cu126" not in message and "\n" not in message
+    monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "9.4.2")  # runs gfx942's kernels: the user's call
+    assert train_utils.device_for(0) == torch.device("cuda", 0)
+
+
 def test_device_for_is_the_cpu_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert train_utils.device_for(5) == torch.device("cpu")
@@ -190,25 +237,38 @@ def test_nccl_diagnostics_keep_torchs_error_handling_and_dump_where_the_job_was_
                                                                                            tmp_path):
     """torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (3, skip the communicator's
     clean-up) is left alone; the flight recorder dumps into the submit folder (Slurm)
-    or the working folder, not a node-local /tmp; what the user set is kept."""
-    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE",
-                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "SLURM_SUBMIT_DIR"):
+    or the working folder, named in the variable torch reads first
+    (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE is its deprecated
+    name); what the user set, under either name, is kept."""
+    import os
+
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE",
+                 "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "SLURM_SUBMIT_DIR"):
         monkeypatch.setenv(name, "")  # so that monkeypatch also undoes what the call sets
         monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     train_utils.enable_nccl_diagnostics()
-    import os
-
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ  # deprecated: torch would warn
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
-    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_FR_BUFFER_SIZE"):
+        monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_SUBMIT_DIR", str(tmp_path / "submit"))
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     train_utils.enable_nccl_diagnostics()
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "submit" / "nccl_trace_4242_rank_")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "submit" / "nccl_trace_4242_rank_")
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    # A user's setting under the deprecated names stays in force: torch prefers the
+    # current name where both are set, so setting it would override the user's.
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_FR_BUFFER_SIZE"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(tmp_path / "mine_"))
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+    train_utils.enable_nccl_diagnostics()
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ and "TORCH_FR_BUFFER_SIZE" not in os.environ
 
 
 def test_a_rank_that_never_joins_at_start_up_gives_one_timeout_line(tmp_path):
@@ -240,6 +300,79 @@ def test_a_rank_that_never_joins_at_start_up_gives_one_timeout_line(tmp_path):
                         r"process group \(wait timeout after 3000ms, keys: \S+\)\. A rank that did not "
                         r"start, or failed before joining, holds up all: look at its output "
                         r"\(--startup_timeout_s sets the wait\)", line), line
+
+
+def _side_group_worker(rank, port, out_dir):
+    """Rank 1 joins the process group but never makes the side group, as an
+    NCCL rank does that never arrives (NCCL's init_process_group waits for no
+    one); rank 0 writes what its wait for the side group ended in."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from train_utils import timeouts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == 1:
+        os._exit(0)  # gone; the process group is left broken: no teardown
+    start = time.monotonic()
+    try:
+        timeouts.watch_collectives(2)
+        outcome = "made"
+    except Exception as exc:  # noqa: BLE001 - what it is, is the finding
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+        json.dump({"outcome": outcome, "seconds": time.monotonic() - start}, f)
+    os._exit(0)
+
+
+def test_a_rank_that_never_makes_the_side_group_ends_in_the_start_up_timeout_line(tmp_path):
+    """The side gloo group's wait is bounded by --startup_timeout_s (not gloo's
+    30-minute default) and ends in the start-up time-out line of docs/runs.md,
+    not in "gloo cannot set up its network" (GLOO_SOCKET_IFNAME)."""
+    import torch.multiprocessing as mp
+
+    from helpers import free_port
+
+    mp.spawn(_side_group_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["seconds"] < 10, result
+    assert re.fullmatch(r"RanksStuck: rank 0 timed out during start-up waiting for the other ranks to join "
+                        r"the process group \(wait timeout after 2000ms, keys: \S+\)\. A rank that did not "
+                        r"start, or failed before joining, holds up all: look at its output "
+                        r"\(--startup_timeout_s sets the wait\)", result["outcome"]), result
+
+
+@pytest.mark.parametrize("text, timeout", [
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv "
+     "operation to complete", True),
+    ("wait timeout after 1800000ms, keys: /default_pg/0//cuda//0", True),
+    ("[1] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value store by key "
+     "'0', but store->get('0') got error: wait timeout after 10000ms, keys: //worker/attempt_0/default_pg/0", True),
+    ("The client socket has timed out after 3000ms while trying to connect to (10.0.0.1, 29500).", True),
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, "
+     "NumelOut=1, Timeout(ms)=600000) ran for 600004 milliseconds before timing out.", True),
+    ("[Rank 1] Work WorkNCCL(SeqNum=5, OpType=ALLREDUCE) timed out in blocking wait.", True),
+    # NCCL's network errors: "timed out" in the text, but no time-out
+    ("NCCL error in: ProcessGroupNCCL.cpp:2043, remote process exited or there was a network error, NCCL "
+     "version 2.27.5\nncclRemoteError: A call failed possibly due to a network error or a remote process "
+     "exiting prematurely.\nLast error:\nNET/Socket : Connect to 10.0.0.2<45013> failed : Connection timed out",
+     False),
+    ("Some NCCL operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent "
+     "GPU operations might run on corrupted/incomplete data.", False),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4567", False),
+])
+def test_is_timeout_matches_time_outs_only(text, timeout):
+    """A time-out gets the time-out diagnosis (which ranks did not arrive); an
+    NCCL network error, whose text says "failed or timed out", does not."""
+    import torch.distributed as dist
+
+    from train_utils.timeouts import is_timeout
+
+    for kind in (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError):
+        assert is_timeout(kind(text)) == timeout, (kind, text)
 
 
 CONFIG_ERROR_IN_A_GROUP = """

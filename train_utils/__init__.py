@@ -4,10 +4,11 @@ calls everything as ``train_utils.NAME``; the names below are all it and the
 tests use. The ladder's rungs never import this package.
 
   module             concern
-  cli                train.py's flags; one usage line under torchrun
-  errors             a user error, a finished run, a time-out: one line, exit status
+  cli                train.py's flags; one error line under torchrun
+  errors             a user error, a finished run, a time-out, a full disk, the unexpected: one line, exit status
   output             one-write lines from several processes; the first error of any rank
   devices            device choice, CPU threads, the start-up line
+  kernels            does this torch build run this GPU (CUDA arch list, ROCm gfx); what to install
   speed              --amp, --compile, peak GPU memory
   epoch              the epoch's loss sums, time, progress bars (no collectives inside)
   loaders            DataLoader workers from a fork server, not forked
@@ -16,6 +17,8 @@ tests use. The ladder's rungs never import this package.
   wandb_run          Weights & Biases: one run per training, its id kept in snapshots
   profiling          torch.profiler over a few steps, one trace per rank
   recipe             fp16's loss scaler, gradient clipping, the lr schedule's state in snapshots
+  claims             one live run per snapshot: its claim file, whether a holder lives
+  save_errors        a save the system refused: one line naming the intact snapshot
   snapshots          atomic save; reading a snapshot, "same run?" checks
   sharded_snapshots  a folder of DCP shards per save, complete when meta.pt is
   launch             the store under torchrun or srun, side gloo groups
@@ -33,6 +36,7 @@ docs/custom-task.md.
 """
 
 from common import ConfigError, build_optimizer, lr_factor  # the recipe's meaning lives with the tasks
+from .claims import claim_snapshot, release_claim
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores, \
@@ -50,8 +54,10 @@ from .profiling import StepProfiler
 from .recipe import Recipe
 from .resume import Progress, ResumableDistributedSampler, rebuild_ddp_buckets
 from .sharded_snapshots import ShardedSnapshots, resharding_note
-from .snapshots import atomic_save, read_snapshot, snapshot_on_every_node
-from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib
+from .save_errors import save_failure
+from .snapshots import atomic_save, read_snapshot, remove_stale_temporary_files, snapshot_on_every_node
+from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib, \
+    resolve_amp
 from .stop import STOP_SIGNALS, StopSignal, catch_stop_signals, ignore_stop_signal, report_run_finished
 from .timeouts import check_first_batches, note_phase, use_training_timeout, watch_collectives
 
@@ -63,13 +69,14 @@ __all__ = [
     "backend_for", "enable_nccl_diagnostics", "share_cpu_cores", "watch_collectives", "describe_run",
     "downloaders_first", "check_before_training", "loader_workers", "ResumableDistributedSampler",
     # the model and the recipe
-    "build_optimizer", "lr_factor", "Recipe", "amp_dtype", "autocast", "check_amp", "compile_model",
+    "build_optimizer", "lr_factor", "Recipe", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
     "check_fsdp_backend", "contiguous_parameters", "fsdp_blocks",
     # the loop: steps, time-outs, stops, evaluation
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",
     "StepProfiler", "batches_for_every_rank", "broadcast_buffers", "print_sharded_memory",
     # snapshots and resume
-    "Progress", "rebuild_ddp_buckets", "atomic_save", "read_snapshot", "snapshot_on_every_node",
+    "Progress", "rebuild_ddp_buckets", "claim_snapshot", "release_claim", "atomic_save", "save_failure",
+    "remove_stale_temporary_files", "read_snapshot", "snapshot_on_every_node",
     "ShardedSnapshots", "resharding_note",
     # output and the end of a run
     "RunLog", "print_line", "report_run_finished", "exit_skipping_teardown",

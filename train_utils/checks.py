@@ -55,7 +55,9 @@ def check_same_settings(args: argparse.Namespace) -> None:
     were started with different values of a flag outside ``PER_PROCESS_FLAGS``,
     naming the flag and who has which value. Without it, a different
     --batch_size on one node fails later with a collective mismatch (gloo) or
-    a hang (NCCL)."""
+    a hang (NCCL). Compares ``args`` as given: train.py's --amp is already the
+    job's dtype (``resolve_amp``), so "auto" on ranks that would pick
+    different dtypes never reaches this comparison as the same string."""
     if not is_distributed():
         return
     mine = {key: value for key, value in vars(args).items() if key not in PER_PROCESS_FLAGS}

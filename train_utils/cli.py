@@ -1,4 +1,4 @@
-"""train.py's command line: every flag of the kit, one usage line under torchrun.
+"""train.py's command line: every flag of the kit, one error line under torchrun.
 
 The callers say what varies with them: the task names, each task's models,
 the default snapshot paths (``parse_args``).
@@ -64,18 +64,24 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 class _OneRankParser(argparse.ArgumentParser):
-    """An ArgumentParser that, under torchrun, prints usage, help and errors
-    from rank 0 only (every rank parses the same command line), and makes the
-    error torchrun's root cause. Exit status 2 on an error, as argparse's."""
+    """An ArgumentParser that, under torchrun, prints help and errors from
+    rank 0 only (every rank parses the same command line), an error as one
+    line without the usage, and makes it torchrun's root cause. Exit status 2
+    on an error, as argparse's."""
 
     def _print_message(self, message, file=None) -> None:
         if os.environ.get("RANK", "0") == "0":
             super()._print_message(message, file)
 
     def error(self, message: str):
+        """argparse's usage and error, exit 2; under torchrun the error line
+        alone (a pointer to --help instead of the usage), which torchrun's
+        own failure report follows."""
         message += self._did_you_mean(message)
         report_to_torchrun(f"error: {message}")  # every rank: see one_line_errors
-        super().error(message)
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            super().error(message)
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
 
     def _did_you_mean(self, message: str) -> str:
         """For unrecognized flags, the flags meant: dashes for underscores
@@ -187,7 +193,7 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
              "whole batches on the device; 'torchvision' is the per-sample Dataset + "
              "transforms path (default: fast)")
     add("--amp", nargs="?", const="auto", choices=("auto", "bf16", "fp16"), default=None,
-        help="autocast for the training forward pass: bf16 where the GPU has it, else fp16 "
+        help="autocast for the training forward pass: bf16 where every GPU of the job has it, else fp16 "
              "with a loss scaler; 'bf16' or 'fp16' forces one, also on a CPU (plain --amp on "
              "a CPU only where it was measured to help, see docs/performance.md)")
     add("--compile", action="store_true",
@@ -231,6 +237,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str,
              "(0: only at epoch ends) (default: 0)")
     add("--pg_timeout_s", type=positive(float), default=600,
         help="once training runs, seconds a collective may wait for the other ranks before the job "
-             "fails, naming the ranks that did not arrive (default: 600)")
+             "fails: on the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) "
+             "NCCL's watchdog ends every waiting rank (SIGABRT) and the flight recorder's dumps "
+             "name the collective (docs/runs.md) (default: 600)")
     add("--startup_timeout_s", type=positive(float), default=1800,
-        help="the same during start-up and the first training step (downloads, compilation) (default: 1800)")
+        help="the same during start-up and the first training step (downloads, compilation); a rank "
+             "that never joins ends the job with one line from every rank that waited (default: 1800)")

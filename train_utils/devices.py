@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
+from .kernels import check_gpu_has_kernels
 from .output import is_distributed
 from .speed import amp_dtype
 
@@ -85,43 +86,29 @@ def device_for(local_rank: int, one_process: bool = False) -> torch.device:
     return check_gpu_has_kernels(torch.device("cuda", local_rank))
 
 
-def check_gpu_has_kernels(device: torch.device) -> torch.device:
-    """Return ``device`` (a CUDA device) when this torch build has kernels for
-    its compute capability: a ``sm_XY`` of ``torch.cuda.get_arch_list()`` of
-    the same major version and no newer minor (cubins run on later minors of
-    their major), or a PTX ``compute_XY`` no newer (JIT-compiled). Raises
-    ConfigError naming the build to install otherwise: e.g. a V100 (sm_70)
-    under a CUDA 13 wheel (sm_75 and newer), where every kernel would fail
-    with "no kernel image is available". An empty list (unknown) passes."""
-    arches = torch.cuda.get_arch_list()
-    major, minor = torch.cuda.get_device_capability(device)
-    cubins = [int(n) for n in re.findall(r"\bsm_(\d+)\b", " ".join(arches))]
-    ptx = [int(n) for n in re.findall(r"\bcompute_(\d+)\b", " ".join(arches))]
-    capability = major * 10 + minor
-    if not arches or any(c // 10 == major and c <= capability for c in cubins) \
-            or any(p <= capability for p in ptx):
-        return device
-    raise ConfigError(
-        f"{torch.cuda.get_device_name(device)} ({device}) has compute capability {major}.{minor} "
-        f"(sm_{capability}), but torch {torch.__version__} has kernels only for {' '.join(arches)}; "
-        f"install a build for it, e.g. CUDA 12.6's: pip install torch torchvision --index-url "
-        f"https://download.pytorch.org/whl/cu126 (CUDA 13 builds have no kernels older than sm_75)")
-
-
 # NCCL's own diagnosis of a stuck collective, on unless the environment says
 # otherwise (torch's names, documented in docs/runs.md): the flight recorder
 # keeps the last collectives of each rank, and a time-out dumps them. How the
 # watchdog handles a time-out (TORCH_NCCL_ASYNC_ERROR_HANDLING) is left to
-# torch's default.
-NCCL_DIAGNOSTICS = MappingProxyType({"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})
+# torch's default. Each name with the older names torch still reads for it
+# (deprecated: torch warns, and prefers the current name where both are set).
+NCCL_DIAGNOSTICS = MappingProxyType({
+    "TORCH_FR_BUFFER_SIZE": ("2000", ("TORCH_NCCL_TRACE_BUFFER_SIZE",)),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": ("1", ()),
+})
+# Where the dumps go: a path prefix, torch appends the rank. torch 2.8 to 2.14
+# read TORCH_FR_DUMP_TEMP_FILE first, then the deprecated TORCH_NCCL_DEBUG_INFO_TEMP_FILE.
+NCCL_DUMP_VARIABLE, NCCL_DUMP_VARIABLE_DEPRECATED = "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 
 
 def nccl_trace_prefix() -> str:
-    """Where the flight recorder's dumps go (TORCH_NCCL_DEBUG_INFO_TEMP_FILE, a
-    path prefix; torch appends the rank): an absolute path in the folder the job
+    """Where the flight recorder's dumps go (``NCCL_DUMP_VARIABLE``, a path
+    prefix; torch appends the rank): an absolute path in the folder the job
     was submitted from (SLURM_SUBMIT_DIR), ``nccl_trace_<job id>_rank_``, or
     outside Slurm in the working folder, ``nccl_trace_rank_``. Not torch's
-    default /tmp, which a Slurm job's private tmpfs loses when the job ends."""
+    default, ``comm_lib_trace_rank_`` in ``$XDG_CACHE_HOME/torch`` or
+    ``~/.cache/torch``: a name without the job, so each job's dumps replace
+    the last one's, in the home folder of whichever node each rank ran on."""
     if "SLURM_SUBMIT_DIR" in os.environ:
         name = f"nccl_trace_{os.environ.get('SLURM_JOB_ID', 'job')}_rank_"
         return os.path.join(os.path.abspath(os.environ["SLURM_SUBMIT_DIR"]), name)
@@ -129,11 +116,17 @@ def nccl_trace_prefix() -> str:
 
 
 def enable_nccl_diagnostics() -> None:
-    """Set ``NCCL_DIAGNOSTICS`` and TORCH_NCCL_DEBUG_INFO_TEMP_FILE
-    (``nccl_trace_prefix``) where the environment does not: before
+    """Set ``NCCL_DIAGNOSTICS`` and ``NCCL_DUMP_VARIABLE`` (``nccl_trace_prefix``)
+    where the environment sets neither the variable nor a deprecated name of it
+    (a user's TORCH_NCCL_TRACE_BUFFER_SIZE=0 stays in force): before
     ``init_process_group``, which reads them."""
-    for name, value in {**NCCL_DIAGNOSTICS, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": nccl_trace_prefix()}.items():
-        os.environ.setdefault(name, value)
+    wanted = {name: value for name, (value, _) in NCCL_DIAGNOSTICS.items()}
+    wanted[NCCL_DUMP_VARIABLE] = nccl_trace_prefix()
+    older = {name: aliases for name, (_, aliases) in NCCL_DIAGNOSTICS.items()}
+    older[NCCL_DUMP_VARIABLE] = (NCCL_DUMP_VARIABLE_DEPRECATED,)
+    for name, value in wanted.items():
+        if not any(alias in os.environ for alias in (name, *older[name])):
+            os.environ[name] = value
 
 
 # torch's warnings from its first torch.cuda.is_available() call, which torch gives

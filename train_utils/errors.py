@@ -1,7 +1,9 @@
-"""The one-line errors: a user's mistake, a finished run, a collective time-out.
+"""The one-line errors: a user's mistake, a finished run, a collective time-out,
+a failure that is nobody's input (a full disk), and an unexpected exception.
 
 A script's ``main`` is decorated with ``one_line_errors``; what it catches
-ends the process with one line and an exit status, never a traceback.
+ends the process with one line and an exit status, and no traceback but an
+unexpected exception's, which shows where it was raised.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ import contextlib
 import functools
 import json
 import os
+import signal
+import socket
 import sys
 import time
+import traceback
 from typing import Callable
 
 import torch.distributed as dist
 
 from common import ConfigError  # the task contract's one-line error (exit 2)
+from .claims import release_claim
 from .output import is_distributed, print_line
 from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, report_run_finished
 from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diagnosis
@@ -24,6 +30,17 @@ from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diag
 class NothingToTrain(Exception):
     """The snapshot already holds every epoch asked for: not an error, one
     line on stdout and exit status 0."""
+
+
+class RunFailed(Exception):
+    """A failure that is not the user's input, known well enough to say what
+    to do (a full disk at a save): its one line (the message), torchrun's root
+    cause, exit status 1. ``every_rank``: raised on every rank alike (rank 0
+    prints it), else only where it happened (that rank prints it)."""
+
+    def __init__(self, line: str, every_rank: bool = False) -> None:
+        super().__init__(line)
+        self.every_rank = every_rank
 
 
 def report_to_torchrun(line: str) -> None:
@@ -54,7 +71,10 @@ def one_line_errors(fn: Callable) -> Callable:
     that timed out before the process group exists that of
     ``startup_timeout_line``; exit status 1. A stop signal during start-up
     (``catch_stop_signals``) becomes one line from rank 0 and the signal's
-    exit status, 128 + its number.
+    exit status, 128 + its number. A RunFailed (a full disk at a save:
+    ``snapshots.save_failure``) becomes its line, exit status 1; any other
+    exception its traceback, then one line naming it (``_end_unexpected``),
+    exit status 1. Every one of these lines is torchrun's root cause too.
 
     Under a process group only rank 0 prints, since such errors are raised on
     every rank alike (see ``downloaders_first``); the other ranks exit quietly.
@@ -70,11 +90,64 @@ def one_line_errors(fn: Callable) -> Callable:
             _end_nothing_to_train(done)
         except ConfigError as exc:
             _end_config_error(exc)
+        except RunFailed as exc:
+            _end_run_failed(exc)
         except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
             _end_if_timeout(exc)
+            _end_unexpected(exc)
+        except (SystemExit, KeyboardInterrupt, GeneratorExit):
             raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            _end_unexpected(exc)
 
     return wrapper
+
+
+def _end_quietly(signum: int, _frame) -> None:
+    """Signal handler: this rank's end, asked for by the launcher: the claim
+    given back (``release_claim``), exit status 128 + ``signum``, no line."""
+    release_claim()
+    sys.stdout.flush()
+    os._exit(128 + signum)
+
+
+def _end_run_failed(exc: RunFailed) -> None:
+    """Its line on stderr (rank 0 when raised on every rank, else the rank
+    that raised it) and in torchrun's error file; exit 1."""
+    note_stop_signals_only()
+    if not exc.every_rank or not is_distributed() or dist.get_rank() == 0:
+        print_line(f"error: {exc}", sys.stderr)
+    report_to_torchrun(f"error: {exc}")
+    sys.exit(1)
+
+
+# How a collective fails when another rank has ended (gloo, NCCL): a consequence, not a cause.
+PEER_GONE = ("closed by peer", "reset by peer", "remote worker crashing", "remote process exited",
+             "Broken pipe")
+PEER_GONE_WAIT_S = 10  # time for torchrun's agent, which saw that rank fail, to end this one
+
+
+def _end_unexpected(exc: BaseException) -> None:
+    """An exception nothing above knows: its traceback (where it came from:
+    the kit, or a task's own code), then one line naming it, which is also
+    torchrun's root cause; exit 1. A collective that failed because another
+    rank ended (``PEER_GONE``) first waits, quietly, for the launcher to end
+    this rank (SIGTERM), since that rank's own line says why; then one line."""
+    where = f" on rank {dist.get_rank()} (host {socket.gethostname()})" if is_distributed() else ""
+    note_stop_signals_only()
+    if isinstance(exc, RuntimeError) and any(text in str(exc) for text in PEER_GONE):  # torch's errors
+        signal.signal(signal.SIGTERM, _end_quietly)
+        time.sleep(PEER_GONE_WAIT_S)
+        _end_run_failed(RunFailed(f"another rank ended{where and ', seen' + where}: its own error says "
+                                  f"why (`{(str(exc).strip().splitlines() or [''])[0][:120]}`)"))
+    traceback.print_exc()
+    detail = (str(exc).strip().splitlines() or [""])[0][:200]
+    line = (f"error: unexpected {type(exc).__name__}{where}: {detail}; the traceback above shows where: "
+            f"fix it there if it is your task's code, else report it with this output; a snapshot "
+            f"saved before is intact (the same command resumes from it)")
+    print_line(line, sys.stderr)
+    report_to_torchrun(line)
+    sys.exit(1)
 
 
 def _end_nothing_to_train(done: NothingToTrain) -> None:
@@ -117,6 +190,7 @@ def _end_if_timeout(exc: RuntimeError) -> None:
         print_line(f"error: {line}", sys.stderr)
         report_to_torchrun(f"error: {line}")
     # The process group is broken now: leave without tearing it down.
+    release_claim()  # os._exit skips atexit
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)

@@ -9,6 +9,7 @@ import re
 import socket
 import sys
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 # Imported before any process group exists, on purpose: torch.distributed.nn
@@ -69,16 +70,21 @@ def launcher_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def gloo_group() -> dist.ProcessGroup:
-    """Collective: a new gloo (CPU) group of all ranks, also in NCCL jobs.
+def gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
+    """Collective: a new gloo (CPU) group of all ranks, also in NCCL jobs;
+    its collectives, and the wait for every rank to make it, time out after
+    ``timeout`` (None: torch's default for gloo, 30 minutes).
 
     gloo finds its own address from this host's name, or from the interface
     GLOO_SOCKET_IFNAME names; on nodes where that name resolves to an address
     the others cannot reach, it fails. Raises ConfigError then, naming the
-    variable and what it is set to.
+    variable and what it is set to. A rank that never arrives is no network
+    fault: the store's time-out (DistStoreError) is raised as it is.
     """
     try:
-        return dist.new_group(backend="gloo")
+        return dist.new_group(backend="gloo", timeout=timeout)
+    except dist.DistStoreError:
+        raise
     except RuntimeError as exc:
         value = os.environ.get("GLOO_SOCKET_IFNAME")
         setting = f"GLOO_SOCKET_IFNAME is {value!r}" if value else "GLOO_SOCKET_IFNAME is not set"

@@ -4,9 +4,12 @@ one from every node, and writing one so that a crash never tears it.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pickle
+import re
+import socket
 import tempfile
 import zipfile
 from types import MappingProxyType
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
+from .claims import process_lives
 from .errors import NothingToTrain
 
 
@@ -163,14 +167,18 @@ def atomic_save(obj: object, path: str, before_rename: Optional[Callable[[], Non
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename.
 
     A crash at any moment leaves either the old file or the new one, never a
-    torn file (POSIX rename is atomic within a filesystem). After a successful
-    save, temporary files left beside ``path`` by killed writers are removed;
-    only one process may save to a given ``path``. ``before_rename``, if
-    given, is called between the written temporary file and the rename (the
-    tests' fault hook: train.py passes it, so the hook's call site is there).
+    torn file (POSIX rename is atomic within a filesystem). The temporary
+    file's name holds its writer (``<path>.<pid>@<host>.<random>.tmp``): a
+    failed save removes its own file only, and after a successful one the
+    files of writers on this host that no longer live are removed, never a
+    live writer's. ``before_rename``, if given, is called between the
+    written temporary file and the rename (the tests' fault hook: train.py
+    passes it, so the hook's call site is there). Raises what writing raises
+    (OSError: a full disk, say), the file at ``path`` left as it was.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    writer = f"{os.getpid()}@{socket.gethostname()}"
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{os.path.basename(path)}.{writer}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; torch.save's files follow the umask
         with os.fdopen(fd, "wb") as f:
@@ -181,9 +189,36 @@ def atomic_save(obj: object, path: str, before_rename: Optional[Callable[[], Non
             before_rename()
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    # Temporary files of writers killed before their rename are garbage now.
-    for stale in glob.glob(os.path.join(folder, glob.escape(os.path.basename(path)) + ".*.tmp")):
-        os.remove(stale)
+    _remove_dead_writers_files(path)
+
+
+def _remove_dead_writers_files(path: str) -> None:
+    """Remove the temporary files beside ``path`` (``atomic_save``'s) whose
+    writer was a process of this host that no longer lives (killed before
+    its rename); a live writer's, or another host's, stay."""
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(name) + r"\.(\d+)@(.+)\.[^.]+\.tmp$")
+    for stale in glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".*.tmp")):
+        writer = pattern.match(os.path.basename(stale))
+        if writer and writer.group(2) == socket.gethostname() and not process_lives(writer.group(1)):
+            with contextlib.suppress(OSError):
+                os.remove(stale)
+
+
+def remove_stale_temporary_files(path: str) -> list:
+    """Remove every temporary file ``atomic_save`` leaves beside ``path`` when
+    its writer is killed before the rename, whichever host that writer was on;
+    return their names. Only for the holder of ``path``'s claim
+    (``claim_snapshot``): no other live run writes ``path`` then, so none of
+    them is a live writer's (a requeued job on another host finds those of its
+    killed incarnation)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    removed = []
+    for stale in glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".*.tmp")):
+        with contextlib.suppress(OSError):
+            os.remove(stale)
+            removed.append(os.path.basename(stale))
+    return removed

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import is_distributed
+from .output import is_distributed, print_line
 from .stop import STOP_SIGNALS
 
 
@@ -34,7 +35,8 @@ def amp_dtype(device: torch.device, amp: Optional[str]) -> Optional[torch.dtype]
     ``bf16`` or ``fp16`` when forced; ``auto`` (plain --amp): on CUDA bf16
     where the GPU runs it natively, else fp16 (with a loss scaler, see
     ``Recipe``); elsewhere bf16 (on a CPU without native bf16 ``check_amp``
-    refuses it). Raises ValueError for another value of ``amp``."""
+    refuses it). Per device: a job passes the value ``resolve_amp`` gave, the
+    same on every rank. Raises ValueError for another value of ``amp``."""
     if amp is None:
         return None
     if amp not in ("auto", "bf16", "fp16"):
@@ -42,6 +44,47 @@ def amp_dtype(device: torch.device, amp: Optional[str]) -> Optional[torch.dtype]
     if amp == "auto":
         amp = "bf16" if device.type != "cuda" or _native_bf16(device) else "fp16"
     return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+def resolve_amp(amp: Optional[str], device: torch.device) -> Optional[str]:
+    """--amp as the whole job runs it: ``amp`` itself (None, "auto", "bf16" or
+    "fp16"), except on CUDA, where "auto" becomes "bf16" when every rank's GPU
+    has native bf16 (``_native_bf16``) and "fp16" (with a loss scaler) when
+    any has not. Per rank, a job on a mixed partition (Ampere and older GPUs)
+    would train some ranks in bf16 and others in fp16: DDP would average
+    scaled with unscaled gradients, and under FSDP the loss scaler's inf check
+    of the fp16 ranks would wait for partners that never come. On the mixed
+    job rank 0 prints a ``note:`` line naming the GPUs without bf16.
+
+    Collective on CUDA under a process group: every rank's answer is gathered
+    (all_gather_object). Raises ConfigError on every rank for a forced
+    ``--amp bf16`` where some GPU has no native bf16, naming them. Elsewhere
+    (the CPU, XPU, MPS: one answer for every rank) returns ``amp`` at once.
+    """
+    if device.type != "cuda":
+        return amp
+    mine = {"bf16": _native_bf16(device), "gpu": torch.cuda.get_device_name(device),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+            "host": socket.gethostname()}
+    everyone = [mine]
+    if is_distributed():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    without = [rank for rank, info in enumerate(everyone) if not info["bf16"]]
+    if amp not in ("auto", "bf16") or not without:
+        return amp if amp != "auto" else "bf16"
+    gpus = "; ".join(sorted({f"{info['gpu']} (compute capability {info['capability']}) on {info['host']}"
+                             for info in everyone if not info["bf16"]}))
+    ranks = (f"rank {without[0]} of {len(everyone)} runs on a GPU" if len(without) == 1
+             else f"ranks {without} of {len(everyone)} run on GPUs")
+    if amp == "bf16":
+        raise ConfigError(f"--amp bf16: {ranks} without native bf16 ({gpus}), "
+                          f"which needs compute capability 8.0 (Ampere) or newer; bf16 autocast would be "
+                          f"emulated and slower there. Use --amp (fp16 with a loss scaler on every rank)")
+    if len(without) < len(everyone) and (not is_distributed() or dist.get_rank() == 0):
+        print_line(f"note: --amp is fp16 with a loss scaler on every rank: {ranks} without native bf16 "
+                   f"({gpus}), and every rank must train in the same dtype")
+    return "fp16"
 
 
 def check_amp(amp: Optional[str], device: torch.device, model: str) -> None:

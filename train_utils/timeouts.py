@@ -33,13 +33,25 @@ class _Watch:
 _WATCH = _Watch()
 
 
-def watch_collectives() -> None:
+def watch_collectives(timeout_s: float) -> None:
     """Collective, right after ``init_process_group``: make the side gloo
     group that ``timeout_diagnosis`` uses to find the ranks that did not
     arrive (NCCL's own diagnostics: ``enable_nccl_diagnostics``, before the
-    process group exists)."""
-    if is_distributed() and _WATCH.group is None:
-        _WATCH.group = gloo_group()
+    process group exists).
+
+    Making it waits for every rank, at most ``timeout_s`` seconds
+    (--startup_timeout_s). Under NCCL, whose ``init_process_group`` returns
+    without waiting for the others, this is the first wait for them: a rank
+    that never arrives raises RanksStuck with ``startup_timeout_line``.
+    """
+    if not is_distributed() or _WATCH.group is not None:
+        return
+    try:
+        _WATCH.group = gloo_group(timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        if is_timeout(exc):
+            raise RanksStuck(startup_timeout_line(exc)) from None
+        raise
 
 
 def note_phase(phase: str) -> None:
@@ -116,18 +128,28 @@ def check_first_batches(timeout_s: Optional[float]) -> None:
                          f"its output (--pg_timeout_s sets the wait)") from None
 
 
-# How torch words a time-out: a collective's ("Timed out waiting 10000ms for recv
-# operation to complete"), the store's ("wait timeout after 1800000ms, keys: ...",
-# a DistStoreError when a rank waits there for the others at start-up).
-TIMEOUT_WORDS = ("timed out", "wait timeout")
+# How torch words a time-out, and only a time-out: a gloo collective's ("Timed
+# out waiting 10000ms for recv operation to complete"); the store's ("wait
+# timeout after 1800000ms, keys: ...", a DistStoreError when a rank waits there
+# for the others at start-up, also while NCCL fetches its unique id; "barrier
+# timeout after ..."); a store client's that found no server in time ("The
+# client socket has timed out after 3000ms while trying to connect"); NCCL's
+# watchdog ("... ran for 600000 milliseconds before timing out") and blocking
+# wait ("... timed out in blocking wait"). Not any text with "timed out" in it:
+# NCCL ends every failure, a network error too, with "Some NCCL operations have
+# failed or timed out", and a refused socket can say "Connection timed out".
+TIMEOUT_PATTERNS = (r"Timed out waiting \d+ms for \w+ operation", r"\b(?:wait|barrier) timeout after \d+ms",
+                    r"socket has timed out after .* while trying to connect",
+                    r"ran for \d+ milliseconds before timing out", r"timed out in blocking wait")
+_TIMEOUT = re.compile("|".join(TIMEOUT_PATTERNS))
 
 
 def is_timeout(exc: BaseException) -> bool:
     """Whether ``exc`` is torch.distributed's time-out: a RuntimeError whose
-    text has one of ``TIMEOUT_WORDS`` (any case), raised in a process group,
-    or a DistError (the store's) before one exists."""
-    text = str(exc).lower()
-    if not isinstance(exc, RuntimeError) or not any(word in text for word in TIMEOUT_WORDS):
+    text matches one of ``TIMEOUT_PATTERNS``, raised in a process group, or a
+    DistError (the store's) before one exists. An NCCL network error whose
+    text says "failed or timed out" is not one."""
+    if not isinstance(exc, RuntimeError) or not _TIMEOUT.search(str(exc)):
         return False
     return is_distributed() or isinstance(exc, dist.DistError)
 
