@@ -12,9 +12,10 @@ function as ``module:function``, or by a short name in ``TASKS``:
   cifar10    vision_tasks:cifar10_task: torchvision CIFAR10, a ResNet.
 
 Your own task goes in its own file (see docs/custom-task.md), found the same
-way as the built-ins: ``--dataset my_module:my_task``. The scripts, the
-train_utils package and this file need no edit (another optimizer than
-those --optimizer offers is one line in train_utils/recipe.py). This module
+way as the built-ins: ``--dataset my_module:my_task``, or by its file,
+``--dataset my_module.py:my_task`` or ``dir/my_module.py:my_task``. The
+scripts, the train_utils package and this file need no edit (another
+optimizer than those --optimizer offers is one line in OPTIMIZERS). This module
 imports no training machinery, so a task module can import it alone.
 """
 
@@ -49,13 +50,40 @@ def identity(source: torch.Tensor) -> torch.Tensor:
     return source
 
 
+class Batch(tuple):
+    """A batch a dataset assembled itself, (inputs, targets); ``collate`` passes it through."""
+
+
+def collate(batch):
+    """The default ``Task.collate_fn``: a ``Batch`` (from a dataset's
+    ``__getitems__``, e.g. ``fast_images.InMemoryImages``) passes through as
+    (inputs, targets); a list of per-sample items is stacked by
+    ``default_collate``. Raises ConfigError (one line) when the items'
+    tensors differ in size: such a task needs a collate_fn of its own."""
+    if isinstance(batch, Batch):
+        return tuple(batch)
+    try:
+        return default_collate(batch)
+    except RuntimeError as exc:
+        if not any(sign in str(exc) for sign in ("stack expects each tensor to be equal size",
+                                                 "each element in list of batch should be of equal size")):
+            raise
+        raise ConfigError(f"the task's items differ in size ({exc}), so the default batching cannot "
+                          f"stack them; give the Task a collate_fn that makes one batch of them, e.g. "
+                          f"by padding (docs/custom-task.md)") from None
+
+
 @dataclass
 class Task:
     """Everything a script needs to train one dataset.
 
-    Items of the datasets are (input, target) pairs, collated into batches by
-    ``collate``. ``loss_fn(output, targets, reduction="mean"|"sum")`` returns
-    the mean (training) or the sum (evaluation, so every sample counts once)
+    Items of the datasets are (input, target) pairs, made into batches by
+    ``collate_fn`` (a DataLoader's: a list of items -> (inputs, targets),
+    tensors whose first dimension is the batch); the default, ``collate``,
+    stacks items of equal size; a task of variable-length items gives its
+    own (a top-level function, so that DataLoader workers can be sent it),
+    e.g. one that pads. ``loss_fn(output, targets, reduction="mean"|"sum")``
+    returns the mean (training) or the sum (evaluation, so every sample counts once)
     of the per-sample losses, as ``F.mse_loss`` and ``F.cross_entropy`` do
     (``functools.partial(F.cross_entropy, label_smoothing=0.1)`` too).
     ``classification``: the model outputs (N, classes) logits and targets are
@@ -76,6 +104,7 @@ class Task:
     train_transform: Callable[[torch.Tensor], torch.Tensor] = field(default=identity)
     eval_transform: Callable[[torch.Tensor], torch.Tensor] = field(default=identity)
     recipe: dict = field(default_factory=dict)
+    collate_fn: Callable[[list], tuple] = field(default=collate)
 
 
 # The recipe flags' values where neither the command line nor the task's
@@ -146,19 +175,6 @@ def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int],
     return factor  # a function, not an object: LambdaLR then saves none of its settings
 
 
-class Batch(tuple):
-    """A batch a dataset assembled itself, (inputs, targets); ``collate`` passes it through."""
-
-
-def collate(batch):
-    """DataLoader ``collate_fn`` of the scripts: a ``Batch`` (from a dataset's
-    ``__getitems__``, e.g. ``fast_images.InMemoryImages``) passes through as
-    (inputs, targets); a list of per-sample items is stacked by ``default_collate``."""
-    if isinstance(batch, Batch):
-        return tuple(batch)
-    return default_collate(batch)
-
-
 # The short names --dataset accepts, each a task function as "module:function",
 # the form --dataset takes for yours; the first is the default.
 TASKS: dict[str, str] = {
@@ -176,15 +192,21 @@ TASK_MODELS: dict[str, tuple[str, ...]] = {
 
 
 def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
-    """The task function ``spec`` (``"module:function"``) names, imported.
+    """The task function ``spec`` names, imported: ``"module:function"``, or
+    ``"file.py:function"`` / ``"dir/file.py:function"`` (a path, relative to
+    the current folder or absolute).
 
-    The module is looked for on ``sys.path`` (the scripts' folder first, then
-    PYTHONPATH), to which the current folder is added last. Raises
-    ConfigError (one line) when the module or the function is not there.
+    A module is looked for on ``sys.path`` (the scripts' folder first, then
+    PYTHONPATH), to which the current folder is added last. A file is
+    imported as the module its name makes (``my_task``), its folder put
+    first on ``sys.path``. Raises ConfigError (one line) when the module,
+    the file or the function is not there.
     """
     module_name, _, function = spec.partition(":")
     if os.getcwd() not in sys.path:  # Python searches the script's folder, not the current one
         sys.path.append(os.getcwd())
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        module_name = _task_file_module(module_name, function)
     try:
         return getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as exc:
@@ -199,6 +221,37 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
                           f"{module_name!r} ({reason})") from None
 
 
+# The folders of the task files --dataset named by their path, first on
+# sys.path: DataLoader workers started afresh import the task's module from them.
+TASK_FILE_FOLDERS: list[str] = []
+
+
+def _task_file_module(path: str, function: str) -> str:
+    """The module name of the task file at ``path`` (``dir/my_task.py`` ->
+    ``my_task``), its folder first on ``sys.path`` so that this process and
+    its DataLoader workers import it by that name. Raises ConfigError when
+    the file is missing, its name is no module name, or a module of that
+    name from another file is already imported."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    if not os.path.isfile(path):
+        raise ConfigError(f"cannot load task function {function!r}: no file {path} (from the current "
+                          f"folder {os.getcwd()}); give its path, or module:function for a module on "
+                          f"PYTHONPATH")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise ConfigError(f"cannot load task function {function!r} from {path}: a task file is imported "
+                          f"as a module, so its name must be one (letters, digits, _) ending in .py")
+    folder = os.path.dirname(os.path.abspath(path))
+    loaded = getattr(sys.modules.get(name), "__file__", None)
+    if loaded and not os.path.samefile(loaded, path):
+        raise ConfigError(f"cannot load task function {function!r} from {path}: a module named {name} "
+                          f"is already imported from {loaded}; rename your file")
+    for folders in (sys.path, TASK_FILE_FOLDERS):
+        if folder in folders:
+            folders.remove(folder)
+        folders.insert(0, folder)
+    return name
+
+
 def load_task(args: argparse.Namespace, download: bool) -> Task:
     """The task ``args.dataset`` names (a key of ``TASKS``, or ``module:function``),
     built by its task function: built-in or yours, found the same way.
@@ -206,7 +259,8 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
     A ``module:function`` is imported from beside the scripts, from
     PYTHONPATH, or from the current folder (``task_function``), so
     ``python /path/to/singlegpu.py --dataset my_task:build_task`` run from the
-    folder holding my_task.py finds it without PYTHONPATH.
+    folder holding my_task.py finds it without PYTHONPATH; ``my_task.py:build_task``
+    or ``dir/my_task.py:build_task`` names the file itself.
 
     The task function reads what it needs from ``args`` (data_dir, seed,
     model, input_path) and sets ``args.model`` to the model it chose; it
@@ -214,13 +268,20 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
     ``train_utils.downloaders_first``). The recipe flags left unset on the
     command line (None) are then set from the task's ``recipe``, else from
     ``RECIPE_DEFAULTS``. Raises ConfigError (one line) for an unknown task
-    or model, missing data, or a ``recipe`` key that is no recipe flag.
+    or model, missing data, a task function that returns no ``Task``, or a
+    ``recipe`` key that is no recipe flag.
     """
     try:
         task_fn = task_function(TASKS.get(args.dataset, args.dataset))
     except ConfigError as exc:
         raise ConfigError(f"--dataset {args.dataset}: {exc}") from None
     task = task_fn(args, download)
+    if not isinstance(task, Task):
+        shown = repr(task) if len(repr(task)) <= 40 else repr(task)[:37] + "..."
+        raise ConfigError(f"--dataset {args.dataset}: the task function returned {shown} "
+                          f"({type(task).__name__}), not a common.Task; end it with "
+                          f"`return common.Task(train_set, val_set, test_set, model, loss_fn, "
+                          f"classification)` (docs/custom-task.md)")
     unknown = sorted(set(task.recipe) - set(RECIPE_DEFAULTS))
     if unknown:
         raise ConfigError(f"--dataset {args.dataset}: Task.recipe sets {', '.join(unknown)}, which "

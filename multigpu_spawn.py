@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.optimizer, self.scheduler = optimizer, scheduler
         self.task, self.device, self.args = task, device, args
+        self.replacing = os.path.exists(args.checkpoint_path)  # an earlier run's: the first save says so
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -72,7 +73,9 @@ class Trainer:
         if self.rank != 0:  # every rank holds the same weights; one saves them
             return
         torch.save(self.model.module.state_dict(), self.args.checkpoint_path)  # without DDP's prefix
-        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}", flush=True)
+        note = " (replacing an earlier run's: this script does not resume)" if self.replacing else ""
+        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}{note}", flush=True)
+        self.replacing = False
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
@@ -115,7 +118,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int) -> DataLoader:
+def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int, collate_fn: Callable) -> DataLoader:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
     (a batch of 1 would break BatchNorm). Evaluation: every sample, in order.
     Each rank takes its 1/world_size share of an epoch (DistributedSampler) and evaluation
@@ -131,7 +134,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int
         sampler=DistributedSampler(dataset, world_size, rank, seed=seed) if train else None,
         generator=torch.Generator().manual_seed(seed) if train else None,  # the loader's seed draw: not dropout's RNG
         drop_last=train,
-        collate_fn=common.collate,  # whole batches some tasks' datasets assemble pass through
+        collate_fn=collate_fn,  # the task's batching (common.Task.collate_fn)
     )
 
 
@@ -150,9 +153,9 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     model = task.model.to(device)
     torch.manual_seed(args.seed + rank)  # each rank its own stream, or all draw the same dropout masks
     optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
-    train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed)
-    val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed)
-    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed)
+    train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
+    val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
+    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
         raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
                                  f"data for a process; pass a smaller one")

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -33,6 +33,7 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.optimizer, self.scheduler = optimizer, scheduler
         self.task, self.device, self.args = task, device, args
+        self.replacing = os.path.exists(args.checkpoint_path)  # an earlier run's: the first save says so
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -60,7 +61,9 @@ class Trainer:
 
     def _save_checkpoint(self, epoch: int) -> None:
         torch.save(self.model.state_dict(), self.args.checkpoint_path)
-        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}", flush=True)
+        note = " (replacing an earlier run's: this script does not resume)" if self.replacing else ""
+        print(f"epoch {epoch + 1} | checkpoint saved at {self.args.checkpoint_path}{note}", flush=True)
+        self.replacing = False
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
@@ -98,7 +101,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int) -> DataLoader:
+def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int, collate_fn: Callable) -> DataLoader:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
     (a batch of 1 would break BatchNorm). Evaluation: every sample, in order.
     """
@@ -108,7 +111,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int
         shuffle=train,
         generator=torch.Generator().manual_seed(seed) if train else None,  # the shuffle's own stream
         drop_last=train,
-        collate_fn=common.collate,  # whole batches some tasks' datasets assemble pass through
+        collate_fn=collate_fn,  # the task's batching (common.Task.collate_fn)
     )
 
 
@@ -118,9 +121,9 @@ def main(args: argparse.Namespace) -> None:
     task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
     model = task.model.to(device)
     optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
-    train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed)
-    val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed)
-    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed)
+    train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
+    val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
+    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
         raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
                                  f"data for a process; pass a smaller one")

@@ -22,7 +22,7 @@ import contextlib
 import os
 import socket
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -338,11 +338,12 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
-                       seed: int) -> DataLoader:
+                       seed: int, collate_fn: Callable) -> DataLoader:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
     (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
     epoch's permutation (DistributedSampler, resumable mid-epoch). Evaluation:
-    rank r takes samples r, r+W, r+2W, ... unpadded, each sample once."""
+    rank r takes samples r, r+W, r+2W, ... unpadded, each sample once. Batches
+    are made by ``collate_fn`` (the task's, ``common.Task.collate_fn``)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
@@ -356,7 +357,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, trai
         drop_last=train,
         **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
         pin_memory=torch.cuda.is_available(),
-        collate_fn=common.collate,  # whole batches from InMemoryImages pass through
+        collate_fn=collate_fn,  # the task's batching; common.collate passes InMemoryImages' whole batches
     )
 
 
@@ -403,7 +404,8 @@ def main(args: argparse.Namespace) -> None:
     if args.strategy == "fsdp":
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     task, optimizer = build(args, rank, local_rank, device)
-    train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed)
+    train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed,
+                                                          task.collate_fn)
                                        for data, train in ((task.train_set, True), (task.val_set, False),
                                                            (task.test_set, False)))
     saved = os.path.join(args.snapshot_path, "meta.pt") if args.strategy == "fsdp" else args.snapshot_path

@@ -250,3 +250,64 @@ def cifar10_task(args: argparse.Namespace, download: bool) -> Task:
     images cropped and flipped; a ResNet (``CIFAR10_MODELS``), cross-entropy;
     ``CIFAR10_RECIPE``."""
     return vision_task("cifar10", args, download)
+
+
+# --------------------------------------------------------------------------
+# A MNIST folder from MNIST's published test split alone (10,000 digits)
+# --------------------------------------------------------------------------
+
+def stage_mnist_t10k(source: str, root: str, n_train: int = 8000, n_test: int = 2000) -> str:
+    """Write a torchvision MNIST folder at ``root`` (``root/MNIST/raw``, what
+    ``--data_dir root`` reads) made of the 10,000 real digits of MNIST's test
+    split, t10k-images-idx3-ubyte(.gz) and t10k-labels-idx1-ubyte(.gz) in
+    ``source``: the first ``n_train`` as its train split (which --dataset
+    mnist splits 90/10 into train and validation), the last ``n_test`` as its
+    test split, uint8 IDX files. For a machine that has those two files and no
+    download (docs/recipes.md). Returns ``root``. Raises ConfigError when a
+    file is missing or not 10,000 digits, or when ``root`` already holds MNIST."""
+    import gzip
+    import struct
+
+    def read(name: str, magic: int) -> torch.Tensor:
+        for path in (os.path.join(source, name + ".gz"), os.path.join(source, name)):
+            if os.path.isfile(path):
+                with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+                    data = f.read()
+                ndim = magic & 0xFF
+                shape = struct.unpack(f">{ndim}i", data[4:4 + 4 * ndim])
+                if struct.unpack(">i", data[:4])[0] != magic or shape[0] != 10000:
+                    raise ConfigError(f"{path} is not MNIST's 10,000-digit test split (IDX magic {magic})")
+                return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).reshape(shape)
+        raise ConfigError(f"no {name}.gz (or {name}) in {source}; give the folder holding MNIST's "
+                          f"test split files")
+
+    raw = os.path.join(root, "MNIST", "raw")
+    if os.path.exists(raw):
+        raise ConfigError(f"{raw} exists already; give another folder, or remove it")
+    images, labels = read("t10k-images-idx3-ubyte", 2051), read("t10k-labels-idx1-ubyte", 2049)
+    os.makedirs(raw)
+    for split, first, last in (("train", 0, n_train), ("t10k", 10000 - n_test, 10000)):
+        for name, tensor, magic in (("images-idx3", images, 2051), ("labels-idx1", labels, 2049)):
+            part = tensor[first:last].contiguous()
+            with open(os.path.join(raw, f"{split}-{name}-ubyte"), "wb") as f:
+                f.write(struct.pack(">i", magic) + struct.pack(f">{part.dim()}i", *part.shape))
+                f.write(part.numpy().tobytes())
+    return root
+
+
+if __name__ == "__main__":
+    import sys
+
+    parser = argparse.ArgumentParser(description="Write a --data_dir for --dataset mnist from MNIST's "
+                                     "test split alone: 8,000 digits to train (7,200 train, 800 "
+                                     "validation), 2,000 held out.")
+    parser.add_argument("source", help="folder holding t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz")
+    parser.add_argument("data_dir", help="the folder to write; pass it as --data_dir")
+    options = parser.parse_args()
+    try:
+        print(f"MNIST from {options.source}: 8000 train and 2000 test digits in "
+              f"{stage_mnist_t10k(options.source, options.data_dir)}; train with --dataset mnist "
+              f"--data_dir {options.data_dir}")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -66,6 +66,7 @@ QUICK = [
     "test_ladder_diffs.py",
     "test_package_map.py",
     "test_readme.py",
+    "test_task_batching.py",  # a task of one's own: its batching, named by its file, wrong returns
     "test_multinode.py::test_two_nodes_train_together",
     "test_fsdp.py::test_resume_equals_uninterrupted_run",  # train.py --strategy fsdp, stopped and resumed
     "test_distributed_correctness.py::test_resume_equals_uninterrupted_run",

@@ -5,10 +5,8 @@ benchmarks/run.py."""
 
 from __future__ import annotations
 
-import gzip
 import os
 import pickle
-import struct
 from pathlib import Path
 
 import pytest
@@ -24,25 +22,6 @@ MNIST_T10K = Path(os.environ.get("MNIST_T10K_DIR", REPO.parent / "shared" / "dat
 # MNIST from the real t10k files, written back in IDX format
 # --------------------------------------------------------------------------
 
-def read_idx(path: Path) -> torch.Tensor:
-    """Read a (gzipped) IDX file (http://yann.lecun.com/exdb/mnist/ format) as uint8."""
-    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
-        data = f.read()
-    magic, = struct.unpack(">i", data[:4])
-    ndim = magic & 0xFF
-    shape = struct.unpack(f">{ndim}i", data[4:4 + 4 * ndim])
-    return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).reshape(shape)
-
-
-def write_idx(path: Path, tensor: torch.Tensor) -> None:
-    """Write uint8 images (N, 28, 28) (magic 2051) or labels (N,) (magic 2049)."""
-    magic = 2051 if tensor.dim() == 3 else 2049
-    with open(path, "wb") as f:
-        f.write(struct.pack(">i", magic))
-        f.write(struct.pack(f">{tensor.dim()}i", *tensor.shape))
-        f.write(tensor.contiguous().numpy().tobytes())
-
-
 def require_mnist_t10k() -> Path:
     if not (MNIST_T10K / "t10k-images-idx3-ubyte.gz").exists():
         message = (f"real MNIST fixture absent: {MNIST_T10K}/t10k-images-idx3-ubyte.gz "
@@ -55,18 +34,12 @@ def require_mnist_t10k() -> Path:
 
 def build_mnist_root(root: Path, n_train: int = 8000, n_test: int = 2000) -> Path:
     """A torchvision MNIST root made of the real t10k digits: the first
-    ``n_train`` as the train split, the last ``n_test`` as the test split."""
-    source = require_mnist_t10k()
-    images = read_idx(source / "t10k-images-idx3-ubyte.gz")
-    labels = read_idx(source / "t10k-labels-idx1-ubyte.gz")
-    assert images.shape == (10000, 28, 28) and labels.shape == (10000,)
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    write_idx(raw / "train-images-idx3-ubyte", images[:n_train])
-    write_idx(raw / "train-labels-idx1-ubyte", labels[:n_train])
-    write_idx(raw / "t10k-images-idx3-ubyte", images[-n_test:])
-    write_idx(raw / "t10k-labels-idx1-ubyte", labels[-n_test:])
-    return root
+    ``n_train`` as the train split, the last ``n_test`` as the test split,
+    written by the command docs/recipes.md gives users (``python
+    vision_tasks.py SOURCE DATA_DIR``, ``vision_tasks.stage_mnist_t10k``)."""
+    import vision_tasks
+
+    return Path(vision_tasks.stage_mnist_t10k(str(require_mnist_t10k()), str(root), n_train, n_test))
 
 
 # --------------------------------------------------------------------------

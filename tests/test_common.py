@@ -142,3 +142,16 @@ def test_a_failed_download_leaves_no_empty_dataset_folder(tmp_path, monkeypatch)
     with pytest.raises(train_utils.ConfigError):
         vision_tasks.prepare_data("mnist", str(data_dir), download=True)
     assert sorted(p.name for p in data_dir.iterdir()) == ["notes.txt"]
+
+
+def test_staging_mnist_from_its_test_split_refuses_in_one_line(tmp_path):
+    """docs/recipes.md's one command (vision_tasks.py SOURCE DATA_DIR; the
+    tests' MNIST folders are made by it too): a folder without the files, or
+    a target that already holds MNIST, is one line, and nothing is written."""
+    with pytest.raises(common.ConfigError) as info:
+        vision_tasks.stage_mnist_t10k(str(tmp_path / "nothing"), str(tmp_path / "out"))
+    assert "no t10k-images-idx3-ubyte.gz" in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "taken" / "MNIST" / "raw").mkdir(parents=True)
+    with pytest.raises(common.ConfigError, match="exists already"):
+        vision_tasks.stage_mnist_t10k(str(tmp_path / "nothing"), str(tmp_path / "taken"))

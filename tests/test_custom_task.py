@@ -11,11 +11,15 @@ ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 
 
 def guide_task_module(folder) -> None:
-    """Write the guide's my_task.py, as printed there, into ``folder``."""
+    """Write the guide's task files (my_task.py, my_seq_task.py), as printed
+    there, into ``folder``: each ```python block, named by its docstring's first word."""
     guide = (REPO / "docs" / "custom-task.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
-    assert len(blocks) == 1 and "def build_task(args, download)" in blocks[0]
-    (folder / "my_task.py").write_text(blocks[0])
+    names = [re.match(r'"""(\w+\.py): ', block).group(1) for block in blocks]
+    assert names == ["my_task.py", "my_seq_task.py"], names
+    for name, block in zip(names, blocks):
+        assert "def build_task(args, download)" in block, name
+        (folder / name).write_text(block)
 
 
 def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path):

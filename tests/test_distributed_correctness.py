@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dataset_files import build_mnist_root
 from helpers import REPO, plain_task, TORCHRUN, check, error_lines, free_port, run, snapshot_tensors
 
+import common
 import multigpu_spawn
 import singlegpu
 import train
@@ -88,10 +89,10 @@ def _eval_worker(rank, world_size, port, module_name, out_dir):
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
     if module_name == "spawn":  # the rungs 2-4 share this code; the kit has its own
-        loader = multigpu_spawn.prepare_dataloader(dataset, 8, False, 0)
+        loader = multigpu_spawn.prepare_dataloader(dataset, 8, False, 0, common.collate)
         evaluate = multigpu_spawn.evaluate
     else:
-        loader = train.prepare_dataloader(dataset, 8, 0, False, 0)
+        loader = train.prepare_dataloader(dataset, 8, 0, False, 0, common.collate)
         evaluate = train.evaluate
     counted = sum(len(y) for _, y in loader)
     loss, accuracy = evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
@@ -103,7 +104,7 @@ def _eval_worker(rank, world_size, port, module_name, out_dir):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_path):
     dataset, model = _eval_problem()
-    loader = singlegpu.prepare_dataloader(dataset, 8, False, 0)
+    loader = singlegpu.prepare_dataloader(dataset, 8, False, 0, common.collate)
     expected_loss, expected_accuracy = singlegpu.evaluate(model, loader, plain_task(F.cross_entropy, True),
                                                           torch.device("cpu"))
     # Cross-check the reference itself against a plain full-batch computation.

@@ -181,18 +181,30 @@ def reading_order() -> list:
     return ["README.md"] + sorted(pages, key=lambda page: linked.index(page) if page in linked else len(linked))
 
 
+def _shared_beside(folder) -> None:
+    """The project's shared data beside ``folder`` as beside a checkout:
+    ``../shared/data/mnist-t10k`` (docs/recipes.md stages MNIST from it)."""
+    from dataset_files import require_mnist_t10k
+
+    (folder.parent / "shared" / "data").mkdir(parents=True)
+    (folder.parent / "shared" / "data" / "mnist-t10k").symlink_to(require_mnist_t10k())
+
+
 def test_a_newcomer_runs_the_readme_then_every_page_in_one_folder(docs_data, tmp_path):
     """As a newcomer does: the README's commands, then each page's, in reading
     order, all in the same folder, so that what one block leaves behind
     (snapshots, checkpoints, metrics files, curves) meets the next. The blocks
     run elsewhere (Slurm, containers, a fresh install) are left out here too.
-    The output the README shows for its Steps 1 and 3 is compared with what
-    their blocks print here (tests/test_readme.py's check_shown_output)."""
-    env = _workspace(tmp_path, docs_data)
+    The output the README shows for its Step 1 and its train.py resume, and
+    docs/custom-task.md's train.py outputs, are compared with what their
+    blocks print here (tests/test_readme.py's check_shown_output)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    _shared_beside(folder)
+    env = _workspace(folder, docs_data)
     blocks = bash_blocks()
     for page in reading_order():
         for doc, number, block in blocks:
             if doc == page and not covered_elsewhere(block):
-                stdout = _run_block(doc, number, block, tmp_path, env)
-                if doc == "README.md":
-                    check_shown_output(block, stdout)
+                stdout = _run_block(doc, number, block, folder, env)
+                check_shown_output(block, stdout, doc)

@@ -207,7 +207,7 @@ def _fsdp_eval_worker(rank, world_size, port, out_dir):
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
     model = train.shard_model(model, torch.device("cpu"), dtype=None)
-    loader = train.prepare_dataloader(dataset, 8, 0, False, 0)
+    loader = train.prepare_dataloader(dataset, 8, 0, False, 0, common.collate)
     loss, accuracy = train.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"),
                                     fsdp=True)
     torch.save({"loss": loss, "accuracy": accuracy, "counted": sum(len(y) for _, y in loader),
@@ -346,7 +346,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     args = train_utils.parse_args(None, common.TASKS)
     device = torch.device("cpu")
     task, optimizer = train.build(args, rank, rank, device)  # seeded and sharded as train.py does
-    train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0)
+    train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0, task.collate_fn)
     recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
     trainer = train.Trainer(task.model, train_data, None, recipe, task, device, rank, rank,
                             train_utils.RunLog(args), args)

@@ -32,6 +32,8 @@ def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
     for start in starts:
         first = next(r for r in records if r.get("run") == start["run"] and "epoch" in r)
         assert start["time"] < first["time"], (start, first)
+    # Each rank's 922 samples make 28 full batches of 32; the last 26 are not trained.
+    assert {r["samples"] for r in records if "epoch" in r} == {2 * 28 * 32}
     per_epoch = [(r["epoch"], r["resumed_from"]) for r in records if "epoch" in r]
     assert per_epoch == [(1, None), (2, None), (3, None), (3, "after epoch 2"), (4, "after epoch 2")]
     last = {r["epoch"]: r for r in records if "epoch" in r}  # the curve: the last record per epoch

@@ -63,13 +63,23 @@ def _assert_shown_in(shown: str, printed: str) -> None:
         position = printed_lines.index(expected, position) + 1
 
 
-def check_shown_output(block: str, stdout: str) -> None:
+def check_shown_output(block: str, stdout: str, doc: str = "README.md") -> None:
     """Called by tests/test_docs.py's one-folder walk, which runs the README's
-    blocks as written, with each block and what it printed: for Step 1's block,
-    the output shown there against its first command, `python singlegpu.py`
-    (the default job is deterministic on a CPU; a later run in the block
-    would start with its own `epoch 1/`); for the train.py section's block, the output
-    shown against its second command (a resume); every number but the timings."""
+    and the docs' blocks as written, with each block, what it printed and its
+    page: for Step 1's block, the output shown there against its first
+    command, `python singlegpu.py` (the default job is deterministic on a
+    CPU; a later run in the block would start with its own `epoch 1/`); for
+    the train.py section's block, the output shown against its second command
+    (a resume); for docs/custom-task.md's blocks, the ```text block shown after
+    a block against its last train.py run (from its `device` line); every
+    number but the timings."""
+    if doc == "docs/custom-task.md":
+        shown = _shown_after(DOCS_SHOWN[doc].read_text(), block)
+        if shown is not None:
+            _assert_shown_in(shown, _last_kit_run(stdout))
+        return
+    if doc != "README.md":
+        return
     if block == _blocks(_section("Step 1"), "bash")[0]:
         assert block.splitlines()[0] == "python singlegpu.py"
         second_start = stdout.find("epoch 1/", stdout.find("epoch 1/") + 1)
@@ -79,6 +89,25 @@ def check_shown_output(block: str, stdout: str) -> None:
     elif block == _blocks(_section("For real runs"), "bash")[0]:
         second_run = "device " + stdout.split("\ndevice ")[1]
         _assert_shown_in(_shown_resume(), second_run)
+
+
+# The pages besides the README whose shown kit output is compared with real runs.
+DOCS_SHOWN = {"docs/custom-task.md": REPO / "docs" / "custom-task.md"}
+
+
+def _shown_after(page: str, block: str):
+    """The ```text block that follows ``block`` on ``page`` before the next
+    ```bash block, when it shows a train.py run (starts with `device `); else None."""
+    after = page.split("```bash\n" + block + "```", 1)[1].split("```bash", 1)[0]
+    shown = _blocks(after, "text")
+    return shown[0] if shown and shown[0].startswith("device ") else None
+
+
+def _last_kit_run(stdout: str) -> str:
+    """What the block's last train.py run printed: from its last `device ` line on."""
+    starts = [m.start() for m in re.finditer(r"^device ", stdout, re.M)]
+    assert starts, f"no train.py run in the output:\n{stdout}"
+    return stdout[starts[-1]:]
 
 
 def _shown_resume() -> str:
@@ -99,6 +128,24 @@ def test_the_shown_output_is_compared_with_real_runs():
     check_shown_output(kit, "device cpu | the first run\n" + resumed)
     with pytest.raises(AssertionError):
         check_shown_output(kit, "device cpu | the first run\n" + resumed.replace("epoch 3/4", "epoch 3/5"))
+
+
+def test_the_custom_task_pages_shown_output_is_compared_with_real_runs():
+    """Each of docs/custom-task.md's train.py outputs is recognised after its
+    block, compared with the block's last train.py run, and a number that differs fails."""
+    page = DOCS_SHOWN["docs/custom-task.md"].read_text()
+    compared = 0
+    for block in _blocks(page, "bash"):
+        shown = _shown_after(page, block)
+        if shown is None:
+            continue
+        compared += 1
+        singlegpu = "epoch 1/3 | train_loss 9.9 | a rung's line\n"
+        check_shown_output(block, singlegpu + shown, "docs/custom-task.md")
+        first = re.search(r"train_loss \S+", shown).group(0)
+        with pytest.raises(AssertionError):
+            check_shown_output(block, shown.replace(first, "train_loss 1.234567"), "docs/custom-task.md")
+    assert compared == 2
 
 
 # --------------------------------------------------------------------------

@@ -193,3 +193,27 @@ def test_a_full_disk_at_a_save_is_one_line_naming_the_intact_snapshot(tmp_path):
     assert line in result.stderr.split("Root Cause")[1]
     assert snapshot_tensors(tmp_path / "kept.pt")[0] == 1
     assert (tmp_path / "left.txt").read_text() == "two.pt\n"  # no temporary file, the claim given back
+
+
+# --------------------------------------------------------------------------
+# One prefix for every error line the project prints
+# --------------------------------------------------------------------------
+
+# A message the project writes that starts with another spelling of "error:".
+OTHER_PREFIX = re.compile(r"""(?:print\(f?|exit\(f?|echo |Error\(f?)["'](?:Error|ERROR|Fatal|FATAL|fatal)\b[:!]?""")
+
+
+def test_every_error_line_the_project_prints_starts_with_error_colon():
+    """The scripts, train_utils, the task modules, the benchmark and the Slurm
+    wrappers all say `error: ...` (and `warning: ...`), as argparse does."""
+    sources = [*REPO.glob("*.py"), *REPO.glob("train_utils/*.py"), *REPO.glob("benchmarks/*.py"),
+               *REPO.glob("slurm/*.sh")]
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}" for path in sources
+             for number, line in enumerate(path.read_text().splitlines(), start=1) if OTHER_PREFIX.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_prefix_check_can_fail():
+    assert OTHER_PREFIX.search('print(f"Error: no such file", file=sys.stderr)')
+    assert OTHER_PREFIX.search('echo "ERROR: not found" >&2')
+    assert not OTHER_PREFIX.search('print(f"error: {exc}", file=sys.stderr)')

@@ -562,3 +562,18 @@ def test_loader_workers_ignore_the_stop_signals():
     del iterator
     assert worker != os.getpid()
     assert [signum for signum in train_utils.STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []
+
+
+def test_the_epoch_record_counts_the_samples_trained():
+    """``samples`` is what the epoch trained on, the part carried over a
+    mid-epoch resume included: full batches only, so a training split that
+    batches do not divide trains fewer samples than it holds."""
+    meter = train_utils.EpochMeter(0, 1, torch.device("cpu"))
+    for _ in range(3):
+        meter.add(torch.tensor(0.5), 32)
+    assert meter.summary()["samples"] == 96
+    resumed = train_utils.EpochMeter(0, 1, torch.device("cpu"), carried=torch.tensor([10.0, 64.0]))
+    resumed.add(torch.tensor(0.5), 32)
+    record = resumed.summary()
+    assert record["samples"] == 96 and isinstance(record["samples"], int)
+    assert record["train_loss"] == pytest.approx((10 + 16) / 96)

@@ -104,13 +104,15 @@ class _OneRankParser(argparse.ArgumentParser):
 
 
 def _task_name(tasks: tuple) -> Callable[[str], str]:
-    """argparse type for --dataset: one of ``tasks``, or a ``module:function``."""
+    """argparse type for --dataset: one of ``tasks``, or a ``module:function``
+    (``file.py:function``, ``dir/file.py:function``)."""
 
     def parse(text: str) -> str:
         if text in tasks or (":" in text and all(text.split(":", 1))):
             return text
         raise argparse.ArgumentTypeError(
-            f"invalid choice: {text!r} (choose from {', '.join(tasks)}, or module:function)")
+            f"invalid choice: {text!r} (choose from {', '.join(tasks)}, or module:function "
+            f"or file.py:function)")
 
     return parse
 
@@ -154,8 +156,8 @@ def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
     add("--lr", type=positive(float), default=None,
         help="peak learning rate (default: the task's; synthetic 0.05)")
     add("--dataset", type=_task_name(tasks), default=tasks[0],
-        help=f"task to train: {', '.join(tasks)}, or module:function for your own "
-             f"(default: {tasks[0]}, needs no download)")
+        help=f"task to train: {', '.join(tasks)}, or module:function (or file.py:function, "
+             f"dir/file.py:function) for your own (default: {tasks[0]}, needs no download)")
     listed = "".join(f"{task} {', '.join(models[task])}; " for task in tasks if task in models)
     add("--model", default=None,
         help=f"model for the task: {listed}your own task: what its task function accepts "

@@ -90,7 +90,9 @@ class EpochMeter:
 
     def summary(self) -> dict:
         """The epoch's record: epoch, total_epochs, train_loss (mean over every
-        sample of the epoch), samples_per_s (samples trained since the epoch
+        sample trained in the epoch), samples (how many: full batches only, so
+        a last partial batch of each rank's shard is not among them),
+        samples_per_s (samples trained since the epoch
         (re)started / seconds), epoch_seconds, and peak_gpu_memory_mib on
         CUDA (the scripts add the recipe's figures: ``Recipe.epoch_figures``).
         ``totals`` must already be the global sums. Raises ConfigError when the
@@ -101,7 +103,8 @@ class EpochMeter:
                                                   else 0)).tolist()
         check_finite(loss_sum / samples, self.epoch, self.resumes)
         return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
-                "train_loss": loss_sum / samples, "samples_per_s": new_samples / seconds,
+                "train_loss": loss_sum / samples, "samples": round(samples),
+                "samples_per_s": new_samples / seconds,
                 "epoch_seconds": seconds, **peak_memory_mib(self.device)}
 
 

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
-from common import ConfigError
+from common import TASK_FILE_FOLDERS, ConfigError
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
 
@@ -117,10 +117,12 @@ def _fork_server(dataset: Dataset) -> Optional[multiprocessing.context.BaseConte
 
 def _import_folders() -> list:
     """Where this process imports the scripts' and the task's modules from
-    (``common.task_function``'s order): the main script's folder, PYTHONPATH,
-    the current folder."""
+    (``common.task_function``'s order): the folders of task files named by
+    their path (``--dataset dir/my_task.py:build_task``, ``TASK_FILE_FOLDERS``),
+    the main script's folder, PYTHONPATH, the current folder."""
+    folders = list(TASK_FILE_FOLDERS)
     main = getattr(sys.modules["__main__"], "__file__", None)
-    folders = [os.path.dirname(os.path.abspath(main))] if main else []
+    folders += [os.path.dirname(os.path.abspath(main))] if main else []
     folders += [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
     return folders + [os.getcwd()]
 
@@ -141,13 +143,28 @@ def _module_of(dataset: Dataset) -> str:
     return type(dataset).__module__
 
 
+# A fork server sends a new worker one file descriptor per tensor storage of
+# its dataset, with its own and the loader's queues', at most
+# multiprocessing.forkserver.MAXFDS_TO_SEND (256) in all; 200 leaves room.
+MOST_STORAGES = 200
+
+
 class _Probe(pickle.Pickler):
     """Pickles everything but array data (tensors, numpy arrays), into nothing:
-    whether an object can be sent to a worker, without copying its data."""
+    whether an object can be sent to a worker, without copying its data.
+    ``storages`` collects the tensors' distinct storages (a slice shares its
+    tensor's)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.storages: set = set()
 
     def reducer_override(self, obj):
         numpy = sys.modules.get("numpy")
-        if isinstance(obj, torch.Tensor) or (numpy is not None and isinstance(obj, numpy.ndarray)):
+        if isinstance(obj, torch.Tensor):
+            self.storages.add(obj.untyped_storage().data_ptr())
+            return tuple, ()
+        if numpy is not None and isinstance(obj, numpy.ndarray):
             return tuple, ()
         return NotImplemented
 
@@ -158,11 +175,20 @@ class _Discard:
 
 
 def _check_picklable(dataset: Dataset) -> None:
-    """Raise ConfigError (one line) when ``dataset`` cannot be pickled."""
+    """Raise ConfigError (one line) when ``dataset`` cannot be pickled, or
+    holds more separate tensors (storages) than a fork server can send a
+    worker (``MOST_STORAGES``)."""
+    probe = _Probe(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
     try:
-        _Probe(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(dataset)
+        probe.dump(dataset)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise ConfigError(f"--num_workers starts DataLoader workers by a fork server (docs/pitfalls.md), "
                           f"which must pickle the dataset, and {type(dataset).__name__} cannot be "
                           f"pickled ({exc}): define its classes and functions at the top level of a "
                           f"module (no lambdas or local functions), or use --num_workers 0") from None
+    if len(probe.storages) > MOST_STORAGES:
+        raise ConfigError(f"--num_workers starts DataLoader workers by a fork server, which sends each "
+                          f"worker the dataset's tensors one file descriptor each, and "
+                          f"{type(dataset).__name__} holds {len(probe.storages)} separate tensors (at most "
+                          f"{MOST_STORAGES} fit): keep the data in a few large tensors and give each item a "
+                          f"slice of them (docs/custom-task.md), or use --num_workers 0")
