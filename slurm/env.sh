@@ -33,8 +33,15 @@ set -u
 CONTAINER=()
 if [ -n "${CONTAINER_IMAGE:-}" ]; then
     BINDS="$SLURM_SUBMIT_DIR,$PROJECT${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+    # The job's id reaches train.py in the container, which claims the snapshot
+    # for this job (docs/slurm.md): apptainer passes the environment anyway,
+    # podman and docker only what --env names.
+    JOB_ENV=(--env "SLURM_JOB_ID=$SLURM_JOB_ID")
+    if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
+        JOB_ENV+=(--env "SLURM_ARRAY_JOB_ID=$SLURM_ARRAY_JOB_ID" --env "SLURM_ARRAY_TASK_ID=$SLURM_ARRAY_TASK_ID")
+    fi
     # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
-    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "$CONTAINER_IMAGE")
+    CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "${JOB_ENV[@]}" "$CONTAINER_IMAGE")
 fi
 # ${CONTAINER[@]+"${CONTAINER[@]}"}: that command, or nothing (also under set -u in bash < 4.4).
 # --- end container ---

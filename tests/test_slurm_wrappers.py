@@ -155,16 +155,22 @@ def test_env_sh_activates_the_venv_or_builds_the_container_command(tmp_path):
     # The project's own .venv, by default, where it exists
     _fake_venv(tmp_path / ".venv")
     assert _env_sh(tmp_path, show).stdout.startswith("venv=1\n")
-    # A container image: no venv; apptainer binds the submission and project folders, DATA_DIR and more
+    # A container image: no venv; apptainer binds the submission and project folders, DATA_DIR and more;
+    # the job's id is passed in (train.py claims the snapshot for the job; podman and docker pass no
+    # environment of their own accord)
     result = _env_sh(tmp_path, show, VENV_DIR=str(venv), CONTAINER_IMAGE="ddp.sif", DATA_DIR="/data",
                      CONTAINER_BINDS="/scratch,/models")
     assert result.stdout.splitlines() == [
         "venv=0", f"script={REPO}/train.py", "data=/data",
-        f"[apptainer][exec][--nv][--bind][{tmp_path},{REPO},/data,/scratch,/models][ddp.sif]"], result.stderr
+        f"[apptainer][exec][--nv][--bind][{tmp_path},{REPO},/data,/scratch,/models]"
+        "[--env][SLURM_JOB_ID=31337][ddp.sif]"], result.stderr
     result = _env_sh(tmp_path, show, CONTAINER_IMAGE="ddp:latest", CONTAINER_RUN="podman run --rm",
-                     SCRIPT_NAME="multinode.py", SLURM_TMPDIR="/local")
-    assert result.stdout.splitlines() == ["venv=0", f"script={REPO}/multinode.py", "data=/local",
-                                          "[podman][run][--rm][ddp:latest]"], result.stderr
+                     SCRIPT_NAME="multinode.py", SLURM_TMPDIR="/local", SLURM_ARRAY_JOB_ID="31330",
+                     SLURM_ARRAY_TASK_ID="7")
+    assert result.stdout.splitlines() == [
+        "venv=0", f"script={REPO}/multinode.py", "data=/local",
+        "[podman][run][--rm][--env][SLURM_JOB_ID=31337][--env][SLURM_ARRAY_JOB_ID=31330]"
+        "[--env][SLURM_ARRAY_TASK_ID=7][ddp:latest]"], result.stderr
 
 
 def test_env_sh_refuses_a_missing_script_or_launcher_in_one_line(tmp_path):
