@@ -26,10 +26,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 
@@ -200,6 +196,9 @@ class Trainer:
     def _load_sharded_snapshot(self, folder: str) -> None:
         """FSDP: DCP loads into this model's and optimizer's own sharded state dicts,
         in place: each rank reads its shards' pieces from whichever files hold them."""
+        import torch.distributed.checkpoint as dcp  # imported here: see shard_model
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         snapshot = self.snapshots.read(folder, self.config, dist.get_world_size())  # or refuses it
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
@@ -247,6 +246,9 @@ class Trainer:
 
     def _save_sharded(self, state: dict) -> str:
         """Collective: a new folder of every rank's shards, returned; then the previous snapshot goes."""
+        import torch.distributed.checkpoint as dcp  # imported here: see shard_model
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         train_utils.broadcast_buffers(self.model)  # FSDP never syncs BatchNorm statistics: save rank 0's
         # Each rank writes its own shards, DCP's rank 0 the index (.metadata); no rank ever
         # holds the full state. A new folder each time: DCP overwrites files in place.
@@ -323,6 +325,11 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
     parameters left; a unit's are all-gathered just before its forward and backward.
     ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
     BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
+    # FSDP and DCP are imported where --strategy fsdp uses them (here and the sharded
+    # snapshots): with DTensor and sympy they cost every DDP process 0.5 s of start-up.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     train_utils.contiguous_parameters(model)  # fully_shard refuses channels-last weights
     # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
