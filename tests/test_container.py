@@ -9,7 +9,7 @@ CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
 
 - train.py in two containers as two torchrun nodes on the host network,
   with the checkout bind-mounted over /workspace (the seeds' way), trains on
-  the real MNIST digits and scores at least 95% on the held-out ones;
+  the real MNIST digits and scores at least 90% on the held-out ones;
 - slurm/multi_node.sh with CONTAINER_IMAGE on a real Slurm cluster
   (tests/slurm_cluster.py), a podman command as CONTAINER_RUN;
 - slurm/multi_gpu.sh preempted and slurm/multi_node_srun.sh (a container per
@@ -296,7 +296,7 @@ def test_image_holds_the_project(image):
 def test_two_containers_as_two_nodes_learn_real_mnist(image, tmp_path):
     """train.py in two containers on the host network, one torchrun agent
     each (--nnodes=2 --nproc_per_node=1), meeting through c10d rendezvous, on
-    8,000 real digits mounted read-only at /data, 3 epochs: >= 95% on the 2,000
+    8,000 real digits mounted read-only at /data, one epoch: >= 90% on the 2,000
     held out. Both containers share the host name and run torchrun as PID 1,
     so each gets its own --local-addr (127.0.0.1, 127.0.0.2); without it they
     describe themselves identically and wait until the join timeout. The
@@ -312,7 +312,7 @@ def test_two_containers_as_two_nodes_learn_real_mnist(image, tmp_path):
         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=container{port}",
         f"--local-addr=127.0.0.{node + 1}",
         f"--rdzv-conf=is_host={int(node == 0)}",  # the first agent hosts the rendezvous store
-        "/workspace/train.py", "--dataset", "mnist", "--data_dir", "/data", "--total_epochs", "3",
+        "/workspace/train.py", "--dataset", "mnist", "--data_dir", "/data", "--total_epochs", "1",
         "--metrics_path", "/shared/metrics.jsonl",
         volumes={REPO: "/workspace:ro", data: "/data:ro", shared: "/shared"}, workdir="/shared",
         env={"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}) for node in range(2)]
@@ -324,18 +324,18 @@ def test_two_containers_as_two_nodes_learn_real_mnist(image, tmp_path):
     everything = "".join(stdout for _, stdout, _ in outputs)
     # Global rank 0 alone prints the summary, once, in one of the two containers.
     summaries = [stdout for _, stdout, _ in outputs if epochs(stdout)]
-    assert len(summaries) == 1 and [e["epoch"] for e in epochs(summaries[0])] == [1, 2, 3]
+    assert len(summaries) == 1 and [e["epoch"] for e in epochs(summaries[0])] == [1]
     assert "world_size 2" in summaries[0]
     assert len(re.findall(r"^test \| loss", everything, re.M)) == 1
-    assert parse_test(summaries[0])["acc"] >= 0.95
+    assert parse_test(summaries[0])["acc"] >= 0.9  # one epoch (0.956 outside the container); chance is 0.1
     print("\n".join(line for line in summaries[0].splitlines() if line.startswith(("epoch", "test"))))
     # Each container ran one process: global ranks 0 and 1, local rank 0 on both.
     ranks = [(int(rank), int(local)) for rank, local, _, _ in RANK_LINE.findall(everything)]
-    assert sorted(set(ranks)) == [(0, 0), (1, 0)] and len(ranks) == 6  # 2 ranks x 3 epochs
+    assert sorted(set(ranks)) == [(0, 0), (1, 0)] and len(ranks) == 2  # 2 ranks x 1 epoch
     assert (shared / "snapshot_train.pt").is_file()  # train.py's default --snapshot_path
     records = [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("event") or ("epoch" if "epoch" in r else "test") for r in records] == [
-        "start", "epoch", "epoch", "epoch", "test"]
+        "start", "epoch", "test"]
 
 
 def _podman_env(image: Image) -> dict:
