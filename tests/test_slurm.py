@@ -43,10 +43,11 @@ def submit(cluster, folder, wrapper, *args, sbatch=(), env=None) -> int:
 
 
 def container_stand_in(folder) -> str:
-    """A stand-in for ``apptainer exec IMAGE`` (CONTAINER_RUN): says where it
-    ran and puts the test's Python first on PATH, as an image would."""
+    """A stand-in for ``apptainer exec [--env NAME=VALUE ...] IMAGE``
+    (CONTAINER_RUN): sets each --env, says where it ran and puts the test's
+    Python first on PATH, as an image would."""
     stand_in = folder / "container-exec"
-    stand_in.write_text("#!/bin/sh\nimage=$1; shift\n"
+    stand_in.write_text("#!/bin/sh\nwhile [ \"$1\" = --env ]; do export \"$2\"; shift 2; done\nimage=$1; shift\n"
                         "echo \"in container $image on $(hostname) as task ${SLURM_PROCID:-none}\"\n"
                         f"PATH={sys.prefix}/bin:$PATH exec \"$@\"\n")
     stand_in.chmod(0o755)
