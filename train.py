@@ -66,7 +66,9 @@ class Trainer:
     ``args`` the run's flags. Collective: every rank makes one (the stop signal's
     gloo group, DDP's first broadcast, reading a snapshot), and every rank calls
     ``train``. Raises ConfigError (one line) for a snapshot of another run or a
-    damaged one; NothingToTrain when the snapshot already holds every epoch.
+    damaged one; NothingToTrain when the snapshot already holds every epoch,
+    except under --sample_chars: then its weights are loaded and ``finished``
+    holds that NothingToTrain (None for a run with epochs left).
     """
 
     def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
@@ -87,15 +89,19 @@ class Trainer:
         self.progress = train_utils.Progress(device, train_data, rank)  # epochs, steps, RNG states
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.memory_reported = not self.fsdp  # FSDP: the state-per-rank line after the first step
+        # LM tasks: tokens per sample, and the model's FLOPs per token (None: not a transformer LM).
+        self.tokens_per_sample = task.tokens_per_sample
+        self.flops_per_token = train_utils.model_flops_per_token(model)
         self.saved_at = ""  # the last snapshot saved or resumed from, and its position; '' for none
-        if self.fsdp:
-            self.snapshots = train_utils.ShardedSnapshots(args.snapshot_path)  # a folder per save
-            folder = self.snapshots.latest()  # the newest complete one, on every node (or none)
-            if folder:
-                self._load_sharded_snapshot(folder)
-        else:
-            if train_utils.snapshot_on_every_node(args.snapshot_path):  # or on none
-                self._load_snapshot(args.snapshot_path)
+        self.finished = None  # --sample_chars on a finished run: its NothingToTrain, the weights loaded
+        try:
+            self._load_any_snapshot()
+        except train_utils.NothingToTrain as done:
+            if not args.sample_chars:
+                raise
+            self.finished = done
+            self._load_weights()  # to sample from, then nothing to train
+        if not self.fsdp:
             # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward().
             self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
             if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
@@ -106,6 +112,30 @@ class Trainer:
         # loads without torch.compile.
         self.compiled = train_utils.compile_model(self.model, args.compile)
         self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
+
+    def _load_any_snapshot(self) -> None:
+        """Resume from the snapshot at --snapshot_path, if there is one: FSDP's
+        newest complete folder, DDP's file (seen on every node or on none)."""
+        if self.fsdp:
+            self.snapshots = train_utils.ShardedSnapshots(self.args.snapshot_path)  # a folder per save
+            folder = self.snapshots.latest()  # the newest complete one, on every node (or none)
+            if folder:
+                self._load_sharded_snapshot(folder)
+        elif train_utils.snapshot_on_every_node(self.args.snapshot_path):  # or on none
+            self._load_snapshot(self.args.snapshot_path)
+
+    def _load_weights(self) -> None:
+        """The snapshot's model weights alone, into the model (a finished run's, to sample from)."""
+        if self.fsdp:
+            import torch.distributed.checkpoint as dcp  # imported here: see shard_model
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+            state = get_model_state_dict(self.model)
+            dcp.load(state, checkpoint_id=os.path.join(self.snapshots.latest(), "model"))
+            set_model_state_dict(self.model, state)
+        else:
+            self.model.load_state_dict(torch.load(self.args.snapshot_path, map_location="cpu",
+                                                  weights_only=True)["model"])
 
     @property
     def plain_model(self) -> torch.nn.Module:
@@ -184,7 +214,11 @@ class Trainer:
                 return None
         train_utils.note_phase(f"epoch {epoch + 1} after its training steps (evaluation or saving)")
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
-        return meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
+        record = meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
+        # LM tasks: tokens/s, the model's FLOP/s, and on a GPU its MFU
+        return record | train_utils.throughput_figures(record["samples_per_s"], self.tokens_per_sample,
+                                                      self.flops_per_token, self.device,
+                                                      train_utils.amp_dtype(self.device, self.args.amp))
 
     def _load_snapshot(self, snapshot_path: str) -> None:
         """DDP: the snapshot file's model, optimizer, recipe and position."""
@@ -380,7 +414,10 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     torch.manual_seed(args.seed)
     fault_point("startup")  # the tests' hook: start-up, the process group up, nothing loaded
     task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
+    train_utils.check_sampling(args, task)  # --sample_chars: only a task with a vocabulary writes text
     task.model = task.model.to(device)
+    if args.activation_checkpointing:  # before DDP and FSDP wrap the blocks
+        train_utils.checkpoint_activations(task.model)
     if args.strategy == "fsdp":  # before the optimizer: fully_shard replaces the parameters
         task.model = shard_model(task.model, device, train_utils.amp_dtype(device, args.amp))
     torch.manual_seed(args.seed + rank)
@@ -394,6 +431,9 @@ def finish(trainer: Trainer, test_data: DataLoader, rank: int) -> None:
     test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
     if rank == 0:
         trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
+    # --sample_chars: what the model writes (FSDP: every rank runs the forwards; rank 0 prints)
+    train_utils.print_sample(trainer.plain_model, trainer.task, trainer.args, trainer.device, trainer.fsdp)
+    if rank == 0:
         fault_point("finished")  # the tests' hook: a finished run held until a stop signal
         train_utils.report_run_finished()
 
@@ -424,6 +464,9 @@ def main(args: argparse.Namespace) -> None:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, log, args)
+    if trainer.finished:  # --sample_chars on a finished run: the sample, then "nothing to train"
+        train_utils.print_sample(trainer.plain_model, task, args, device, trainer.fsdp)
+        raise trainer.finished
     log.wandb.start(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         finish(trainer, test_data, rank)

@@ -44,7 +44,6 @@ import functools
 import json
 import os
 import platform
-import re
 import shutil
 import signal
 import statistics
@@ -507,27 +506,6 @@ def section_time_to_accuracy(mnist: Path, target: float = 0.95, reps: int = 2) -
 # 5. One GPU: ResNet-18 on CIFAR-10-shaped batches
 # --------------------------------------------------------------------------
 
-# Dense peak FLOP/s from the vendors' data sheets: (bf16 tensor core, tf32 tensor core).
-GPU_PEAKS = {"H100 80GB HBM3": (989e12, 495e12), "H100 SXM": (989e12, 495e12),
-             "H200": (989e12, 495e12), "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 418e12),
-             "H200 NVL": (835e12, 418e12),
-             "A100": (312e12, 156e12), "L4": (121e12, 60e12), "A10": (125e12, 62.5e12)}
-
-
-def _gpu_peak(name: str):
-    """The data-sheet peaks of the GPU called ``name`` (torch.cuda.get_device_name),
-    matched as whole words, longest key first: "L4" is not "L40S", "A10" not "A100",
-    "H200 NVL" not "H200". None (unknown) for a MIG slice, which has a fraction of
-    the GPU's units: named "... MIG 1g.10gb", or CUDA_VISIBLE_DEVICES names a MIG-<uuid>."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if re.search(r"\bMIG\b", name) or any(part.strip().startswith("MIG-") for part in visible.split(",")):
-        return None
-    for key in sorted(GPU_PEAKS, key=len, reverse=True):
-        if re.search(rf"(?<![\w-]){re.escape(key)}(?!\w)", name):
-            return GPU_PEAKS[key]
-    return None
-
-
 GPU_VARIANTS = [("fp32 (TF32 convs)", False, False, False), ("bf16 autocast", True, False, False),
                 ("bf16 + channels_last", True, True, False),
                 ("bf16 + channels_last + compile", True, True, True)]
@@ -566,7 +544,7 @@ def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
         return {"skipped": "no CUDA device", "table": "**5. GPU: ResNet-18 CIFAR-10**\n\nskipped: no CUDA device"}
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
-    peaks = _gpu_peak(name)
+    peaks = train_utils.gpu_peak(name)  # the kit's table: (bf16, tf32) dense FLOP/s
     x8 = torch.randint(0, 256, (batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
     y = torch.randint(0, 10, (batch_size,), device=device)
     results = []

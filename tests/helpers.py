@@ -28,7 +28,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` ent
 EPOCH_LINE = re.compile(
     r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "
     r"val_loss (?P<val_loss>\S+)(?: \| val_acc (?P<val_acc>\S+))? \| "
-    r"samples/s (?P<samples_per_s>\S+) \| epoch_s (?P<epoch_s>\S+)"
+    r"samples/s (?P<samples_per_s>\S+)(?: \| tokens/s (?P<tokens_per_s>\S+))?"  # tokens: LM tasks
+    r"(?: \| flop/s (?P<flop_per_s>\S+))?(?: \| mfu (?P<mfu>\S+))? \| epoch_s (?P<epoch_s>\S+)"
     r"(?: \| lr (?P<lr>\S+))?(?: \| skipped_steps (?P<skipped_steps>\d+))?"  # skipped: fp16 only
     r"(?: \| peak_mem_mib (?P<peak_mem_mib>\S+))?$", re.M)  # peak memory: CUDA only
 TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)

@@ -369,30 +369,26 @@ def test_plain_amp_is_one_dtype_for_the_whole_job_on_mixed_gpus(tmp_path):
         f"emulated and slower there. Use --amp (fp16 with a loss scaler on every rank)")
 
 
-def test_benchmark_matches_gpu_names_to_their_own_data_sheet():
-    """'L4' must not give the L40S the L4's peak (1.5-3x off), nor 'A10' the A100's."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import run as benchmark
+def test_the_peak_table_matches_gpu_names_to_their_own_data_sheet():
+    """'L4' must not give the L40S the L4's peak (1.5-3x off), nor 'A10' the A100's
+    (the table the kit's MFU and the benchmark's fraction of peak use)."""
+    peak, peaks = train_utils.gpu_peak, train_utils.GPU_PEAKS
+    assert peak("NVIDIA L4") == peaks["L4"]
+    assert peak("NVIDIA L40S") is None and peak("NVIDIA L40") is None
+    assert peak("NVIDIA A10") == peaks["A10"]
+    assert peak("NVIDIA A100-SXM4-80GB") == peaks["A100"]
+    assert peak("NVIDIA H100 PCIe") == peaks["H100 PCIe"]
 
-    assert benchmark._gpu_peak("NVIDIA L4") == benchmark.GPU_PEAKS["L4"]
-    assert benchmark._gpu_peak("NVIDIA L40S") is None and benchmark._gpu_peak("NVIDIA L40") is None
-    assert benchmark._gpu_peak("NVIDIA A10") == benchmark.GPU_PEAKS["A10"]
-    assert benchmark._gpu_peak("NVIDIA A100-SXM4-80GB") == benchmark.GPU_PEAKS["A100"]
-    assert benchmark._gpu_peak("NVIDIA H100 PCIe") == benchmark.GPU_PEAKS["H100 PCIe"]
 
-
-def test_benchmark_gives_h200_nvl_its_own_peak_and_a_mig_slice_none(monkeypatch):
+def test_the_peak_table_gives_h200_nvl_its_own_peak_and_a_mig_slice_none(monkeypatch):
     """The H200 NVL's dense bf16 peak is 835 TFLOP/s, not the SXM's 989; a MIG
     slice has a fraction of the GPU's units, so no whole-GPU peak (unknown)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import run as benchmark
-
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert benchmark._gpu_peak("NVIDIA H200 NVL") == (835e12, 418e12)
-    assert benchmark._gpu_peak("NVIDIA H200") == benchmark.GPU_PEAKS["H200"] == (989e12, 495e12)
-    assert benchmark._gpu_peak("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
+    assert train_utils.gpu_peak("NVIDIA H200 NVL") == (835e12, 418e12)
+    assert train_utils.gpu_peak("NVIDIA H200") == train_utils.GPU_PEAKS["H200"] == (989e12, 495e12)
+    assert train_utils.gpu_peak("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c2b6a7e-0000-0000-0000-000000000000")
-    assert benchmark._gpu_peak("NVIDIA H100 80GB HBM3") is None
+    assert train_utils.gpu_peak("NVIDIA H100 80GB HBM3") is None
 
 
 def test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus(monkeypatch, tmp_path):

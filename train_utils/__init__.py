@@ -27,7 +27,9 @@ tests use. The ladder's rungs never import this package.
   evaluation         rank 0's BatchNorm statistics everywhere; even forwards under FSDP
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
   resume             Progress (position, RNG states), resumable sampler, DDP's buckets
-  fsdp               FSDP units, backend check, state per rank, the exit
+  fsdp               FSDP units, activation checkpointing, backend check, state per rank, the exit
+  throughput         tokens/s, model FLOPs per token, achieved FLOP/s, MFU
+  text_out           what a language model writes (--sample_chars)
   testing            the tests' fault hook (DDP_TEST_FAULT), called by train.py only;
                      not exported here
 
@@ -42,10 +44,10 @@ from .cli import parse_args
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores, \
     torch_version, unusable_gpu_reason
 from .epoch import EpochMeter, evaluating
-from .errors import one_line_errors
+from .errors import NothingToTrain, one_line_errors
 from .evaluation import batches_for_every_rank, broadcast_buffers
-from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, contiguous_parameters, exit_skipping_teardown, \
-    fsdp_blocks, print_sharded_memory, training_state_bytes
+from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, checkpoint_activations, contiguous_parameters, \
+    exit_skipping_teardown, fsdp_blocks, print_sharded_memory, training_state_bytes
 from .launch import first_host, launcher_store
 from .loaders import loader_workers
 from .metrics import RunLog
@@ -59,6 +61,9 @@ from .snapshots import atomic_save, read_snapshot, remove_stale_temporary_files,
 from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib, \
     resolve_amp
 from .stop import STOP_SIGNALS, StopSignal, catch_stop_signals, ignore_stop_signal, report_run_finished
+from .throughput import GPU_PEAKS, gpu_peak, model_flops_per_token, throughput_figures, \
+    transformer_flops_per_token
+from .text_out import check_sampling, generate, print_sample
 from .timeouts import check_first_batches, note_phase, use_training_timeout, watch_collectives
 
 SHARDED_SNAPSHOT_META = ShardedSnapshots.META
@@ -70,7 +75,7 @@ __all__ = [
     "downloaders_first", "check_before_training", "loader_workers", "ResumableDistributedSampler",
     # the model and the recipe
     "build_optimizer", "lr_factor", "Recipe", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
-    "check_fsdp_backend", "contiguous_parameters", "fsdp_blocks",
+    "check_fsdp_backend", "checkpoint_activations", "contiguous_parameters", "fsdp_blocks",
     # the loop: steps, time-outs, stops, evaluation
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",
     "StepProfiler", "batches_for_every_rank", "broadcast_buffers", "print_sharded_memory",
@@ -80,7 +85,9 @@ __all__ = [
     "ShardedSnapshots", "resharding_note",
     # output and the end of a run
     "RunLog", "print_line", "report_run_finished", "exit_skipping_teardown",
+    "model_flops_per_token", "throughput_figures", "check_sampling", "print_sample", "NothingToTrain",
     # for the tests and benchmarks
-    "AMP_HELPS_ON_CPU", "GLOO_AVG_REDUCE_SCATTER", "SHARDED_SNAPSHOT_META", "STOP_SIGNALS", "first_host",
+    "AMP_HELPS_ON_CPU", "GLOO_AVG_REDUCE_SCATTER", "GPU_PEAKS", "gpu_peak", "transformer_flops_per_token",
+    "generate", "SHARDED_SNAPSHOT_META", "STOP_SIGNALS", "first_host",
     "ignore_stop_signal", "peak_memory_mib", "torch_version", "training_state_bytes", "unusable_gpu_reason",
 ]

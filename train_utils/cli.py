@@ -30,26 +30,22 @@ def positive(kind: type) -> Callable[[str], object]:
     return parse
 
 
-def non_negative_float(text: str) -> float:
-    """argparse type: a float >= 0, else a one-line usage error."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a float, got {text!r}")
-    if not 0 <= value < float("inf"):  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0 and finite, got {text}")
-    return value
+def non_negative(kind: type) -> Callable[[str], object]:
+    """argparse type: a finite ``kind`` (int or float) >= 0, else a one-line usage error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a{'n' * (kind is int)} {kind.__name__}, got {text!r}")
+        if not 0 <= value < float("inf"):  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be >= 0{' and finite' if kind is float else ''}, got {text}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0, else a one-line usage error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+non_negative_float, non_negative_int = non_negative(float), non_negative(int)
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -170,7 +166,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
-    """Where figures and traces go besides stdout: --metrics_path ... --profile_dir."""
+    """Where figures, samples and traces go besides stdout: --metrics_path ... --profile_dir."""
     add = parser.add_argument
     add("--metrics_path", default=None,
         help="also write each epoch's summary as one JSON object per line here")
@@ -180,13 +176,19 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
         help="also log the flags, each epoch's figures and the test figures to a Weights & Biases run "
              "in this project, from rank 0; a resumed run continues it; WANDB_MODE=offline, "
              "WANDB_ENTITY etc. apply (needs: pip install wandb)")
+    add("--sample_chars", type=non_negative_int, default=0,
+        help="an LM task: print this many characters the model writes after training, and on a rerun "
+             "of a finished run (default: 0, none)")
+    add("--temperature", type=positive(float), default=0.8, help="--sample_chars: logits / this (default: 0.8)")
+    add("--top_k", type=positive(int), default=200, help="--sample_chars: from the k likeliest (default: 200)")
     add("--profile_dir", default=None,
         help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
              "here, for Perfetto or chrome://tracing (default: no profiler)")
 
 
 def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
-    """How the steps run: --input_path, --amp, --compile, --grad_accum_steps."""
+    """How the steps run: --input_path, --amp, --compile, --grad_accum_steps,
+    --activation_checkpointing."""
     add = parser.add_argument
     add("--input_path", choices=("fast", "torchvision"), default="fast",
         help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
@@ -200,6 +202,9 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the training model (saved weights stay loadable without it)")
     add("--grad_accum_steps", type=positive(int), default=1,
         help="micro-batches of --batch_size per optimizer step (default: 1)")
+    add("--activation_checkpointing", action="store_true",
+        help="recompute each transformer block's activations in the backward pass: less memory, "
+             "the same losses (default: off)")
 
 
 def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,9 +1,11 @@
-"""The FSDP rung's helpers: which blocks become FSDP units, the backend check,
-the state each rank holds, and the exit.
+"""The FSDP rung's helpers: which blocks become FSDP units, activation
+checkpointing of those blocks, the backend check, the state each rank holds,
+and the exit.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -32,20 +34,59 @@ def fsdp_blocks(model: torch.nn.Module) -> list:
     """The modules multinode_fsdp.py shards one by one, each an FSDP unit whose
     parameters are all-gathered just before it runs and freed after.
 
-    They are the root's children that hold parameters, except that a container
-    child (``nn.Sequential``, ``nn.ModuleList``: ResNet's ``layer1``..``layer4``)
-    gives its children instead (ResNet's residual blocks). MNIST CNN: conv1, conv2,
-    fc1, fc2; the synthetic MLP (itself a Sequential): its two Linear layers. The
+    A transformer (a model with a ``blocks`` ModuleList, ``gpt.GPT``): each
+    block, nothing else; embeddings, the final norm and the output layer stay
+    in the root, so an output layer tied to the token embedding keeps its one
+    weight in one unit. Any other model: the root's children that hold
+    parameters, except that a container child (``nn.Sequential``,
+    ``nn.ModuleList``: ResNet's ``layer1``..``layer4``) gives its children
+    instead (ResNet's residual blocks), and a child sharing a parameter with
+    another (tied weights) stays in the root. MNIST CNN: conv1, conv2, fc1,
+    fc2; the synthetic MLP (itself a Sequential): its two Linear layers. The
     root, sharded after them, takes the parameters left over. The usual rule
-    (PyTorch's FSDP2 examples, torchtitan: one unit per transformer block) with
-    nothing model-specific; pass your own list for finer or coarser units.
+    (PyTorch's FSDP2 examples, torchtitan: one unit per transformer block);
+    pass your own list for finer or coarser units.
     """
+    if isinstance(getattr(model, "blocks", None), torch.nn.ModuleList):
+        return [block for block in model.blocks if next(block.parameters(), None) is not None]
     blocks = []
     for child in model.children():
         containers = (torch.nn.Sequential, torch.nn.ModuleList)
         parts = list(child.children()) if isinstance(child, containers) else [child]
         blocks += [part for part in parts if next(part.parameters(), None) is not None]
-    return blocks
+    owners: dict = {}  # parameter -> the blocks holding it
+    for block in blocks:
+        for param in block.parameters():
+            owners.setdefault(param, set()).add(block)
+    return [block for block in blocks if all(len(owners[p]) == 1 for p in block.parameters())]
+
+
+def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """--activation_checkpointing: make each transformer block of ``model`` (its
+    ``blocks`` ModuleList) keep only its input in the forward pass and recompute
+    its activations in the backward pass (``torch.utils.checkpoint``,
+    non-reentrant, the RNG state kept: the same dropout masks, so the same
+    losses and gradients). Less memory per block (its input instead of every
+    activation inside it), about one more forward pass of time. In place,
+    before DDP or ``fully_shard`` wrap it: parameters and state_dict keys
+    stay as they are, so snapshots load with or without it. Returns ``model``.
+    Raises ConfigError for a model without transformer blocks."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        raise ConfigError(f"--activation_checkpointing recomputes each transformer block of the model "
+                          f"(a `blocks` ModuleList, as --dataset shakespeare_char's gpt has); "
+                          f"{type(model).__name__} has none: leave the flag out")
+    for block in blocks:
+        block.forward = functools.partial(_recomputed, block.forward)  # the block's own forward, bound
+    return model
+
+
+def _recomputed(forward, *args, **kwargs):
+    """``forward(*args, **kwargs)`` under ``torch.utils.checkpoint``: its
+    activations are recomputed in the backward pass instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def contiguous_parameters(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,7 +19,8 @@ from .wandb_run import WandbRun
 TENSORBOARD_TAGS = MappingProxyType({"train_loss": "loss/train", "val_loss": "loss/val", "val_accuracy": "accuracy/val",
                     "test_loss": "loss/test", "test_accuracy": "accuracy/test", "lr": "lr",
                     "skipped_steps": "loss_scaler/skipped_steps",
-                    "samples_per_s": "speed/samples_per_s", "epoch_seconds": "speed/epoch_seconds",
+                    "samples_per_s": "speed/samples_per_s", "tokens_per_s": "speed/tokens_per_s",
+                    "flops_per_s": "speed/flops_per_s", "mfu": "speed/mfu", "epoch_seconds": "speed/epoch_seconds",
                     "peak_gpu_memory_mib": "memory/peak_gpu_mib"})
 
 
@@ -38,13 +39,18 @@ def metrics_line(record: dict) -> str:
 
     Epoch records:
       ``epoch 3/10 | train_loss 0.012345 | val_loss 0.012345 | val_acc 0.9512 |
-      samples/s 12345.6 | epoch_s 0.52 | lr 0.05 | skipped_steps 0 |
-      peak_mem_mib 1234.5``  (val_acc only for classification, skipped_steps
+      samples/s 12345.6 | tokens/s 790118.4 | flop/s 2.91e+11 | mfu 0.4123 |
+      epoch_s 0.52 | lr 0.05 | skipped_steps 0 | peak_mem_mib 1234.5``
+      (val_acc only for classification; tokens/s only for a task whose
+      samples count tokens, flop/s where the model's FLOPs per token are
+      known, mfu on a GPU of known peak: ``throughput_figures``; skipped_steps
       only under fp16, peak_mem_mib only on CUDA); the final test record:
     ``test | loss 0.012345 | acc 0.9600``.
     Units: samples/s is global training samples per second over the training
-    part of the epoch; epoch_s is that part's wall-clock seconds; lr the
-    learning rate of the epoch's last optimizer step; skipped_steps
+    part of the epoch; tokens/s the same in tokens; flop/s the model FLOPs
+    per second that makes; mfu that over the GPUs' peak FLOP/s (a fraction);
+    epoch_s is that part's wall-clock seconds; lr the learning rate of the
+    epoch's last optimizer step; skipped_steps
     the optimizer steps the fp16 loss scaler skipped (inf/nan gradients); peak_mem_mib
     the epoch's peak GPU memory held by tensors, MiB, the maximum over ranks.
     """
@@ -57,7 +63,14 @@ def metrics_line(record: dict) -> str:
              f"train_loss {record['train_loss']:.6f}", f"val_loss {record['val_loss']:.6f}"]
     if record.get("val_accuracy") is not None:
         parts.append(f"val_acc {record['val_accuracy']:.4f}")
-    parts += [f"samples/s {record['samples_per_s']:.1f}", f"epoch_s {record['epoch_seconds']:.2f}"]
+    parts.append(f"samples/s {record['samples_per_s']:.1f}")
+    if record.get("tokens_per_s") is not None:
+        parts.append(f"tokens/s {record['tokens_per_s']:.1f}")
+    if record.get("flops_per_s") is not None:
+        parts.append(f"flop/s {record['flops_per_s']:.3g}")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {record['mfu']:.4f}")
+    parts.append(f"epoch_s {record['epoch_seconds']:.2f}")
     if record.get("lr") is not None:
         parts.append(f"lr {record['lr']:.6g}")
     if record.get("skipped_steps") is not None:
