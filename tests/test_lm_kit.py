@@ -1,0 +1,173 @@
+"""What the kit does for a language model: tokens/s, FLOPs per token and MFU
+in the epoch record; text out (--sample_chars) after training and from a
+finished run's snapshot; FSDP units per transformer block with the tied
+embedding in the root; activation checkpointing with the same losses and
+gradients and fewer saved activations."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_utils
+from common import ConfigError
+from gpt import GPT
+from helpers import EPOCH_LINE, IN_CI, REPO, TORCHRUN, check, run
+
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def corpus_slice(root, characters: int):
+    """``root`` as a --data_dir whose shakespeare_char/input.txt holds the first
+    ``characters`` of the shared Tiny Shakespeare corpus; skips where it is absent
+    (under CI=true that fails)."""
+    if not CORPUS.exists():
+        message = f"the shared corpus is absent: {CORPUS} (place ../shared beside the repo)"
+        if IN_CI:
+            pytest.fail(message + "; CI must run this test")
+        pytest.skip(message)
+    (root / "shakespeare_char").mkdir(parents=True)
+    (root / "shakespeare_char" / "input.txt").write_text(CORPUS.read_text(encoding="utf-8")[:characters],
+                                                         encoding="utf-8")
+    return root
+
+
+def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
+    """nanoGPT's CPU recipe model (4 layers, 4 heads, 128 wide, context 64, 65
+    characters) has N = 0.80M without the position embedding (nanoGPT prints
+    0.80M), so 6N + 12 x 4 x 128 x 64 FLOPs per token; a model of no stated
+    shape has none."""
+    torch.manual_seed(0)
+    model = GPT(65, 64, 4, 4, 128)
+    n = sum(p.numel() for p in model.parameters()) - 64 * 128  # the tied output layer counted once
+    assert n == 795_904
+    assert train_utils.model_flops_per_token(model) == 6 * n + 12 * 4 * 128 * 64 == 5_168_640
+    assert train_utils.transformer_flops_per_token(10, 2, 3, 4) == 60 + 288
+    assert train_utils.model_flops_per_token(torch.nn.Linear(3, 3)) is None
+
+
+def test_tokens_flops_and_mfu_figures(monkeypatch):
+    """tokens/s = samples/s x tokens per sample; FLOP/s = tokens/s x FLOPs per
+    token; MFU against the data-sheet peak of every rank's GPU: bf16 under
+    --amp, tf32 without; none on a CPU or an unknown GPU; nothing for a task
+    not counted in tokens. The line shows them and the tests' parser reads them."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert train_utils.throughput_figures(100.0, 0, 1000, cpu, None) == {}
+    assert train_utils.throughput_figures(100.0, 64, None, cpu, None) == {"tokens_per_s": 6400.0}
+    assert train_utils.throughput_figures(100.0, 64, 1000, cpu, None) == {"tokens_per_s": 6400.0,
+                                                                          "flops_per_s": 6.4e6}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    bf16 = train_utils.throughput_figures(1e6, 256, 10**7, gpu, torch.bfloat16)
+    assert bf16["mfu"] == pytest.approx(2.56e15 / 312e12)
+    assert train_utils.throughput_figures(1e6, 256, 10**7, gpu, None)["mfu"] == pytest.approx(2.56e15 / 156e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    assert "mfu" not in train_utils.throughput_figures(1e6, 256, 10**7, gpu, torch.bfloat16)
+
+    record = {"epoch": 1, "total_epochs": 2, "train_loss": 2.5, "val_loss": 2.6, "samples_per_s": 100.0,
+              "epoch_seconds": 3.0, "lr": 1e-3, **bf16}
+    parsed = EPOCH_LINE.search(_line(record)).groupdict()
+    assert float(parsed["tokens_per_s"]) == bf16["tokens_per_s"]
+    assert float(parsed["mfu"]) == pytest.approx(bf16["mfu"], abs=1e-4)
+
+
+def _line(record: dict) -> str:
+    from train_utils.metrics import metrics_line
+
+    return metrics_line(record)
+
+
+def test_fsdp_units_are_the_transformer_blocks_and_a_tied_weight_stays_in_the_root():
+    """A GPT: one unit per block; the token embedding and the output layer,
+    one shared weight, stay in the root (two units holding it are refused by
+    fully_shard). Another model with tied children: they stay in the root."""
+    model = GPT(65, 16, 3, 2, 32)
+    assert train_utils.fsdp_blocks(model) == list(model.blocks)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.hidden, self.out = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)
+            self.out.weight = self.embed.weight
+
+    tied = Tied()
+    assert train_utils.fsdp_blocks(tied) == [tied.hidden]
+
+
+def _step_figures(model, x, y):
+    """Loss, gradients and the bytes of tensors autograd saved for backward, of one step."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return loss.item(), [p.grad for p in model.parameters()], sum(saved)
+
+
+def test_activation_checkpointing_gives_the_same_losses_and_gradients_and_keeps_less():
+    """With dropout (the recomputation must draw the same masks): bitwise the
+    same loss and gradients, under a quarter of the saved activations, the
+    same state_dict keys (snapshots load either way)."""
+    torch.manual_seed(0)
+    plain = GPT(65, 32, 2, 2, 32, dropout=0.1)
+    recomputed = train_utils.checkpoint_activations(copy.deepcopy(plain))
+    x, y = torch.randint(0, 65, (4, 32)), torch.randint(0, 65, (4, 32))
+    torch.manual_seed(1)
+    loss, grads, kept = _step_figures(plain, x, y)
+    torch.manual_seed(1)
+    loss_ac, grads_ac, kept_ac = _step_figures(recomputed, x, y)
+    assert loss_ac == loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ac))
+    assert kept_ac < kept / 4, (kept_ac, kept)
+    assert list(recomputed.state_dict()) == list(plain.state_dict())
+    with pytest.raises(ConfigError, match="--activation_checkpointing.*has none"):
+        train_utils.checkpoint_activations(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_generate_is_seeded_and_top_k_1_is_greedy():
+    """The same generator seed draws the same tokens; top_k 1 takes the most likely token each time."""
+    torch.manual_seed(0)
+    model = GPT(11, 8, 1, 1, 16)
+    start = torch.zeros(1, 1, dtype=torch.long)
+    draws = [train_utils.generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert draws[0].shape == (1, 21) and torch.equal(draws[0], draws[1])
+    greedy = train_utils.generate(model, start, 12, 1.0, 1, torch.Generator().manual_seed(4))
+    assert model.training  # back in the mode it had
+    idx = start
+    for _ in range(12):
+        idx = torch.cat([idx, model.eval()(idx[:, -8:])[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(greedy, idx)
+
+
+def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_snapshot(tmp_path):
+    """train.py, 2 processes, FSDP with activation checkpointing: the JSON
+    records carry tokens_per_s = samples_per_s x block_size and flops_per_s =
+    tokens_per_s x the model's FLOPs per token; every rank runs the sampling's
+    forwards (FSDP), rank 0 prints --sample_chars characters once. The same
+    run without activation checkpointing has the same losses and writes the
+    same text. Rerun on its finished snapshot, the first prints the same text
+    again, then says nothing to train."""
+    data = corpus_slice(tmp_path / "data", 12_000)
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--dataset", "shakespeare_char",
+                      "--data_dir", data, "--total_epochs", "1", "--strategy", "fsdp", "--sample_chars", "80"]
+    runs = {}
+    for name, extra in (("ac", ["--activation_checkpointing"]), ("plain", [])):
+        out = check(run(cmd + extra + ["--metrics_path", f"{name}.jsonl", "--snapshot_path", name], tmp_path))
+        records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        sample = out.stdout.split("sample | 80 characters | temperature 0.8 | top_k 200\n")
+        assert len(sample) == 2, out.stdout
+        runs[name] = (next(r for r in records if "epoch" in r), sample[1][:80])
+    record, text = runs["ac"]
+    assert [runs["plain"][0][key] for key in ("train_loss", "val_loss")] == [record["train_loss"], record["val_loss"]]
+    assert runs["plain"][1] == text
+    characters = sorted(set(CORPUS.read_text(encoding="utf-8")[:12_000]))  # the slice's vocabulary
+    assert len(text) == 80 and set(text) <= set(characters)
+    assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 64)  # the task's block_size
+    flops_per_token = train_utils.model_flops_per_token(GPT(len(characters), 64, 4, 4, 128))
+    assert record["flops_per_s"] == pytest.approx(record["tokens_per_s"] * flops_per_token)
+    assert "mfu" not in record  # a CPU
+    again = check(run(cmd + ["--snapshot_path", "ac"], tmp_path))
+    assert f"top_k 200\n{text}" in again.stdout
+    assert "nothing to train" in again.stdout
