@@ -33,6 +33,14 @@ Sections:
   7  snapshot save rate: atomic_save of 64 MiB to 1 GiB, MiB/s, in --save_dir
      (your snapshots' storage), and the model size whose snapshot fits in
      what Slurm's KillWait leaves (docs/slurm.md).
+  8  language model: train.py --dataset shakespeare_char (nanoGPT's CPU
+     recipe) for --lm_steps steps: tokens/s and model FLOP/s at 1 and 2
+     processes, DDP vs FSDP, with and without --activation_checkpointing, the
+     training state per rank; on a CPU the share of its measured fp32 matmul
+     FLOP/s, on a GPU the MFU; with --nanogpt PATH (a checkout of
+     karpathy/nanoGPT) its own train.py on the same recipe, model, data and
+     threads, interleaved with the kit's (needs numpy). Needs the corpus in
+     ../shared/data/tinyshakespeare.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -641,6 +650,154 @@ def section_fsdp(steps: int = 10, reps: int = 5) -> dict:
 
 
 # --------------------------------------------------------------------------
+# 8. A language model: the kit's tokens/s and FLOP/s; nanoGPT's own train.py
+# --------------------------------------------------------------------------
+
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# nanoGPT's CPU recipe (its README), which --dataset shakespeare_char trains by default.
+NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32",
+                      "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+                      "--lr_decay_iters=2000", "--dropout=0.0", "--log_interval=1", "--eval_iters=20",
+                      "--eval_interval=100000", "--always_save_checkpoint=False"]
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss \S+, time (\S+)ms", re.M)
+STATE_LINE = re.compile(r"state per rank: .* \((?P<fsdp>\d+) bytes, rank \d+ of \d+\); DDP would hold .* "
+                        r"\((?P<ddp>\d+) bytes\)")
+
+
+def matmul_flops_per_s(threads: int, n: int = 1024, reps: int = 10) -> float:
+    """fp32 FLOP/s of an n x n by n x n matmul (2 n^3 FLOPs) on this CPU with
+    ``threads`` threads, the best of ``reps``: what the machine's matrix
+    kernels reach, the yardstick of a CPU's FLOP/s where no data sheet says."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        best = min(timed(lambda: a @ b, 3) for _ in range(reps))
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n ** 3 / best
+
+
+def _corpus_dir(root: Path) -> Path:
+    """A --data_dir holding the shared corpus as shakespeare_char/input.txt."""
+    (root / "shakespeare_char").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(CORPUS, root / "shakespeare_char" / "input.txt")
+    return root
+
+
+def _kit_lm_run(data: Path, nproc: int, strategy: str, checkpointing: bool, steps: int, threads: int) -> dict:
+    """train.py --dataset shakespeare_char (the task's recipe: nanoGPT's CPU one) for
+    ``steps`` optimizer steps on ``nproc`` processes of ``threads`` threads each
+    (OMP_NUM_THREADS); its epoch record (tokens_per_s, flops_per_s, mfu on a GPU)
+    and, under FSDP, the training state per rank it printed, FSDP's and DDP's."""
+    cwd = Path(tempfile.mkdtemp())
+    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "train.py",
+                      "--dataset", "shakespeare_char", "--data_dir", data, "--max_steps", str(steps),
+                      "--strategy", strategy, "--metrics_path", "m.jsonl"]
+    cmd += ["--activation_checkpointing"] if checkpointing else []
+    out = subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True,
+                         env=script_env(OMP_NUM_THREADS=str(threads)))
+    records = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+    record = [r for r in records if "epoch" in r][-1]
+    state = STATE_LINE.search(out.stdout)
+    shutil.rmtree(cwd, ignore_errors=True)
+    return {**{key: record.get(key) for key in ("tokens_per_s", "flops_per_s", "mfu", "train_loss", "val_loss",
+                                                "peak_gpu_memory_mib")},
+            "fsdp_state_bytes": int(state["fsdp"]) if state else None,
+            "ddp_state_bytes": int(state["ddp"]) if state else None}
+
+
+def _nanogpt_folder(nanogpt: Path) -> Path:
+    """A temporary copy of nanoGPT's train.py, model.py, configurator.py and its
+    shakespeare_char config, with the shared corpus in its data format (what its
+    data/shakespeare_char/prepare.py writes: the sorted characters as ids, uint16,
+    the first 90% train.bin, the rest val.bin, meta.pkl)."""
+    import pickle
+
+    import numpy as np
+
+    folder = Path(tempfile.mkdtemp(prefix="nanogpt-"))
+    for name in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(nanogpt / name, folder / name)
+    text = CORPUS.read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    ids = {char: i for i, char in enumerate(chars)}
+    data = folder / "data" / "shakespeare_char"
+    data.mkdir(parents=True)
+    split = int(len(text) * 0.9)
+    for name, part in (("train.bin", text[:split]), ("val.bin", text[split:])):
+        np.array([ids[c] for c in part], dtype=np.uint16).tofile(data / name)
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": ids}, f)
+    return folder
+
+
+def _nanogpt_run(folder: Path, steps: int, threads: int) -> dict:
+    """nanoGPT's train.py on its CPU recipe for ``steps`` iterations, ``threads``
+    threads: tokens/s over its iterations 1..steps (iteration 0, which holds its
+    first evaluation, left out), from the times it prints for each."""
+    out = subprocess.run([sys.executable, "train.py", *NANOGPT_CPU_RECIPE, f"--max_iters={steps}"], cwd=folder,
+                         check=True, capture_output=True, text=True, env=script_env(OMP_NUM_THREADS=str(threads)))
+    times = [float(ms) / 1e3 for iteration, ms in NANOGPT_ITER.findall(out.stdout) if int(iteration) >= 1]
+    return {"tokens_per_s": len(times) * 12 * 64 / sum(times), "iterations": len(times)}
+
+
+LM_CASES = [(1, "ddp", False), (1, "ddp", True), (1, "fsdp", False), (2, "ddp", False), (2, "ddp", True),
+            (2, "fsdp", False), (2, "fsdp", True)]
+
+
+def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2) -> dict:
+    """The kit on --dataset shakespeare_char: tokens/s and FLOP/s for each of
+    ``LM_CASES`` (processes, strategy, activation checkpointing), the CPU's
+    share of its matmul FLOP/s, the training state per rank; and, with a
+    nanoGPT checkout, its own train.py against the kit's 1 process, ``reps``
+    interleaved pairs."""
+    if not CORPUS.exists():
+        return {"skipped": f"no corpus at {CORPUS}"}
+    data = _corpus_dir(Path(tempfile.mkdtemp()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    matmul = None if gpus else matmul_flops_per_s(cores)
+    results = []
+    for nproc, strategy, checkpointing in LM_CASES:
+        if gpus and nproc > gpus:
+            continue
+        run = _kit_lm_run(data, nproc, strategy, checkpointing, steps, max(1, cores // nproc))
+        results.append({"processes": nproc, "strategy": strategy, "activation_checkpointing": checkpointing,
+                        **run, "of_matmul": run["flops_per_s"] / matmul if matmul else None})
+    rows = [[r["processes"], r["strategy"], "yes" if r["activation_checkpointing"] else "no", r["tokens_per_s"],
+             r["flops_per_s"] / 1e9, f"{r['of_matmul']:.1%}" if r["of_matmul"] else
+             (f"MFU {r['mfu']:.1%}" if r.get("mfu") else "-"), r["train_loss"],
+             f"{r['fsdp_state_bytes'] / 2**20:.2f}" if r["fsdp_state_bytes"] else "-",
+             f"{r['ddp_state_bytes'] / 2**20:.2f}" if r["ddp_state_bytes"] else "-"] for r in results]
+    yardstick = f"{matmul / 1e9:.1f} GFLOP/s fp32 matmul with {cores} threads" if matmul else "GPU"
+    text = table(f"8. Language model: train.py --dataset shakespeare_char (nanoGPT's CPU recipe: 4 layers, "
+                 f"4 heads, 128 wide, context 64, batch 12 per process), {steps} steps; {yardstick}",
+                 ["processes", "strategy", "activation checkpointing", "tokens/s", "model GFLOP/s",
+                  "of matmul FLOP/s (CPU) / MFU (GPU)", f"train loss (steps 1-{steps})",
+                  "FSDP state per rank MiB", "DDP state per rank MiB"], rows)
+    report = {"results": results, "matmul_flops_per_s": matmul, "steps": steps, "table": text}
+    if not nanogpt:
+        report["table"] += "\n\nnanoGPT comparison: skipped (pass --nanogpt PATH, a checkout of karpathy/nanoGPT)"
+        return report
+    folder = _nanogpt_folder(Path(nanogpt))
+    pairs = interleaved({"kit": lambda: _kit_lm_run(data, 1, "ddp", False, steps, cores)["tokens_per_s"],
+                         "nanoGPT": lambda: _nanogpt_run(folder, steps, cores)["tokens_per_s"]}, reps)
+    shutil.rmtree(folder, ignore_errors=True)
+    ratio = statistics.median(k / n for k, n in zip(pairs["kit"], pairs["nanoGPT"]))
+    report.update(nanogpt_pairs=pairs, kit_over_nanogpt=ratio)
+    report["table"] += "\n\n" + table(
+        f"8b. train.py vs nanoGPT's own train.py, the same recipe, model, data and {cores} threads, 1 process, "
+        f"{steps} steps each, {reps} interleaved pairs",
+        ["run", "kit tokens/s", "nanoGPT tokens/s", "kit / nanoGPT"],
+        [[i + 1, k, n, k / n] for i, (k, n) in enumerate(zip(pairs["kit"], pairs["nanoGPT"]))]
+        + [["median", statistics.median(pairs["kit"]), statistics.median(pairs["nanoGPT"]), ratio]])
+    return report
+
+
+# --------------------------------------------------------------------------
 
 def section_snapshot_save(save_dir: str = None, sizes_mib=(64, 256, 1024), reps: int = 3) -> dict:
     """How fast a snapshot reaches the disk: ``train_utils.atomic_save`` (torch.save
@@ -730,14 +887,18 @@ def run_sections(sections: list, report: dict, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7 8")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
+    parser.add_argument("--nanogpt", default=None,
+                        help="section 8: a checkout of github.com/karpathy/nanoGPT, whose train.py runs on the "
+                             "same recipe as the kit's for the comparison (copied to a temporary folder)")
+    parser.add_argument("--lm_steps", type=int, default=200, help="section 8: optimizer steps per run")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7", "8"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -755,7 +916,8 @@ def main() -> None:
                 ("4", "time_to_accuracy",
                  lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}, 2),
                 ("5", "gpu", section_gpu, 1), ("6", "fsdp_vs_ddp", section_fsdp, 2),
-                ("7", "snapshot_save", lambda: section_snapshot_save(args.save_dir), 1)]
+                ("7", "snapshot_save", lambda: section_snapshot_save(args.save_dir), 1),
+                ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps), 1)]
     run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")
 
