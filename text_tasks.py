@@ -192,7 +192,7 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     set. Samples: ``CharWindows`` of --block_size characters, non-overlapping;
     int64 (B, block_size) contexts and next characters. Model: ``gpt.GPT``
     of the --n_layer --n_head --n_embd --block_size --dropout flags
-    (``SHAKESPEARE_MODEL`` where unset); loss ``lm_loss`` (nats per
+    (``SHAKESPEARE_MODEL`` where unset, then set in ``args``); loss ``lm_loss`` (nats per
     character); recipe ``SHAKESPEARE_RECIPE``. The Task's ``tokens_per_sample``
     is block_size, its ``decode``/``encode`` the vocabulary's. Raises
     ConfigError (one line) for a missing corpus that cannot be downloaded,
@@ -202,6 +202,8 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
 
     choose_model(args, ("gpt",))
     sizes = model_sizes(args)
+    for name, value in sizes.items():  # the sizes used, in the run's config (and its snapshots)
+        setattr(args, name, value)
     text = read_corpus(args.data_dir, download)
     vocabulary = CharVocabulary(text)
     tokens = torch.tensor(vocabulary.encode(text), dtype=torch.int64)

@@ -194,7 +194,8 @@ class Trainer:
         train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
                                f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
         meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
-        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args),
+        limit = train_utils.batches_left(self.args, self.recipe.steps_per_epoch, epoch, self.progress.steps_run)
+        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args, limit),
                                                  start=self.progress.steps_run):
             # Where this rank is, for the report of a collective that times out.
             train_utils.note_phase(f"epoch {epoch + 1}, training step {meter.steps_done} of this start")
@@ -462,6 +463,7 @@ def main(args: argparse.Namespace) -> None:
         train_utils.remove_stale_temporary_files(args.snapshot_path)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
+    train_utils.run_length(args, len(train_data) // args.grad_accum_steps)  # --max_steps: the epochs it takes
     recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, log, args)
     if trainer.finished:  # --sample_chars on a finished run: the sample, then "nothing to train"

@@ -43,6 +43,39 @@ def build_mnist_root(root: Path, n_train: int = 8000, n_test: int = 2000) -> Pat
 
 
 # --------------------------------------------------------------------------
+# Tiny Shakespeare, as --dataset shakespeare_char reads it
+# --------------------------------------------------------------------------
+
+# The corpus (1,115,394 bytes) lives beside the project; see its README.
+TINYSHAKESPEARE = Path(os.environ.get("TINYSHAKESPEARE_FILE",
+                                      REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"))
+
+
+def require_tinyshakespeare() -> Path:
+    """The corpus file; skips the test where it is absent (fails under CI=true)."""
+    if not TINYSHAKESPEARE.is_file():
+        message = (f"Tiny Shakespeare absent: {TINYSHAKESPEARE} (set TINYSHAKESPEARE_FILE or place "
+                   f"../shared beside the repo)")
+        if IN_CI:
+            pytest.fail(message + "; CI must run this test")
+        pytest.skip(message)
+    return TINYSHAKESPEARE
+
+
+def build_shakespeare_root(root: Path, chars: int = 0) -> Path:
+    """A --data_dir for --dataset shakespeare_char: ``root/shakespeare_char/input.txt``,
+    the whole corpus (a link to it), or its first ``chars`` characters."""
+    corpus = require_tinyshakespeare()
+    (root / "shakespeare_char").mkdir(parents=True)
+    target = root / "shakespeare_char" / "input.txt"
+    if chars:
+        target.write_text(corpus.read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    else:
+        target.symlink_to(corpus)
+    return root
+
+
+# --------------------------------------------------------------------------
 # CIFAR-10 in its real python-pickle format
 # --------------------------------------------------------------------------
 

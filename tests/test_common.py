@@ -90,7 +90,8 @@ def test_built_in_tasks_are_found_the_way_a_users_task_is(tmp_path, monkeypatch)
     imports it through the code path of --dataset my_module:my_task: pointing
     a built-in name at another module's function makes --dataset mnist build that."""
     assert common.TASKS == {"synthetic": "common:synthetic_task", "mnist": "vision_tasks:mnist_task",
-                            "cifar10": "vision_tasks:cifar10_task"}
+                            "cifar10": "vision_tasks:cifar10_task",
+                            "shakespeare_char": "text_tasks:shakespeare_char_task"}
     assert list(common.TASKS)[0] == "synthetic"  # the default of --dataset
     assert common.task_function(common.TASKS["mnist"]) is vision_tasks.mnist_task
     assert common.task_function(common.TASKS["cifar10"]) is vision_tasks.cifar10_task

@@ -16,7 +16,8 @@ tests use. The ladder's rungs never import this package.
   metrics            the epoch line, JSON lines, TensorBoard, W&B: one RunLog per run
   wandb_run          Weights & Biases: one run per training, its id kept in snapshots
   profiling          torch.profiler over a few steps, one trace per rank
-  recipe             fp16's loss scaler, gradient clipping, the lr schedule's state in snapshots
+  recipe             fp16's loss scaler, gradient clipping, the lr schedule's state in snapshots,
+                     the run's length in steps (--max_steps)
   claims             one live run per snapshot: its claim file, whether a holder lives
   save_errors        a save the system refused: one line naming the intact snapshot
   snapshots          atomic save; reading a snapshot, "same run?" checks
@@ -53,7 +54,7 @@ from .loaders import loader_workers
 from .metrics import RunLog
 from .output import print_line
 from .profiling import StepProfiler
-from .recipe import Recipe
+from .recipe import Recipe, batches_left, run_length
 from .resume import Progress, ResumableDistributedSampler, rebuild_ddp_buckets
 from .sharded_snapshots import ShardedSnapshots, resharding_note
 from .save_errors import save_failure
@@ -74,7 +75,7 @@ __all__ = [
     "backend_for", "enable_nccl_diagnostics", "share_cpu_cores", "watch_collectives", "describe_run",
     "downloaders_first", "check_before_training", "loader_workers", "ResumableDistributedSampler",
     # the model and the recipe
-    "build_optimizer", "lr_factor", "Recipe", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
+    "build_optimizer", "lr_factor", "Recipe", "run_length", "batches_left", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
     "check_fsdp_backend", "checkpoint_activations", "contiguous_parameters", "fsdp_blocks",
     # the loop: steps, time-outs, stops, evaluation
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",

@@ -11,41 +11,28 @@ import difflib
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
-from common import LR_SCHEDULES, OPTIMIZERS
+from common import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS
 from .errors import report_to_torchrun
 
 
-def positive(kind: type) -> Callable[[str], object]:
-    """argparse type: a ``kind`` (int or float) > 0, else a one-line usage error."""
+def positive(kind: type, zero: bool = False) -> Callable[[str], object]:
+    """argparse type: a ``kind`` (int or float) > 0, or with ``zero`` >= 0 and
+    finite, else a one-line usage error."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}")
-        if not value > 0:  # also rejects NaN
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+            raise argparse.ArgumentTypeError(f"expected a{'n' * (zero and kind is int)} {kind.__name__}, got {text!r}")
+        if not (0 <= value < float("inf") if zero else value > 0):  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be >= 0{' and finite' * (kind is float)}, got {text}" if zero
+                                             else f"must be > 0, got {text}")
         return value
 
     return parse
 
 
-def non_negative(kind: type) -> Callable[[str], object]:
-    """argparse type: a finite ``kind`` (int or float) >= 0, else a one-line usage error."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a{'n' * (kind is int)} {kind.__name__}, got {text!r}")
-        if not 0 <= value < float("inf"):  # also rejects NaN
-            raise argparse.ArgumentTypeError(f"must be >= 0{' and finite' if kind is float else ''}, got {text}")
-        return value
-
-    return parse
-
-
-non_negative_float, non_negative_int = non_negative(float), non_negative(int)
+non_negative_float, non_negative_int = positive(float, zero=True), positive(int, zero=True)
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -123,8 +110,7 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
     is accepted too. ``models``: each task's models, the default first, for
     --model's help (``common.TASK_MODELS``). ``snapshot_paths``: the default
     --snapshot_path of each --strategy (None: no default). Invalid values
-    (zero or negative epochs, batch size, lr, save interval; an unknown
-    dataset) end with argparse's usage line and exit status 2.
+    (zero epochs, an unknown dataset, ...) end with argparse's usage line, exit status 2.
     """
     tasks = tuple(tasks)
     parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,9 +132,9 @@ def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
     add("--total_epochs", type=positive(int), default=10, help="epochs to train (default: 10)")
     add("--save_every", type=positive(int), default=5,
         help="save every N epochs; the last epoch is always saved (default: 5)")
-    add("--batch_size", type=positive(int), default=32,
+    add("--batch_size", type=positive(int), default=None,
         help="samples per step *per process*; the global batch size is "
-             "batch_size x grad_accum_steps x world_size (default: 32)")
+             "batch_size x grad_accum_steps x world_size (default: the task's; 32, shakespeare_char 12)")
     add("--lr", type=positive(float), default=None,
         help="peak learning rate (default: the task's; synthetic 0.05)")
     add("--dataset", type=_task_name(tasks), default=tasks[0],
@@ -163,6 +149,10 @@ def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
     add("--seed", type=int, default=0, help="seed for data split, model init, shuffling (default: 0)")
     add("--num_workers", type=non_negative_int, default=0,
         help="DataLoader worker processes per training process (default: 0)")
+    for name, kind, what in (("n_layer", positive(int), "transformer blocks"), ("n_head", positive(int), "heads"),
+                             ("n_embd", positive(int), "width"), ("block_size", positive(int), "context, tokens"),
+                             ("dropout", non_negative_float, "dropout probability")):
+        add(f"--{name}", type=kind, default=None, help=f"GPT tasks: {what} (default: the task's)")
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -176,19 +166,18 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
         help="also log the flags, each epoch's figures and the test figures to a Weights & Biases run "
              "in this project, from rank 0; a resumed run continues it; WANDB_MODE=offline, "
              "WANDB_ENTITY etc. apply (needs: pip install wandb)")
-    add("--sample_chars", type=non_negative_int, default=0,
-        help="an LM task: print this many characters the model writes after training, and on a rerun "
-             "of a finished run (default: 0, none)")
-    add("--temperature", type=positive(float), default=0.8, help="--sample_chars: logits / this (default: 0.8)")
-    add("--top_k", type=positive(int), default=200, help="--sample_chars: from the k likeliest (default: 200)")
+    for name, kind, default, what in (
+            ("sample_chars", non_negative_int, 0, "LM tasks: characters the model writes, printed after training "
+             "and on a rerun of a finished run; 0: none"), ("temperature", positive(float), 0.8,
+            "--sample_chars: logits / this"), ("top_k", positive(int), 200, "--sample_chars: from the k likeliest")):
+        add(f"--{name}", type=kind, default=default, help=f"{what} (default: {default})")
     add("--profile_dir", default=None,
         help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
              "here, for Perfetto or chrome://tracing (default: no profiler)")
 
 
 def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
-    """How the steps run: --input_path, --amp, --compile, --grad_accum_steps,
-    --activation_checkpointing."""
+    """How the steps run: --input_path ... --activation_checkpointing."""
     add = parser.add_argument
     add("--input_path", choices=("fast", "torchvision"), default="fast",
         help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
@@ -216,16 +205,21 @@ def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
     add("--weight_decay", type=non_negative_float, default=None,
         help="weight decay (default: the task's; synthetic 0)")
     add("--lr_schedule", choices=LR_SCHEDULES, default=None,
-        help="learning rate over the run: constant, cosine (down to 0 one step after the last) or step "
+        help="learning rate over the run: constant, cosine (down to --min_lr one step after the last) or step "
              "(x --lr_gamma every --lr_step_epochs) (default: the task's; synthetic constant)")
     add("--warmup_epochs", type=non_negative_float, default=None,
         help="linear warm-up over this many (fractional) epochs of steps (default: the task's; 0)")
-    add("--lr_step_epochs", type=positive(int), default=None,
-        help="step schedule: epochs between decays (default: the task's; 1)")
-    add("--lr_gamma", type=positive(float), default=None,
-        help="step schedule: factor per decay (default: the task's; 0.1)")
-    add("--clip_grad_norm", type=positive(float), default=None,
-        help="clip the gradients' total L2 norm, over all ranks, to this (default: no clipping)")
+    add("--clip_grad_norm", type=non_negative_float, default=None,
+        help="clip the gradients' total L2 norm, over all ranks, to this; 0: no clipping (default: the task's; 0)")
+    for name, kind, what in (
+            ("max_steps", non_negative_int, "optimizer steps to train, the last epoch cut short; 0: --total_epochs"),
+            ("warmup_steps", non_negative_int, "linear warm-up over this many optimizer steps (--warmup_epochs 0)"),
+            ("min_lr", non_negative_float, "where the cosine ends"), ("beta1", non_negative_float, "AdamW's beta1"),
+            ("beta2", non_negative_float, "AdamW's beta2"), ("lr_step_epochs", positive(int),
+            "step schedule: epochs between decays"), ("lr_gamma", positive(float), "step schedule: factor per decay")):
+        add(f"--{name}", type=kind, default=None, help=f"{what} (default: the task's; {RECIPE_DEFAULTS[name]})")
+    add("--decay_params", choices=DECAY_PARAMS, default=None,
+        help="all: every parameter decays; matrices: 2-D ones only, not biases or norms (default: the task's; all)")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str, str]) -> None:

@@ -45,13 +45,15 @@ class EpochMeter:
             torch.cuda.reset_peak_memory_stats(device)
         self.start = time.perf_counter()
 
-    def batches(self, loader: DataLoader, args: argparse.Namespace) -> Iterator:
+    def batches(self, loader: DataLoader, args: argparse.Namespace, limit: Optional[int] = None) -> Iterator:
         """The epoch's batches: whole optimizer steps only (a last group of fewer
         than --grad_accum_steps micro-batches is dropped, as ``drop_last`` drops
-        a short batch), with a progress bar on rank 0 when stderr is a
+        a short batch), at most ``limit`` of them (--max_steps' last epoch),
+        with a progress bar on rank 0 when stderr is a
         terminal (not in logs). ``steps_left`` counts the batches still to
         come. No collective runs in here: the training loop makes those."""
         steps = len(loader) - len(loader) % args.grad_accum_steps
+        steps = steps if limit is None else max(0, min(steps, limit))
         self.resumes = getattr(args, "snapshot_path", None) is not None  # for check_finite's advice
         self.steps, self.steps_left = steps, steps
         self.start = time.perf_counter()

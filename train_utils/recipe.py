@@ -11,9 +11,11 @@ schedule and the loss scale exactly where the stopped one left them.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from .speed import amp_dtype
 
 # What a resumed run may change in the recipe; the resume line says what it did.
 RECIPE_FLAGS = ("lr", "total_epochs", "lr_schedule", "warmup_epochs", "lr_step_epochs", "lr_gamma",
-                "weight_decay", "clip_grad_norm")
+                "weight_decay", "clip_grad_norm", "max_steps", "warmup_steps", "min_lr", "beta1", "beta2")
 
 
 def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
@@ -50,6 +52,23 @@ def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
+
+
+def run_length(args: argparse.Namespace, steps_per_epoch: int) -> None:
+    """--max_steps (> 0) sets the run's length: ``args.total_epochs`` becomes the
+    epochs that hold that many optimizer steps of ``steps_per_epoch`` each, the
+    last of them cut short (``batches_left``). With 0, --total_epochs stands."""
+    if args.max_steps:
+        args.total_epochs = math.ceil(args.max_steps / steps_per_epoch)
+
+
+def batches_left(args: argparse.Namespace, steps_per_epoch: int, epoch: int, batches_run: int) -> Optional[int]:
+    """The micro-batches epoch ``epoch`` (0-based) may still train after its first
+    ``batches_run``, for --max_steps optimizer steps of ``steps_per_epoch`` per
+    epoch (--grad_accum_steps micro-batches each); None without --max_steps."""
+    if not args.max_steps:
+        return None
+    return (args.max_steps - epoch * steps_per_epoch) * args.grad_accum_steps - batches_run
 
 
 class Recipe:
@@ -131,8 +150,9 @@ class Recipe:
         and loss scale (its "lr_schedule" and "loss_scaler").
 
         Every group's learning rate becomes --lr x the schedule's factor at
-        the step reached (the very number LambdaLR gives an unstopped run) and
-        its weight decay --weight_decay, so flags of ``RECIPE_FLAGS`` that
+        the step reached (the very number LambdaLR gives an unstopped run), its
+        weight decay --weight_decay (a group that does not decay stays at 0)
+        and AdamW's betas --beta1 --beta2, so flags of ``RECIPE_FLAGS`` that
         differ from the snapshot's config take over from the next step (a new
         --lr, a longer --total_epochs, another schedule); rank 0 then prints
         one line saying what changed and the learning rate the next step uses.
@@ -162,9 +182,12 @@ class Recipe:
             self.scaler.load_state_dict(scaler)
         self.schedule.base_lrs = [self.args.lr for _ in self.optimizer.param_groups]
         factor, step = self.schedule.lr_lambdas[0], self.schedule.last_epoch
-        for group in self.optimizer.param_groups:
+        for group in self.optimizer.param_groups:  # loading the optimizer set the saved values
             group["lr"] = self.args.lr * factor(step)
-            group["weight_decay"] = self.args.weight_decay  # loading the optimizer set the saved one
+            if group.get("decays", True):  # --decay_params matrices: biases and norms stay at 0
+                group["weight_decay"] = self.args.weight_decay
+            if "betas" in group:
+                group["betas"] = (self.args.beta1, self.args.beta2)
         changed = [f"{name} {config.get(name)} -> {getattr(self.args, name)}" for name in RECIPE_FLAGS
                    if config.get(name) != getattr(self.args, name)]
         if changed and (not is_distributed() or dist.get_rank() == 0):

@@ -31,10 +31,10 @@ from .errors import NothingToTrain
 # Another --optimizer is refused: its state holds other buffers. The world
 # size may change at an epoch's end only (read_snapshot; resume.resize_note).
 SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "batch_size",
-                       "grad_accum_steps", "optimizer")
+                       "grad_accum_steps", "optimizer", "decay_params", "n_layer", "n_head", "n_embd", "block_size")
 START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
-# What snapshots written before --optimizer existed trained with.
-BEFORE_RECIPES = MappingProxyType({"optimizer": "sgd"})
+# What snapshots written before --optimizer and --decay_params existed trained with.
+BEFORE_RECIPES = MappingProxyType({"optimizer": "sgd", "decay_params": "all"})
 
 
 def archive_damage(path) -> str:
@@ -120,9 +120,9 @@ def _load(path: str) -> dict:
 def _check_same_run(snapshot: dict, path: str, config: dict) -> None:
     """ConfigError unless ``snapshot`` continues the run of ``config`` (see
     ``read_snapshot``); NothingToTrain when it already holds every epoch."""
-    saved = {**BEFORE_RECIPES, **snapshot["config"]}
-    changed = [f"{key} {saved.get(key)} -> {config[key]}"
-               for key in SNAPSHOT_MUST_MATCH if saved.get(key) != config[key]]
+    saved, config = {**BEFORE_RECIPES, **snapshot["config"]}, {**BEFORE_RECIPES, **config}
+    changed = [f"{key} {saved.get(key)} -> {config.get(key)}"
+               for key in SNAPSHOT_MUST_MATCH if saved.get(key) != config.get(key)]
     if changed:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
                           f"resume with its settings, or {START_AFRESH}")

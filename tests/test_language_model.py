@@ -1,0 +1,238 @@
+"""The language model on the real corpus: --dataset shakespeare_char (text_tasks.py:
+nanoGPT's split, the vocabulary, the windows, the md5-checked download), the GPT
+(gpt.py: shapes, weight tying, GPT-2's initialisation, causality, sampling), the
+recipe LM training uses (decay on matrices only, AdamW's betas, warm-up in steps,
+cosine to a minimum: nanoGPT's get_lr), --max_steps in the kit, stopped by SIGTERM
+and resumed bitwise, and a rung training the GPT with the task's recipe."""
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import re
+import signal
+import urllib.error
+
+import pytest
+import torch
+
+import common
+import gpt
+import text_tasks
+from dataset_files import build_shakespeare_root, require_tinyshakespeare
+from helpers import REPO, TORCHRUN, check, epochs, parse_test, run, signal_when, snapshot_tensors, task_args
+
+TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
+
+
+def lm_args(data_dir, **flags) -> argparse.Namespace:
+    """What train.py passes common.load_task for --dataset shakespeare_char, no recipe flag given."""
+    return task_args("shakespeare_char", data_dir, **{**{name: None for name in common.RECIPE_DEFAULTS}, **flags})
+
+
+# --------------------------------------------------------------------------
+# The task: split, vocabulary, windows, the recipe's defaults; the corpus missing
+# --------------------------------------------------------------------------
+
+def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
+    """65 characters, sorted, as nanoGPT numbers them; the first 90% trains, the
+    last 10% is held out (validation and test); windows of block_size characters
+    tile each part, y the next characters of x; the defaults are nanoGPT's CPU recipe."""
+    text = require_tinyshakespeare().read_text(encoding="utf-8")
+    args = lm_args(build_shakespeare_root(tmp_path))
+    task = common.load_task(args, download=False)
+    assert len(text) == 1115394 and task.decode(range(65)) == "".join(sorted(set(text)))
+    split, T = int(len(text) * 0.9), 64  # nanoGPT's prepare.py: data[:int(n*0.9)]
+    assert len(task.train_set) == (split - 1) // T == 15685 and len(task.val_set) == (len(text) - split - 1) // T
+    last = len(task.train_set) - 1
+    x, y = task.train_set.__getitems__([0, 5, last])
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, T)
+    for row, i in enumerate((0, 5, last)):
+        assert task.decode(x[row]) == text[i * T:(i + 1) * T] and task.decode(y[row]) == text[i * T + 1:(i + 1) * T + 1]
+    assert (last + 1) * T + 1 <= split  # no training window reaches into the held-out text
+    assert task.decode(task.val_set[0][0]) == text[split:split + T] and task.test_set is task.val_set
+    assert torch.equal(task.train_set[5][0], x[1]) and task.decode(task.encode(text[:2000])) == text[:2000]
+    assert task.tokens_per_sample == T and not task.classification
+    with pytest.raises(common.ConfigError, match=r"the character '\\x00' is not in the vocabulary"):
+        task.encode("\x00")
+    recipe = (args.optimizer, args.lr, args.beta1, args.beta2, args.weight_decay, args.decay_params, args.lr_schedule,
+              args.min_lr, args.warmup_steps, args.max_steps, args.clip_grad_norm, args.batch_size)
+    assert recipe == ("adamw", 1e-3, 0.9, 0.99, 0.1, "matrices", "cosine", 1e-4, 100, 2000, 1.0, 12)
+    assert (args.model, args.n_layer, args.n_head, args.n_embd, args.block_size, args.dropout) == ("gpt", 4, 4, 128, 64, 0.0)
+    assert task.model.num_parameters(embeddings=False) == 795904  # nanoGPT prints "0.80M" for this model
+    with pytest.raises(common.ConfigError, match="--n_embd 30 is not a multiple of --n_head 4"):
+        common.load_task(lm_args(tmp_path, n_embd=30), download=False)
+
+
+def test_missing_corpus_is_one_line_and_the_download_is_md5_checked(tmp_path, monkeypatch):
+    """Offline: one line naming the file, its size and md5. A failed download, or
+    one whose md5 is not the corpus's, says so in one line and leaves no file; the
+    corpus's bytes are kept and trained on."""
+    corpus = require_tinyshakespeare().read_bytes()
+    assert hashlib.md5(corpus).hexdigest() == text_tasks.SHAKESPEARE_MD5
+    target = tmp_path / "shakespeare_char" / "input.txt"
+    with pytest.raises(common.ConfigError) as info:
+        common.load_task(lm_args(tmp_path), download=False)
+    assert "\n" not in str(info.value) and str(target) in str(info.value)
+    assert "1,115,394 bytes, md5 6fb458f1232090904fb40fe944165e91" in str(info.value)
+    asked = []
+
+    def serve(body):
+        def urlopen(url, timeout):
+            asked.append(url)
+            if body is None:
+                raise urllib.error.URLError("Temporary failure in name resolution")
+            return io.BytesIO(body)
+        return urlopen
+
+    for body, error in ((None, "could not download Tiny Shakespeare from .* name resolution"),
+                        (corpus[:-1], "has md5 [0-9a-f]{32}, not 6fb458f1232090904fb40fe944165e91")):
+        monkeypatch.setattr(text_tasks.urllib.request, "urlopen", serve(body))
+        with pytest.raises(common.ConfigError, match=error) as info:
+            common.load_task(lm_args(tmp_path), download=True)
+        assert "\n" not in str(info.value) and "put the file there by hand" in str(info.value)
+        assert list(target.parent.iterdir()) == []
+    monkeypatch.setattr(text_tasks.urllib.request, "urlopen", serve(corpus))
+    assert len(common.load_task(lm_args(tmp_path), download=True).train_set) == 15685
+    assert target.read_bytes() == corpus and asked == [text_tasks.SHAKESPEARE_URL] * 3
+
+
+# --------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------
+
+def test_gpt_shapes_tying_initialisation_causality_and_sampling():
+    torch.manual_seed(0)
+    V, T, L, C = 65, 16, 2, 64
+    model = gpt.GPT(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_embd=C, bias=True)
+    idx = torch.randint(0, V, (3, T))
+    logits = model(idx)
+    assert logits.shape == (3, T, V) and logits.dtype == torch.float32
+    assert model.lm_head.weight is model.wte.weight and isinstance(model.blocks[0], gpt.Block)
+    per_block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    assert model.num_parameters() == V * C + T * C + L * per_block + 2 * C  # the tied weight once
+    assert model.num_parameters(embeddings=False) == model.num_parameters() - T * C
+    weights = dict(model.named_parameters())
+    assert abs(weights["blocks.0.attn.c_attn.weight"].std().item() - 0.02) < 0.002
+    assert abs(weights["wte.weight"].std().item() - 0.02) < 0.002
+    for name in ("blocks.0.attn.c_proj.weight", "blocks.1.mlp.c_proj.weight"):  # 0.02 / sqrt(2 n_layer)
+        assert abs(weights[name].std().item() - 0.01) < 0.001, name
+    assert all(not p.any() for name, p in weights.items() if name.endswith("bias"))
+    assert torch.equal(weights["blocks.0.ln_1.weight"], torch.ones(C))
+    changed = idx.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % V  # the future of position 9 changes, its logits must not
+    after = model(changed)
+    assert torch.allclose(after[:, :10], logits[:, :10], atol=1e-6) and not torch.allclose(after[:, 10], logits[:, 10])
+    with pytest.raises(ValueError, match="longer than block_size 16"):
+        model(torch.zeros(1, T + 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="n_embd 30 is not a multiple of n_head 4"):
+        gpt.GPT(V, T, 1, 4, 30)
+    model.eval()
+    out = gpt.generate(model, idx[:, :4], 20, top_k=1)  # past block_size: the context is cropped
+    assert out.shape == (3, 24) and torch.equal(out[:, :4], idx[:, :4])
+    for t in (4, 23):  # top_k 1 is greedy
+        assert torch.equal(out[:, t], model(out[:, max(0, t - T):t])[:, -1].argmax(-1))
+    sampled = gpt.generate(model, idx[:, :1], 8, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(1))
+    again = gpt.generate(model, idx[:, :1], 8, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sampled, again)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        gpt.generate(model, idx, 1, temperature=0)
+
+
+# --------------------------------------------------------------------------
+# The recipe: decay on matrices only, AdamW's betas, warm-up steps, cosine to min_lr
+# --------------------------------------------------------------------------
+
+def recipe_args(**flags) -> argparse.Namespace:
+    return argparse.Namespace(**{**common.RECIPE_DEFAULTS, **text_tasks.SHAKESPEARE_RECIPE, "total_epochs": 1,
+                                 **flags})
+
+
+def nanogpt_lr(it: int, lr=1e-3, min_lr=1e-4, warmup=100, decay_iters=2000) -> float:
+    """nanoGPT's train.py get_lr after the warm-up (its cosine to min_lr)."""
+    if it > decay_iters:
+        return min_lr
+    coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup) / (decay_iters - warmup)))
+    return min_lr + coeff * (lr - min_lr)
+
+
+def test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule():
+    model = gpt.GPT(65, 16, 2, 2, 32, bias=True)
+    optimizer = common.build_optimizer(model, recipe_args())
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed, kept = ({names[id(p)] for p in group["params"]} for group in optimizer.param_groups)
+    assert type(optimizer) is torch.optim.AdamW and len(optimizer.param_groups) == 2
+    assert decayed == {"wte.weight", "wpe.weight"} | {f"blocks.{i}.{part}.weight" for i in range(2) for part in
+                                                      ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert kept and all(name.endswith("bias") or ".ln_" in name or name.startswith("ln_f") for name in kept)
+    assert [(g["weight_decay"], g["betas"]) for g in optimizer.param_groups] == [(0.1, (0.9, 0.99)), (0.0, (0.9, 0.99))]
+    assert len(decayed) + len(kept) == len(list(model.parameters()))  # the tied weight once
+    assert len(common.build_optimizer(model, recipe_args(decay_params="all")).param_groups) == 1  # the others' recipe
+    factor = common.lr_factor(recipe_args(), steps_per_epoch=1307)  # max_steps, not epochs, sets the horizon
+    assert [factor(k) for k in range(100)] == [(k + 1) / 100 for k in range(100)]
+    assert [1e-3 * factor(k) for k in range(100, 2200)] == pytest.approx([nanogpt_lr(k) for k in range(100, 2200)],
+                                                                         rel=1e-12)
+    with pytest.raises(common.ConfigError, match="give the warm-up in one of them"):
+        common.lr_factor(recipe_args(warmup_epochs=0.5), 1307)
+    with pytest.raises(common.ConfigError, match="--min_lr 0.002 is above --lr 0.001"):
+        common.lr_factor(recipe_args(min_lr=0.002), 1307)
+
+
+# --------------------------------------------------------------------------
+# The kit: --max_steps, stopped by SIGTERM, resumed bitwise; a rung trains the GPT
+# --------------------------------------------------------------------------
+
+def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
+    """train.py, 2 ranks, a tiny GPT with dropout on the corpus's first 20,000
+    characters and the task's recipe (AdamW, warm-up, cosine to min_lr,
+    clipping): --max_steps 100 is 70 steps of epoch 1 and 30 of epoch 2. SIGTERM
+    in epoch 2, the same command resumes there and ends bitwise equal to the
+    uninterrupted run (weights, AdamW's moments, the schedule, RNG states)."""
+    data = build_shakespeare_root(tmp_path / "data", chars=20000)
+    flags = ["--dataset", "shakespeare_char", "--data_dir", data, *TINY, "--dropout", "0.1", "--batch_size", "8",
+             "--max_steps", "100", "--warmup_steps", "10", "--metrics_path", "metrics.jsonl"]
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", *flags]
+    straight_dir, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
+    straight_dir.mkdir()
+    stopped_dir.mkdir()
+    straight = check(run(launch, straight_dir))
+    lines = epochs(straight.stdout)
+    records = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["total_epochs"], r["samples"]) for r in records if "epoch" in r] == [(1, 2, 1120), (2, 2, 480)]
+    assert records[-2]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
+    assert lines[1]["val_loss"] < 3.5 < math.log(65)  # it learns (a uniform guess: ln 65 = 4.17 nats/char)
+    text = signal_when(launch, stopped_dir, "DDP_TEST_FAULT: wait_signal at step 85", signal.SIGTERM,
+                       DDP_TEST_FAULT="step:*:85:wait_signal")
+    assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
+    resumed = check(run(launch, stopped_dir))
+    assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 2 after step 1\d\b", resumed.stdout)
+    assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
+    steps_a, a = snapshot_tensors(straight_dir / "snapshot_train.pt", rng=True)
+    steps_b, b = snapshot_tensors(stopped_dir / "snapshot_train.pt", rng=True)
+    assert steps_a == steps_b == 2 and a["lr_schedule.step"].item() == 100 and a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+    assert parse_test(resumed.stdout) == parse_test(straight.stdout)
+
+
+def test_a_rung_trains_the_gpt_with_the_tasks_recipe(tmp_path):
+    """multigpu_torchrun.py, 2 ranks: --dataset shakespeare_char (a task file sizing
+    it down, the corpus's first 20,000 characters) trains with the task's AdamW and
+    warm-up-then-cosine schedule; the loss falls from ln 65 (4.17 nats/char)."""
+    data = build_shakespeare_root(tmp_path / "data", chars=20000)
+    (tmp_path / "tiny_lm.py").write_text(
+        "import text_tasks\n"
+        "def task(args, download):\n"
+        "    args.n_layer, args.n_head, args.n_embd, args.block_size = 1, 2, 32, 16\n"
+        "    task = text_tasks.shakespeare_char_task(args, download)\n"
+        "    task.recipe.update(warmup_steps=10, max_steps=140)  # the schedule over these 2 epochs\n"
+        "    return task\n")
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "multigpu_torchrun.py",
+                                   "--dataset", "tiny_lm.py:task", "--data_dir", data, "--total_epochs", "2",
+                                   "--batch_size", "8"],
+                       tmp_path))
+    lines = epochs(result.stdout)  # 1,124 windows / 2 ranks / 8 per batch: 70 steps an epoch
+    assert [e["epoch"] for e in lines] == [1, 2]
+    assert [e["lr"] for e in lines] == pytest.approx([1e-4 + 0.5 * (1 + math.cos(math.pi * (k - 10) / 130)) * 9e-4
+                                                      for k in (69, 139)], rel=1e-5)  # 6 digits shown
+    assert lines[0]["train_loss"] < 4.0 and lines[1]["val_loss"] < 3.4
