@@ -14,25 +14,8 @@ import torch.nn.functional as F
 import train_utils
 from common import ConfigError
 from gpt import GPT
-from helpers import EPOCH_LINE, IN_CI, REPO, TORCHRUN, check, run
-
-CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
-
-
-def corpus_slice(root, characters: int):
-    """``root`` as a --data_dir whose shakespeare_char/input.txt holds the first
-    ``characters`` of the shared Tiny Shakespeare corpus; skips where it is absent
-    (under CI=true that fails)."""
-    if not CORPUS.exists():
-        message = f"the shared corpus is absent: {CORPUS} (place ../shared beside the repo)"
-        if IN_CI:
-            pytest.fail(message + "; CI must run this test")
-        pytest.skip(message)
-    (root / "shakespeare_char").mkdir(parents=True)
-    (root / "shakespeare_char" / "input.txt").write_text(CORPUS.read_text(encoding="utf-8")[:characters],
-                                                         encoding="utf-8")
-    return root
-
+from dataset_files import build_shakespeare_root, require_tinyshakespeare
+from helpers import EPOCH_LINE, REPO, TORCHRUN, check, run
 
 def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     """nanoGPT's CPU recipe model (4 layers, 4 heads, 128 wide, context 64, 65
@@ -149,9 +132,11 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     run without activation checkpointing has the same losses and writes the
     same text. Rerun on its finished snapshot, the first prints the same text
     again, then says nothing to train."""
-    data = corpus_slice(tmp_path / "data", 12_000)
+    data = build_shakespeare_root(tmp_path / "data", 12_000)
+    gpt = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32"]
     cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--dataset", "shakespeare_char",
-                      "--data_dir", data, "--total_epochs", "1", "--strategy", "fsdp", "--sample_chars", "80"]
+                      "--data_dir", data, *gpt, "--batch_size", "8", "--max_steps", "4", "--strategy", "fsdp",
+                      "--sample_chars", "80"]
     runs = {}
     for name, extra in (("ac", ["--activation_checkpointing"]), ("plain", [])):
         out = check(run(cmd + extra + ["--metrics_path", f"{name}.jsonl", "--snapshot_path", name], tmp_path))
@@ -162,10 +147,10 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     record, text = runs["ac"]
     assert [runs["plain"][0][key] for key in ("train_loss", "val_loss")] == [record["train_loss"], record["val_loss"]]
     assert runs["plain"][1] == text
-    characters = sorted(set(CORPUS.read_text(encoding="utf-8")[:12_000]))  # the slice's vocabulary
+    characters = sorted(set(require_tinyshakespeare().read_text(encoding="utf-8")[:12_000]))  # the vocabulary
     assert len(text) == 80 and set(text) <= set(characters)
-    assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 64)  # the task's block_size
-    flops_per_token = train_utils.model_flops_per_token(GPT(len(characters), 64, 4, 4, 128))
+    assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 32)  # x --block_size
+    flops_per_token = train_utils.model_flops_per_token(GPT(len(characters), 32, 2, 2, 32))
     assert record["flops_per_s"] == pytest.approx(record["tokens_per_s"] * flops_per_token)
     assert "mfu" not in record  # a CPU
     again = check(run(cmd + ["--snapshot_path", "ac"], tmp_path))
