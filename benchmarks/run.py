@@ -34,13 +34,16 @@ Sections:
      (your snapshots' storage), and the model size whose snapshot fits in
      what Slurm's KillWait leaves (docs/slurm.md).
   8  language model: train.py --dataset shakespeare_char (nanoGPT's CPU
-     recipe) for --lm_steps steps: tokens/s and model FLOP/s at 1 and 2
-     processes, DDP vs FSDP, with and without --activation_checkpointing, the
-     training state per rank; on a CPU the share of its measured fp32 matmul
-     FLOP/s, on a GPU the MFU; with --nanogpt PATH (a checkout of
-     karpathy/nanoGPT) its own train.py on the same recipe, model, data and
-     threads, interleaved with the kit's (needs numpy). Needs the corpus in
-     ../shared/data/tinyshakespeare.
+     recipe) for --lm_steps steps. 8a, with --nanogpt PATH (a checkout of
+     karpathy/nanoGPT; needs numpy): its own train.py on the same recipe,
+     model, data and --lm_threads threads, interleaved with the kit's, in
+     tokens per CPU second (a run of a fifth of the steps subtracted: start-up
+     and evaluation drop out, and a busy machine's other processes count
+     against neither) and in wall tokens/s. 8b: tokens/s and model FLOP/s at
+     1 and 2 processes, DDP vs FSDP, with and without
+     --activation_checkpointing, the training state per rank; on a CPU the
+     share of its measured fp32 matmul FLOP/s, on a GPU the MFU. Needs the
+     corpus in ../shared/data/tinyshakespeare.
 """
 
 from __future__ import annotations
@@ -686,24 +689,54 @@ def _corpus_dir(root: Path) -> Path:
     return root
 
 
+def _child_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished (waited-for) descendants."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed_run(cmd: list, cwd: Path, threads: int) -> tuple[str, float]:
+    """``cmd``'s stdout and the CPU seconds it and its descendants used, with OMP_NUM_THREADS=``threads``."""
+    before = _child_cpu_seconds()
+    out = subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True,
+                         env=script_env(OMP_NUM_THREADS=str(threads)))
+    return out.stdout, _child_cpu_seconds() - before
+
+
+def _per_step_cpu(run_for, steps: int) -> tuple:
+    """(what ``run_for(steps)`` returned, CPU seconds per training step): ``run_for(n)``
+    runs a whole program for n steps and returns (result, CPU seconds); the CPU
+    seconds of a run of ``steps // 5`` steps are subtracted, so start-up and
+    evaluation (the same in both) drop out. CPU time, not wall time: on a shared
+    machine the time the scheduler gives other processes counts against neither."""
+    short_steps = max(1, steps // 5)
+    _, short = run_for(short_steps)
+    result, full = run_for(steps)
+    return result, (full - short) / (steps - short_steps)
+
+
 def _kit_lm_run(data: Path, nproc: int, strategy: str, checkpointing: bool, steps: int, threads: int) -> dict:
     """train.py --dataset shakespeare_char (the task's recipe: nanoGPT's CPU one) for
     ``steps`` optimizer steps on ``nproc`` processes of ``threads`` threads each
-    (OMP_NUM_THREADS); its epoch record (tokens_per_s, flops_per_s, mfu on a GPU)
-    and, under FSDP, the training state per rank it printed, FSDP's and DDP's."""
-    cwd = Path(tempfile.mkdtemp())
-    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "train.py",
-                      "--dataset", "shakespeare_char", "--data_dir", data, "--max_steps", str(steps),
-                      "--strategy", strategy, "--metrics_path", "m.jsonl"]
-    cmd += ["--activation_checkpointing"] if checkpointing else []
-    out = subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True,
-                         env=script_env(OMP_NUM_THREADS=str(threads)))
-    records = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
-    record = [r for r in records if "epoch" in r][-1]
-    state = STATE_LINE.search(out.stdout)
-    shutil.rmtree(cwd, ignore_errors=True)
-    return {**{key: record.get(key) for key in ("tokens_per_s", "flops_per_s", "mfu", "train_loss", "val_loss",
+    (OMP_NUM_THREADS): its epoch record (tokens_per_s, flops_per_s, mfu on a GPU),
+    CPU seconds per step of all processes together (``_per_step_cpu``) and, under
+    FSDP, the training state per rank it printed, FSDP's and DDP's."""
+    def run_for(n: int) -> tuple:
+        cwd = Path(tempfile.mkdtemp())
+        cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "train.py",
+                          "--dataset", "shakespeare_char", "--data_dir", data, "--max_steps", str(n),
+                          "--strategy", strategy, "--metrics_path", "m.jsonl"]
+        stdout, cpu = _timed_run(cmd + (["--activation_checkpointing"] if checkpointing else []), cwd, threads)
+        records = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+        shutil.rmtree(cwd, ignore_errors=True)
+        return ([r for r in records if "epoch" in r][-1], STATE_LINE.search(stdout)), cpu
+
+    (record, state), cpu_per_step = _per_step_cpu(run_for, steps)
+    return {**{key: record.get(key) for key in ("tokens_per_s", "flops_per_s", "mfu", "train_loss",
                                                 "peak_gpu_memory_mib")},
+            "tokens_per_cpu_s": nproc * 12 * 64 / cpu_per_step,
             "fsdp_state_bytes": int(state["fsdp"]) if state else None,
             "ddp_state_bytes": int(state["ddp"]) if state else None}
 
@@ -736,27 +769,60 @@ def _nanogpt_folder(nanogpt: Path) -> Path:
 
 def _nanogpt_run(folder: Path, steps: int, threads: int) -> dict:
     """nanoGPT's train.py on its CPU recipe for ``steps`` iterations, ``threads``
-    threads: tokens/s over its iterations 1..steps (iteration 0, which holds its
-    first evaluation, left out), from the times it prints for each."""
-    out = subprocess.run([sys.executable, "train.py", *NANOGPT_CPU_RECIPE, f"--max_iters={steps}"], cwd=folder,
-                         check=True, capture_output=True, text=True, env=script_env(OMP_NUM_THREADS=str(threads)))
-    times = [float(ms) / 1e3 for iteration, ms in NANOGPT_ITER.findall(out.stdout) if int(iteration) >= 1]
-    return {"tokens_per_s": len(times) * 12 * 64 / sum(times), "iterations": len(times)}
+    threads: tokens/s over its iterations 1..steps from the times it prints
+    (iteration 0, which holds its first evaluation, left out), and tokens per
+    CPU second (``_per_step_cpu``)."""
+    def run_for(n: int) -> tuple:
+        stdout, cpu = _timed_run([sys.executable, "train.py", *NANOGPT_CPU_RECIPE, f"--max_iters={n}"], folder,
+                                 threads)
+        return [float(ms) / 1e3 for iteration, ms in NANOGPT_ITER.findall(stdout) if int(iteration) >= 1], cpu
+
+    times, cpu_per_step = _per_step_cpu(run_for, steps)
+    return {"tokens_per_s": len(times) * 12 * 64 / sum(times), "tokens_per_cpu_s": 12 * 64 / cpu_per_step}
 
 
 LM_CASES = [(1, "ddp", False), (1, "ddp", True), (1, "fsdp", False), (2, "ddp", False), (2, "ddp", True),
             (2, "fsdp", False), (2, "fsdp", True)]
 
 
-def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2) -> dict:
-    """The kit on --dataset shakespeare_char: tokens/s and FLOP/s for each of
-    ``LM_CASES`` (processes, strategy, activation checkpointing), the CPU's
-    share of its matmul FLOP/s, the training state per rank; and, with a
-    nanoGPT checkout, its own train.py against the kit's 1 process, ``reps``
-    interleaved pairs."""
+def _lm_versus_nanogpt(data: Path, nanogpt: str, steps: int, reps: int, threads: int) -> dict:
+    """The kit's 1 process against nanoGPT's own train.py (a temporary copy of
+    the checkout ``nanogpt``) on the same recipe, model, data and ``threads``,
+    ``reps`` interleaved pairs: their tokens per CPU second and tokens/s."""
+    folder = _nanogpt_folder(Path(nanogpt))
+    pairs = interleaved({"kit": lambda: _kit_lm_run(data, 1, "ddp", False, steps, threads),
+                         "nanoGPT": lambda: _nanogpt_run(folder, steps, threads)}, reps)
+    shutil.rmtree(folder, ignore_errors=True)
+    ratios = {key: statistics.median(k[key] / n[key] for k, n in zip(pairs["kit"], pairs["nanoGPT"]))
+              for key in ("tokens_per_cpu_s", "tokens_per_s")}
+    text = table(
+        f"8a. train.py vs nanoGPT's own train.py: the same recipe, model, data, 1 process of {threads} "
+        f"thread(s), {steps} steps each, {reps} interleaved pairs",
+        ["pair", "kit tokens per CPU s", "nanoGPT tokens per CPU s", "kit / nanoGPT (CPU time)",
+         "kit tokens/s (wall)", "nanoGPT tokens/s (wall)", "kit / nanoGPT (wall)"],
+        [[i + 1, k["tokens_per_cpu_s"], n["tokens_per_cpu_s"], k["tokens_per_cpu_s"] / n["tokens_per_cpu_s"],
+          k["tokens_per_s"], n["tokens_per_s"], k["tokens_per_s"] / n["tokens_per_s"]]
+         for i, (k, n) in enumerate(zip(pairs["kit"], pairs["nanoGPT"]))]
+        + [["median", "", "", ratios["tokens_per_cpu_s"], "", "", ratios["tokens_per_s"]]])
+    return {"nanogpt_pairs": pairs, "kit_over_nanogpt": ratios, "table": text}
+
+
+def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2, threads: int = 1) -> dict:
+    """The kit on --dataset shakespeare_char: with a nanoGPT checkout first its
+    own train.py against the kit's 1 process (``_lm_versus_nanogpt``, ``threads``
+    threads each: 1 makes CPU time compute time, no thread waiting for another);
+    then tokens/s and FLOP/s for each of ``LM_CASES`` (processes, strategy,
+    activation checkpointing; the usable cores shared among the processes), the
+    CPU's share of its matmul FLOP/s, the training state per rank."""
     if not CORPUS.exists():
         return {"skipped": f"no corpus at {CORPUS}"}
     data = _corpus_dir(Path(tempfile.mkdtemp()))
+    report = {"steps": steps}
+    versus = ("nanoGPT comparison: skipped (pass --nanogpt PATH, a checkout of karpathy/nanoGPT)" if not nanogpt
+              else None)
+    if nanogpt:
+        report.update(_lm_versus_nanogpt(data, nanogpt, steps, reps, threads))
+        versus = report.pop("table")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     matmul = None if gpus else matmul_flops_per_s(cores)
@@ -769,33 +835,17 @@ def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2) -> dict:
                         **run, "of_matmul": run["flops_per_s"] / matmul if matmul else None})
     rows = [[r["processes"], r["strategy"], "yes" if r["activation_checkpointing"] else "no", r["tokens_per_s"],
              r["flops_per_s"] / 1e9, f"{r['of_matmul']:.1%}" if r["of_matmul"] else
-             (f"MFU {r['mfu']:.1%}" if r.get("mfu") else "-"), r["train_loss"],
-             f"{r['fsdp_state_bytes'] / 2**20:.2f}" if r["fsdp_state_bytes"] else "-",
-             f"{r['ddp_state_bytes'] / 2**20:.2f}" if r["ddp_state_bytes"] else "-"] for r in results]
+             (f"MFU {r['mfu']:.1%}" if r.get("mfu") else "-"), r["tokens_per_cpu_s"],
+             f"{r['fsdp_state_bytes']:,}" if r["fsdp_state_bytes"] else "-",
+             f"{r['ddp_state_bytes']:,}" if r["ddp_state_bytes"] else "-"] for r in results]
     yardstick = f"{matmul / 1e9:.1f} GFLOP/s fp32 matmul with {cores} threads" if matmul else "GPU"
-    text = table(f"8. Language model: train.py --dataset shakespeare_char (nanoGPT's CPU recipe: 4 layers, "
+    text = table(f"8b. Language model: train.py --dataset shakespeare_char (nanoGPT's CPU recipe: 4 layers, "
                  f"4 heads, 128 wide, context 64, batch 12 per process), {steps} steps; {yardstick}",
-                 ["processes", "strategy", "activation checkpointing", "tokens/s", "model GFLOP/s",
-                  "of matmul FLOP/s (CPU) / MFU (GPU)", f"train loss (steps 1-{steps})",
-                  "FSDP state per rank MiB", "DDP state per rank MiB"], rows)
-    report = {"results": results, "matmul_flops_per_s": matmul, "steps": steps, "table": text}
-    if not nanogpt:
-        report["table"] += "\n\nnanoGPT comparison: skipped (pass --nanogpt PATH, a checkout of karpathy/nanoGPT)"
-        return report
-    folder = _nanogpt_folder(Path(nanogpt))
-    pairs = interleaved({"kit": lambda: _kit_lm_run(data, 1, "ddp", False, steps, cores)["tokens_per_s"],
-                         "nanoGPT": lambda: _nanogpt_run(folder, steps, cores)["tokens_per_s"]}, reps)
-    shutil.rmtree(folder, ignore_errors=True)
-    ratio = statistics.median(k / n for k, n in zip(pairs["kit"], pairs["nanoGPT"]))
-    report.update(nanogpt_pairs=pairs, kit_over_nanogpt=ratio)
-    report["table"] += "\n\n" + table(
-        f"8b. train.py vs nanoGPT's own train.py, the same recipe, model, data and {cores} threads, 1 process, "
-        f"{steps} steps each, {reps} interleaved pairs",
-        ["run", "kit tokens/s", "nanoGPT tokens/s", "kit / nanoGPT"],
-        [[i + 1, k, n, k / n] for i, (k, n) in enumerate(zip(pairs["kit"], pairs["nanoGPT"]))]
-        + [["median", statistics.median(pairs["kit"]), statistics.median(pairs["nanoGPT"]), ratio]])
+                 ["processes", "strategy", "activation checkpointing", "tokens/s (the kit's line)",
+                  "model GFLOP/s", "of matmul FLOP/s (CPU) / MFU (GPU)", "tokens per CPU second",
+                  "FSDP state bytes per rank", "DDP state bytes per rank"], rows)
+    report.update(results=results, matmul_flops_per_s=matmul, table=versus + "\n\n" + text)
     return report
-
 
 # --------------------------------------------------------------------------
 
@@ -895,6 +945,8 @@ def main() -> None:
                         help="section 8: a checkout of github.com/karpathy/nanoGPT, whose train.py runs on the "
                              "same recipe as the kit's for the comparison (copied to a temporary folder)")
     parser.add_argument("--lm_steps", type=int, default=200, help="section 8: optimizer steps per run")
+    parser.add_argument("--lm_threads", type=int, default=1,
+                        help="section 8: threads of the kit and of nanoGPT in their comparison")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
@@ -917,7 +969,7 @@ def main() -> None:
                  lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}, 2),
                 ("5", "gpu", section_gpu, 1), ("6", "fsdp_vs_ddp", section_fsdp, 2),
                 ("7", "snapshot_save", lambda: section_snapshot_save(args.save_dir), 1),
-                ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps), 1)]
+                ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps, threads=args.lm_threads), 1)]
     run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")
 
