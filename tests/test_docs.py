@@ -65,6 +65,9 @@ def covered_elsewhere(block: str):
     if "--dataset cifar10" in block:
         return ("tests/test_recipes.py runs docs/recipes.md's --dataset cifar10 commands as written on "
                 "CIFAR-10-shaped files (CIFAR-10 cannot be downloaded here)")
+    if "--dataset shakespeare_char" in block:
+        return ("the language-model recipes train for minutes to hours; tests/test_language_model.py trains "
+                "the GPT with the task's recipe in train.py and in a rung on a slice of the corpus")
     for command in commands(block):
         command = re.sub(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)+", "", command)  # VAR=value sbatch ...
         for start, reason in COVERED_ELSEWHERE.items():
