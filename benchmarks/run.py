@@ -812,8 +812,8 @@ def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2, threads: in
     own train.py against the kit's 1 process (``_lm_versus_nanogpt``, ``threads``
     threads each: 1 makes CPU time compute time, no thread waiting for another);
     then tokens/s and FLOP/s for each of ``LM_CASES`` (processes, strategy,
-    activation checkpointing; the usable cores shared among the processes), the
-    CPU's share of its matmul FLOP/s, the training state per rank."""
+    activation checkpointing; ``threads`` threads per process), on a CPU their
+    share of as many processes' matmul FLOP/s, the training state per rank."""
     if not CORPUS.exists():
         return {"skipped": f"no corpus at {CORPUS}"}
     data = _corpus_dir(Path(tempfile.mkdtemp()))
@@ -823,22 +823,22 @@ def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2, threads: in
     if nanogpt:
         report.update(_lm_versus_nanogpt(data, nanogpt, steps, reps, threads))
         versus = report.pop("table")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    matmul = None if gpus else matmul_flops_per_s(cores)
+    matmul = None if gpus else matmul_flops_per_s(threads)  # what ``threads`` threads of one process reach
     results = []
     for nproc, strategy, checkpointing in LM_CASES:
         if gpus and nproc > gpus:
             continue
-        run = _kit_lm_run(data, nproc, strategy, checkpointing, steps, max(1, cores // nproc))
+        run = _kit_lm_run(data, nproc, strategy, checkpointing, steps, threads)
         results.append({"processes": nproc, "strategy": strategy, "activation_checkpointing": checkpointing,
-                        **run, "of_matmul": run["flops_per_s"] / matmul if matmul else None})
+                        **run, "of_matmul": run["flops_per_s"] / (nproc * matmul) if matmul else None})
     rows = [[r["processes"], r["strategy"], "yes" if r["activation_checkpointing"] else "no", r["tokens_per_s"],
              r["flops_per_s"] / 1e9, f"{r['of_matmul']:.1%}" if r["of_matmul"] else
              (f"MFU {r['mfu']:.1%}" if r.get("mfu") else "-"), r["tokens_per_cpu_s"],
              f"{r['fsdp_state_bytes']:,}" if r["fsdp_state_bytes"] else "-",
              f"{r['ddp_state_bytes']:,}" if r["ddp_state_bytes"] else "-"] for r in results]
-    yardstick = f"{matmul / 1e9:.1f} GFLOP/s fp32 matmul with {cores} threads" if matmul else "GPU"
+    yardstick = (f"{threads} thread(s) per process; the yardstick: {matmul / 1e9:.1f} GFLOP/s of a 1024x1024 "
+                 f"fp32 matmul per process" if matmul else "GPU")
     text = table(f"8b. Language model: train.py --dataset shakespeare_char (nanoGPT's CPU recipe: 4 layers, "
                  f"4 heads, 128 wide, context 64, batch 12 per process), {steps} steps; {yardstick}",
                  ["processes", "strategy", "activation checkpointing", "tokens/s (the kit's line)",
@@ -946,7 +946,7 @@ def main() -> None:
                              "same recipe as the kit's for the comparison (copied to a temporary folder)")
     parser.add_argument("--lm_steps", type=int, default=200, help="section 8: optimizer steps per run")
     parser.add_argument("--lm_threads", type=int, default=1,
-                        help="section 8: threads of the kit and of nanoGPT in their comparison")
+                        help="section 8: threads per process (the kit's and nanoGPT's)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
