@@ -1,11 +1,12 @@
 """What the kit does for a language model: tokens/s, FLOPs per token and MFU
 in the epoch record; text out (--sample_chars) after training and from a
 finished run's snapshot; FSDP units per transformer block with the tied
-embedding in the root; activation checkpointing with the same losses and
-gradients and fewer saved activations."""
+embedding in the root, stopped and resumed exactly; activation checkpointing
+with the same losses and gradients and fewer saved activations."""
 
 import copy
 import json
+import signal
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import train_utils
 from common import ConfigError
 from gpt import GPT
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import EPOCH_LINE, REPO, TORCHRUN, check, run
+from helpers import EPOCH_LINE, REPO, TORCHRUN, check, parse_test, run, signal_when
 
 def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     """nanoGPT's CPU recipe model (4 layers, 4 heads, 128 wide, context 64, 65
@@ -125,28 +126,37 @@ def test_generate_is_seeded_and_top_k_1_is_greedy():
 
 
 def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_snapshot(tmp_path):
-    """train.py, 2 processes, FSDP with activation checkpointing: the JSON
-    records carry tokens_per_s = samples_per_s x block_size and flops_per_s =
-    tokens_per_s x the model's FLOPs per token; every rank runs the sampling's
-    forwards (FSDP), rank 0 prints --sample_chars characters once. The same
-    run without activation checkpointing has the same losses and writes the
-    same text. Rerun on its finished snapshot, the first prints the same text
+    """train.py, 2 processes, FSDP, a tiny GPT with dropout and the task's
+    recipe, 6 steps. With activation checkpointing: the JSON record carries
+    tokens_per_s = samples_per_s x block_size and flops_per_s = tokens_per_s x
+    the model's FLOPs per token; every rank runs the sampling's forwards (FSDP),
+    rank 0 prints --sample_chars characters once. Without it, stopped by SIGTERM
+    before step 4 and resumed: the same losses, test loss and text (the same
+    weights). Rerun on its finished snapshot, the first prints the same text
     again, then says nothing to train."""
     data = build_shakespeare_root(tmp_path / "data", 12_000)
-    gpt = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32"]
+    gpt = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--dropout", "0.1"]
     cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--dataset", "shakespeare_char",
-                      "--data_dir", data, *gpt, "--batch_size", "8", "--max_steps", "4", "--strategy", "fsdp",
-                      "--sample_chars", "80"]
-    runs = {}
-    for name, extra in (("ac", ["--activation_checkpointing"]), ("plain", [])):
-        out = check(run(cmd + extra + ["--metrics_path", f"{name}.jsonl", "--snapshot_path", name], tmp_path))
-        records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-        sample = out.stdout.split("sample | 80 characters | temperature 0.8 | top_k 200\n")
-        assert len(sample) == 2, out.stdout
-        runs[name] = (next(r for r in records if "epoch" in r), sample[1][:80])
-    record, text = runs["ac"]
-    assert [runs["plain"][0][key] for key in ("train_loss", "val_loss")] == [record["train_loss"], record["val_loss"]]
-    assert runs["plain"][1] == text
+                      "--data_dir", data, *gpt, "--batch_size", "8", "--max_steps", "6", "--warmup_steps", "2",
+                      "--strategy", "fsdp", "--sample_chars", "80"]
+    ac = cmd + ["--activation_checkpointing", "--metrics_path", "ac.jsonl", "--snapshot_path", "ac"]
+    plain = cmd + ["--metrics_path", "plain.jsonl", "--snapshot_path", "plain"]
+    outputs = {"ac": check(run(ac, tmp_path)).stdout}
+    stopped = signal_when(plain, tmp_path, "DDP_TEST_FAULT: wait_signal at step 4", signal.SIGTERM,
+                          DDP_TEST_FAULT="step:*:4:wait_signal")
+    assert "stopped by SIGTERM" in stopped and "sample |" not in stopped, stopped
+    outputs["plain"] = check(run(plain, tmp_path)).stdout
+    assert "resuming from snapshot plain/" in outputs["plain"]
+    records, texts = {}, {}
+    for name, out in outputs.items():
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        records[name] = [r for r in lines if "epoch" in r][-1]
+        sample = out.split("sample | 80 characters | temperature 0.8 | top_k 200\n")
+        assert len(sample) == 2, out
+        texts[name] = sample[1][:80]
+    record, text = records["ac"], texts["ac"]
+    assert [records["plain"][key] for key in ("train_loss", "val_loss")] == [record["train_loss"], record["val_loss"]]
+    assert parse_test(outputs["plain"]) == parse_test(outputs["ac"]) and texts["plain"] == text
     characters = sorted(set(require_tinyshakespeare().read_text(encoding="utf-8")[:12_000]))  # the vocabulary
     assert len(text) == 80 and set(text) <= set(characters)
     assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 32)  # x --block_size
