@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import socket
 import urllib.request
 from typing import Sequence
 
@@ -121,7 +122,7 @@ def download_corpus(path: str) -> None:
     temporary file renamed into place once its md5 is ``SHAKESPEARE_MD5``. Raises
     ConfigError (one line) when the download fails or the file is not the corpus."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    partial = f"{path}.{os.getpid()}.part"
+    partial = f"{path}.{socket.gethostname()}.{os.getpid()}.part"  # nodes may share --data_dir
     try:
         with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as response:
             data = response.read()

@@ -75,6 +75,9 @@ QUICK = [
     "test_reruns_and_errors.py::test_a_typo_under_torchrun_is_one_line_and_the_root_cause",
     "test_reruns_and_errors.py::test_flags_spelled_as_in_pytorch_examples_get_the_flag_meant",
     "test_fault_tolerance.py::test_truncated_snapshot_stops_with_one_line_and_is_kept",
+    "test_language_model.py::test_split_vocabulary_and_windows_are_nanogpts",  # the LM: task, model, recipe
+    "test_language_model.py::test_gpt_shapes_tying_initialisation_causality_and_sampling",
+    "test_language_model.py::test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule",
 ]
 
 

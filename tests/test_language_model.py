@@ -213,6 +213,9 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     assert steps_a == steps_b == 2 and a["lr_schedule.step"].item() == 100 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
     assert parse_test(resumed.stdout) == parse_test(straight.stdout)
+    longer = run([*launch[:-2], "--max_steps", "150"], straight_dir)  # its epoch 2 was cut short at step 100
+    assert longer.returncode != 0 and "error: the snapshot holds a finished run of --max_steps 100, which ended " \
+        "inside an epoch; it cannot go on to --max_steps 150" in longer.stderr, longer.stderr
 
 
 def test_a_rung_trains_the_gpt_with_the_tasks_recipe(tmp_path):

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from common import lr_factor
+from common import ConfigError, lr_factor
 
 from .output import is_distributed, print_line
 from .speed import amp_dtype
@@ -69,6 +69,19 @@ def batches_left(args: argparse.Namespace, steps_per_epoch: int, epoch: int, bat
     if not args.max_steps:
         return None
     return (args.max_steps - epoch * steps_per_epoch) * args.grad_accum_steps - batches_run
+
+
+def check_max_steps(config: dict, args: argparse.Namespace, steps_at_epoch_start: int) -> None:
+    """Raise ConfigError (one line) when a snapshot that ended a --max_steps run
+    inside an epoch (its ``config``; the epochs it holds make
+    ``steps_at_epoch_start`` steps, more than its max_steps) is resumed with
+    another --max_steps: the epoch it cut short counts as whole from then on,
+    so a longer run would miscount its steps and skip that epoch's rest."""
+    saved = config.get("max_steps") or 0
+    if saved and steps_at_epoch_start > saved and args.max_steps != saved:
+        raise ConfigError(f"the snapshot holds a finished run of --max_steps {saved}, which ended inside an "
+                          f"epoch; it cannot go on to --max_steps {args.max_steps}: start afresh (another "
+                          f"--snapshot_path) with --max_steps {args.max_steps}")
 
 
 class Recipe:
@@ -168,6 +181,7 @@ class Recipe:
         epoch after the change) or never reach it (fewer).
         """
         config = snapshot["config"]
+        check_max_steps(config, self.args, snapshot["epochs_run"] * self.steps_per_epoch)
         if snapshot.get("lr_schedule"):
             self.schedule.load_state_dict(snapshot["lr_schedule"])
         # The schedule's step from the position, in this run's steps per epoch: the saved
