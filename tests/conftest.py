@@ -78,6 +78,10 @@ QUICK = [
     "test_language_model.py::test_split_vocabulary_and_windows_are_nanogpts",  # the LM: task, model, recipe
     "test_language_model.py::test_gpt_shapes_tying_initialisation_causality_and_sampling",
     "test_language_model.py::test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule",
+    "test_lm_kit.py::test_flops_per_token_is_6n_plus_attention_with_nanogpts_n",  # the kit's LM parts, in-process
+    "test_lm_kit.py::test_tokens_flops_and_mfu_figures",
+    "test_lm_kit.py::test_fsdp_units_are_the_transformer_blocks_and_a_tied_weight_stays_in_the_root",
+    "test_lm_kit.py::test_generate_is_seeded_and_top_k_1_is_greedy",
 ]
 
 
