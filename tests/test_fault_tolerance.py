@@ -18,7 +18,7 @@ import torch
 
 from dataset_files import build_mnist_root
 from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs, error_lines,
-                     parse_test, run, script_env)
+                     held_at_step, parse_test, run, script_env)
 
 import train_utils
 
@@ -240,10 +240,14 @@ def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, 
 # (preemption, scontrol requeue, scancel), SIGINT (Ctrl-C): stop, snapshot, resume
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("signum,accum,nproc,workers", [
+@pytest.mark.parametrize("signum,accum,nproc,hold,stop", [
     # SIGUSR1 (a scheduler's warning, relayed when asked) with accumulation:
     # the stop waits for the end of an optimizer step.
-    (signal.SIGUSR1, 3, 2, 0),
+    # 115 micro-batches an epoch a rank; rank 0 held before the 131st (epoch
+    # 2's 16th, in mid-accumulation) until the signal: the ranks share it at
+    # the next optimizer step (the 18th) and stop after the one after (the
+    # 21st; StopSignals.poll learns of it one call late, not to wait for it).
+    (signal.SIGUSR1, 3, 2, 131, "2 21"),
     # Ctrl-C with 3 ranks: a resume must also lay out DDP's buckets as before
     # (with 2 ranks a sum is the same in any order). Loader workers, which
     # torchrun signals too, are checked in test_train_utils and test_loaders.
@@ -251,10 +255,11 @@ def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, 
     # scontrol requeue, scancel), which signals every process itself; torchrun
     # relays SIGTERM as it relays SIGINT (the Ctrl-C case) and, during
     # start-up, test_sigterm_during_start_up_... sends it to torchrun.
-    (signal.SIGINT, 1, 3, 0),
+    # 76 steps an epoch a rank; rank 0 held before the 100th (epoch 2's 24th): stop after the 25th.
+    (signal.SIGINT, 1, 3, 100, "2 25"),
 ], ids=["SIGUSR1-accum3", "Ctrl-C-3ranks"])
 def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly(
-        tmp_path, signum, accum, nproc, workers):
+        tmp_path, signum, accum, nproc, hold, stop):
     """What slurm/multi_gpu.sh does on a warning or a preemption, without Slurm
     (tests/test_stop_paths.py runs the real thing): torchrun relays the signal to
     the workers, which stop after the same step and snapshot it; the same command
@@ -266,15 +271,15 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
         if train_utils.torch_version() < (2, 10):
             pytest.skip(f"torch {torch.__version__}'s torchrun has no --signals-to-handle (2.10)")
         relay = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
-    args = ["--total_epochs", "12", "--batch_size", "8", "--grad_accum_steps", str(accum),
-            "--num_workers", str(workers),  # and a recipe whose state must resume too:
+    args = ["--total_epochs", "3", "--batch_size", "8", "--grad_accum_steps", str(accum),
+            # and a recipe whose state must resume too:
             "--lr_schedule", "cosine", "--warmup_epochs", "1", "--weight_decay", "1e-4", "--clip_grad_norm", "1"]
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     interrupted.mkdir()
     reference.mkdir()
     nprocs = f"--nproc_per_node={nproc}"
     launch = TORCHRUN + ["--standalone", nprocs, *relay, str(REPO / "train.py"), *args]
-    text = signal_when(launch, interrupted, "epoch 2/12", signum)
+    text = signal_when(launch, interrupted, held_at_step(hold)[1], signum, **held_at_step(hold)[0])
     name = signal.Signals(signum).name
     stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_train\.pt$", text, re.M)
     assert len(stops) == 1 and text.count(f"stopped by {name}") == 1, text
@@ -283,13 +288,13 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
         assert text.count("Ctrl-C: every rank stops after the current step") == 1, text
         assert "KeyboardInterrupt" not in text, text
     epoch, step = stops[0]
-    assert int(step) % accum == 0
+    assert f"{epoch} {step}" == stop and int(step) % accum == 0
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1
 
     resumed = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args],
                         interrupted))
     assert f"resuming from snapshot snapshot_train.pt in epoch {epoch} after step {step}" in resumed.stdout
-    assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 13))
+    assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 4))
     check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args], reference))
     assert_same_snapshot(interrupted / "snapshot_train.pt", reference / "snapshot_train.pt")
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dataset_files import build_mnist_root
-from helpers import (REPO, TORCHRUN, check, epochs, free_port, parse_test, plain_task, run,
+from helpers import (REPO, TORCHRUN, check, epochs, free_port, held_at_step, parse_test, plain_task, run,
                      signal_when, stdout_lines)
 
 import common
@@ -434,12 +434,13 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
     snapshot folder is saved; the same command finishes bitwise like the reference."""
     launch = fsdp(2, *FAULT_FLAGS)
     launch.insert(launch.index(FSDP), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    text = signal_when(launch, tmp_path, "epoch 1/2", signal.SIGUSR1, start_s=180, stop_s=120)
+    hold_env, held = held_at_step(150)  # epoch 2's 35th of 115 steps
+    text = signal_when(launch, tmp_path, held, signal.SIGUSR1, start_s=180, stop_s=120, **hold_env)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text
     after_stop = text.split("stopped by SIGUSR1")[1]
     epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_train_fsdp/epoch-\1-step-\2$",
                             after_stop, re.M).groups()
-    assert epochs(text)[-1]["epoch"] == int(epoch) - 1  # stopped inside the next epoch
+    assert (epoch, step) == ("2", "36") and epochs(text)[-1]["epoch"] == 1  # the step after the held one
     resumed = check(run(fsdp(2, *FAULT_FLAGS), tmp_path))
     assert (f"resuming from snapshot snapshot_train_fsdp/epoch-{epoch}-step-{step} in epoch {epoch} "
             f"after step {step}") in resumed.stdout

@@ -19,7 +19,7 @@ import train_utils
 import vision_tasks
 from dataset_files import build_cifar10_root
 from helpers import (REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, free_port,
-                     parse_test, run, kit_trainer, signal_when)
+                     held_at_step, parse_test, run, kit_trainer, signal_when)
 
 TORCHRUN_1 = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
@@ -154,7 +154,7 @@ def test_fp16_with_clipping_stopped_by_sigterm_resumes_bitwise(tmp_path):
     skips the steps whose gradients overflow (the epoch line counts them); SIGTERM
     mid-run, the same command resumes the schedule and the loss scale, and ends
     bitwise equal to an uninterrupted run (2 ranks, 2 micro-batches per step)."""
-    flags = ["--total_epochs", "6", "--batch_size", "8", "--grad_accum_steps", "2", "--amp", "fp16",
+    flags = ["--total_epochs", "3", "--batch_size", "8", "--grad_accum_steps", "2", "--amp", "fp16",
              "--lr_schedule", "step", "--lr_gamma", "0.8", "--warmup_epochs", "0.5", "--clip_grad_norm", "1"]
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     interrupted.mkdir()
@@ -164,7 +164,8 @@ def test_fp16_with_clipping_stopped_by_sigterm_resumes_bitwise(tmp_path):
     lines = epochs(straight.stdout)
     assert lines[0]["skipped_steps"] >= 1  # GradScaler's first scale, 65536, overflows fp16
     assert sum(e["skipped_steps"] for e in lines[1:]) < lines[0]["skipped_steps"] + 5
-    text = signal_when(TORCHRUN_2 + flags, interrupted, "epoch 2/6", signal.SIGTERM)
+    hold_env, held = held_at_step(150)  # epoch 2's 35th of 115 micro-batches
+    text = signal_when(TORCHRUN_2 + flags, interrupted, held, signal.SIGTERM, **hold_env)
     assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
     resumed = check(run(TORCHRUN_2 + flags, interrupted))
     assert "resuming from snapshot snapshot_train.pt in epoch" in resumed.stdout
