@@ -73,24 +73,32 @@ class CharVocabulary:
 class CharWindows(Dataset):
     """(context, next characters) windows of a token sequence: item i is
     (x, y), both int64 (block_size,), x = tokens[s : s + block_size] and y =
-    tokens[s + 1 : s + block_size + 1] (y[t] is the character after x[t]),
-    starting at s = i x block_size: the windows tile the sequence without
-    overlap, so an epoch makes every character but the last few a target
-    exactly once (the last ``len(tokens) - 1 - len() x block_size`` are in no
-    window). ``__getitems__`` cuts a whole batch in one indexing op,
-    returning ``common.Batch((x, y))``, int64 (B, block_size) each.
-    Raises ConfigError when ``tokens`` (int64 (N,)) is too short for one window.
+    tokens[s + 1 : s + block_size + 1] (y[t] is the character after x[t]).
+
+    Held out (``shift=False``): s = i x block_size, so the windows tile the
+    sequence without overlap and every character but the last few is a
+    target exactly once. Training (``shift=True``): s = i x block_size + r,
+    r drawn uniformly from [0, block_size) for each item at each fetch, from
+    torch's default generator (as torchvision's RandomCrop draws its crops;
+    the kit's snapshots save that generator's state, so a resumed run draws
+    the same): an epoch still covers the text once on average, but a window
+    starts at any character, as nanoGPT's random offsets do, instead of the
+    same len() windows every epoch, which a model of some millions of
+    parameters learns by heart within a few epochs. ``__getitems__`` cuts a
+    whole batch in one indexing op, returning ``common.Batch((x, y))``,
+    int64 (B, block_size) each. Raises ConfigError when ``tokens`` (int64
+    (N,)) is too short for one window.
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
-        if len(tokens) < block_size + 1:
+    def __init__(self, tokens: torch.Tensor, block_size: int, shift: bool = False) -> None:
+        if len(tokens) < block_size + 1 + (block_size - 1 if shift else 0):
             raise ConfigError(f"a text of {len(tokens)} characters is too short for one window of "
                               f"--block_size {block_size} (+1 for the targets); pass a smaller --block_size")
-        self.tokens, self.block_size = tokens, block_size
+        self.tokens, self.block_size, self.shift = tokens, block_size, shift
         self._offsets = torch.arange(block_size + 1)
 
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.block_size
+    def __len__(self) -> int:  # with shift, the last window may start block_size - 1 later
+        return (len(self.tokens) - 1 - (self.block_size - 1 if self.shift else 0)) // self.block_size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.__getitems__([index])
@@ -100,6 +108,8 @@ class CharWindows(Dataset):
         if not indices or min(indices) < -len(self) or max(indices) >= len(self):
             raise IndexError(f"window indices {indices} out of range for {len(self)} windows")
         starts = torch.tensor(indices, dtype=torch.int64) % len(self) * self.block_size
+        if self.shift:
+            starts += torch.randint(self.block_size, starts.shape)
         rows = self.tokens[starts[:, None] + self._offsets]  # (B, block_size + 1)
         return Batch((rows[:, :-1], rows[:, 1:]))
 
@@ -190,7 +200,8 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     (``CharVocabulary``, 65 for the corpus). Split: the first 90% of the text
     trains, the last 10% is held out (nanoGPT's split, so its validation
     losses compare); the held-out part is both the validation and the test
-    set. Samples: ``CharWindows`` of --block_size characters, non-overlapping;
+    set. Samples: ``CharWindows`` of --block_size characters (training: each
+    shifted by a random 0..block_size-1 characters; held out: tiling the text);
     int64 (B, block_size) contexts and next characters. Model: ``gpt.GPT``
     of the --n_layer --n_head --n_embd --block_size --dropout flags
     (``SHAKESPEARE_MODEL`` where unset, then set in ``args``); loss ``lm_loss`` (nats per
@@ -210,7 +221,7 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     tokens = torch.tensor(vocabulary.encode(text), dtype=torch.int64)
     split = int(len(tokens) * TRAIN_FRACTION)
     block_size = sizes["block_size"]
-    train, held_out = CharWindows(tokens[:split], block_size), CharWindows(tokens[split:], block_size)
+    train, held_out = CharWindows(tokens[:split], block_size, shift=True), CharWindows(tokens[split:], block_size)
     model = GPT(len(vocabulary), **sizes)
     return Task(train, held_out, held_out, model, lm_loss, classification=False,
                 recipe=dict(SHAKESPEARE_RECIPE), tokens_per_sample=block_size,

@@ -38,21 +38,32 @@ def lm_args(data_dir, **flags) -> argparse.Namespace:
 def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     """65 characters, sorted, as nanoGPT numbers them; the first 90% trains, the
     last 10% is held out (validation and test); windows of block_size characters
-    tile each part, y the next characters of x; the defaults are nanoGPT's CPU recipe."""
+    tile the held-out part; training windows start a random 0..T-1 characters
+    later (torch's generator: seeded, reproducible), y the next characters of x;
+    the defaults are nanoGPT's CPU recipe."""
     text = require_tinyshakespeare().read_text(encoding="utf-8")
     args = lm_args(build_shakespeare_root(tmp_path))
     task = common.load_task(args, download=False)
     assert len(text) == 1115394 and task.decode(range(65)) == "".join(sorted(set(text)))
     split, T = int(len(text) * 0.9), 64  # nanoGPT's prepare.py: data[:int(n*0.9)]
-    assert len(task.train_set) == (split - 1) // T == 15685 and len(task.val_set) == (len(text) - split - 1) // T
+    assert len(task.train_set) == (split - T) // T == 15684 and len(task.val_set) == (len(text) - split - 1) // T
     last = len(task.train_set) - 1
+    torch.manual_seed(0)
     x, y = task.train_set.__getitems__([0, 5, last])
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, T)
+    shifts = []
     for row, i in enumerate((0, 5, last)):
-        assert task.decode(x[row]) == text[i * T:(i + 1) * T] and task.decode(y[row]) == text[i * T + 1:(i + 1) * T + 1]
-    assert (last + 1) * T + 1 <= split  # no training window reaches into the held-out text
-    assert task.decode(task.val_set[0][0]) == text[split:split + T] and task.test_set is task.val_set
-    assert torch.equal(task.train_set[5][0], x[1]) and task.decode(task.encode(text[:2000])) == text[:2000]
+        start = next(i * T + r for r in range(T) if task.decode(x[row]) == text[i * T + r:i * T + r + T])
+        assert task.decode(y[row]) == text[start + 1:start + T + 1]
+        shifts.append(start - i * T)
+    assert (last + 1) * T + T <= split  # no training window reaches into the held-out text
+    torch.manual_seed(0)
+    assert torch.equal(task.train_set.__getitems__([0, 5, last])[0], x)  # drawn from torch's generator
+    draws = {tuple(task.train_set.__getitems__([5])[0][0, :4].tolist()) for _ in range(20)}
+    assert len(draws) > 5 and len(set(shifts)) > 1  # a window starts anywhere in its block
+    for i in (0, 7):  # held out: the windows tile the text
+        assert task.decode(task.val_set[i][0]) == text[split + i * T:split + (i + 1) * T]
+    assert task.test_set is task.val_set and task.decode(task.encode(text[:2000])) == text[:2000]
     assert task.tokens_per_sample == T and not task.classification
     with pytest.raises(common.ConfigError, match=r"the character '\\x00' is not in the vocabulary"):
         task.encode("\x00")
@@ -94,7 +105,7 @@ def test_missing_corpus_is_one_line_and_the_download_is_md5_checked(tmp_path, mo
         assert "\n" not in str(info.value) and "put the file there by hand" in str(info.value)
         assert list(target.parent.iterdir()) == []
     monkeypatch.setattr(text_tasks.urllib.request, "urlopen", serve(corpus))
-    assert len(common.load_task(lm_args(tmp_path), download=True).train_set) == 15685
+    assert len(common.load_task(lm_args(tmp_path), download=True).train_set) == 15684
     assert target.read_bytes() == corpus and asked == [text_tasks.SHAKESPEARE_URL] * 3
 
 
