@@ -16,7 +16,6 @@ Imports torch only, so a task module or a rung can use it alone.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -152,33 +151,3 @@ class GPT(nn.Module):
         as nanoGPT reports it (its N for 6N FLOPs per token)."""
         total = sum(p.numel() for p in self.parameters())
         return total if embeddings else total - self.wpe.weight.numel()
-
-
-@torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Sample ``new_tokens`` tokens after the int64 (B, T0) prompt ``idx``; return
-    int64 (B, T0 + new_tokens), the prompt first.
-
-    Each step feeds the last ``model.block_size`` tokens, takes the last
-    position's logits / ``temperature`` (> 0; lower: surer, higher: more
-    varied), keeps the ``top_k`` largest (None: all) and draws one token from
-    their softmax with ``torch.multinomial`` (``generator``: its random
-    stream, else the global one). ``model`` is a ``GPT`` or anything with its
-    forward and ``block_size``, in eval mode for no dropout (the caller's
-    choice). Raises ValueError for temperature <= 0, top_k < 1 or a prompt of no tokens.
-    """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if idx.dim() != 2 or idx.shape[1] == 0:
-        raise ValueError(f"the prompt must be (B, T) with T >= 1 tokens, got shape {tuple(idx.shape)}")
-    for _ in range(new_tokens):
-        logits = model(idx[:, -model.block_size:])[:, -1, :] / temperature  # (B, vocab_size)
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        next_token = torch.multinomial(F.softmax(logits.float(), dim=-1), 1, generator=generator)
-        idx = torch.cat((idx, next_token), dim=1)
-    return idx
