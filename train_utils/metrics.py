@@ -34,6 +34,15 @@ def tensorboard_missing() -> str:
     return ""
 
 
+# The epoch line after "epoch E/N", in order: (record key, label, format spec);
+# a part whose key the record lacks, or holds as None, is left out.
+EPOCH_LINE_PARTS = (("train_loss", "train_loss", ".6f"), ("val_loss", "val_loss", ".6f"),
+                    ("val_accuracy", "val_acc", ".4f"), ("samples_per_s", "samples/s", ".1f"),
+                    ("tokens_per_s", "tokens/s", ".1f"), ("flops_per_s", "flop/s", ".3g"), ("mfu", "mfu", ".4f"),
+                    ("epoch_seconds", "epoch_s", ".2f"), ("lr", "lr", ".6g"), ("skipped_steps", "skipped_steps", ""),
+                    ("peak_gpu_memory_mib", "peak_mem_mib", ".1f"))
+
+
 def metrics_line(record: dict) -> str:
     """The one fixed-format line of a metrics record.
 
@@ -59,25 +68,9 @@ def metrics_line(record: dict) -> str:
         if record.get("test_accuracy") is not None:
             parts.append(f"acc {record['test_accuracy']:.4f}")
         return " | ".join(parts)
-    parts = [f"epoch {record['epoch']}/{record['total_epochs']}",
-             f"train_loss {record['train_loss']:.6f}", f"val_loss {record['val_loss']:.6f}"]
-    if record.get("val_accuracy") is not None:
-        parts.append(f"val_acc {record['val_accuracy']:.4f}")
-    parts.append(f"samples/s {record['samples_per_s']:.1f}")
-    if record.get("tokens_per_s") is not None:
-        parts.append(f"tokens/s {record['tokens_per_s']:.1f}")
-    if record.get("flops_per_s") is not None:
-        parts.append(f"flop/s {record['flops_per_s']:.3g}")
-    if record.get("mfu") is not None:
-        parts.append(f"mfu {record['mfu']:.4f}")
-    parts.append(f"epoch_s {record['epoch_seconds']:.2f}")
-    if record.get("lr") is not None:
-        parts.append(f"lr {record['lr']:.6g}")
-    if record.get("skipped_steps") is not None:
-        parts.append(f"skipped_steps {record['skipped_steps']}")
-    if record.get("peak_gpu_memory_mib") is not None:
-        parts.append(f"peak_mem_mib {record['peak_gpu_memory_mib']:.1f}")
-    return " | ".join(parts)
+    return " | ".join([f"epoch {record['epoch']}/{record['total_epochs']}"]
+                      + [f"{label} {record[key]:{spec}}" for key, label, spec in EPOCH_LINE_PARTS
+                         if record.get(key) is not None])
 
 
 class RunLog:
