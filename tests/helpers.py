@@ -253,3 +253,46 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: 
     missing = [name for name in parameters if name not in available]
     assert not missing, f"train.Trainer takes {missing}, which kit_trainer does not give"
     return train.Trainer(**available)
+
+
+# Sharded (FSDP) snapshots, gathered for comparison
+
+def snapshot_folder(root) -> str:
+    """The one snapshot folder a finished run leaves under ``root`` (older ones are removed)."""
+    folders = sorted(os.listdir(root))
+    assert len(folders) == 1, folders
+    return os.path.join(root, folders[0])
+
+
+def full_state(folder, out_dir) -> tuple[dict, dict]:
+    """(weights, everything) of a sharded snapshot folder, gathered into plain tensors with
+    DCP's converter: model state_dict, momentum buffers ("optimizer.<name>") or other
+    optimizer state ("optimizer.<name>.<key>"), and from its meta file every rank's CPU
+    RNG state ("rng.<rank>"), the lr schedule's step and the loss scaler's state."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import train_utils
+
+    os.makedirs(out_dir, exist_ok=True)
+    for part in ("model", "optimizer"):
+        dcp_to_torch_save(os.path.join(folder, part), os.path.join(out_dir, f"{part}.pt"))
+    weights = torch.load(os.path.join(out_dir, "model.pt"), weights_only=True)
+    optimizer = torch.load(os.path.join(out_dir, "optimizer.pt"), weights_only=True)
+    meta = torch.load(os.path.join(folder, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
+    tensors = dict(weights)
+    for name, state in optimizer["state"].items():
+        for key, value in state.items():  # SGD's momentum_buffer; AdamW's exp_avg, exp_avg_sq, step
+            tensors[f"optimizer.{name}" + ("" if key == "momentum_buffer" else f".{key}")] = torch.as_tensor(value)
+    for rank, states in enumerate(meta["rng_states"]):
+        tensors[f"rng.{rank}"] = states["cpu"]
+    tensors["position"] = torch.tensor([meta["epochs_run"], meta["steps_run"]])
+    tensors["lr_schedule.step"] = torch.tensor(meta["lr_schedule"]["last_epoch"])
+    for key, value in (meta["loss_scaler"] or {}).items():
+        tensors[f"loss_scaler.{key}"] = torch.as_tensor(value)
+    return weights, tensors
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    """Two ``full_state`` dicts hold the same names and bitwise equal tensors."""
+    assert a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []

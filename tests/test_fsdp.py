@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dataset_files import build_mnist_root
-from helpers import (REPO, TORCHRUN, check, epochs, free_port, held_at_step, parse_test, plain_task, run,
+from helpers import (REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state, held_at_step, parse_test,
+                     plain_task, run, snapshot_folder,
                      signal_when, stdout_lines)
 
 import common
@@ -39,42 +39,6 @@ def fsdp(nproc: int, *flags, restarts: int = 0) -> list:
     extra = [f"--max-restarts={restarts}"] if restarts else []
     return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, FSDP, "--strategy", "fsdp",
                        *map(str, flags)]
-
-
-def snapshot_folder(root) -> str:
-    """The one snapshot folder a finished run leaves under ``root`` (older ones are removed)."""
-    folders = sorted(os.listdir(root))
-    assert len(folders) == 1, folders
-    return os.path.join(root, folders[0])
-
-
-def full_state(folder, out_dir) -> tuple[dict, dict]:
-    """(weights, everything) of a sharded snapshot folder, gathered into plain tensors with
-    DCP's converter: model state_dict, momentum buffers ("optimizer.<name>") or other
-    optimizer state ("optimizer.<name>.<key>"), and from its meta file every rank's CPU
-    RNG state ("rng.<rank>"), the lr schedule's step and the loss scaler's state."""
-    os.makedirs(out_dir, exist_ok=True)
-    for part in ("model", "optimizer"):
-        dcp_to_torch_save(os.path.join(folder, part), os.path.join(out_dir, f"{part}.pt"))
-    weights = torch.load(os.path.join(out_dir, "model.pt"), weights_only=True)
-    optimizer = torch.load(os.path.join(out_dir, "optimizer.pt"), weights_only=True)
-    meta = torch.load(os.path.join(folder, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
-    tensors = dict(weights)
-    for name, state in optimizer["state"].items():
-        for key, value in state.items():  # SGD's momentum_buffer; AdamW's exp_avg, exp_avg_sq, step
-            tensors[f"optimizer.{name}" + ("" if key == "momentum_buffer" else f".{key}")] = torch.as_tensor(value)
-    for rank, states in enumerate(meta["rng_states"]):
-        tensors[f"rng.{rank}"] = states["cpu"]
-    tensors["position"] = torch.tensor([meta["epochs_run"], meta["steps_run"]])
-    tensors["lr_schedule.step"] = torch.tensor(meta["lr_schedule"]["last_epoch"])
-    for key, value in (meta["loss_scaler"] or {}).items():
-        tensors[f"loss_scaler.{key}"] = torch.as_tensor(value)
-    return weights, tensors
-
-
-def assert_bitwise(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    assert [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
 @torch.no_grad()

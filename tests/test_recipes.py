@@ -182,7 +182,8 @@ def test_fsdp_recipe_killed_and_restarted_ends_bitwise(tmp_path):
     gradients, fp16 with the loss scaler, 2 micro-batches per step; a rank
     SIGKILLed mid-epoch, torchrun restarts all, the sharded snapshot resumes the
     schedule and the scale: the final shards are bitwise the uninterrupted run's."""
-    from test_fsdp import assert_bitwise, fsdp, full_state, snapshot_folder
+    from helpers import assert_bitwise, full_state, snapshot_folder
+    from test_fsdp import fsdp
 
     flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "40",
              "--optimizer", "adamw", "--lr", "0.01", "--weight_decay", "0.05", "--lr_schedule", "cosine",
