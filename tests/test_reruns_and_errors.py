@@ -173,14 +173,15 @@ def _tmpfs_works(folder) -> bool:
 
 
 def test_a_full_disk_at_a_save_is_one_line_naming_the_intact_snapshot(tmp_path):
-    """--snapshot_path on a 40 KiB tmpfs (a real ENOSPC): the first snapshot
-    (26 KiB) fits, the second's temporary file does not. One line on rank 0,
+    """--snapshot_path on a 64 KiB tmpfs (a real ENOSPC): the first snapshot
+    (about 37 KB: 10 pages of 4 KiB, the claim file one more) fits, the
+    second's temporary file beside it does not. One line on rank 0,
     also torchrun's root cause; the first snapshot stays whole, nothing else is
     left there. The tmpfs lives in a mount namespace of the run's own."""
     (tmp_path / "full").mkdir()
     if not _tmpfs_works(tmp_path / "full"):
         pytest.skip("no mount namespace for a tmpfs here (unshare -rm refused)")
-    script = ('mount -t tmpfs -o size=40k tmpfs full && { "$@"; status=$?; cp full/two.pt kept.pt; '
+    script = ('mount -t tmpfs -o size=64k tmpfs full && { "$@"; status=$?; cp full/two.pt kept.pt; '
               'ls -A full > left.txt; exit $status; }')
     result = run(["unshare", "-rm", "sh", "-c", script, "sh", *TORCHRUN_SCRIPT, "--total_epochs", "2",
                   "--save_every", "1", "--snapshot_path", "full/two.pt"], tmp_path)
