@@ -463,8 +463,9 @@ def main(args: argparse.Namespace) -> None:
         train_utils.remove_stale_temporary_files(args.snapshot_path)
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
-    train_utils.run_length(args, len(train_data) // args.grad_accum_steps)  # --max_steps: the epochs it takes
-    recipe = train_utils.Recipe(optimizer, args, len(train_data) // args.grad_accum_steps, device)
+    steps_per_epoch = len(train_data) // args.grad_accum_steps  # optimizer steps
+    train_utils.run_length(args, steps_per_epoch)  # --max_steps: the epochs it takes
+    recipe = train_utils.Recipe(optimizer, args, steps_per_epoch, device)
     trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, log, args)
     if trainer.finished:  # --sample_chars on a finished run: the sample, then "nothing to train"
         train_utils.print_sample(trainer.plain_model, task, args, device, trainer.fsdp)

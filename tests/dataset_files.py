@@ -22,13 +22,19 @@ MNIST_T10K = Path(os.environ.get("MNIST_T10K_DIR", REPO.parent / "shared" / "dat
 # MNIST from the real t10k files, written back in IDX format
 # --------------------------------------------------------------------------
 
-def require_mnist_t10k() -> Path:
-    if not (MNIST_T10K / "t10k-images-idx3-ubyte.gz").exists():
-        message = (f"real MNIST fixture absent: {MNIST_T10K}/t10k-images-idx3-ubyte.gz "
-                   f"(set MNIST_T10K_DIR or place ../shared beside the repo)")
+def require_shared(present: bool, message: str) -> None:
+    """Where shared data is absent (``present`` False): skip the test with
+    ``message``, or fail it under CI=true, where the data must be there."""
+    if not present:
         if IN_CI:
             pytest.fail(message + "; CI must run this test")
         pytest.skip(message)
+
+
+def require_mnist_t10k() -> Path:
+    require_shared((MNIST_T10K / "t10k-images-idx3-ubyte.gz").exists(),
+                   f"real MNIST fixture absent: {MNIST_T10K}/t10k-images-idx3-ubyte.gz "
+                   f"(set MNIST_T10K_DIR or place ../shared beside the repo)")
     return MNIST_T10K
 
 
@@ -53,12 +59,8 @@ TINYSHAKESPEARE = Path(os.environ.get("TINYSHAKESPEARE_FILE",
 
 def require_tinyshakespeare() -> Path:
     """The corpus file; skips the test where it is absent (fails under CI=true)."""
-    if not TINYSHAKESPEARE.is_file():
-        message = (f"Tiny Shakespeare absent: {TINYSHAKESPEARE} (set TINYSHAKESPEARE_FILE or place "
-                   f"../shared beside the repo)")
-        if IN_CI:
-            pytest.fail(message + "; CI must run this test")
-        pytest.skip(message)
+    require_shared(TINYSHAKESPEARE.is_file(), f"Tiny Shakespeare absent: {TINYSHAKESPEARE} (set "
+                   f"TINYSHAKESPEARE_FILE or place ../shared beside the repo)")
     return TINYSHAKESPEARE
 
 
