@@ -170,17 +170,20 @@ runroot = "{root}/run"
         """Run ``command`` in a container of ``image`` (``run_cmd``'s options), wait for it."""
         return self(*self.run_cmd(image, *command, **options)[1:], timeout=timeout)
 
-    def cleanup(self) -> None:
-        """Remove containers and images, unmount what is still mounted under
-        ``root`` and delete the folder. Each step runs whatever the last did."""
-        for args in (("rm", "--all", "--force", "--time=0"), ("rmi", "--all", "--force")):
-            try:
-                self(*args, timeout=300)
-            except subprocess.TimeoutExpired:
-                pass
+    def cleanup(self) -> subprocess.Popen:
+        """Remove the containers, unmount what is still mounted under ``root``
+        and start deleting the folder, images and all, in the background (its
+        12 GB take tens of seconds the next tests need not wait for); returns
+        that ``rm`` process. Each step runs whatever the last did."""
+        try:
+            self("rm", "--all", "--force", "--time=0", timeout=300)
+        except subprocess.TimeoutExpired:
+            pass
         for mount_point in reversed(self._mounts()):
             subprocess.run(["umount", "--lazy", mount_point], capture_output=True)
-        shutil.rmtree(self.root, ignore_errors=True)
+        removing = self.root.with_name(self.root.name + ".removing")
+        self.root.rename(removing)  # gone from root at once; the rm may take its time
+        remover = subprocess.Popen(["rm", "-rf", "--one-file-system", removing])
         for path, files in PODMAN_SYSTEM_STATE.items():
             if path in self.created:
                 for name in files:
@@ -190,6 +193,7 @@ runroot = "{root}/run"
                 folder.rmdir()  # only if empty: never what another podman put there since
             except OSError:
                 pass
+        return remover
 
     def _mounts(self) -> list[str]:
         with open("/proc/self/mounts") as f:
@@ -242,11 +246,22 @@ def _make_base(podman: Podman, rootfs: Path) -> None:
     shutil.rmtree(rootfs)
 
 
+@pytest.fixture(scope="session")
+def removals() -> list:
+    """The background ``rm`` processes of ``Podman.cleanup``: waited for, and
+    their folders checked gone, at the end of the test session."""
+    started: list = []
+    yield started
+    for remover, folder in started:
+        assert remover.wait(timeout=600) == 0 and not folder.exists(), f"{folder} was not removed"
+
+
 @pytest.fixture(scope="module")
-def image(tmp_path_factory) -> Image:
+def image(tmp_path_factory, removals) -> Image:
     """The repository's Dockerfile built with podman on a debootstrap base,
     once per module; prints the time of each step and the image size. Removes
-    images, containers and podman's storage afterwards."""
+    images, containers and podman's storage afterwards (the folder's deletion
+    finishing in the background: ``removals``)."""
     reason = unavailable_reason()
     if reason:
         if IN_CI:
@@ -271,7 +286,7 @@ def image(tmp_path_factory) -> Image:
         print(f"image {IMAGE_TAG}: {size / 1e9:.2f} GB; {versions[-1] if versions else '?'}")
         yield Image(podman, IMAGE_TAG)
     finally:
-        podman.cleanup()
+        removals.append((podman.cleanup(), podman.root.with_name(podman.root.name + ".removing")))
     assert podman.leftovers() == []
 
 
