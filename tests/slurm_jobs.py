@@ -1,6 +1,7 @@
 """Slurm jobs driven the way the stop-path tests drive them: a wrapper
 submitted to the session's test cluster (slurm_cluster.py), a trigger
-(preemption, scontrol requeue, scancel, or Slurm's own time limit) once its
+(preemption, scontrol requeue, scancel, or Slurm's own time limit, brought
+near) once its
 log shows a line, requeued runs released as soon as their nodes are clean,
 and the checks on each run's log (resumed where the last save was, every
 epoch summarised once). tests/test_stop_paths.py and tests/test_container.py
@@ -22,6 +23,7 @@ from slurm_cluster import NODE_IFACE
 
 SMALL = ["--mem=1G", "--cpus-per-task=1"]
 SCENARIO_TIMEOUT_S = 900
+TIME_LIMIT_MIN = 15  # a job's time limit unless its scenario sets one
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 HEADER = re.compile(r"^job \d+ .*\| restart (\d+) \|", re.M)
 STOP = re.compile(r"^epoch (\d+) step (\d+) \| snapshot saved at (\S+)$", re.M)
@@ -67,6 +69,35 @@ def scontrol_requeue(cluster, job: int, nodes: str) -> None:
     subprocess.run(["scontrol", "requeue", str(job)], env=cluster.env, check=True)
 
 
+# The wrappers' #SBATCH --signal=B:USR1@90: the warning comes 90 s before the
+# time limit, or up to 60 s earlier ("due to the resolution of event handling
+# by Slurm", man sbatch).
+WARN_OFFSET_S = 90
+EARLIER_S = 60
+
+
+def warn_soon(cluster, job: int, nodes: str) -> None:
+    """Bring the job's time limit near, so that Slurm's own timer sends the
+    wrapper's time-limit warning within about a minute instead of at the
+    limit the job was submitted with. The new limit (whole minutes, as Slurm
+    keeps them) leaves between WARN_OFFSET_S and WARN_OFFSET_S + EARLIER_S
+    at the call: the warning is due at once, and the run still has its
+    WARN_OFFSET_S to stop at a step, save and requeue. A requeued run gets
+    the limit back (``release_when_requeued``)."""
+    elapsed = _seconds(cluster.job(job)["RunTime"])
+    minutes = -(-(elapsed + WARN_OFFSET_S) // 60)
+    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"], env=cluster.env, check=True)
+
+
+def _seconds(run_time: str) -> int:
+    """Slurm's [days-][hours:]minutes:seconds as seconds."""
+    days, _, clock = run_time.rpartition("-")
+    parts = [int(part) for part in clock.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return int(days or 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
 def scancel(cluster, job: int, nodes: str) -> None:
     """The user ends the job for good."""
     subprocess.run(["scancel", str(job)], env=cluster.env, check=True)
@@ -77,7 +108,7 @@ def submit(cluster, scenario: Scenario, folder: Path) -> int:
     as the job's working folder, on its nodes and partition (15 minutes unless
     its sbatch flags set a time); the job's environment: the tests' Python as
     VENV_DIR, gloo's interface, then ``scenario.env``. Returns the job id."""
-    time_limit = [] if any(a.startswith("--time") for a in scenario.sbatch) else ["--time=15"]
+    time_limit = [] if any(a.startswith("--time") for a in scenario.sbatch) else [f"--time={TIME_LIMIT_MIN}"]
     return cluster.sbatch([f"--chdir={folder}", "-p", scenario.partition, f"--nodelist={scenario.nodes}", *SMALL,
                            *time_limit, f"--job-name={scenario.name}", *scenario.sbatch,
                            f"slurm/{scenario.wrapper}", *scenario.args], cwd=REPO,
@@ -94,7 +125,8 @@ def release_when_requeued(cluster, job: int, info: dict, nodes: str, released: s
     """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime) while
     its nodes clean up; a test need not wait that long, only until the job's
     nodes no longer complete the last run, plus 2 s: slurmd refuses a launch
-    credential issued in the same second as the revocation of the previous one."""
+    credential issued in the same second as the revocation of the previous one.
+    The run it releases has TIME_LIMIT_MIN again (``warn_soon`` shortened it)."""
     restarts = int(info.get("Restarts", 0))
     if info.get("Reason") != "BeginTime" or restarts in released:
         return
@@ -103,7 +135,8 @@ def release_when_requeued(cluster, job: int, info: dict, nodes: str, released: s
     if "comp" in states:
         return
     time.sleep(2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now", f"TimeLimit={TIME_LIMIT_MIN}"],
+                   env=cluster.env, check=True)
     released.add(restarts)
 
 
@@ -138,6 +171,7 @@ def drive(cluster, scenario: Scenario, folder: Path) -> None:
         time.sleep(0.5)
     scenario.infos.append(info)
     scenario.logs.append(job_log(folder, scenario, job))
+    print(f"{scenario.name}: ended {time.monotonic() - deadline + SCENARIO_TIMEOUT_S:.0f} s after its submission")
     if scenario.resubmit:  # the same sbatch command again: it resumes
         job = submit(cluster, scenario, folder)
         scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))

@@ -13,9 +13,11 @@ No signal is sent by hand:
   (once with a save held past it); then, once no other job is being
   preempted, with ``SlurmctldParameters=preempt_send_user_signal`` (the job's
   ``--signal`` instead: SIGUSR1 to the batch shell);
-- the time limit: ``--time=4`` against the wrapper's own
-  ``#SBATCH --signal=B:USR1@90``, on an array task (requeued as ``<id>_7``),
-  and once (``--time=3``) with the warning after the last epoch;
+- the time limit: the wrapper's own ``#SBATCH --signal=B:USR1@90`` warning,
+  sent by Slurm's timer once the test has brought the job's limit near
+  (``scontrol update TimeLimit``, while the ranks wait for it), on an array
+  task (requeued as ``<id>_7``), and once with the warning after the last
+  epoch;
 - ``scontrol requeue`` (once while the ranks start), and ``scancel``;
 - a sweep submitted from one folder, and the same command twice.
 
@@ -44,17 +46,18 @@ import torch
 from helpers import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env, wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
 from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, \
-    ended_before_main, job_log, preempt, runs, scancel, scontrol_requeue, show, submit
+    job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
 
 
 SHORT = ["--total_epochs", "20", "--batch_size", "8"]
 # The time-limit job's first run waits at step 30 (every rank, the tests'
-# hook) until the warning comes, 90-150 s before the limit of --time=4, 90-150 s
-# into the run (time enough for start-up on a loaded machine; at --time=3 a
-# warning once came before the ranks reached main): so Slurm's warning lands
-# mid-training however fast the machine trains, and the requeued run, not
-# held, trains the rest.
+# hook) until the warning comes; once both wait, the test brings the time
+# limit near (warn_soon) and Slurm's timer sends the warning within about a
+# minute: it lands mid-training however fast the machine starts and trains,
+# and the requeued run, not held, its limit given back, trains the rest.
 HOLD_FOR_WARNING = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
+HELD_FOR_WARNING = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
+                    "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")
 GPUS_2 = ["--gres=gpu:2"]
 # What every scenario's final snapshot is compared with: train.py, 2 ranks, SHORT, never stopped.
 REFERENCE = ("train.py", 2)
@@ -69,8 +72,8 @@ SCENARIOS = [
              preempt, REFERENCE),
     Scenario("preempt-srun", "multi_node_srun.sh", "ddp-stop[4-5]",
              ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], SHORT, preempt, REFERENCE),
-    Scenario("time-limit", "multi_gpu.sh", "ddp-stop6", [*GPUS_2, "--time=4", "--array=7"], SHORT, None,
-             REFERENCE, env=HOLD_FOR_WARNING),
+    Scenario("time-limit", "multi_gpu.sh", "ddp-stop6", [*GPUS_2, "--array=7"], SHORT, warn_soon,
+             REFERENCE, env=HOLD_FOR_WARNING, trigger_when=HELD_FOR_WARNING),
     Scenario("scontrol-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
              REFERENCE),
     Scenario("scancel", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scancel, REFERENCE,
@@ -79,9 +82,11 @@ SCENARIOS = [
     Scenario("startup-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
              REFERENCE, env=HOLD_AT_STARTUP, trigger_when=AT_STARTUP),
     # The time-limit warning after the last epoch: the run holds every epoch
-    # (the hook holds rank 0 there until a stop signal comes): not requeued.
-    Scenario("finished-warned", "multi_gpu.sh", "ddp-stop9", [*GPUS_2, "--time=3"], ["--total_epochs", "3"],
-             None, REFERENCE, env={"DDP_TEST_FAULT": "finished:0:1:wait_signal"}),
+    # (the hook holds rank 0 there until a stop signal comes, and the limit is
+    # brought near then): not requeued.
+    Scenario("finished-warned", "multi_gpu.sh", "ddp-stop9", GPUS_2, ["--total_epochs", "3"],
+             warn_soon, REFERENCE, env={"DDP_TEST_FAULT": "finished:0:1:wait_signal"},
+             trigger_when=("DDP_TEST_FAULT: wait_signal at finished 1 on rank 0",)),
     # Preemption without GraceTime: SIGTERM to everything at once, SIGKILL
     # after KillWait. Once with a stop that saves in time, once with a save
     # held past KillWait.
@@ -253,13 +258,11 @@ def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
     array_task = f"{info['ArrayJobId']}_7"
     assert "batch shell got SIGUSR1" in texts[0] and f"requeueing job {array_task}" in texts[0], texts[0]
     stops = check_resumes_exactly(texts, 20)
-    # Slurm's timer, not the test, picks the moment: mid-training, where the
-    # first run waits for it (epoch 1, the step after 30), unless on a loaded
-    # machine it lands while the ranks still start; that run then ends at once,
-    # having trained nothing (the start-up stop), and the next trains unheld.
-    assert any("stopped by SIGUSR1 after this step" in text for text in texts) or \
-        "stopped by SIGUSR1 during start-up" in texts[0] or ended_before_main(texts[0]), texts
-    print(f"time-limit: {len(texts)} runs, stops at {stops}")
+    # Slurm's timer sends the warning while the first run waits for it (epoch
+    # 1, at step 30): it stops after that step, and the next run trains the rest.
+    assert "stopped by SIGUSR1 after this step" in texts[0] and [epoch for epoch, _ in stops] == [1], texts
+    print(f"time-limit: {len(texts)} runs, stops at {stops}, {scenario.signal_to_exit_s:.1f} s from the "
+          f"limit brought near to leaving RUNNING")
     assert_same_snapshot(folders["time-limit"] / wrapper_snapshot("time-limit", scenario.args, 7),
                          references[(*scenario.reference, tuple(scenario.args))])
 
@@ -318,16 +321,17 @@ def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
 def test_a_warning_after_the_last_epoch_does_not_requeue_a_finished_run(stopped):
     """The wrapper's time-limit warning lands after the last epoch (the tests'
     hook holds rank 0 there, once every epoch and the test are done, until a
-    stop signal comes): the batch shell learns from the training that the run
-    is finished, and the job ends COMPLETED instead of being requeued for a run
-    with nothing to train. Should the warning come earlier, that run stops and
-    is requeued, and the next one is held the same way: the end is the same."""
+    stop signal comes, and the test brings the time limit near then): the
+    batch shell learns from the training that the run is finished, and the job
+    ends COMPLETED, in one run, instead of being requeued for a run with
+    nothing to train."""
     scenarios, folders, _ = stopped
     scenario = scenarios["finished-warned"]
     assert not scenario.error, show(scenario)
     info, log = scenario.infos[-1], scenario.logs[-1]
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", show(scenario)
     texts = runs(log)
+    assert len(texts) == 1 and info["Restarts"] == "0", show(scenario)
     last = texts[-1]
     assert "DDP_TEST_FAULT: wait_signal at finished 1" in last and "batch shell got SIGUSR1" in last, last
     assert "test | loss" in last and "SIGUSR1 came after the last epoch); not requeueing" in last, last
