@@ -166,7 +166,8 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
     weights of linear layers and embeddings) decaying, the others (biases,
     LayerNorm weights and biases) at weight decay 0 and marked
     ``"decays": False`` (nanoGPT's ``configure_optimizers``; Loshchilov &
-    Hutter 2019 decay weights, not gains and offsets). Build it after the
+    Hutter 2019 decay weights, not gains and offsets). AdamW over parameters
+    on a GPU runs fused (``fused=True``: the same update, one kernel). Build it after the
     parameters are final (the FSDP rung: after ``fully_shard``). Raises
     ConfigError for an optimizer or a decay_params name it does not know.
     """
@@ -181,6 +182,10 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
     optimizer_class, options = OPTIMIZERS[args.optimizer]
     if "betas" in inspect.signature(optimizer_class).parameters:
         options = dict(options, betas=(_recipe(args, "beta1"), _recipe(args, "beta2")))
+    if optimizer_class is torch.optim.AdamW and all(p.is_cuda for p in model.parameters()):
+        # One kernel for every parameter's update instead of several per group:
+        # a small GPT's GPU step is 15% shorter (docs/performance.md); nanoGPT does the same.
+        options = dict(options, fused=True)
     parameters = model.parameters()
     if decay_params == "matrices":
         params = list(parameters)

@@ -101,7 +101,10 @@ class Trainer:
                 raise
             self.finished = done
             self._load_weights()  # to sample from, then nothing to train
-        if not self.fsdp:
+        # One process has no gradients to average: DDP's wrapper would only copy them
+        # into its buckets and all-reduce them with itself, a fifth of a small GPT's
+        # GPU step (docs/performance.md), for the same numbers.
+        if not self.fsdp and dist.get_world_size() > 1:
             # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward().
             self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
             if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
@@ -139,8 +142,9 @@ class Trainer:
 
     @property
     def plain_model(self) -> torch.nn.Module:
-        """The model without DDP's wrapper (FSDP's sharded model is its own)."""
-        return self.model if self.fsdp else self.model.module
+        """The model without DDP's wrapper (FSDP's sharded model is its own; one
+        process trains the model itself)."""
+        return self.model.module if isinstance(self.model, DDP) else self.model
 
     def _gradient_sync(self, last: bool):
         """The gradients' all-reduce (DDP) or reduce-scatter (FSDP) only on the
@@ -149,7 +153,7 @@ class Trainer:
             if self.args.grad_accum_steps > 1:
                 self.model.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
-        return contextlib.nullcontext() if last else self.model.no_sync()
+        return self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
         """Forward and backward of one micro-batch (``step`` counts them from 0 in
@@ -268,7 +272,7 @@ class Trainer:
             if self.fsdp:
                 saved = self._save_sharded(state)
             elif self.rank == 0:  # every rank holds the same weights; one saves them
-                state.update(model=self.model.module.state_dict(), optimizer=self.optimizer.state_dict())
+                state.update(model=self.plain_model.state_dict(), optimizer=self.optimizer.state_dict())
                 # temp file + rename: never torn; the tests' hook may strike between the two
                 train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
                 train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")

@@ -408,6 +408,36 @@ def test_a_config_error_after_start_up_destroys_the_process_group(tmp_path):
     assert "group left at exit: False" in result.stdout, result.stdout
 
 
+ONE_PROCESS_STOP = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+import train_utils
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+stop = train_utils.StopSignal()
+before = stop.poll()
+os.kill(os.getpid(), signal.SIGUSR1)
+print(f"polls: {before} {stop.poll()}", flush=True)
+stop.close()
+dist.destroy_process_group()
+"""
+
+
+def test_one_process_stops_at_the_first_poll_after_its_signal(tmp_path):
+    """With one process there is no one to agree with: the poll after the
+    signal says stop, without the all-reduce that makes ranks learn of it one
+    call late (a millisecond a step, docs/performance.md)."""
+    import sys
+
+    from helpers import free_port
+
+    (tmp_path / "stop.py").write_text(ONE_PROCESS_STOP)
+    result = check(run([sys.executable, "stop.py", REPO, free_port()], tmp_path, timeout=120))
+    assert "polls: False True" in result.stdout, result.stdout
+    assert "stopped by SIGUSR1 after this step on every rank" in result.stdout
+
+
 def test_a_run_log_prints_the_parsable_line_and_writes_json(tmp_path, capsys, monkeypatch):
     path = tmp_path / "m.jsonl"
     record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,
