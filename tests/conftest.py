@@ -117,9 +117,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Mark the tests QUICK names ``quick``. An entry naming a file that was
     collected whole but none of its tests (a test renamed) is an error, not a
     silently smaller tier. The cluster files go first, so that under ``-n 2``
-    their minutes of waiting overlap the other files' computing (a stable
-    sort: each file's tests keep their order)."""
-    items.sort(key=lambda item: _scope(item.nodeid) != "cluster")
+    their minutes of waiting overlap the other files' computing, the
+    container's last of them, so that an image built in the background
+    (.ci/run) is ready by then (a stable sort: each file's tests keep their
+    order)."""
+    items.sort(key=lambda item: (_scope(item.nodeid) != "cluster", "/test_container.py::" in f"/{item.nodeid}"))
     used = set()
     for item in items:
         file_name, _, test_id = item.nodeid.rpartition("/")[2].partition("::")

@@ -24,7 +24,9 @@ CUDA torch, which runs on a CPU) and copies the scripts in. In the image:
 Podman is rootful with private settings (docs/containers.md says why each is
 needed): its configuration, storage, run and temporary folders all live in one
 temporary folder, removed at the end with everything in it. Image and base are
-built once per module and print their times and the image size (pytest -s).
+built once per module (tests/container_image.py; .ci/run starts that build in
+the background before the test command, DDP_TEST_IMAGE_ROOT naming its
+folder) and print their times and the image size (pytest -s).
 Skipped, with the reason, where podman, runc or debootstrap are missing or not
 root (the wrapper tests also without Slurm); under CI=true they fail instead.
 """
@@ -34,16 +36,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
+from container_image import PREBUILT_VAR, RUN_TIMEOUT_S, Image, Podman, _checked, build, prebuilt, unavailable_reason
 from dataset_files import build_mnist_root
 from helpers import IN_CI, REPO, assert_same_snapshot, check, epochs, free_port, parse_test, run, run_together, \
     wrapper_snapshot
@@ -51,199 +50,9 @@ from slurm_cluster import NETNS_NODES, NODE_IFACE
 from slurm_jobs import SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, preempt, runs, \
     scontrol_requeue, show
 
-TOOLS = ("podman", "runc", "debootstrap")
 # tests/standins/apptainer: `apptainer exec` for a sandbox image (unshare, chroot).
 STANDINS = REPO / "tests" / "standins"
-APT_SOURCES = Path("/etc/apt/sources.list.d")
-APT_SOURCES_LIST = Path("/etc/apt/sources.list")
-# The host's CA bundle: pip inside the build needs it behind a TLS-intercepting
-# proxy (mounted for the build only, never part of the image).
-CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-BASE_TAG = "localhost/ddp-test-base:latest"
-IMAGE_TAG = "localhost/ddp-scripts:test"
-BUILD_TIMEOUT_S = 1200
-# Measured peak of the build, about 23 GB: the container's 6 GB of packages,
-# the layer blob made from them and the new layer, all at once while it commits.
-DISK_NEEDED = 26e9
-RUN_TIMEOUT_S = 600
-# State that rootful podman keeps at fixed places, whatever its settings: the
-# network run folder (netavark's, empty with the host network) and the blob
-# digest cache of image copies. Removed after the test where it created them.
-PODMAN_SYSTEM_STATE = {Path("/run/containers/networks"): (),
-                       Path("/var/lib/containers/cache"): ("blob-info-cache-v1.boltdb",)}
 RANK_LINE = re.compile(r"^\[rank (\d+) \| local_rank (\d+) \| host (\S+)\] epoch (\d+)", re.M)
-
-
-def _tool(name: str) -> Optional[str]:
-    """The path of a program, looking in the sbin folders too (podman finds
-    runc there even when PATH lacks them)."""
-    return shutil.which(name) or shutil.which(name, path="/usr/local/sbin:/usr/sbin:/sbin")
-
-
-def debian_mirror() -> Optional[tuple[str, str]]:
-    """(mirror URL, suite) of the Debian archive apt uses on this machine, read
-    from its sources (deb822 ``*.sources`` or one-line ``sources.list``), or
-    None. The suite is the release's own (no ``-updates``/``-security``)."""
-    for path in sorted(APT_SOURCES.glob("*.sources")) if APT_SOURCES.is_dir() else []:
-        for stanza in re.split(r"\n\s*\n", path.read_text()):
-            fields = dict(re.findall(r"^(\w[\w-]*):[ \t]*(.*)$", stanza, re.M))
-            suites = [s for s in fields.get("Suites", "").split() if "-" not in s and "/" not in s]
-            uris = fields.get("URIs", "").split()
-            if "deb" in fields.get("Types", "").split() and suites and uris \
-                    and fields.get("Enabled", "yes") != "no":
-                return uris[0], suites[0]
-    if APT_SOURCES_LIST.is_file():
-        for line in APT_SOURCES_LIST.read_text().splitlines():
-            m = re.match(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+([^\s/-]+)\s", line)
-            if m:
-                return m.group(1), m.group(2)
-    return None
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why the image cannot be built here, or None."""
-    if os.geteuid() != 0:
-        return "needs root (rootful podman, debootstrap)"
-    missing = [name for name in TOOLS if _tool(name) is None]
-    if missing:
-        return f"missing {', '.join(missing)} (apt-get install podman runc debootstrap)"
-    if debian_mirror() is None:
-        return f"no Debian mirror for debootstrap in {APT_SOURCES}/*.sources or {APT_SOURCES_LIST}"
-    return None
-
-
-class Podman:
-    """Rootful podman whose configuration, storage, run and temporary folders
-    all lie under ``root``: nothing of it outside, nothing left after
-    ``cleanup()``. The settings (docs/containers.md says why): runc (crun
-    refuses hybrid cgroups), rlimits root may set, host network, no systemd."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        for name in ("storage", "run", "libpod", "networks", "tmp"):
-            (root / name).mkdir(parents=True, exist_ok=True)
-        (root / "containers.conf").write_text(f"""\
-[containers]
-netns = "host"
-default_ulimits = ["nofile=8192:8192", "nproc=8192:8192"]
-
-[engine]
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-events_logfile_path = "{root}/libpod/events.log"
-image_copy_tmp_dir = "{root}/tmp"
-runtime = "runc"
-tmp_dir = "{root}/libpod"
-
-[network]
-network_config_dir = "{root}/networks"
-""")
-        (root / "storage.conf").write_text(f"""\
-[storage]
-driver = "overlay"
-graphroot = "{root}/storage"
-runroot = "{root}/run"
-""")
-        # The system folders (and parents) that do not exist yet: cleanup() removes them.
-        self.created = [folder for path in PODMAN_SYSTEM_STATE
-                        for folder in (path, *path.parents) if not folder.exists()]
-        self.env = dict(os.environ, CONTAINERS_CONF=str(root / "containers.conf"),
-                        CONTAINERS_STORAGE_CONF=str(root / "storage.conf"), TMPDIR=str(root / "tmp"))
-
-    def __call__(self, *args, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-        """``podman ARGS`` with this instance's settings; output as text."""
-        return subprocess.run(["podman", *map(str, args)], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, **kwargs)
-
-    def run_cmd(self, image: str, *command, volumes: dict = None, workdir: str = "/workspace",
-                env: dict = None) -> list[str]:
-        """The ``podman run`` command line for ``command`` in ``image``: host
-        network, never a pull, ``volumes`` {host path: container path[:ro]}."""
-        cmd = ["podman", "run", "--rm", "--pull=never", "--network=host", f"--workdir={workdir}"]
-        for host, inside in (volumes or {}).items():
-            cmd.append(f"--volume={host}:{inside}")
-        for name, value in (env or {}).items():
-            cmd.append(f"--env={name}={value}")
-        return cmd + [image, *map(str, command)]
-
-    def run(self, image: str, *command, timeout: float = RUN_TIMEOUT_S, **options) -> subprocess.CompletedProcess:
-        """Run ``command`` in a container of ``image`` (``run_cmd``'s options), wait for it."""
-        return self(*self.run_cmd(image, *command, **options)[1:], timeout=timeout)
-
-    def cleanup(self) -> subprocess.Popen:
-        """Remove the containers, unmount what is still mounted under ``root``
-        and start deleting the folder, images and all, in the background (its
-        12 GB take tens of seconds the next tests need not wait for); returns
-        that ``rm`` process. Each step runs whatever the last did."""
-        try:
-            self("rm", "--all", "--force", "--time=0", timeout=300)
-        except subprocess.TimeoutExpired:
-            pass
-        for mount_point in reversed(self._mounts()):
-            subprocess.run(["umount", "--lazy", mount_point], capture_output=True)
-        removing = self.root.with_name(self.root.name + ".removing")
-        self.root.rename(removing)  # gone from root at once; the rm may take its time
-        remover = subprocess.Popen(["rm", "-rf", "--one-file-system", removing])
-        for path, files in PODMAN_SYSTEM_STATE.items():
-            if path in self.created:
-                for name in files:
-                    (path / name).unlink(missing_ok=True)
-        for folder in sorted(self.created, key=lambda p: len(p.parts), reverse=True):
-            try:
-                folder.rmdir()  # only if empty: never what another podman put there since
-            except OSError:
-                pass
-        return remover
-
-    def _mounts(self) -> list[str]:
-        with open("/proc/self/mounts") as f:
-            points = [line.split()[1].replace("\\040", " ") for line in f]
-        return [p for p in points if p == str(self.root) or p.startswith(f"{self.root}/")]
-
-    def leftovers(self) -> list[str]:
-        """What ``cleanup()`` failed to remove: mounts under ``root``, the folder,
-        system folders podman created."""
-        return self._mounts() + [str(p) for p in [self.root, *self.created] if p.exists()]
-
-
-@dataclass
-class Image:
-    """The built image and the podman instance that holds it."""
-    podman: Podman
-    tag: str
-
-
-def _timed(what: str, function, *args, **kwargs):
-    started = time.monotonic()
-    result = function(*args, **kwargs)
-    print(f"{what}: {time.monotonic() - started:.1f} s")
-    return result
-
-
-def _checked(result: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, (
-        f"{what} failed (exit {result.returncode})\n--- stdout\n{result.stdout[-4000:]}"
-        f"\n--- stderr\n{result.stderr[-4000:]}")
-    return result
-
-
-def _make_base(podman: Podman, rootfs: Path) -> None:
-    """A Debian + Python base image, no registry: debootstrap from the mirror
-    apt uses, then podman import; the root file system is removed after."""
-    mirror, suite = debian_mirror()
-    _checked(_timed(f"debootstrap {suite} from {mirror}", subprocess.run,
-                    [_tool("debootstrap"), "--variant=minbase", "--include=python3,python3-pip,ca-certificates",
-                     suite, rootfs, mirror], capture_output=True, text=True, timeout=900), "debootstrap")
-    started = time.monotonic()
-    tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-    try:
-        imported = podman("import", "-", BASE_TAG, stdin=tar.stdout, timeout=300)
-    finally:
-        tar.stdout.close()
-        tar.wait()
-    _checked(imported, "podman import")
-    print(f"podman import: {time.monotonic() - started:.1f} s")
-    shutil.rmtree(rootfs)
 
 
 @pytest.fixture(scope="session")
@@ -259,7 +68,9 @@ def removals() -> list:
 @pytest.fixture(scope="module")
 def image(tmp_path_factory, removals) -> Image:
     """The repository's Dockerfile built with podman on a debootstrap base,
-    once per module; prints the time of each step and the image size. Removes
+    once per module (by .ci/run in the background, while the environments
+    install and the first tests run, when DDP_TEST_IMAGE_ROOT names its
+    folder); prints the time of each step and the image size. Removes
     images, containers and podman's storage afterwards (the folder's deletion
     finishing in the background: ``removals``)."""
     reason = unavailable_reason()
@@ -267,27 +78,17 @@ def image(tmp_path_factory, removals) -> Image:
         if IN_CI:
             pytest.fail(f"the container test must run in CI, but: {reason}")
         pytest.skip(f"cannot build the image here: {reason}")
-    root = tmp_path_factory.mktemp("container")
-    free = shutil.disk_usage(root).free
-    if free < DISK_NEEDED:
-        pytest.fail(f"the image build needs about {DISK_NEEDED / 1e9:.0f} GB free disk at its peak; "
-                    f"{root} has {free / 1e9:.1f} GB")
-    podman = Podman(root / "podman")
+    ready = None
+    root = Path(os.environ[PREBUILT_VAR]) if os.environ.get(PREBUILT_VAR) else tmp_path_factory.mktemp("container")
     try:
-        _make_base(podman, root / "rootfs")
-        build = ["build", "--pull=never", "--network=host", "--file", REPO / "Dockerfile",
-                 "--build-arg", f"BASE={BASE_TAG}", "--tag", IMAGE_TAG]
-        if CA_BUNDLE.is_file():
-            build += ["--volume", f"{CA_BUNDLE}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/host-ca.crt"]
-        built = _timed("podman build", podman, *build, REPO, timeout=BUILD_TIMEOUT_S)
-        _checked(built, "podman build")
-        size = int(_checked(podman("image", "inspect", "--format", "{{.Size}}", IMAGE_TAG), "inspect").stdout)
-        versions = [line for line in built.stdout.splitlines() if line.startswith("torch ")]
-        print(f"image {IMAGE_TAG}: {size / 1e9:.2f} GB; {versions[-1] if versions else '?'}")
-        yield Image(podman, IMAGE_TAG)
+        ready = prebuilt(root) if os.environ.get(PREBUILT_VAR) else build(root)
+        yield ready
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     finally:
+        podman = ready.podman if ready else Podman(root / "podman")
         removals.append((podman.cleanup(), podman.root.with_name(podman.root.name + ".removing")))
-    assert podman.leftovers() == []
+        assert podman.leftovers() == []
 
 
 def test_image_holds_the_project(image):
