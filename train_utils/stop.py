@@ -179,7 +179,8 @@ class StopSignal:
         self.rank = dist.get_rank()
         self.stopped_by = 0  # after a stop: the signal some rank got (the highest number)
         self.group = gloo_group()
-        self.flag = torch.zeros(1)
+        self.flag = torch.zeros(2)  # (the stop signal's number, rank 0's snapshot request)
+        self.requested = False  # the last poll's answer: rank 0 asked for a snapshot
         self.work = None
         note_stop_signals_only()  # from here on a stop signal is noted and taken at a step
 
@@ -188,13 +189,15 @@ class StopSignal:
         """The number of the first stop signal this process got; 0: none."""
         return _STATE.received
 
-    def poll(self) -> bool:
+    def poll(self, request: bool = False) -> bool:
         """Collective. True on every rank at the same call, one call after
-        the first rank got a stop signal; False otherwise."""
+        the first rank got a stop signal; False otherwise. ``request``
+        rides along: ``requested`` is True on every rank at the next call
+        when some rank passed True (rank 0's ``SnapshotClock``)."""
         if self.work is not None:
             self.work.wait()
-            self.stopped_by = int(self.flag.item())
-        self.flag.fill_(float(self.received))
+            self.stopped_by, self.requested = int(self.flag[0].item()), bool(self.flag[1].item())
+        self.flag[0], self.flag[1] = float(self.received), float(request)
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group,
                                     async_op=True)
         if self.stopped_by and self.rank == 0:
