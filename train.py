@@ -189,8 +189,9 @@ class Trainer:
             self._save(meter)  # every rank stops after this step, once the snapshot is written
             self._finish_save()
             return True
+        due = self.clock.due(self.stop.requested)  # --snapshot_every_s, unless one was taken since
         every = self.args.snapshot_every_steps  # and not at the epoch's end: that one comes next
-        if meter.steps_left and (self.stop.requested or every and self.progress.steps_run % every == 0):
+        if meter.steps_left and (due or every and self.progress.steps_run % every == 0):
             self._save(meter)
         return False
 

@@ -639,8 +639,9 @@ def test_the_background_writer_runs_one_write_at_a_time_and_raises_its_error_at_
 def test_the_snapshot_clock_asks_once_per_interval_and_once_per_request():
     """--snapshot_every_s: rank 0's answer reaches every rank one poll later;
     one request makes one snapshot even when the interval is shorter than a
-    step (a very short one snapshots every other step), and the interval
-    counts from the last snapshot."""
+    step (a very short one snapshots every other step), the interval counts
+    from the last snapshot, and a request that a snapshot overtook (at an
+    epoch's end) is dropped."""
     now = [0.0]
     clock = train_utils.SnapshotClock(60, clock=lambda: now[0])
     asks = []
@@ -648,11 +649,15 @@ def test_the_snapshot_clock_asks_once_per_interval_and_once_per_request():
         now[0] = second
         asks.append(clock.ask())
     assert asks == [False, False, True, False, True]  # 61: the answer to 60's request is being read
+    assert clock.due(True)  # the answer to 60's request: every rank snapshots
     clock.saved()  # the snapshot came at 62
     now[0] = 121
     assert not clock.ask() and not clock.ask()
     now[0] = 122
     assert clock.ask()
+    clock.saved()  # an epoch's end snapshot after the request was sent, before its answer came
+    assert not clock.due(True) and not clock.ask()  # dropped; the interval counts from 122
+    assert clock.due(True)  # a request answered with no snapshot between: taken
     ticks = iter(range(100))  # each reading of the clock a step later
     tiny = train_utils.SnapshotClock(1e-9, clock=lambda: next(ticks))
     asks = [tiny.ask() for _ in range(6)]

@@ -113,6 +113,7 @@ class SnapshotClock:
         self.every_s, self.clock = every_s, clock
         self.last = clock()
         self.asked = False
+        self.stale = False  # a snapshot was taken after the request now travelling was sent
 
     def ask(self) -> bool:
         """Whether to request a snapshot at this step (see the class)."""
@@ -122,6 +123,17 @@ class SnapshotClock:
         self.asked = bool(self.every_s) and self.clock() - self.last >= self.every_s
         return self.asked
 
+    def due(self, requested: bool) -> bool:
+        """Collective in effect: whether to snapshot after this step, given
+        ``requested``, the poll's answer (the same on every rank): not when a
+        snapshot was taken after that request was sent (at an epoch's end, or
+        by --snapshot_every_steps), which the interval then counts from.
+        Call it on every rank after every poll."""
+        due, self.stale = requested and not self.stale, False
+        return due
+
     def saved(self) -> None:
-        """A snapshot was taken now: the interval starts again."""
+        """A snapshot was taken now (every rank calls this): the interval
+        starts again, and a request already sent is dropped (``due``)."""
         self.last = self.clock()
+        self.stale = True
