@@ -48,7 +48,6 @@ class SnapshotWriter:
         self._thread: Optional[threading.Thread] = None
         self._label: Optional[str] = None  # what the write in flight (or just done) saves
         self._error: Optional[BaseException] = None
-        self.blocked_s = 0.0  # seconds ``start`` and ``wait`` held the caller, over the run
 
     def start(self, write: Callable[[], None], label: str) -> Optional[str]:
         """Wait for the write in flight (``wait``: its label is returned, or
@@ -56,14 +55,12 @@ class SnapshotWriter:
         ``write()``, a function of no arguments, in the background
         (asynchronous) or here. ``label`` names what it saves, for ``wait``."""
         done = self.wait()
-        began = time.perf_counter()
         self._label, self._error = label, None
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, args=(write,), name="snapshot-writer")
             self._thread.start()
         else:
             self._run(write)
-        self.blocked_s += time.perf_counter() - began
         return done
 
     def _run(self, write: Callable[[], None]) -> None:
@@ -77,11 +74,9 @@ class SnapshotWriter:
         that finished since the last ``wait`` (None: none did); raises the
         exception that write raised (an OSError for a full disk, say: the
         previous snapshot is then the intact one)."""
-        began = time.perf_counter()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.blocked_s += time.perf_counter() - began
         label, error = self._label, self._error
         self._label = self._error = None
         if error is not None:
