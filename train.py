@@ -93,6 +93,14 @@ class Trainer:
         self.tokens_per_sample = task.tokens_per_sample
         self.flops_per_token = train_utils.model_flops_per_token(model)
         self.saved_at = ""  # the last snapshot saved or resumed from, and its position; '' for none
+        # In the background unless --snapshot_sync: a CPU copy written while training goes on.
+        self.writer = train_utils.SnapshotWriter(asynchronous=not args.snapshot_sync)
+        self.clock = train_utils.SnapshotClock(args.snapshot_every_s)  # --snapshot_every_s: rank 0's clock
+        # FSDP's background saves gather on CPU groups of their own (model, optimizer), not the
+        # training's; a rank gone mid-save fails them after --pg_timeout_s, not gloo's 30 minutes.
+        timeout = timedelta(seconds=args.pg_timeout_s)
+        self.save_groups = (train_utils.gloo_group(timeout), train_utils.gloo_group(timeout)) \
+            if self.fsdp and not args.snapshot_sync else (None, None)
         self.finished = None  # --sample_chars on a finished run: its NothingToTrain, the weights loaded
         try:
             self._load_any_snapshot()
@@ -175,15 +183,19 @@ class Trainer:
 
     def _after_step(self, meter: train_utils.EpochMeter) -> bool:
         """After an optimizer step: the FSDP memory line once, a snapshot on a stop
-        signal (then True: stop) or every --snapshot_every_steps steps."""
+        signal (then True: stop, the snapshot written), every --snapshot_every_steps
+        steps, or when rank 0's clock says --snapshot_every_s have passed."""
         if not self.memory_reported:  # optimizers make their state at the first step: measure now
             train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
             self.memory_reported = True
-        if self.stop.poll():  # some rank got the signal; every rank stops after this step
-            self._save(meter)
+        # Rank 0's clock rides on the stop poll: every rank learns "due" at the same step.
+        if self.stop.poll(request=self.rank == 0 and self.clock.ask()):  # some rank got the signal
+            self._save(meter)  # every rank stops after this step, once the snapshot is written
+            self._finish_save()
             return True
+        due = self.clock.due(self.stop.requested)  # --snapshot_every_s, unless one was taken since
         every = self.args.snapshot_every_steps  # and not at the epoch's end: that one comes next
-        if every and self.progress.steps_run % every == 0 and meter.steps_left:
+        if meter.steps_left and (due or every and self.progress.steps_run % every == 0):
             self._save(meter)
         return False
 
@@ -261,30 +273,64 @@ class Trainer:
         self.saved_at = f"{path} ({self.progress.position()})"  # intact whatever happens next
 
     def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
-        """Collective: a snapshot of this position. Mid-epoch, ``meter`` holds the
-        epoch so far (its totals are saved too)."""
+        """Collective: a snapshot of this position, written in the background
+        (``self.writer``) unless --snapshot_sync; the previous write is waited
+        for first (``_finish_save``). Mid-epoch, ``meter`` holds the epoch so far
+        (its totals are saved too)."""
+        self._finish_save()  # at most one write in flight; a failed one ends the run here
         progress = self.progress.state_dict(meter)  # every rank's RNG states, gathered
         state = {**progress, **self.recipe.state_dict(),  # + lr_schedule, loss_scaler
                  **self.log.wandb.state_dict(),  # + wandb_run_id: a resumed run logs to the same W&B run
                  "config": self.config}
-        saved = self.args.snapshot_path
+        self.clock.saved()  # --snapshot_every_s counts from here
         try:
             if self.fsdp:
-                saved = self._save_sharded(state)
+                self._save_sharded(state)
             elif self.rank == 0:  # every rank holds the same weights; one saves them
                 state.update(model=self.plain_model.state_dict(), optimizer=self.optimizer.state_dict())
-                # temp file + rename: never torn; the tests' hook may strike between the two
-                train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
-                train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
+                self._write_file(state, f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
         except BaseException as exc:  # a full disk, say (DCP's CheckpointException is a BaseException)
-            failure = train_utils.save_failure(exc, self.args.snapshot_path, self.saved_at)
-            if failure:
-                raise failure from exc
-            raise
-        self.saved_at = f"{saved} ({self.progress.position()})"
+            self._raise_save_failure(exc)
+        if not self.writer.asynchronous:
+            self._finish_save()
 
-    def _save_sharded(self, state: dict) -> str:
-        """Collective: a new folder of every rank's shards, returned; then the previous snapshot goes."""
+    def _write_file(self, state: dict, line: str) -> None:
+        """DDP, rank 0: ``state`` to the snapshot file, temp file + rename (never
+        torn; the tests' hook may strike between the two); in the background, a
+        CPU copy of it (the training goes on changing the originals)."""
+        state = train_utils.cpu_copy(state) if self.writer.asynchronous else state
+
+        def write() -> None:
+            train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
+            train_utils.print_line(line)
+
+        self.writer.start(write, f"{self.args.snapshot_path} ({self.progress.position()})")
+
+    def _finish_save(self) -> None:
+        """Wait for the snapshot write in flight, if any: the snapshot it wrote
+        is the intact one from now on; a write that failed ends the run here,
+        with the one line ``save_failure`` makes of a refused write."""
+        done = None
+        try:
+            done = self.writer.wait()
+        except BaseException as exc:
+            self._raise_save_failure(exc)
+        if done:
+            self.saved_at = done
+
+    def _raise_save_failure(self, exc: BaseException) -> None:
+        """Raise ``exc``, as the one line of ``save_failure`` when the system refused the write."""
+        failure = train_utils.save_failure(exc, self.args.snapshot_path, self.saved_at)
+        if failure:
+            raise failure from exc
+        raise exc
+
+    def _save_sharded(self, state: dict) -> None:
+        """Collective: a new folder of every rank's shards; rank 0 completes it
+        (``ShardedSnapshots.commit``: the meta file, then the previous snapshot
+        goes). In the background unless --snapshot_sync: DCP's asynchronous save
+        copies the shards to CPU memory here and writes them from a thread, on
+        CPU (gloo) groups of their own; a thread of ours then completes it."""
         import torch.distributed.checkpoint as dcp  # imported here: see shard_model
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -292,14 +338,23 @@ class Trainer:
         # Each rank writes its own shards, DCP's rank 0 the index (.metadata); no rank ever
         # holds the full state. A new folder each time: DCP overwrites files in place.
         folder = self.snapshots.folder(self.progress.tag())
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.save(model_state, checkpoint_id=os.path.join(folder, "model"))  # plain state_dict keys
-        dcp.save(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
-        if self.rank == 0:
-            self.snapshots.commit(dict(state, world_size=dist.get_world_size()), folder,  # complete now
-                                  before_rename=lambda: fault_point("save"))
-            train_utils.print_line(f"{self.progress.tag()} | snapshot saved at {folder}")
-        return folder
+        parts = zip(get_state_dict(self.model, self.optimizer), ("model", "optimizer"), self.save_groups)
+        if self.writer.asynchronous:
+            pending = [train_utils.dcp_async_save(part, os.path.join(folder, name), group)
+                       for part, name, group in parts]
+        else:  # plain state_dict keys
+            pending = [dcp.save(part, checkpoint_id=os.path.join(folder, name)) for part, name, _ in parts]
+        meta = dict(state, world_size=dist.get_world_size())
+        line = f"{self.progress.tag()} | snapshot saved at {folder}"
+
+        def complete() -> None:
+            for save in pending:
+                train_utils.dcp_result(save)  # every rank's shards are written (or it raises)
+            if self.rank == 0:
+                self.snapshots.commit(meta, folder, before_rename=lambda: fault_point("save"))  # complete now
+                train_utils.print_line(line)
+
+        self.writer.start(complete, f"{folder} ({self.progress.position()})")
 
     def train(self, max_epochs: int) -> bool:
         """Collective: train up to ``max_epochs``, evaluating and printing each epoch
@@ -319,6 +374,7 @@ class Trainer:
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
                 self._save()
+        self._finish_save()  # the last snapshot written before the run reports its end
         return True
 
 

@@ -90,6 +90,37 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot_train.pt"]  # no stale temp
 
 
+def test_a_snapshot_is_written_while_training_goes_on(tmp_path):
+    """The first snapshot (epoch 1 step 20) is held in its write, after the
+    temporary file, before the rename (the tests' hook, until a stop signal
+    comes): the rest of epoch 1 trains and is summarised meanwhile; the next
+    snapshot (the epoch's end) waits for it. On SIGTERM the held write
+    completes, then the stop's snapshot is written before the ranks exit,
+    and the same command resumes from it and finishes."""
+    launch = TORCHRUN_SCRIPT + ["--total_epochs", "2", "--snapshot_every_steps", "20"]
+    held = "DDP_TEST_FAULT: wait_signal at save 1 on rank 0"
+    text = signal_when(launch, tmp_path, (held, "epoch 1/2 | train_loss"), signal.SIGTERM,
+                       DDP_TEST_FAULT="save:0:1:wait_signal")
+    assert text.index(held) < text.index("epoch 1/2 | train_loss") < \
+        text.index("epoch 1 step 20 | snapshot saved at snapshot_train.pt"), text
+    after_stop = text.split("stopped by SIGTERM")[1]
+    step = re.search(r"^epoch 2 step (\d+) \| snapshot saved at snapshot_train.pt$", after_stop, re.M).group(1)
+    resumed = check(run(launch, tmp_path))
+    assert f"resuming from snapshot snapshot_train.pt in epoch 2 after step {step}" in resumed.stdout
+    assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
+
+
+def test_snapshot_every_s_takes_them_on_every_rank_after_the_same_step(tmp_path):
+    """--snapshot_every_s shorter than a step: rank 0's clock asks at every
+    step, its request reaches every rank at the next one, so every other step
+    snapshots whatever the machine's speed (28 steps: 2, 4, ... 26, then the
+    epoch's end); --snapshot_sync writes them before training goes on."""
+    result = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1", "--snapshot_every_s", "0.000001",
+                                          "--snapshot_sync"], tmp_path))
+    saved = re.findall(r"^epoch 1(?: step (\d+))? \| snapshot saved at snapshot_train.pt$", result.stdout, re.M)
+    assert saved == [str(step) for step in range(2, 28, 2)] + [""], result.stdout
+
+
 # --------------------------------------------------------------------------
 # 3-5. Snapshots that must not be used
 # --------------------------------------------------------------------------

@@ -607,3 +607,89 @@ def test_the_epoch_record_counts_the_samples_trained():
     record = resumed.summary()
     assert record["samples"] == 96 and isinstance(record["samples"], int)
     assert record["train_loss"] == pytest.approx((10 + 16) / 96)
+
+
+# --------------------------------------------------------------------------
+# Snapshots written in the background: the copy, the writer, the clock
+# --------------------------------------------------------------------------
+
+def test_the_cpu_copy_is_the_state_as_it_was_when_copied():
+    """Training goes on changing the weights and optimizer buffers while the
+    copy is written: the copy keeps their values (and a state dict's
+    _metadata, which load_state_dict reads)."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "steps": [1, (2, "x")]}
+    copy = train_utils.cpu_copy(state)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    momentum = optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # changes the weights and the momentum in place
+    assert all(torch.equal(copy["model"][key], value) for key, value in before.items())
+    assert torch.equal(copy["optimizer"]["state"][0]["momentum_buffer"], momentum)
+    assert not torch.equal(model.weight, copy["model"]["weight"])
+    assert copy["model"]._metadata == model.state_dict()._metadata and copy["steps"] == [1, (2, "x")]
+    torch.nn.Linear(3, 2).load_state_dict(copy["model"])
+
+
+def test_the_background_writer_runs_one_write_at_a_time_and_raises_its_error_at_the_next_wait():
+    """A write runs while the caller goes on; the next start waits for it
+    (never two at once); its exception comes back in the caller's thread at
+    the next wait, and only once."""
+    import threading
+
+    release, events = threading.Event(), []
+
+    def slow() -> None:
+        release.wait(60)
+        events.append("slow done")
+
+    writer = train_utils.SnapshotWriter(asynchronous=True)
+    assert writer.start(slow, "first") is None
+    assert writer.in_flight and events == []  # start returned while the write is held
+    events.append("caller went on")
+    threading.Timer(0.2, release.set).start()
+    assert writer.start(lambda: events.append("second"), "second") == "first"  # waited for the first
+    assert writer.wait() == "second" and events == ["caller went on", "slow done", "second"]
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.start(full_disk, "third")
+    with pytest.raises(OSError, match="No space left"):
+        writer.wait()
+    assert writer.wait() is None and not writer.in_flight
+    synchronous = train_utils.SnapshotWriter(asynchronous=False)
+    synchronous.start(lambda: events.append("inline"), "fourth")
+    assert events[-1] == "inline" and synchronous.wait() == "fourth"
+
+
+def test_the_snapshot_clock_asks_once_per_interval_and_once_per_request():
+    """--snapshot_every_s: rank 0's answer reaches every rank one poll later;
+    one request makes one snapshot even when the interval is shorter than a
+    step (a very short one snapshots every other step), the interval counts
+    from the last snapshot, and a request that a snapshot overtook (at an
+    epoch's end) is dropped."""
+    now = [0.0]
+    clock = train_utils.SnapshotClock(60, clock=lambda: now[0])
+    asks = []
+    for second in (10, 59, 60, 61, 62):
+        now[0] = second
+        asks.append(clock.ask())
+    assert asks == [False, False, True, False, True]  # 61: the answer to 60's request is being read
+    assert clock.due(True)  # the answer to 60's request: every rank snapshots
+    clock.saved()  # the snapshot came at 62
+    now[0] = 121
+    assert not clock.ask() and not clock.ask()
+    now[0] = 122
+    assert clock.ask()
+    clock.saved()  # an epoch's end snapshot after the request was sent, before its answer came
+    assert not clock.due(True) and not clock.ask()  # dropped; the interval counts from 122
+    assert clock.due(True)  # a request answered with no snapshot between: taken
+    ticks = iter(range(100))  # each reading of the clock a step later
+    tiny = train_utils.SnapshotClock(1e-9, clock=lambda: next(ticks))
+    asks = [tiny.ask() for _ in range(6)]
+    assert asks == [True, False, True, False, True, False]
+    assert not any(train_utils.SnapshotClock(0, clock=lambda: 1e9).ask() for _ in range(3))

@@ -21,6 +21,7 @@ tests use. The ladder's rungs never import this package.
   claims             one live run per snapshot: its claim file, whether a holder lives
   save_errors        a save the system refused: one line naming the intact snapshot
   snapshots          atomic save; reading a snapshot, "same run?" checks
+  snapshot_writer    snapshots written in the background, one at a time; --snapshot_every_s's clock
   sharded_snapshots  a folder of DCP shards per save, complete when meta.pt is
   launch             the store under torchrun or srun, side gloo groups
   rendezvous         a Slurm job's rendezvous port (also run by the Slurm wrappers)
@@ -49,15 +50,16 @@ from .errors import NothingToTrain, one_line_errors
 from .evaluation import batches_for_every_rank, broadcast_buffers
 from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, checkpoint_activations, contiguous_parameters, \
     exit_skipping_teardown, fsdp_blocks, print_sharded_memory, training_state_bytes
-from .launch import first_host, launcher_store
+from .launch import first_host, gloo_group, launcher_store
 from .loaders import loader_workers
 from .metrics import RunLog
 from .output import print_line
 from .profiling import StepProfiler
 from .recipe import Recipe, batches_left, run_length
 from .resume import Progress, ResumableDistributedSampler, rebuild_ddp_buckets
-from .sharded_snapshots import ShardedSnapshots, resharding_note
+from .sharded_snapshots import ShardedSnapshots, dcp_async_save, dcp_result, resharding_note
 from .save_errors import save_failure
+from .snapshot_writer import SnapshotClock, SnapshotWriter, cpu_copy
 from .snapshots import atomic_save, read_snapshot, remove_stale_temporary_files, snapshot_on_every_node
 from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib, \
     resolve_amp
@@ -83,7 +85,8 @@ __all__ = [
     # snapshots and resume
     "Progress", "rebuild_ddp_buckets", "claim_snapshot", "release_claim", "atomic_save", "save_failure",
     "remove_stale_temporary_files", "read_snapshot", "snapshot_on_every_node",
-    "ShardedSnapshots", "resharding_note",
+    "ShardedSnapshots", "resharding_note", "SnapshotWriter", "SnapshotClock", "cpu_copy", "dcp_async_save",
+    "dcp_result", "gloo_group",
     # output and the end of a run
     "RunLog", "print_line", "report_run_finished", "exit_skipping_teardown",
     "model_flops_per_token", "throughput_figures", "check_sampling", "print_sample", "NothingToTrain",

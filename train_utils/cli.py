@@ -234,6 +234,10 @@ def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str,
     add("--snapshot_every_steps", type=non_negative_int, default=0,
         help="also snapshot every N steps inside an epoch, so a restart loses at most N steps "
              "(0: only at epoch ends) (default: 0)")
+    add("--snapshot_every_s", type=non_negative_float, default=0, help="also snapshot inside an epoch "
+        "once this many seconds have passed since the last snapshot, e.g. 60 (0: off) (default: 0)")
+    add("--snapshot_sync", action="store_true", help="write each snapshot before training goes on "
+        "(default: a CPU copy written in the background, one write at a time)")
     add("--pg_timeout_s", type=positive(float), default=600,
         help="once training runs, seconds a collective may wait for the other ranks before the job "
              "fails: on the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) "

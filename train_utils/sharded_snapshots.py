@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -106,6 +107,27 @@ class ShardedSnapshots:
             folder, position = os.path.join(self.root, name), _position(name)
             if position is not None and os.path.isdir(folder):
                 yield name, folder, position
+
+
+def dcp_async_save(state: dict, folder: str, group: dist.ProcessGroup) -> Future:
+    """Collective: ``torch.distributed.checkpoint.async_save`` of ``state`` (a
+    state dict, DTensor shards included) into ``folder``. Before it returns,
+    every tensor is copied to CPU memory (DCP's staging), so training may go
+    on changing the originals; the files are then written by a thread of
+    DCP's, whose collectives run on ``group``, a CPU (gloo) group that nothing
+    else uses while the save is in flight. Returns the write's future
+    (``dcp_result`` waits for it; it raises DCP's CheckpointException on
+    every rank when one rank's write failed)."""
+    import torch.distributed.checkpoint as dcp  # only the FSDP rung needs DCP
+
+    response = dcp.async_save(state, checkpoint_id=folder, process_group=group)
+    return getattr(response, "upload_completion", response)  # an AsyncSaveResponse when staging is async
+
+
+def dcp_result(save: object) -> object:
+    """What a DCP save gave: ``dcp_async_save``'s future, waited for (its
+    exception raised), or ``dcp.save``'s result as it is."""
+    return save.result() if isinstance(save, Future) else save
 
 
 def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:

@@ -180,7 +180,8 @@ class StopSignal:
         self.rank = dist.get_rank()
         self.stopped_by = 0  # after a stop: the signal some rank got (the highest number)
         self.group = gloo_group()
-        self.flag = torch.zeros(1)
+        self.flag = torch.zeros(2)  # (the stop signal's number, rank 0's snapshot request)
+        self.requested = False  # the last poll's answer: rank 0 asked for a snapshot
         self.work = None
         note_stop_signals_only()  # from here on a stop signal is noted and taken at a step
 
@@ -189,19 +190,21 @@ class StopSignal:
         """The number of the first stop signal this process got; 0: none."""
         return _STATE.received
 
-    def poll(self) -> bool:
+    def poll(self, request: bool = False) -> bool:
         """Collective. True on every rank at the same call, one call after
-        the first rank got a stop signal; False otherwise. One process has
-        no one to agree with: True at the first call after its signal, without
-        the all-reduce (a millisecond a step, 10% of a small GPT's GPU step)."""
+        the first rank got a stop signal; False otherwise. ``request``
+        rides along: ``requested`` is True on every rank at the next call
+        when some rank passed True (rank 0's ``SnapshotClock``). One process
+        has no one to agree with: it answers at the same call, without the
+        all-reduce (a millisecond a step, 10% of a small GPT's GPU step)."""
         if self.group.size() == 1:
-            self.stopped_by = self.received
+            self.stopped_by, self.requested = self.received, request
             self._say_stopped()
             return bool(self.stopped_by)
         if self.work is not None:
             self.work.wait()
-            self.stopped_by = int(self.flag.item())
-        self.flag.fill_(float(self.received))
+            self.stopped_by, self.requested = int(self.flag[0].item()), bool(self.flag[1].item())
+        self.flag[0], self.flag[1] = float(self.received), float(request)
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group,
                                     async_op=True)
         self._say_stopped()
