@@ -360,7 +360,18 @@ class Trainer:
         """Collective: train up to ``max_epochs``, evaluating and printing each epoch
         (rank 0), snapshotting every --save_every epochs and after the last; True when
         every epoch is done, False when a stop signal ended it (snapshot saved). Raises
-        ConfigError when the training loss is not finite, before anything is saved."""
+        ConfigError when the training loss is not finite, before anything is saved.
+        Whatever ends the run, a snapshot write in flight completes first: a
+        rank that fails because a peer was lost keeps its last snapshot."""
+        try:
+            return self._train_epochs(max_epochs)
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the run's own error is the one to report
+                self.writer.wait()
+            raise
+
+    def _train_epochs(self, max_epochs: int) -> bool:
+        """``train``'s epochs (see there)."""
         for epoch in range(self.progress.epochs_run, max_epochs):
             record = self._run_epoch(epoch, max_epochs)
             if record is None:  # stopped by the signal, after a snapshot of this step
