@@ -221,26 +221,28 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
 # (the tests' hook), rank 0 in that step's all-reduce; then the second host
 # dies: its slurmd, the step's slurmstepd, its torchrun agent and worker.
 ELASTIC_DIGITS, ELASTIC_TRAINED = 2275, 2048
-ELASTIC_ARGS = ["--dataset", "mnist", "--total_epochs", "1", "--batch_size", "32", "--snapshot_every_steps", "20",
-                "--metrics_path", "metrics.jsonl"]
+ELASTIC_ARGS = ["--total_epochs", "1", "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
 ELASTIC_HELD_STEP = 25
 # Slurm takes a node that stops answering out of the job after SlurmdTimeout
 # (300 s by default); shorter while this test's job is the only one.
 ELASTIC_SLURMD_TIMEOUT_S = 20
 
 
-def elastic_job_loses_a_host(cluster, folder, min_nodes: int, rdzv_conf: str) -> tuple[int, Path]:
+def elastic_job_loses_a_host(cluster, folder, min_nodes: int, rdzv_conf: str, args=ELASTIC_ARGS,
+                             held_step: int = ELASTIC_HELD_STEP) -> tuple[int, Path]:
     """Submits the elastic job (at least ``min_nodes`` nodes; torchrun's
-    --rdzv-conf ``rdzv_conf``), waits until rank 1 is held on ddp-node2 and
+    --rdzv-conf ``rdzv_conf``; train.py's ``args`` on the MNIST slice),
+    waits until rank 1 is held on ddp-node2 before step ``held_step`` and
     kills that host; returns (job id, its log) once the job has left RUNNING
     (ended, or requeued), with ddp-node2's slurmd started again."""
     data = build_mnist_root(folder / "data", n_train=ELASTIC_DIGITS, n_test=200)
-    held = f"DDP_TEST_FAULT: wait_signal_once at step {ELASTIC_HELD_STEP} on rank 1"
-    job = submit(cluster, folder, "multi_node.sh", *ELASTIC_ARGS, "--data_dir", str(data),
+    held = f"DDP_TEST_FAULT: wait_signal_once at step {held_step} on rank 1"
+    job = submit(cluster, folder, "multi_node.sh", "--dataset", "mnist", "--batch_size", "32", *args,
+                 "--data_dir", str(data),
                  sbatch=[*MULTI, "--nodes=2", "--gres=gpu:1", "--no-kill"],
                  env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "ELASTIC_MIN_NODES": str(min_nodes),
                       "ELASTIC_RDZV_CONF": rdzv_conf,
-                      "DDP_TEST_FAULT": f"step:1:{ELASTIC_HELD_STEP}:wait_signal_once"})
+                      "DDP_TEST_FAULT": f"step:1:{held_step}:wait_signal_once"})
     log_path = folder / f"multi_node-{job}.out"
     log, deadline = "", time.monotonic() + JOB_TIMEOUT_S
     while held not in log:
@@ -264,6 +266,28 @@ def epoch_samples(folder) -> list:
     """The samples each epoch summary of the metrics file counted."""
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return [record["samples"] for record in records if "epoch" in record]
+
+
+def test_elastic_multi_node_goes_on_without_a_dead_node_and_completes(cluster, tmp_path):
+    """Two epochs, saved at each end; the second host dies in epoch 2 (rank 1
+    held before its fifth step): Slurm takes it out of the job (no NODE_FAIL,
+    no requeue), srun keeps the first host's task, its torchrun agent starts
+    the training again at world size 1, which resumes from the epoch-1
+    snapshot and trains epoch 2: the job ends COMPLETED, never requeued, each
+    epoch summarised once over every sample."""
+    args = ["--total_epochs", "2", "--save_every", "1", "--metrics_path", "metrics.jsonl"]
+    job, log_path = elastic_job_loses_a_host(cluster, tmp_path, 1, "last_call_timeout=1", args, 32 + 5)
+    info = cluster.wait(job, JOB_TIMEOUT_S)
+    log = log_path.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0" and info["ExitCode"] == "0:0", \
+        f"{info}\n{log}"
+    assert info["NodeList"] == "ddp-node1" and "Node failure on ddp-node2" in log, info  # taken out of the job
+    resumed = re.findall(r"^resuming from snapshot \S+ after epoch 1 \(saved by world_size 2, resumed by 1\b.*$",
+                         log, re.M)
+    assert len(resumed) == 1 and "world_size 1 |" in log, log
+    assert [e["epoch"] for e in epochs(log)] == [1, 2], log  # each summarised once
+    assert epoch_samples(tmp_path) == [ELASTIC_TRAINED] * 2  # every digit of each epoch once
+    assert parse_test(log)
 
 
 def test_elastic_multi_node_with_too_few_nodes_left_is_requeued_from_its_snapshot(cluster, tmp_path):
