@@ -75,6 +75,7 @@ NNODES="$SLURM_JOB_NUM_NODES"
 LOST_NODES_REQUEUE=1
 STEP_FLAGS=(--kill-on-bad-exit=1)
 ELASTIC_FLAGS=()
+ELASTIC_ENV=()
 if [ -n "${ELASTIC_MIN_NODES:-}" ]; then
     if ! [[ "$ELASTIC_MIN_NODES" =~ ^[0-9]+$ ]] || [ "$ELASTIC_MIN_NODES" -lt 1 ] \
             || [ "$ELASTIC_MIN_NODES" -gt "$SLURM_JOB_NUM_NODES" ]; then
@@ -88,6 +89,10 @@ if [ -n "${ELASTIC_MIN_NODES:-}" ]; then
     NNODES="$ELASTIC_MIN_NODES:$SLURM_JOB_NUM_NODES"
     STEP_FLAGS=(--no-kill --kill-on-bad-exit=0)
     ELASTIC_FLAGS=(--max-restarts="${ELASTIC_MAX_RESTARTS:-3}" ${ELASTIC_RDZV_CONF:+--rdzv-conf="$ELASTIC_RDZV_CONF"})
+    # Each round's rank 0 serves a fresh store, instead of the agents sharing
+    # the first round's, whose address they never renew (docs/fault-tolerance.md);
+    # set with env inside the container command, so that it reaches torchrun there too.
+    ELASTIC_ENV=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
 fi
 echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes${ELASTIC_MIN_NODES:+ | elastic, at least $ELASTIC_MIN_NODES nodes} | rendezvous $RDZV_HOST:$RDZV_PORT | $SNAPSHOT | $(date -Is)"
 
@@ -95,6 +100,6 @@ echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NOD
 # the job id; the stop signals relayed as in multi_gpu.sh (docs/slurm.md).
 # Defaults first: the same flag in "$@" overrides them.
 run_step srun "${STEP_FLAGS[@]}" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" "${PER_NODE[@]}" \
-    ${CONTAINER[@]+"${CONTAINER[@]}"} torchrun --nnodes="$NNODES" --nproc_per_node=@NPROC@ \
+    ${CONTAINER[@]+"${CONTAINER[@]}"} ${ELASTIC_ENV[@]+"${ELASTIC_ENV[@]}"} torchrun --nnodes="$NNODES" --nproc_per_node=@NPROC@ \
     --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     ${ELASTIC_FLAGS[@]+"${ELASTIC_FLAGS[@]}"} "${TORCHRUN_STOP_FLAGS[@]}" "$SCRIPT" --data_dir "$DATA" --snapshot_path "$SNAPSHOT" "$@"
