@@ -6,12 +6,14 @@ node that dies), then started again."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+from dataset_files import build_mnist_root
 from helpers import REPO, TORCHRUN, free_port, script_env
 
 # torch's dynamic rendezvous shares its agent's store with the workers by
@@ -21,14 +23,16 @@ from helpers import REPO, TORCHRUN, free_port, script_env
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def elastic_launch(port: int, max_restarts: int = 3) -> list:
+def elastic_launch(port: int, last_call_s: int = 1) -> list:
     """torchrun for one node of a 1-to-2-node elastic job meeting at ``port``:
-    short rendezvous timeouts (a dead node's heartbeat missed for 3 s) and a
-    monitor that looks every 0.5 s, so that a loss or a join is seen quickly."""
+    short rendezvous timeouts (a dead node's heartbeat missed for 3 s; a round
+    of fewer than 2 nodes closes ``last_call_s`` after its first one joined)
+    and a monitor that looks every 0.5 s, so that a loss or a join is seen
+    quickly."""
     return TORCHRUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-                       f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
-                       "--rdzv-conf=join_timeout=60,last_call_timeout=1,close_timeout=10,"
+                       "--max-restarts=3", "--monitor-interval=0.5",
+                       f"--rdzv-conf=join_timeout=60,last_call_timeout={last_call_s},close_timeout=10,"
                        "keep_alive_interval=1,keep_alive_max_attempt=3"]
 
 
@@ -150,3 +154,54 @@ def test_a_node_lost_and_started_again_rejoins_without_a_hang(tmp_path):
             assert agents.procs[name].wait(timeout=60) == 0, agents.logs()
     finally:
         agents.close()
+
+
+def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
+    """The job of docs/fault-tolerance.md on real MNIST digits (1,600 to train,
+    batch 16, a snapshot every 20 steps): nodes a and b start together (one
+    round of 2: 50 steps an epoch). b's worker is held before its step 25 and
+    b is SIGKILLed with it there, after the snapshot at step 20; a resumes
+    alone, mid-epoch, at world size 1 (the 640 samples trained are its first
+    40 steps), and is held before its 29th step there. b started again joins:
+    torchrun stops a's worker with SIGTERM, whose stop path saves after the
+    step that follows (step 70 at size 1: 1,120 samples), and the grown job resumes that mid-epoch at world
+    size 2 (step 35) and finishes, exit 0 on both nodes. The one epoch is
+    summarised once, counting 1,600 samples: each trained once (the steps b
+    lost since the snapshot re-run once). Fails without the resize (a
+    mid-epoch snapshot at another world size was refused: a used up its
+    restarts) and without the store fix (a's ranks and b's waited for
+    each other at process-group start)."""
+    data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
+    launch = elastic_launch(free_port(), last_call_s=5) + [
+        REPO / "train.py", "--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
+        "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
+    agents = Agents(tmp_path)
+    try:
+        # a's worker: held before its 29th step in each process (only the one alone gets there).
+        agents.start("a", launch, DDP_TEST_FAULT="step:0:29:wait_signal", **ELASTIC_ENV)
+        agents.start("b", launch, DDP_TEST_FAULT="step:*:25:wait_signal_once", **ELASTIC_ENV)
+        agents.wait_for("a", "epoch 1 step 20 | snapshot saved at snapshot_train.pt")
+        agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 25")
+        agents.kill("b")
+        agents.wait_for("a", "resuming from snapshot snapshot_train.pt in epoch 1 after step 40 (saved by "
+                             "world_size 2, resumed by 1: global batch size 32 -> 16 at the same --lr, steps per "
+                             "epoch 50 -> 100; the step lr schedule with warm-up, counted in epochs, goes on at step 40 of 100; "
+                             "epoch 1 goes on after 640 of its 1600 samples (step 20 by "
+                             "world_size 2) at step 40, the rest split over 1 rank; random streams restored on "
+                             "rank 0, those of rank 1 dropped)")
+        agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 29 on rank 0")
+        agents.start("b_again", launch, **ELASTIC_ENV)
+        for name in ("a", "b_again"):
+            assert agents.procs[name].wait(timeout=180) == 0, agents.logs()
+    finally:
+        agents.close()
+    text = agents.log("a") + agents.log("b_again")
+    assert "epoch 1 step 70 | snapshot saved at snapshot_train.pt" in text, agents.logs()
+    assert ("resuming from snapshot snapshot_train.pt in epoch 1 after step 35 (saved by world_size 1, resumed by "
+            "2: global batch size 16 -> 32 at the same --lr, steps per epoch 100 -> 50; the step lr schedule with warm-up, counted in epochs, goes on at "
+            "step 35 of 50; epoch 1 goes on after 1120 "
+            "of its 1600 samples (step 70 by world_size 1) at step 35, the rest split over 2 ranks; random streams "
+            "restored on rank 0, rank 1 starts from its seed)") in text, agents.logs()
+    assert text.count("epoch 1/1 |") == 1 and text.count("test | loss") == 1, agents.logs()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records if "epoch" in r] == [1600]
