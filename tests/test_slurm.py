@@ -269,24 +269,25 @@ def epoch_samples(folder) -> list:
 
 
 def test_elastic_multi_node_goes_on_without_a_dead_node_and_completes(cluster, tmp_path):
-    """Two epochs, saved at each end; the second host dies in epoch 2 (rank 1
-    held before its fifth step): Slurm takes it out of the job (no NODE_FAIL,
-    no requeue), srun keeps the first host's task, its torchrun agent starts
-    the training again at world size 1, which resumes from the epoch-1
-    snapshot and trains epoch 2: the job ends COMPLETED, never requeued, each
-    epoch summarised once over every sample."""
-    args = ["--total_epochs", "2", "--save_every", "1", "--metrics_path", "metrics.jsonl"]
-    job, log_path = elastic_job_loses_a_host(cluster, tmp_path, 1, "last_call_timeout=1", args, 32 + 5)
+    """The second host dies mid-epoch: Slurm takes it out of the job (no
+    NODE_FAIL, no requeue), srun keeps the first host's task, its torchrun
+    agent starts the training again at world size 1, which resumes mid-epoch
+    from the step-20 snapshot (1,280 of the epoch's 2,048 samples trained) and
+    trains the rest: the job ends COMPLETED, never requeued, the epoch
+    summarised once over every sample."""
+    job, log_path = elastic_job_loses_a_host(cluster, tmp_path, 1, "last_call_timeout=1")
     info = cluster.wait(job, JOB_TIMEOUT_S)
     log = log_path.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0" and info["ExitCode"] == "0:0", \
         f"{info}\n{log}"
     assert info["NodeList"] == "ddp-node1" and "Node failure on ddp-node2" in log, info  # taken out of the job
-    resumed = re.findall(r"^resuming from snapshot \S+ after epoch 1 \(saved by world_size 2, resumed by 1\b.*$",
-                         log, re.M)
-    assert len(resumed) == 1 and "world_size 1 |" in log, log
-    assert [e["epoch"] for e in epochs(log)] == [1, 2], log  # each summarised once
-    assert epoch_samples(tmp_path) == [ELASTIC_TRAINED] * 2  # every digit of each epoch once
+    resumed = re.findall(r"^resuming from snapshot \S+ in epoch 1 after step 40 \(saved by world_size 2, "
+                         r"resumed by 1: .*; epoch 1 goes on after 1280 of its 2048 samples \(step 20 by "
+                         r"world_size 2\) at step 40, the rest split over 1 rank\b.*$", log, re.M)
+    assert len(resumed) == 1 and "[rank 0 | local_rank 0 | host ddp-node1] epoch 1 | batch_size 32 | steps 24" \
+        in log, log
+    assert [e["epoch"] for e in epochs(log)] == [1], log  # summarised once, by the world of one
+    assert epoch_samples(tmp_path) == [ELASTIC_TRAINED]  # every digit of the epoch once
     assert parse_test(log)
 
 
