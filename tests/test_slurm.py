@@ -235,6 +235,13 @@ def elastic_job_loses_a_host(cluster, folder, min_nodes: int, rdzv_conf: str, ar
     waits until rank 1 is held on ddp-node2 before step ``held_step`` and
     kills that host; returns (job id, its log) once the job has left RUNNING
     (ended, or requeued), with ddp-node2's slurmd started again."""
+    # A host is killed and Slurm's timeout lowered for the whole cluster: the
+    # jobs of the tests before (this file's, on the same hosts) must be gone.
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while queued := subprocess.run(["squeue", "-h", "-o", "%i %T %N"], env=cluster.env, capture_output=True,
+                                   text=True, check=True).stdout.strip():
+        assert time.monotonic() < deadline, f"other jobs still queued or running:\n{queued}"
+        time.sleep(1)
     data = build_mnist_root(folder / "data", n_train=ELASTIC_DIGITS, n_test=200)
     held = f"DDP_TEST_FAULT: wait_signal_once at step {held_step} on rank 1"
     job = submit(cluster, folder, "multi_node.sh", "--dataset", "mnist", "--batch_size", "32", *args,
