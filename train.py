@@ -84,9 +84,9 @@ class Trainer:
         self.log = log  # the epoch line, --metrics_path, TensorBoard, W&B (its run id goes in snapshots)
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, args.amp)
-        # Saved in snapshots; FSDP's resume at any world size (DCP reshards), DDP's at an epoch's end.
+        # Saved in snapshots; both resume at any world size, mid-epoch too (FSDP: DCP reshards).
         self.config = dict(vars(args), world_size=None if self.fsdp else dist.get_world_size())
-        self.progress = train_utils.Progress(device, train_data, rank)  # epochs, steps, RNG states
+        self.progress = train_utils.Progress(device, train_data, rank, args.grad_accum_steps)  # epochs, steps, RNG
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.memory_reported = not self.fsdp  # FSDP: the state-per-rank line after the first step
         # LM tasks: tokens per sample, and the model's FLOPs per token (None: not a transformer LM).
@@ -204,8 +204,8 @@ class Trainer:
         self.model.train()
         # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
         self.train_data.sampler.set_epoch(epoch)
-        # After a mid-epoch resume, skip the batches this rank already trained on.
-        self.train_data.sampler.start = self.progress.steps_run * self.train_data.batch_size
+        # After a mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
+        self.train_data.sampler.offset = self.progress.start_samples
         host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
         train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
                                f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
@@ -262,11 +262,12 @@ class Trainer:
         """What every snapshot holds besides the weights: the recipe's state, the
         position and RNG states, the W&B run; then the resume line (rank 0), which
         says what changed when the snapshot came from another world size."""
-        self.recipe.resume(snapshot)  # the schedule and loss scale go on; a new --lr takes over
         self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
+        # The schedule and loss scale go on (a new --lr takes over), at the epoch's steps in this run's size.
+        self.recipe.resume(snapshot, self.progress.steps_run)
         self.log.wandb.load_state_dict(snapshot)  # the resumed run logs to the same W&B run
         # After both loads: the note compares the saved position and world size with this run's.
-        note = (train_utils.resharding_note(snapshot["world_size"]) if self.fsdp
+        note = (train_utils.resharding_note(snapshot["world_size"], self.progress.epoch_note()) if self.fsdp
                 else self.progress.resize_note(self.recipe))
         if self.rank == 0:
             self.log.resumed(path, self.progress.position(), note)

@@ -6,13 +6,14 @@
 # there); arguments after the name go to train.py:
 #     sbatch slurm/multi_node.sh --dataset cifar10 --total_epochs 30
 #     sbatch --nodes=4 slurm/multi_node.sh --strategy fsdp   # node count from the job
+#     ELASTIC_MIN_NODES=1 sbatch --no-kill slurm/multi_node.sh --snapshot_every_steps 500
+# (elastic: a node that dies costs the steps since the last snapshot, not the job)
 # Watch: squeue --me; tail -f multi_node-<job id>.out. scancel stops it with a
-# snapshot; the same sbatch command resumes. Edit: the #SBATCH lines; the
-# environment and network blocks in slurm/env.sh. SCRIPT_NAME=multinode.py or
-# multinode_fsdp.py: a rung instead of train.py. More: docs/slurm.md.
+# snapshot; the same sbatch command resumes. Edit: #SBATCH lines; slurm/env.sh's
+# blocks. SCRIPT_NAME=multinode.py: a rung instead of train.py. More: docs/slurm.md.
 
 #SBATCH --job-name=multi_node       # the name in squeue, %x in the log file name, and the snapshot's name
-#SBATCH --nodes=2                  # machines; the rendezvous expects exactly this many
+#SBATCH --nodes=2                  # machines; the rendezvous expects exactly this many (elastic: at most)
 #SBATCH --ntasks-per-node=1        # one task per node: its torchrun agent, which starts the workers
 #SBATCH --gres=gpu:4               # GPUs per node; workers per node follow what is granted
 #SBATCH --cpus-per-task=16         # CPU cores per node for all its workers (data loading)
@@ -58,12 +59,47 @@ RDZV_PORT="$(rendezvous_port)"
 # This submission's snapshot (its arguments' hash in the name), claimed for this job:
 # the same command resumes it; another live job holding it is refused.
 snapshot_for "$@"
-echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes | rendezvous $RDZV_HOST:$RDZV_PORT | $SNAPSHOT | $(date -Is)"
+# Fixed size: one node failing ends the step on all (--kill-on-bad-exit), and
+# Slurm ends the job and requeues it (under sbatch --no-kill run_step does).
+# Elastic, ELASTIC_MIN_NODES=M (1 to the job's nodes) with sbatch --no-kill
+# (the job outlives a node's failure): srun --no-kill keeps the step's tasks
+# on the other nodes running, and their torchrun agents (--nnodes=M:<nodes>)
+# start the training again on the nodes left, from the last snapshot, as long
+# as M of them remain (the job's first node among them: it holds the
+# rendezvous and the batch shell); with fewer the step ends and run_step
+# requeues the job. ELASTIC_MAX_RESTARTS (default 3): torchrun's
+# --max-restarts; ELASTIC_RDZV_CONF: its --rdzv-conf (join_timeout=600 s,
+# last_call_timeout=30 s by default). docs/slurm.md.
+NNODES="$SLURM_JOB_NUM_NODES"
+# run_step: a step that ended unfinished after the job lost nodes is requeued.
+LOST_NODES_REQUEUE=1
+STEP_FLAGS=(--kill-on-bad-exit=1)
+ELASTIC_FLAGS=()
+ELASTIC_ENV=()
+if [ -n "${ELASTIC_MIN_NODES:-}" ]; then
+    if ! [[ "$ELASTIC_MIN_NODES" =~ ^[0-9]+$ ]] || [ "$ELASTIC_MIN_NODES" -lt 1 ] \
+            || [ "$ELASTIC_MIN_NODES" -gt "$SLURM_JOB_NUM_NODES" ]; then
+        echo "error: ELASTIC_MIN_NODES is '$ELASTIC_MIN_NODES'; it must be a whole number from 1 to the job's $SLURM_JOB_NUM_NODES nodes" >&2
+        exit 2
+    fi
+    if ! [[ "${ELASTIC_MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]]; then
+        echo "error: ELASTIC_MAX_RESTARTS is '$ELASTIC_MAX_RESTARTS'; it must be a whole number (torchrun --max-restarts)" >&2
+        exit 2
+    fi
+    NNODES="$ELASTIC_MIN_NODES:$SLURM_JOB_NUM_NODES"
+    STEP_FLAGS=(--no-kill --kill-on-bad-exit=0)
+    ELASTIC_FLAGS=(--max-restarts="${ELASTIC_MAX_RESTARTS:-3}" ${ELASTIC_RDZV_CONF:+--rdzv-conf="$ELASTIC_RDZV_CONF"})
+    # Each round's rank 0 serves a fresh store, instead of the agents sharing
+    # the first round's, whose address they never renew (docs/fault-tolerance.md);
+    # set with env inside the container command, so that it reaches torchrun there too.
+    ELASTIC_ENV=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+fi
+echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes${ELASTIC_MIN_NODES:+ | elastic, at least $ELASTIC_MIN_NODES nodes} | rendezvous $RDZV_HOST:$RDZV_PORT | $SNAPSHOT | $(date -Is)"
 
-# The training step: one torchrun agent per node in an srun step; one node failing
-# ends it on all (--kill-on-bad-exit); --rdzv-id: the job id; the stop signals
-# relayed as in multi_gpu.sh (docs/slurm.md). Defaults first: the same flag in "$@" overrides them.
-run_step srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" "${PER_NODE[@]}" \
-    ${CONTAINER[@]+"${CONTAINER[@]}"} torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node=@NPROC@ \
+# The training step: one torchrun agent per node in an srun step; --rdzv-id:
+# the job id; the stop signals relayed as in multi_gpu.sh (docs/slurm.md).
+# Defaults first: the same flag in "$@" overrides them.
+run_step srun "${STEP_FLAGS[@]}" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" "${PER_NODE[@]}" \
+    ${CONTAINER[@]+"${CONTAINER[@]}"} ${ELASTIC_ENV[@]+"${ELASTIC_ENV[@]}"} torchrun --nnodes="$NNODES" --nproc_per_node=@NPROC@ \
     --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
-    "${TORCHRUN_STOP_FLAGS[@]}" "$SCRIPT" --data_dir "$DATA" --snapshot_path "$SNAPSHOT" "$@"
+    ${ELASTIC_FLAGS[@]+"${ELASTIC_FLAGS[@]}"} "${TORCHRUN_STOP_FLAGS[@]}" "$SCRIPT" --data_dir "$DATA" --snapshot_path "$SNAPSHOT" "$@"

@@ -120,7 +120,8 @@ snapshot_for() {
 }
 
 # run_step COMMAND...: start the training step in the background, wait until
-# it has really ended, then requeue the job if it was warned or preempted.
+# it has really ended, then requeue the job if it was warned or preempted
+# (or, LOST_NODES_REQUEUE set, lost nodes before the training finished).
 # Exits the batch shell.
 run_step() {
     rm -f "$TRAINING_FINISHED_FILE"  # a requeued job's earlier run may have left one
@@ -139,9 +140,12 @@ run_step() {
     # An array task is requeued as itself: <array job id>_<task index>.
     local job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
     job="${job:-$SLURM_JOB_ID}"
-    # Picked for preemption: PreemptTime is set (None otherwise).
-    local preempted
-    preempted="$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.*PreemptTime=\([^ ]*\).*/\1/p' || true)"
+    # Picked for preemption: PreemptTime is set (None otherwise). NumNodes:
+    # fewer than the job started with after Slurm took failed nodes out of it.
+    local record preempted nodes_left
+    record="$(scontrol show job "$SLURM_JOB_ID" || true)"
+    preempted="$(sed -n 's/.*PreemptTime=\([^ ]*\).*/\1/p' <<< "$record")"
+    nodes_left="$(sed -n 's/.*NumNodes=\([0-9]*\).*/\1/p' <<< "$record")"
     [ "$preempted" = None ] && preempted=""
     # The training holds every epoch: the job is done, whatever came after it.
     if [ -e "$TRAINING_FINISHED_FILE" ]; then
@@ -154,6 +158,17 @@ run_step() {
         fi
         echo "$(date -Is) done (status $status)"
         exit "$status"
+    fi
+    # A job that outlives a node's failure (sbatch --no-kill; LOST_NODES_REQUEUE
+    # set by multi_node.sh) whose step ended unfinished after it lost nodes:
+    # too few nodes left to go on (elastic), or the step died with the node.
+    # Requeued, as Slurm requeues a job that a node failure ended.
+    if [ -n "${LOST_NODES_REQUEUE:-}" ] && [ -z "$STOP_SIGNAL$preempted" ] && [ -n "$nodes_left" ] \
+            && [ "$nodes_left" -lt "$SLURM_JOB_NUM_NODES" ]; then
+        echo "$(date -Is) training stopped (status $status) with $nodes_left of the job's $SLURM_JOB_NUM_NODES nodes left; requeueing job $job"
+        trap '' TERM
+        scontrol requeue "$job"
+        exit 0
     fi
     if [ "$STOP_SIGNAL" = USR1 ] || [ -n "$preempted" ]; then
         echo "$(date -Is) training stopped (status $status); requeueing job $job${preempted:+ (preempted at $preempted)}"

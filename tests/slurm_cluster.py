@@ -42,6 +42,7 @@ Usage (as root):  ``python tests/slurm_cluster.py`` starts one, prints
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -50,7 +51,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel",
             "ip", "nsenter", "unshare")
@@ -181,11 +182,7 @@ class SlurmCluster:
             self._start(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
             self._start(["slurmd", "-D", "-f", str(self.conf), "-N", self.hostname], "slurmd-local")
             for node in {**NETNS_NODES, **STOP_NODES}:
-                # A network namespace for the address, a UTS namespace for the
-                # hostname; jobs started by this slurmd inherit both.
-                self._start(["nsenter", f"--net=/var/run/netns/{node}", "unshare", "--uts", "sh", "-c",
-                             f'hostname {node} && exec slurmd -D -f "$0" -N {node}', str(self.conf)],
-                            f"slurmd-{node}")
+                self._start_slurmd(node, f"slurmd-{node}")
             self._wait_idle(timeout_s)
         except BaseException:
             self.stop()
@@ -329,6 +326,13 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
         self._daemons.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                               env=self.env, start_new_session=True))
 
+    def _start_slurmd(self, node: str, name: str) -> None:
+        """Namespace host ``node``'s slurmd: a network namespace for the
+        address, a UTS namespace for the hostname; jobs started by this
+        slurmd inherit both. Its output goes to log/``name``.stdout."""
+        self._start(["nsenter", f"--net=/var/run/netns/{node}", "unshare", "--uts", "sh", "-c",
+                     f'hostname {node} && exec slurmd -D -f "$0" -N {node}', str(self.conf)], name)
+
     def _wait_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         states = ""
@@ -385,6 +389,49 @@ PartitionName=urgent Nodes={stop_nodes} MaxTime=INFINITE State=UP PriorityTier=1
         hostname), without Slurm: for plain torchrun across the two hosts."""
         return ["nsenter", f"--net=/var/run/netns/{node}", "unshare", "--uts", "sh", "-c",
                 f'hostname {node} && exec "$@"', "sh", *cmd]
+
+    @contextlib.contextmanager
+    def configured(self, *lines: str) -> Iterator[None]:
+        """Within the ``with``: ``lines`` added to slurm.conf (a later line
+        overrides an earlier one), read by slurmctld and the slurmds
+        (``scontrol reconfigure``); the file as it was afterwards, read again.
+        Cluster-wide: for a test whose job is the only one running."""
+        config = self.conf.read_text()
+        self.conf.write_text(config + "".join(f"{line}\n" for line in lines))
+        try:
+            _run("scontrol", "reconfigure", env=self.env)
+            yield
+        finally:
+            self.conf.write_text(config)
+            _run("scontrol", "reconfigure", env=self.env)
+
+    def kill_node(self, node: str) -> list[int]:
+        """Namespace host ``node`` dies: SIGKILL to every process on it, its
+        slurmd, the jobs' slurmstepd and their tasks (its network stays up, so
+        the others see their connections to it reset). Slurm learns it only
+        when the node stops answering its pings (``SlurmdTimeout``). Returns
+        the pids killed; ``revive_node`` starts its slurmd again."""
+        killed = []
+        for pid in _run("ip", "netns", "pids", node, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+            except ProcessLookupError:  # ended since it was listed
+                pass
+        return killed
+
+    def revive_node(self, node: str, timeout_s: float = 60) -> None:
+        """Start namespace host ``node``'s slurmd again (after ``kill_node``)
+        and wait until the node is idle (``ReturnToService=2`` returns a node
+        that was down for not answering once its slurmd registers). Raises
+        RuntimeError with the daemons' logs when it is not idle in time."""
+        self._start_slurmd(node, f"slurmd-{node}-revived")
+        deadline = time.monotonic() + timeout_s
+        while self.node_states().get(node) != "idle":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{node} not idle {timeout_s} s after its slurmd restarted: "
+                                   f"{self.node_states()!r}\n{self.logs()}")
+            time.sleep(0.5)
 
     def logs(self, tail: int = 30) -> str:
         """The last lines of every daemon log, for failure messages."""

@@ -38,6 +38,8 @@ COVERED_ELSEWHERE = {
     "sbatch": "tests/test_slurm.py submits the wrappers to a real Slurm cluster",
     "python3 -m venv": "the README's set-up: .ci/run runs command 2 verbatim (tests/test_readme.py)",
     "podman": "tests/test_container.py builds and runs the image with podman",
+    "torchrun --nnodes=1:2 ":
+        "an elastic job of several nodes: tests/test_elastic.py runs two agents, one lost and started again",
     "docker": "tests/test_container.py runs the same image with podman (no Docker engine here)",
     "apptainer": "not installable on these machines; see docs/containers.md",
     ".venv/bin/pip install -q -r requirements.txt -r requirements-test.txt && .venv/bin/python benchmarks/run.py":

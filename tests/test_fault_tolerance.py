@@ -18,7 +18,7 @@ import torch
 
 from dataset_files import build_mnist_root
 from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs, error_lines,
-                     held_at_step, parse_test, run, script_env)
+                     held_at_step, parse_test, run, script_env, stdout_lines)
 
 import train_utils
 
@@ -161,22 +161,23 @@ torch.save({{"model": Payload()}}, "{crafted}")
     assert marker.exists()
 
 
-def test_a_mid_epoch_snapshot_from_another_world_size_is_refused(tmp_path):
-    """Inside an epoch, each rank's share of the rest depends on the world size:
-    another one is refused in one line saying what to do, the snapshot kept.
-    (At an epoch's end another world size resumes: tests/test_resize.py.)"""
+def test_a_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path):
+    """Killed after the snapshot at step 5 of 2 ranks (320 of the epoch's 1,844
+    samples trained), resumed by 1 rank: the rest of the epoch's permutation
+    goes on at step 10 of that size, the resume line says what changed, and
+    the epoch's record counts each sample trained once: the 320, then the
+    1,524 left in whole batches of 32 (the loader drops a last partial one)."""
     stopped = run(TORCHRUN_SCRIPT + ["--total_epochs", "1", "--snapshot_every_steps", "5"], tmp_path,
                   DDP_TEST_FAULT="step:0:8:raise")  # after the snapshot at step 5
     assert stopped.returncode != 0
-    before = (tmp_path / SNAPSHOT).read_bytes()
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py",
-                             "--total_epochs", "2"], tmp_path)
-    assert result.returncode != 0
-    assert error_lines(result.stderr) == [
-        "error: snapshot snapshot_train.pt was taken inside epoch 1 (after step 5) by world_size 2, "
-        "which splits that epoch: resume it with world_size 2 (only a snapshot taken at an epoch's end resumes "
-        "at another world size), or delete it or pass another --snapshot_path to start afresh"]
-    assert (tmp_path / SNAPSHOT).read_bytes() == before
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1",
+                                   "--metrics_path", "metrics.jsonl"], tmp_path))
+    assert ("resuming from snapshot snapshot_train.pt in epoch 1 after step 10 (saved by world_size 2, resumed "
+            "by 1: global batch size 64 -> 32 at the same --lr, steps per epoch 28 -> 57; epoch 1 goes on "
+            "after 320 of its 1844 samples (step 5 by world_size 2) at step 10, the rest split over 1 rank; "
+            "random streams restored on rank 0, those of rank 1 dropped)") in stdout_lines(result.stdout)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records if "epoch" in r] == [320 + (1844 - 320) // 32 * 32]
 
 
 # --------------------------------------------------------------------------

@@ -1,15 +1,20 @@
 """A DDP job of train.py that comes back at another world size: a
 snapshot taken at an epoch's end resumes with more or fewer ranks, and the
-resumed run is the run that changed its world size at that epoch. (A snapshot
-taken inside an epoch is refused at another world size:
-tests/test_fault_tolerance.py.)"""
+resumed run is the run that changed its world size at that epoch; one taken
+inside an epoch goes on with the rest of that epoch's samples split over the
+new ranks (the sampler's index sets here, in process; train.py end to end in
+tests/test_fault_tolerance.py and tests/test_elastic.py)."""
 
 import math
 import shutil
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
+import train_utils
 from helpers import REPO, TORCHRUN, check, epochs, load_task, run, snapshot_tensors, stdout_lines
 
 BATCH = 64
@@ -96,3 +101,72 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(saved, resu
     assert a["lr_schedule.step"].item() == 3 * steps[resumed]
     # And the loss goes on falling from where epoch 1 left it.
     assert later[0]["train_loss"] < first[0]["train_loss"] and later[1]["val_loss"] < first[0]["val_loss"]
+
+
+def _batches(sampler, batch: int, steps=None) -> list:
+    """The samples of ``sampler``'s whole batches (a loader's drop_last), the
+    first ``steps`` of them."""
+    indices = list(sampler)
+    whole = len(indices) // batch if steps is None else steps
+    return indices[:whole * batch]
+
+
+@pytest.mark.parametrize("size, batch, before, after, steps", [
+    (96, 4, 2, 1, 5), (96, 4, 1, 2, 8), (96, 4, 2, 3, 3), (96, 4, 3, 2, 4), (96, 4, 2, 4, 2), (96, 4, 2, 2, 9)])
+def test_an_epoch_resumed_at_another_world_size_trains_each_sample_once(size, batch, before, after, steps):
+    """``steps`` batches on each of ``before`` ranks, then the rest of the epoch
+    at ``after`` ranks (the sampler's offset: the samples trained): together
+    every sample of the epoch, each once (sizes that leave no partial batch).
+    At the same world size the rest is what each rank's sampler would have
+    given next."""
+    trained = []
+    for rank in range(before):
+        sampler = DistributedSampler(range(size), before, rank, seed=3)
+        sampler.set_epoch(2)
+        trained += _batches(sampler, batch, steps)
+    rest = []
+    for rank in range(after):
+        sampler = train_utils.ResumableDistributedSampler(range(size), after, rank, seed=3)
+        sampler.set_epoch(2)
+        sampler.offset = steps * batch * before
+        rest += _batches(sampler, batch)
+        if after == before:
+            plain = DistributedSampler(range(size), before, rank, seed=3)
+            plain.set_epoch(2)
+            assert list(sampler) == list(plain)[steps * batch:]
+    assert sorted(trained + rest) == list(range(size))
+
+
+def test_a_resumed_epoch_repeats_only_its_padding():
+    """101 samples, 10 batches of 1 on each of 2 ranks, then the other 81 over
+    4 ranks: padded to 84 with the epoch's first 3 samples, as
+    DistributedSampler pads an uninterrupted epoch: every sample trained, only
+    those 3 twice."""
+    order = torch.randperm(101, generator=torch.Generator().manual_seed(0)).tolist()
+    trained = [i for rank in range(2) for i in list(DistributedSampler(range(101), 2, rank, seed=0))[:10]]
+    rest = []
+    for rank in range(4):
+        sampler = train_utils.ResumableDistributedSampler(range(101), 4, rank, seed=0)
+        sampler.offset = 20
+        rest += list(sampler)
+        assert len(sampler) == len(list(sampler)) == 21  # ceil(81 / 4)
+    counts = Counter(trained + rest)
+    assert set(counts) == set(range(101))
+    assert {i for i, n in counts.items() if n > 1} == set(order[:3])
+
+
+def test_the_steps_of_a_resumed_epoch_are_counted_at_the_new_world_size():
+    """A snapshot inside an epoch, step 20 of 2 ranks of batch 16 (640 samples
+    trained), loaded by 1 rank: step 40 there; by 3 ranks with 2
+    micro-batches per optimizer step: 640 // 96 = 6 optimizer steps, step 12.
+    The sampler goes on after the 640 samples, whatever the size."""
+    dataset = range(2400)
+    state = {"epochs_run": 1, "steps_run": 20, "epoch_samples": 640, "epoch_totals": None,
+             "rng_states": [], "config": {"world_size": 2, "batch_size": 16}}
+    for world_size, accum, step in ((1, 1, 40), (3, 2, 12), (2, 1, 20)):
+        loader = SimpleNamespace(batch_size=16, sampler=train_utils.ResumableDistributedSampler(dataset, world_size, 0))
+        progress = train_utils.Progress(torch.device("cpu"), loader, 0, accum)
+        progress.load_state_dict(state)
+        assert (progress.steps_run, progress.start_samples, progress.samples_trained()) == (step, 640, 640)
+        progress.steps_run += 2  # two more batches on each rank
+        assert progress.samples_trained() == 640 + 2 * 16 * world_size

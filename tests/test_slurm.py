@@ -11,9 +11,12 @@ Options on sbatch's command line (resources this machine has, partition,
 would; the wrappers themselves are submitted as they are in the repo.
 """
 
+import json
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ import torch
 from dataset_files import build_mnist_root
 from helpers import REPO, TORCHRUN, epochs, parse_test, script_env, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
+from slurm_jobs import release_when_requeued, runs
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
 SMALL = ["--mem=1G", "--cpus-per-task=1", "--time=15"]
@@ -207,3 +211,112 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
     assert {host for _, host in seen} == set(NETNS_NODES)
     summary = [stdout for _, stdout, _ in outputs if epochs(stdout)]
     assert len(summary) == 1 and [e["epoch"] for e in epochs(summary[0])] == [1, 2]
+
+
+
+# multi_node.sh elastic (ELASTIC_MIN_NODES, sbatch --no-kill) on the two
+# hosts, one worker each: 2,275 digits, 2,048 to train after the validation
+# split, 32 steps of 32 per rank; a snapshot every 20 steps. Rank 1 (on the
+# second host: the rendezvous ranks the hosts by name) waits before step 25
+# (the tests' hook), rank 0 in that step's all-reduce; then the second host
+# dies: its slurmd, the step's slurmstepd, its torchrun agent and worker.
+ELASTIC_DIGITS, ELASTIC_TRAINED = 2275, 2048
+ELASTIC_ARGS = ["--total_epochs", "1", "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
+ELASTIC_HELD_STEP = 25
+# Slurm takes a node that stops answering out of the job after SlurmdTimeout
+# (300 s by default); shorter while this test's job is the only one.
+ELASTIC_SLURMD_TIMEOUT_S = 20
+
+
+def elastic_job_loses_a_host(cluster, folder, min_nodes: int, rdzv_conf: str, args=ELASTIC_ARGS,
+                             held_step: int = ELASTIC_HELD_STEP) -> tuple[int, Path]:
+    """Submits the elastic job (at least ``min_nodes`` nodes; torchrun's
+    --rdzv-conf ``rdzv_conf``; train.py's ``args`` on the MNIST slice),
+    waits until rank 1 is held on ddp-node2 before step ``held_step`` and
+    kills that host; returns (job id, its log) once the job has left RUNNING
+    (ended, or requeued), with ddp-node2's slurmd started again."""
+    # A host is killed and Slurm's timeout lowered for the whole cluster: the
+    # jobs of the tests before (this file's, on the same hosts) must be gone.
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while queued := subprocess.run(["squeue", "-h", "-o", "%i %T %N"], env=cluster.env, capture_output=True,
+                                   text=True, check=True).stdout.strip():
+        assert time.monotonic() < deadline, f"other jobs still queued or running:\n{queued}"
+        time.sleep(1)
+    data = build_mnist_root(folder / "data", n_train=ELASTIC_DIGITS, n_test=200)
+    held = f"DDP_TEST_FAULT: wait_signal_once at step {held_step} on rank 1"
+    job = submit(cluster, folder, "multi_node.sh", "--dataset", "mnist", "--batch_size", "32", *args,
+                 "--data_dir", str(data),
+                 sbatch=[*MULTI, "--nodes=2", "--gres=gpu:1", "--no-kill"],
+                 env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "ELASTIC_MIN_NODES": str(min_nodes),
+                      "ELASTIC_RDZV_CONF": rdzv_conf,
+                      "DDP_TEST_FAULT": f"step:1:{held_step}:wait_signal_once"})
+    log_path = folder / f"multi_node-{job}.out"
+    log, deadline = "", time.monotonic() + JOB_TIMEOUT_S
+    while held not in log:
+        assert time.monotonic() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), log
+        time.sleep(0.5)
+        log = log_path.read_text() if log_path.exists() else ""
+    hosts = {int(rank): host for rank, _, host, _ in RANK_LINE.findall(log)}
+    assert hosts == {0: "ddp-node1", 1: "ddp-node2"}, log  # the rendezvous (and batch) host survives
+    try:
+        with cluster.configured(f"SlurmdTimeout={ELASTIC_SLURMD_TIMEOUT_S}"):
+            assert cluster.kill_node("ddp-node2")
+            while cluster.job(job)["JobState"] == "RUNNING":
+                assert time.monotonic() < deadline, f"{cluster.job(job)}\n{log_path.read_text()}"
+                time.sleep(0.5)
+    finally:
+        cluster.revive_node("ddp-node2")
+    return job, log_path
+
+
+def epoch_samples(folder) -> list:
+    """The samples each epoch summary of the metrics file counted."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [record["samples"] for record in records if "epoch" in record]
+
+
+def test_elastic_multi_node_goes_on_without_a_dead_node_and_completes(cluster, tmp_path):
+    """The second host dies mid-epoch: Slurm takes it out of the job (no
+    NODE_FAIL, no requeue), srun keeps the first host's task, its torchrun
+    agent starts the training again at world size 1, which resumes mid-epoch
+    from the step-20 snapshot (1,280 of the epoch's 2,048 samples trained) and
+    trains the rest: the job ends COMPLETED, never requeued, the epoch
+    summarised once over every sample."""
+    job, log_path = elastic_job_loses_a_host(cluster, tmp_path, 1, "last_call_timeout=1")
+    info = cluster.wait(job, JOB_TIMEOUT_S)
+    log = log_path.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0" and info["ExitCode"] == "0:0", \
+        f"{info}\n{log}"
+    assert info["NodeList"] == "ddp-node1" and "Node failure on ddp-node2" in log, info  # taken out of the job
+    resumed = re.findall(r"^resuming from snapshot \S+ in epoch 1 after step 40 \(saved by world_size 2, "
+                         r"resumed by 1: .*; epoch 1 goes on after 1280 of its 2048 samples \(step 20 by "
+                         r"world_size 2\) at step 40, the rest split over 1 rank\b.*$", log, re.M)
+    assert len(resumed) == 1 and "[rank 0 | local_rank 0 | host ddp-node1] epoch 1 | batch_size 32 | steps 24" \
+        in log, log
+    assert [e["epoch"] for e in epochs(log)] == [1], log  # summarised once, by the world of one
+    assert epoch_samples(tmp_path) == [ELASTIC_TRAINED]  # every digit of the epoch once
+    assert parse_test(log)
+
+
+def test_elastic_multi_node_with_too_few_nodes_left_is_requeued_from_its_snapshot(cluster, tmp_path):
+    """At least 2 nodes (ELASTIC_MIN_NODES=2) and the second host dies: the
+    first host's agent waits for a second one until the rendezvous' join
+    timeout, the step ends, and the wrapper requeues the job (with
+    --no-kill, Slurm does not); the requeued job, on both hosts again,
+    resumes from the step-20 snapshot and completes the epoch."""
+    job, log_path = elastic_job_loses_a_host(cluster, tmp_path, 2, "join_timeout=30,last_call_timeout=1")
+    released: set = set()
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (info := cluster.job(job))["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"):
+        assert time.monotonic() < deadline, f"{info}\n{log_path.read_text()}"
+        if info["JobState"] == "PENDING":
+            release_when_requeued(cluster, job, info, "ddp-node[1-2]", released)
+        time.sleep(0.5)
+    log = log_path.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log}"
+    first, second = runs(log)
+    assert "with 1 of the job's 2 nodes left; requeueing job" in first, first
+    assert "| 2 nodes (ddp-node[1-2]) x 1 processes | elastic, at least 2 nodes |" in second, second
+    assert re.search(r"^resuming from snapshot \S+ in epoch 1 after step 20$", second, re.M), second
+    assert [e["epoch"] for e in epochs(log)] == [1], log
+    assert epoch_samples(tmp_path) == [ELASTIC_TRAINED]

@@ -271,6 +271,33 @@ def test_a_job_requeueing_itself_does_not_report_its_own_requeue_as_a_stop(tmp_p
     assert "batch shell got" not in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("nodes_left, finished, requeued", [(1, False, True), (2, False, False), (1, True, False)])
+def test_a_step_that_ended_after_its_job_lost_a_node_is_requeued_unless_finished(tmp_path, nodes_left, finished,
+                                                                                 requeued):
+    """multi_node.sh (LOST_NODES_REQUEUE) under sbatch --no-kill: Slurm takes a
+    failed node out of the job instead of ending it, and no longer requeues
+    it. A step that then ends unfinished with fewer nodes than the job
+    started with (an elastic one with too few left) is requeued by the batch
+    shell; one that lost no node, or whose training holds every epoch, is not.
+    The real case, on the test cluster: test_slurm.py's elastic tests."""
+    bin_dir = tmp_path / "bin"
+    _stand_in(bin_dir, "scontrol",
+              "case \"$1\" in\n"
+              f"  show) echo 'JobId=7 JobName=demo PreemptTime=None NumNodes={nodes_left} Restarts=0' ;;\n"
+              "  requeue) echo \"requeue $2\" >> requeued ;;\n"
+              "esac")
+    step = 'touch "$TRAINING_FINISHED_FILE"; exit 1' if finished else "exit 1"
+    result = _batch_shell(tmp_path, bin_dir, "7", "demo",
+                          f"SLURM_JOB_NUM_NODES=2 LOST_NODES_REQUEUE=1; run_step bash -c '{step}'")
+    if requeued:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "training stopped (status 1) with 1 of the job's 2 nodes left; requeueing job 7" in result.stdout
+        assert (tmp_path / "requeued").read_text() == "requeue 7\n"
+    else:
+        assert result.returncode == 1 and "requeueing" not in result.stdout, result.stdout + result.stderr
+        assert not (tmp_path / "requeued").exists()
+
+
 def _stand_in_squeue(bin_dir: Path, state: str) -> None:
     """An squeue that reports every job it is asked about in ``state``."""
     _stand_in(bin_dir, "squeue", f"echo {state}")

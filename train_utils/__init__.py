@@ -28,7 +28,8 @@ tests use. The ladder's rungs never import this package.
   timeouts           start-up vs training time-out, which ranks did not arrive
   evaluation         rank 0's BatchNorm statistics everywhere; even forwards under FSDP
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
-  resume             Progress (position, RNG states), resumable sampler, DDP's buckets
+  resume             Progress (position, samples trained, RNG states), DDP's buckets
+  sampler            the training sampler: an epoch part-way, at any world size
   fsdp               FSDP units, activation checkpointing, backend check, state per rank, the exit
   throughput         tokens/s, model FLOPs per token, achieved FLOP/s, MFU
   text_out           what a language model writes (--sample_chars)
@@ -56,7 +57,8 @@ from .metrics import RunLog
 from .output import print_line
 from .profiling import StepProfiler
 from .recipe import Recipe, batches_left, run_length
-from .resume import Progress, ResumableDistributedSampler, rebuild_ddp_buckets
+from .resume import Progress, rebuild_ddp_buckets
+from .sampler import ResumableDistributedSampler
 from .sharded_snapshots import ShardedSnapshots, dcp_async_save, dcp_result, resharding_note
 from .save_errors import save_failure
 from .snapshot_writer import SnapshotClock, SnapshotWriter, cpu_copy

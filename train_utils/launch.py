@@ -43,12 +43,9 @@ def launcher_store(timeout: timedelta) -> dist.Store:
     (what the Slurm wrappers derive too) unless MASTER_ADDR/MASTER_PORT are
     set. Rank 0 then hosts the store.
 
-    torchrun's agent keeps one store at MASTER_ADDR:MASTER_PORT across
-    restarts. Each attempt gets its own key prefix
-    (``attempt_<TORCHELASTIC_RESTART_COUNT>``): without it a restarted rank can
-    read the addresses its failed predecessor left there, then fail or hang
-    connecting (docs/pitfalls.md); ``init_method="env://"`` does not do this.
-    Raises ConfigError when started by neither launcher.
+    The keys go under ``store_prefix()``: one per attempt where the store
+    outlives the workers, so a restarted rank never reads what its failed
+    predecessor left there. Raises ConfigError when started by neither launcher.
     """
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:  # a task of an srun step
         env = os.environ
@@ -64,10 +61,42 @@ def launcher_store(timeout: timedelta) -> dist.Store:
                           f"--nproc_per_node=gpu {script}; --nproc_per_node=2 on a CPU) or with "
                           f"srun, one task per GPU (srun --ntasks-per-node=GPUS python {script})")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+                          is_master=rank == 0 and not agent_hosts_store(), timeout=timeout)
+    return dist.PrefixStore(store_prefix(), store)
+
+
+def agent_hosts_store() -> bool:
+    """Whether torchrun's agent, not rank 0, hosts the store at
+    MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE is ``True``): then it
+    outlives the workers, across restarts."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def store_prefix() -> str:
+    """The key prefix of this attempt's store: the same on every rank of one
+    rendezvous round, with no key of an earlier round under it.
+
+    Where the agent hosts the store (torchrun's static rendezvous, as with
+    ``--standalone``; its dynamic one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    it outlives the workers: ``attempt_<TORCHELASTIC_RESTART_COUNT>``, so a
+    restarted rank cannot read the addresses its failed predecessor left
+    there, then fail or hang connecting (docs/pitfalls.md;
+    ``init_method="env://"`` does not do this). Every agent there restarts its
+    workers only on a failure, so the counts agree.
+
+    Where rank 0 hosts it (srun; torchrun's dynamic rendezvous with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the elastic setting), each round's
+    rank 0 is a new process serving a new, empty store at a port its agent
+    picks afresh (torch.distributed.elastic.rendezvous.api.RendezvousStoreInfo):
+    nothing stale to read, so one fixed prefix, ``run``. The restart count
+    would split such a round: it counts one agent's failures, so an agent that
+    joins an elastic job (0) and one that outlived a lost node (1) disagree,
+    and their ranks wait for each other's keys until the store's time-out.
+    """
+    if agent_hosts_store():
+        return f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return "run"
 
 
 def gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:

@@ -158,7 +158,7 @@ class Recipe:
         scaler = dict(self.scaler.state_dict(), skipped_steps=self.skipped_steps) if self.scaler.is_enabled() else None
         return {"lr_schedule": self.schedule.state_dict(), "loss_scaler": scaler}
 
-    def resume(self, snapshot: dict) -> None:
+    def resume(self, snapshot: dict, steps_run: Optional[int] = None) -> None:
         """After the optimizer's state is loaded: continue the snapshot's schedule
         and loss scale (its "lr_schedule" and "loss_scaler").
 
@@ -178,18 +178,18 @@ class Recipe:
         the one this schedule has after that many epochs, and the cosine
         still reaches its end at --total_epochs. Going on from the saved
         step count instead would put the cosine's end early (more steps per
-        epoch after the change) or never reach it (fewer).
+        epoch after the change) or never reach it (fewer). ``steps_run``: the
+        epoch's micro-batches in this run's steps (``Progress``); None: the snapshot's.
         """
         config = snapshot["config"]
         check_max_steps(config, self.args, snapshot["epochs_run"] * self.steps_per_epoch)
         if snapshot.get("lr_schedule"):
             self.schedule.load_state_dict(snapshot["lr_schedule"])
         # The schedule's step from the position, in this run's steps per epoch: the saved
-        # count at the same world size; at another (any rung, at an epoch's end) an epoch
-        # has another number of steps, and the schedule, set in epochs, goes on from the
-        # epoch reached (see the docstring).
-        self.schedule.last_epoch = (snapshot["epochs_run"] * self.steps_per_epoch
-                                    + snapshot["steps_run"] // self.args.grad_accum_steps)
+        # count at the same world size; at another an epoch has another number of steps,
+        # and the schedule, set in epochs, goes on from the epoch reached (see the docstring).
+        self.schedule.last_epoch = (snapshot["epochs_run"] * self.steps_per_epoch + (
+            snapshot["steps_run"] if steps_run is None else steps_run) // self.args.grad_accum_steps)
         if snapshot.get("loss_scaler") and self.scaler.is_enabled():
             scaler = dict(snapshot["loss_scaler"])
             self.skipped_steps = scaler.pop("skipped_steps")

@@ -1,44 +1,23 @@
 """Exact resume: what a snapshot needs besides the model and optimizer state.
 
 ``Progress`` is where training stands (epochs and steps run, the epoch's
-loss so far), every rank's random streams, with ``state_dict`` /
-``load_state_dict`` for the snapshot; the resumable sampler continues an
-epoch part-way; ``rebuild_ddp_buckets`` lays out DDP's buckets as an
+samples and loss so far), every rank's random streams, with ``state_dict`` /
+``load_state_dict`` for the snapshot (the resumable sampler, in sampler.py,
+continues an epoch part-way); ``rebuild_ddp_buckets`` lays out DDP's buckets as an
 uninterrupted run has them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
 from .epoch import EpochMeter
-
-
-class ResumableDistributedSampler(DistributedSampler):
-    """A DistributedSampler that can start an epoch part-way.
-
-    Setting ``start`` skips the first ``start`` indices of this rank's share
-    of the epoch, so a run resumed from a mid-epoch snapshot continues the
-    same permutation at the next batch: no sample repeated, none skipped.
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.start = 0
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start, None)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
+from .sampler import batches_per_epoch
 
 
 def rebuild_ddp_buckets(model: torch.nn.Module, data: DataLoader, loss_fn: Callable,
@@ -120,12 +99,16 @@ class Progress:
     of the streams saved, with the CPU and CUDA generators of ``device``.
     """
 
-    def __init__(self, device: torch.device, loader: DataLoader, rank: int) -> None:
-        self.device, self.loader, self.rank = device, loader, rank
+    def __init__(self, device: torch.device, loader: DataLoader, rank: int, grad_accum_steps: int = 1) -> None:
+        self.device, self.loader, self.rank, self.accum = device, loader, rank, grad_accum_steps
         self.epochs_run = 0
         self.steps_run = 0
         self.epoch_totals: Optional[torch.Tensor] = None
         self.saved_world_size: Optional[int] = None  # of the snapshot resumed from, if any
+        self.saved_steps_run = 0  # the snapshot's steps_run, in its world size's steps
+        # Positions of epoch epochs_run's permutation trained before this start, and
+        # steps_run then: the sampler's offset (ResumableDistributedSampler).
+        self.start_samples = self.start_steps = 0
 
     @property
     def resumed(self) -> bool:
@@ -135,18 +118,31 @@ class Progress:
     def end_epoch(self, epoch: int) -> None:
         """Epoch ``epoch`` (0-based) is finished: the next starts at its first step."""
         self.epochs_run, self.steps_run, self.epoch_totals = epoch + 1, 0, None
+        self.start_samples = self.start_steps = 0
+
+    def samples_trained(self) -> int:
+        """Positions of this epoch's permutation trained so far: those before
+        this start, then ``steps_run`` - ``start_steps`` batches on every rank
+        (at most the dataset's size: a last step may take padding)."""
+        batch = self.loader.batch_size * self.loader.sampler.num_replicas
+        done = self.start_samples + (self.steps_run - self.start_steps) * batch
+        return min(done, len(self.loader.sampler.dataset))
 
     def state_dict(self, meter: Optional[EpochMeter] = None) -> dict:
-        """Collective: {"epochs_run", "steps_run", "epoch_totals", "rng_states"}.
+        """Collective: {"epochs_run", "steps_run", "epoch_samples",
+        "epoch_totals", "rng_states"}.
 
         Mid-epoch, ``meter`` holds the epoch so far: its global totals are
         saved (an all-reduce; raises ConfigError when the loss is not finite).
+        ``epoch_samples`` (``samples_trained``): the positions of the epoch's
+        permutation trained, from which any world size goes on.
         ``rng_states`` is every rank's states, a list indexed by rank (an
         all-gather): a resumed run draws the same dropout masks,
         augmentations and shuffles on every rank.
         """
         return {"epochs_run": self.epochs_run,
                 "steps_run": self.steps_run,
+                "epoch_samples": self.samples_trained() if self.steps_run else 0,
                 "epoch_totals": meter.global_totals() if meter else None,
                 "rng_states": gather_rng_states(self.device, self.loader.generator)}
 
@@ -155,16 +151,31 @@ class Progress:
         this rank's random streams; a rank the saving run did not have (a run
         resumed at a larger world size) keeps its fresh seed. And
         the world size that saved it (``saved_world_size``: the FSDP rung's
-        ``state["world_size"]``, else ``state["config"]["world_size"]``)."""
+        ``state["world_size"]``, else ``state["config"]["world_size"]``).
+
+        Inside an epoch the epoch goes on after its ``epoch_samples`` trained
+        positions (a snapshot without it: ``steps_run`` x batch x saved world
+        size), the rest split over this run's ranks. At another world size
+        ``steps_run`` becomes this size's steps: the samples trained / this
+        run's batch x world size, rounded down to whole optimizer steps
+        (--grad_accum_steps micro-batches), for the schedule, the step
+        numbers and the --snapshot_every_steps count."""
         self.epochs_run, self.steps_run = state["epochs_run"], state["steps_run"]
         self.saved_world_size = state.get("world_size") or state.get("config", {}).get("world_size")
         self.epoch_totals = state["epoch_totals"]
+        self.saved_steps_run = self.steps_run
+        world_size, batch = self.loader.sampler.num_replicas, self.loader.batch_size
+        saved_batch = state.get("config", {}).get("batch_size", batch) * (self.saved_world_size or world_size)
+        self.start_samples = state.get("epoch_samples", self.steps_run * saved_batch) if self.steps_run else 0
+        if self.steps_run and self.saved_world_size and self.saved_world_size != world_size:
+            step = batch * world_size * self.accum
+            self.steps_run = self.start_samples // step * self.accum
+        self.start_steps = self.steps_run
         if self.rank < len(state["rng_states"]):
             set_rng_state(state["rng_states"][self.rank], self.device, self.loader.generator)
 
     def resize_note(self, recipe) -> str:
-        """'' when the snapshot loaded (``load_state_dict``; taken at an epoch's
-        end if at another world size: ``read_snapshot``) was saved at this
+        """'' when the snapshot loaded (``load_state_dict``) was saved at this
         run's world size; else what changes, for the end of the resume line:
 
             (saved by world_size 2, resumed by 3: global batch size 64 -> 96
@@ -181,7 +192,9 @@ class Progress:
         schedule set in epochs (warm-up, cosine to --total_epochs, step decay
         every --lr_step_epochs) is where it would be after that many epochs
         and ends at --total_epochs; said only for a schedule other than a
-        constant --lr. Random streams (``load_state_dict``): ranks below both
+        constant --lr. Inside an epoch the steps already taken in it count
+        in this size's steps too (``load_state_dict``; ``epoch_note`` says
+        where the epoch goes on). Random streams (``load_state_dict``): ranks below both
         world sizes take theirs back; a rank the saving run did not have
         keeps the fresh one of its start (from --seed + rank), and those of
         ranks this run lacks are dropped, so a resized run is deterministic
@@ -206,8 +219,20 @@ class Progress:
         else:
             streams += f", those of {_ranks(now, saved)} dropped"
         return (f" (saved by world_size {saved}, resumed by {now}: global batch size {per_rank * saved} -> "
-                f"{per_rank * now} at the same --lr, steps per epoch {steps[0]} -> {steps[1]}{schedule}; "
-                f"{streams})")
+                f"{per_rank * now} at the same --lr, steps per epoch {steps[0]} -> {steps[1]}{schedule}"
+                f"{self.epoch_note()}; {streams})")
+
+    def epoch_note(self) -> str:
+        """'' unless the snapshot loaded was taken inside an epoch by another
+        world size; else, for the resume line: "; epoch 2 goes on after 1280
+        of its 2400 samples (step 20 by world_size 2) at step 40, the rest
+        split over 1 rank"."""
+        saved, now = self.saved_world_size, dist.get_world_size()
+        if not self.saved_steps_run or saved is None or saved == now:
+            return ""
+        return (f"; epoch {self.epochs_run + 1} goes on after {self.start_samples} of its "
+                f"{len(self.loader.sampler.dataset)} samples (step {self.saved_steps_run} by world_size "
+                f"{saved}) at step {self.steps_run}, the rest split over {now} rank{'s' if now > 1 else ''}")
 
     def position(self) -> str:
         """``position`` of this progress: "after epoch 2", "in epoch 3 after step 40"."""
@@ -216,18 +241,6 @@ class Progress:
     def tag(self) -> str:
         """``position_tag`` of this progress: "epoch 2", "epoch 3 step 40"."""
         return position_tag(self.epochs_run, self.steps_run)
-
-
-def batches_per_epoch(loader: DataLoader, world_size: int) -> int:
-    """The batches (micro-batches) each rank takes in one epoch from ``loader``,
-    a training DataLoader over a ``DistributedSampler``, were the world size
-    ``world_size``: the sampler's share per rank (``ceil(N / world_size)``,
-    padded; ``N // world_size`` with its ``drop_last``), in batches of
-    ``loader.batch_size`` (a partial last one dropped with the loader's
-    ``drop_last``). At this run's world size, ``len(loader)`` at an epoch's start."""
-    samples = len(loader.sampler.dataset)
-    share = samples // world_size if loader.sampler.drop_last else math.ceil(samples / world_size)
-    return share // loader.batch_size if loader.drop_last else math.ceil(share / loader.batch_size)
 
 
 def _ranks(first: int, end: int) -> str:

@@ -72,22 +72,16 @@ class ShardedSnapshots:
     def read(self, folder: str, config: dict, world_size: int) -> dict:
         """``read_snapshot`` of ``folder``'s META (the weights are in its DCP
         shards). ``config["world_size"]`` is None in the FSDP rung, so any world
-        size matches: DCP reshards. Raises ConfigError as ``read_snapshot``
-        does, for damaged shards (``shard_damage``), and for a snapshot taken
-        inside an epoch by another world size than ``world_size`` (this run's):
-        each rank's share of that epoch depends on the world size, so the rest
-        of the epoch cannot be split anew without repeating or skipping samples."""
+        size matches: DCP reshards, and inside an epoch the rest of its
+        permutation is split over this run's ``world_size`` ranks
+        (``Progress.load_state_dict``). Raises ConfigError as ``read_snapshot``
+        does, and for damaged shards (``shard_damage``)."""
         snapshot = read_snapshot(os.path.join(folder, self.META), config)
         rank, ranks = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
         damage = first_error(shard_damage(folder, rank, ranks))  # each rank checks its share
         if damage:
             raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
                               f"to start afresh (or put back a good copy), or pass another --snapshot_path")
-        saved = snapshot["world_size"]
-        if snapshot["steps_run"] and saved != world_size:
-            raise ConfigError(f"snapshot {folder} was taken inside an epoch by world_size {saved}; "
-                              f"resume it with {saved} processes (a snapshot taken at an epoch's "
-                              f"end resumes with any number)")
         return snapshot
 
     def commit(self, meta: dict, folder: str, before_rename: Optional[Callable[[], None]] = None) -> None:
@@ -180,15 +174,17 @@ def _position(name: str) -> Optional[tuple]:
     return None
 
 
-def resharding_note(saved_world_size: int) -> str:
+def resharding_note(saved_world_size: int, epoch_note: str = "") -> str:
     """'' when this run's world size is ``saved_world_size``, else the note the
     FSDP rung's resume line ends with: weights and optimizer state are
     resharded exactly; only ranks that the saving run also had get their RNG
     states back (the others start from their seeds), so dropout and
-    augmentation draws differ from those of an uninterrupted run."""
+    augmentation draws differ from those of an uninterrupted run.
+    ``epoch_note``: where a mid-epoch snapshot's epoch goes on
+    (``Progress.epoch_note``), put before the random streams."""
     world_size = dist.get_world_size() if is_distributed() else 1
     if saved_world_size == world_size:
         return ""
     return (f" (saved by world_size {saved_world_size}, resharded to {world_size}: weights and "
-            f"optimizer state exact; random streams restored on ranks < "
+            f"optimizer state exact{epoch_note}; random streams restored on ranks < "
             f"{min(saved_world_size, world_size)} only)")

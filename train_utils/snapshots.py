@@ -29,7 +29,7 @@ from .errors import NothingToTrain
 # (a node-local --data_dir), the schedule (--total_epochs, --lr lowered after
 # a divergence: see Recipe.resume), --num_workers, --compile and --amp.
 # Another --optimizer is refused: its state holds other buffers. The world
-# size may change at an epoch's end only (read_snapshot; resume.resize_note).
+# size may change, mid-epoch too (read_snapshot; resume.resize_note).
 SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "batch_size",
                        "grad_accum_steps", "optimizer", "decay_params", "n_layer", "n_head", "n_embd", "block_size")
 START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
@@ -83,14 +83,10 @@ def read_snapshot(path: str, config: dict) -> dict:
     when it holds more epochs than ``config["total_epochs"]``; NothingToTrain
     when it holds exactly those.
 
-    Another world size (``config["world_size"]``; None in the FSDP rung,
-    whose ``ShardedSnapshots.read`` checks it) is taken at an epoch's end:
-    model and optimizer state are the same on every rank and the next epoch's
-    permutation is split afresh (``resize_note`` says what changes). Inside an
-    epoch it is refused (ConfigError): each rank's share of the epoch's
-    permutation depends on the world size, so the rest of that epoch could
-    not be split anew without repeating or skipping samples, or changing the
-    steps the schedule counts; the same world size resumes it exactly.
+    Another world size (``config["world_size"]``) resumes it: model and
+    optimizer state are the same on every rank, and the rest of the epoch's
+    permutation is split over the new ranks (``Progress.load_state_dict``;
+    ``resize_note`` says what changes). The same world size resumes exactly.
     """
     snapshot = _load(path)
     _check_same_run(snapshot, path, config)
@@ -126,11 +122,6 @@ def _check_same_run(snapshot: dict, path: str, config: dict) -> None:
     if changed:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
                           f"resume with its settings, or {START_AFRESH}")
-    if snapshot["steps_run"] and saved.get("world_size") != config["world_size"]:
-        raise ConfigError(f"snapshot {path} was taken inside epoch {snapshot['epochs_run'] + 1} (after step "
-                          f"{snapshot['steps_run']}) by world_size {saved.get('world_size')}, which splits "
-                          f"that epoch: resume it with world_size {saved.get('world_size')} (only a snapshot "
-                          f"taken at an epoch's end resumes at another world size), or {START_AFRESH}")
     trained, wanted = snapshot["epochs_run"], config["total_epochs"]
     if trained > wanted or (trained == wanted and snapshot["steps_run"]):
         raise ConfigError(f"--total_epochs {wanted} is below the {trained} epochs snapshot {path} "

@@ -1,0 +1,207 @@
+"""Elastic torchrun (``--nnodes=MIN:MAX``, c10d rendezvous): a node lost mid-run
+leaves the others going at the smaller world size, and a node that joins makes
+the job grow back, without a hang. Two real torchrun agents on this host, each
+one "node"; the lost one is SIGKILLed with its worker (no stop signal, as a
+node that dies), then started again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from dataset_files import build_mnist_root
+from helpers import REPO, TORCHRUN, free_port, script_env
+
+# torch's dynamic rendezvous shares its agent's store with the workers by
+# default, and that store's address is not renewed when the membership
+# changes (the workers of a joining node wait for it until a time-out);
+# elastic jobs turn the sharing off (docs/fault-tolerance.md).
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def elastic_launch(port: int, last_call_s: int = 1) -> list:
+    """torchrun for one node of a 1-to-2-node elastic job meeting at ``port``:
+    short rendezvous timeouts (a dead node's heartbeat missed for 3 s; a round
+    of fewer than 2 nodes closes ``last_call_s`` after its first one joined)
+    and a monitor that looks every 0.5 s, so that a loss or a join is seen
+    quickly."""
+    return TORCHRUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+                       "--max-restarts=3", "--monitor-interval=0.5",
+                       f"--rdzv-conf=join_timeout=60,last_call_timeout={last_call_s},close_timeout=10,"
+                       "keep_alive_interval=1,keep_alive_max_attempt=3"]
+
+
+class Agents:
+    """torchrun agents started by a test, each logging to <folder>/<name>.log;
+    whatever is left is SIGKILLed, workers too, at the end (``close``)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.procs = folder, {}
+
+    def start(self, name: str, cmd: list, **env: str) -> None:
+        """Start agent ``name`` in its own process group."""
+        with open(self.folder / f"{name}.log", "w") as log:
+            self.procs[name] = subprocess.Popen([str(part) for part in cmd], cwd=self.folder, stdout=log,
+                                                stderr=subprocess.STDOUT, env=script_env(**env),
+                                                start_new_session=True)
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text(errors="replace")
+
+    def wait_for(self, name: str, line: str, count: int = 1, timeout: float = 120) -> None:
+        """Wait until ``line`` is in agent ``name``'s log ``count`` times; fail,
+        showing every log, when its agent ends first or after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self.log(name).count(line) < count:
+            assert self.procs[name].poll() is None and time.monotonic() < deadline, \
+                f"waiting for {line!r} x{count} in {name}.log\n" + self.logs()
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}.log\n{self.log(name)[-6000:]}" for name in self.procs)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL agent ``name`` and its workers (each in a session of its own,
+        torchrun's), as a node that dies: no stop signal, no snapshot."""
+        agent = self.procs[name]
+        workers = _children(agent.pid)
+        os.killpg(agent.pid, signal.SIGKILL)
+        for pid in workers:
+            _kill(pid)
+        agent.wait()
+
+    def close(self) -> None:
+        for agent in self.procs.values():
+            if agent.poll() is None:
+                workers = _children(agent.pid)
+                os.killpg(agent.pid, signal.SIGKILL)
+                for pid in workers:
+                    _kill(pid)
+                agent.wait()
+
+
+def _children(pid: int) -> list:
+    """The pids of process ``pid``'s children (Linux's /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# A worker that only meets the others through train_utils.launcher_store:
+# says its place in the round, then all-reduces until a file named "finish"
+# exists (every rank agrees when, through the all-reduce).
+STORE_WORKER = f"""
+import os, sys, time
+from datetime import timedelta
+sys.path.insert(0, {str(REPO)!r})
+import torch, torch.distributed as dist
+from train_utils.launch import launcher_store
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = launcher_store(timedelta(seconds=20))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+print(f"worker {{os.getpid()}}: rank {{rank}} of {{world}}, restart {{os.environ['TORCHELASTIC_RESTART_COUNT']}}",
+      flush=True)
+while True:
+    flag = torch.tensor([float(os.path.exists("finish"))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        break
+    time.sleep(0.1)
+dist.destroy_process_group()
+"""
+
+
+def test_a_node_lost_and_started_again_rejoins_without_a_hang(tmp_path):
+    """A 2-node job loses node b (agent and worker SIGKILLed): node a's worker
+    fails, its agent restarts it alone (restart count 1); b started again
+    (restart count 0) joins, and both ranks of the grown job meet at
+    process-group start, then end with exit 0. Keyed on the restart count,
+    the two ranks waited for each other's keys under two prefixes
+    (attempt_1, attempt_0) until the store's time-out, every round: the
+    restarts ran out and the job failed."""
+    (tmp_path / "worker.py").write_text(STORE_WORKER)
+    launch = elastic_launch(free_port()) + ["worker.py"]
+    agents = Agents(tmp_path)
+    try:
+        agents.start("a", launch, **ELASTIC_ENV)
+        agents.wait_for("a", "rank 0 of 1, restart 0")  # a alone: it hosts the rendezvous
+        agents.start("b", launch, **ELASTIC_ENV)
+        agents.wait_for("b", "of 2, restart 0")
+        agents.kill("b")
+        agents.wait_for("a", "rank 0 of 1, restart 1")  # a's worker failed with b's; restarted alone
+        agents.start("b_again", launch, **ELASTIC_ENV)
+        agents.wait_for("b_again", "of 2, restart 0")
+        agents.wait_for("a", "of 2, restart 1")
+        (tmp_path / "finish").touch()
+        for name in ("a", "b_again"):
+            assert agents.procs[name].wait(timeout=60) == 0, agents.logs()
+    finally:
+        agents.close()
+
+
+def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
+    """The job of docs/fault-tolerance.md on real MNIST digits (1,600 to train,
+    batch 16, a snapshot every 20 steps): nodes a and b start together (one
+    round of 2: 50 steps an epoch). b's worker is held before its step 25 and
+    b is SIGKILLed with it there, after the snapshot at step 20; a resumes
+    alone, mid-epoch, at world size 1 (the 640 samples trained are its first
+    40 steps), and is held before its 29th step there. b started again joins:
+    torchrun stops a's worker with SIGTERM, whose stop path saves after the
+    step that follows (step 70 at size 1: 1,120 samples), and the grown job resumes that mid-epoch at world
+    size 2 (step 35) and finishes, exit 0 on both nodes. The one epoch is
+    summarised once, counting 1,600 samples: each trained once (the steps b
+    lost since the snapshot re-run once). Fails without the resize (a
+    mid-epoch snapshot at another world size was refused: a used up its
+    restarts) and without the store fix (a's ranks and b's waited for
+    each other at process-group start)."""
+    data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
+    launch = elastic_launch(free_port(), last_call_s=5) + [
+        REPO / "train.py", "--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
+        "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
+    agents = Agents(tmp_path)
+    try:
+        # a's worker: held before its 29th step in each process (only the one alone gets there).
+        agents.start("a", launch, DDP_TEST_FAULT="step:0:29:wait_signal", **ELASTIC_ENV)
+        agents.start("b", launch, DDP_TEST_FAULT="step:*:25:wait_signal_once", **ELASTIC_ENV)
+        agents.wait_for("a", "epoch 1 step 20 | snapshot saved at snapshot_train.pt")
+        agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 25")
+        agents.kill("b")
+        agents.wait_for("a", "resuming from snapshot snapshot_train.pt in epoch 1 after step 40 (saved by "
+                             "world_size 2, resumed by 1: global batch size 32 -> 16 at the same --lr, steps per "
+                             "epoch 50 -> 100; the step lr schedule with warm-up, counted in epochs, goes on at step 40 of 100; "
+                             "epoch 1 goes on after 640 of its 1600 samples (step 20 by "
+                             "world_size 2) at step 40, the rest split over 1 rank; random streams restored on "
+                             "rank 0, those of rank 1 dropped)")
+        agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 29 on rank 0")
+        agents.start("b_again", launch, **ELASTIC_ENV)
+        for name in ("a", "b_again"):
+            assert agents.procs[name].wait(timeout=180) == 0, agents.logs()
+    finally:
+        agents.close()
+    text = agents.log("a") + agents.log("b_again")
+    assert "epoch 1 step 70 | snapshot saved at snapshot_train.pt" in text, agents.logs()
+    assert ("resuming from snapshot snapshot_train.pt in epoch 1 after step 35 (saved by world_size 1, resumed by "
+            "2: global batch size 16 -> 32 at the same --lr, steps per epoch 100 -> 50; the step lr schedule with warm-up, counted in epochs, goes on at "
+            "step 35 of 50; epoch 1 goes on after 1120 "
+            "of its 1600 samples (step 70 by world_size 1) at step 35, the rest split over 2 ranks; random streams "
+            "restored on rank 0, rank 1 starts from its seed)") in text, agents.logs()
+    assert text.count("epoch 1/1 |") == 1 and text.count("test | loss") == 1, agents.logs()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records if "epoch" in r] == [1600]

@@ -1,0 +1,66 @@
+"""The training sampler: each rank's share of an epoch's permutation, which
+can start part-way, at the world size that stopped or another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way, at any world size.
+
+    An epoch's permutation of the whole dataset (seed + epoch) does not depend
+    on the world size; rank r takes positions r, r + W, r + 2W, ... of it
+    (padded to a multiple of W with its first samples; cut to one with
+    ``drop_last``), so after k batches of B on every rank the first k x B x W
+    positions are trained. Setting ``offset`` to that count makes this
+    sampler split the rest of the permutation, positions ``offset`` to its
+    end, over this sampler's world size the same way (padded, or cut, as
+    above): no sample repeated, none skipped, at the same world size or
+    another. At the same world size it is exactly the rest of each rank's
+    share (``DistributedSampler``'s indices past the first k x B).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.offset = 0  # positions of this epoch's permutation trained before (by any world size)
+
+    def _rest_size(self) -> int:
+        """Positions this epoch still splits over the ranks (a multiple of the world size)."""
+        left = max(0, len(self.dataset) - self.offset)
+        if self.drop_last:
+            return left // self.num_replicas * self.num_replicas
+        return math.ceil(left / self.num_replicas) * self.num_replicas
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        rest, size = order[self.offset:], self._rest_size()
+        if size > len(rest):  # padded with the epoch's first samples, as DistributedSampler pads
+            padding = size - len(rest)
+            rest += (order * math.ceil(padding / len(order)))[:padding]
+        return iter(rest[:size][self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        return self._rest_size() // self.num_replicas
+
+
+def batches_per_epoch(loader: DataLoader, world_size: int) -> int:
+    """The batches (micro-batches) each rank takes in one epoch from ``loader``,
+    a training DataLoader over a ``DistributedSampler``, were the world size
+    ``world_size``: the sampler's share per rank (``ceil(N / world_size)``,
+    padded; ``N // world_size`` with its ``drop_last``), in batches of
+    ``loader.batch_size`` (a partial last one dropped with the loader's
+    ``drop_last``). At this run's world size, ``len(loader)`` at an epoch's start."""
+    samples = len(loader.sampler.dataset)
+    share = samples // world_size if loader.sampler.drop_last else math.ceil(samples / world_size)
+    return share // loader.batch_size if loader.drop_last else math.ceil(share / loader.batch_size)
