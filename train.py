@@ -109,20 +109,25 @@ class Trainer:
                 raise
             self.finished = done
             self._load_weights()  # to sample from, then nothing to train
-        # One process has no gradients to average: DDP's wrapper would only copy them
-        # into its buckets and all-reduce them with itself, a fifth of a small GPT's
-        # GPU step (docs/performance.md), for the same numbers.
         if not self.fsdp and dist.get_world_size() > 1:
-            # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward().
-            self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-            if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
-                train_utils.rebuild_ddp_buckets(self.model, train_data, task.loss_fn, task.eval_transform,
-                                                device, self.autocast)
+            self._wrap_in_ddp()
         # The compiled module shares the model's weights and runs the training
         # forward; saving and evaluation use the plain model, so what is saved
         # loads without torch.compile.
         self.compiled = train_utils.compile_model(self.model, args.compile)
         self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
+
+    def _wrap_in_ddp(self) -> None:
+        """DDP around the model, with more than one process: it copies rank 0's
+        weights to all ranks here, then averages gradients in every backward().
+        (One process has no gradients to average: the wrapper would only copy
+        them into its buckets and all-reduce them with itself, a fifth of a
+        small GPT's GPU step, docs/language-model.md, for the same numbers.)"""
+        device = self.device
+        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
+            train_utils.rebuild_ddp_buckets(self.model, self.train_data, self.task.loss_fn,
+                                            self.task.eval_transform, device, self.autocast)
 
     def _load_any_snapshot(self) -> None:
         """Resume from the snapshot at --snapshot_path, if there is one: FSDP's
