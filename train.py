@@ -453,6 +453,7 @@ def main(args: argparse.Namespace) -> None:
     if args.strategy == "fsdp":
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     task, optimizer = build(args, rank, local_rank, device)
+    train_utils.accumulate_for_global_batch(args, dist.get_world_size())  # --global_batch_size, at this size
     train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed,
                                                           task.collate_fn)
                                        for data, train in ((task.train_set, True), (task.val_set, False),
