@@ -41,7 +41,7 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
     seconds raises, not hangs. Raises ConfigError when started by neither
     launcher, or when this local rank has no GPU of its own on a GPU node."""
     timeout = timedelta(seconds=timeout_s)
-    store = train_utils.launcher_store(timeout)  # torchrun or srun; a fresh key prefix per restart
+    store = train_utils.launcher_store(timeout)  # torchrun or srun; no key of an earlier attempt read
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     device = train_utils.device_for(local_rank)  # GPU indices restart at 0 on every node

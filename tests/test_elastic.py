@@ -171,13 +171,14 @@ def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
     step that follows (step 70 at size 1: 1,120 samples), and the grown job resumes that mid-epoch at world
     size 2 (step 35) and finishes, exit 0 on both nodes. The one epoch is
     summarised once, counting 1,600 samples: each trained once (the steps b
-    lost since the snapshot re-run once). Fails without the resize (a
+    lost since the snapshot re-run once). a's first round waits up to 10 s
+    for b (the rendezvous' last call), so that both start in it. Fails without the resize (a
     mid-epoch snapshot at another world size was refused: a used up its
     restarts) and without the store fix (a's ranks and b's waited for
     each other at process-group start)."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
     port = free_port()
-    host, other = (elastic_launch(port, hosts, last_call_s=5) + [
+    host, other = (elastic_launch(port, hosts, last_call_s=10) + [
         REPO / "train.py", "--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
         "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"] for hosts in (True, False))
     agents = Agents(tmp_path)
