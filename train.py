@@ -41,7 +41,7 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
     seconds raises, not hangs. Raises ConfigError when started by neither
     launcher, or when this local rank has no GPU of its own on a GPU node."""
     timeout = timedelta(seconds=timeout_s)
-    store = train_utils.launcher_store(timeout)  # torchrun or srun; a fresh key prefix per restart
+    store = train_utils.launcher_store(timeout)  # torchrun or srun; no key of an earlier attempt read
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     device = train_utils.device_for(local_rank)  # GPU indices restart at 0 on every node
@@ -529,6 +529,7 @@ def main(args: argparse.Namespace) -> None:
     if args.strategy == "fsdp":
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     task, optimizer = build(args, rank, local_rank, device)
+    train_utils.accumulate_for_global_batch(args, dist.get_world_size())  # --global_batch_size, at this size
     train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed,
                                                           task.collate_fn)
                                        for data, train in ((task.train_set, True), (task.val_set, False),

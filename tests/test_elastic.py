@@ -23,8 +23,11 @@ from helpers import REPO, TORCHRUN, free_port, script_env
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def elastic_launch(port: int, last_call_s: int = 1) -> list:
-    """torchrun for one node of a 1-to-2-node elastic job meeting at ``port``:
+def elastic_launch(port: int, hosts: bool, last_call_s: int = 1) -> list:
+    """torchrun for one node of a 1-to-2-node elastic job meeting at ``port``,
+    whose agent hosts the rendezvous (``hosts``) or not: on one host every
+    agent matches the endpoint, and the first to bind it would host it, so
+    the node that survives is told to (the rendezvous host's loss ends a job);
     short rendezvous timeouts (a dead node's heartbeat missed for 3 s; a round
     of fewer than 2 nodes closes ``last_call_s`` after its first one joined)
     and a monitor that looks every 0.5 s, so that a loss or a join is seen
@@ -32,8 +35,8 @@ def elastic_launch(port: int, last_call_s: int = 1) -> list:
     return TORCHRUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                        "--max-restarts=3", "--monitor-interval=0.5",
-                       f"--rdzv-conf=join_timeout=60,last_call_timeout={last_call_s},close_timeout=10,"
-                       "keep_alive_interval=1,keep_alive_max_attempt=3"]
+                       f"--rdzv-conf=is_host={str(hosts).lower()},join_timeout=60,last_call_timeout={last_call_s},"
+                       "close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"]
 
 
 class Agents:
@@ -137,16 +140,17 @@ def test_a_node_lost_and_started_again_rejoins_without_a_hang(tmp_path):
     (attempt_1, attempt_0) until the store's time-out, every round: the
     restarts ran out and the job failed."""
     (tmp_path / "worker.py").write_text(STORE_WORKER)
-    launch = elastic_launch(free_port()) + ["worker.py"]
+    port = free_port()
+    host, other = (elastic_launch(port, hosts) + ["worker.py"] for hosts in (True, False))
     agents = Agents(tmp_path)
     try:
-        agents.start("a", launch, **ELASTIC_ENV)
-        agents.wait_for("a", "rank 0 of 1, restart 0")  # a alone: it hosts the rendezvous
-        agents.start("b", launch, **ELASTIC_ENV)
+        agents.start("a", host, **ELASTIC_ENV)
+        agents.wait_for("a", "rank 0 of 1, restart 0")  # a alone
+        agents.start("b", other, **ELASTIC_ENV)
         agents.wait_for("b", "of 2, restart 0")
         agents.kill("b")
         agents.wait_for("a", "rank 0 of 1, restart 1")  # a's worker failed with b's; restarted alone
-        agents.start("b_again", launch, **ELASTIC_ENV)
+        agents.start("b_again", other, **ELASTIC_ENV)
         agents.wait_for("b_again", "of 2, restart 0")
         agents.wait_for("a", "of 2, restart 1")
         (tmp_path / "finish").touch()
@@ -167,19 +171,21 @@ def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
     step that follows (step 70 at size 1: 1,120 samples), and the grown job resumes that mid-epoch at world
     size 2 (step 35) and finishes, exit 0 on both nodes. The one epoch is
     summarised once, counting 1,600 samples: each trained once (the steps b
-    lost since the snapshot re-run once). Fails without the resize (a
+    lost since the snapshot re-run once). a's first round waits up to 10 s
+    for b (the rendezvous' last call), so that both start in it. Fails without the resize (a
     mid-epoch snapshot at another world size was refused: a used up its
     restarts) and without the store fix (a's ranks and b's waited for
     each other at process-group start)."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
-    launch = elastic_launch(free_port(), last_call_s=5) + [
+    port = free_port()
+    host, other = (elastic_launch(port, hosts, last_call_s=10) + [
         REPO / "train.py", "--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
-        "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
+        "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"] for hosts in (True, False))
     agents = Agents(tmp_path)
     try:
         # a's worker: held before its 29th step in each process (only the one alone gets there).
-        agents.start("a", launch, DDP_TEST_FAULT="step:0:29:wait_signal", **ELASTIC_ENV)
-        agents.start("b", launch, DDP_TEST_FAULT="step:*:25:wait_signal_once", **ELASTIC_ENV)
+        agents.start("a", host, DDP_TEST_FAULT="step:0:29:wait_signal", **ELASTIC_ENV)
+        agents.start("b", other, DDP_TEST_FAULT="step:*:25:wait_signal_once", **ELASTIC_ENV)
         agents.wait_for("a", "epoch 1 step 20 | snapshot saved at snapshot_train.pt")
         agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 25")
         agents.kill("b")
@@ -190,7 +196,7 @@ def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
                              "world_size 2) at step 40, the rest split over 1 rank; random streams restored on "
                              "rank 0, those of rank 1 dropped)")
         agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 29 on rank 0")
-        agents.start("b_again", launch, **ELASTIC_ENV)
+        agents.start("b_again", other, **ELASTIC_ENV)
         for name in ("a", "b_again"):
             assert agents.procs[name].wait(timeout=180) == 0, agents.logs()
     finally:

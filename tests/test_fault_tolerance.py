@@ -162,22 +162,26 @@ torch.save({{"model": Payload()}}, "{crafted}")
 
 
 def test_a_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path):
-    """Killed after the snapshot at step 5 of 2 ranks (320 of the epoch's 1,844
-    samples trained), resumed by 1 rank: the rest of the epoch's permutation
-    goes on at step 10 of that size, the resume line says what changed, and
-    the epoch's record counts each sample trained once: the 320, then the
-    1,524 left in whole batches of 32 (the loader drops a last partial one)."""
-    stopped = run(TORCHRUN_SCRIPT + ["--total_epochs", "1", "--snapshot_every_steps", "5"], tmp_path,
-                  DDP_TEST_FAULT="step:0:8:raise")  # after the snapshot at step 5
+    """--global_batch_size 64 of --batch_size 32: 1 micro-batch per step on 2
+    ranks, 2 on 1. Killed after the snapshot at step 4 of 2 ranks (256 of the
+    epoch's 1,844 samples trained), resumed by 1 rank: the rest of the epoch's
+    permutation goes on at step 8 of that size (4 optimizer steps of 64), the
+    global batch and the steps per epoch stay, the resume line says so, and
+    the epoch's record counts each sample trained once: the 256, then the
+    1,588 left in whole optimizer steps of 2 x 32 (the rest dropped, as a
+    partial batch is)."""
+    flags = ["--total_epochs", "1", "--global_batch_size", "64", "--metrics_path", "metrics.jsonl"]
+    stopped = run(TORCHRUN_SCRIPT + flags + ["--snapshot_every_steps", "4"], tmp_path,
+                  DDP_TEST_FAULT="step:0:6:raise")  # after the snapshot at step 4
     assert stopped.returncode != 0
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1",
-                                   "--metrics_path", "metrics.jsonl"], tmp_path))
-    assert ("resuming from snapshot snapshot_train.pt in epoch 1 after step 10 (saved by world_size 2, resumed "
-            "by 1: global batch size 64 -> 32 at the same --lr, steps per epoch 28 -> 57; epoch 1 goes on "
-            "after 320 of its 1844 samples (step 5 by world_size 2) at step 10, the rest split over 1 rank; "
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", *flags], tmp_path))
+    assert ("resuming from snapshot snapshot_train.pt in epoch 1 after step 8 (saved by world_size 2, resumed "
+            "by 1: global batch size 64 -> 64 at the same --lr, steps per epoch 28 -> 28; epoch 1 goes on "
+            "after 256 of its 1844 samples (step 4 by world_size 2) at step 8, the rest split over 1 rank; "
             "random streams restored on rank 0, those of rank 1 dropped)") in stdout_lines(result.stdout)
+    assert "global batch size 64 = batch_size 32 x grad_accum_steps 2 x world_size 1" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["samples"] for r in records if "epoch" in r] == [320 + (1844 - 320) // 32 * 32]
+    assert [r["samples"] for r in records if "epoch" in r] == [256 + (1844 - 256) // 64 * 64]
 
 
 # --------------------------------------------------------------------------

@@ -170,3 +170,19 @@ def test_the_steps_of_a_resumed_epoch_are_counted_at_the_new_world_size():
         assert (progress.steps_run, progress.start_samples, progress.samples_trained()) == (step, 640, 640)
         progress.steps_run += 2  # two more batches on each rank
         assert progress.samples_trained() == 640 + 2 * 16 * world_size
+
+
+def test_global_batch_size_sets_the_accumulation_for_each_world_size():
+    """--global_batch_size 96 of --batch_size 16: 3 micro-batches per step at
+    2 ranks, 6 at 1, 2 at 3; at 4 ranks (64 per micro-batch step) one line
+    naming the numbers. Without the flag --grad_accum_steps stays."""
+    for world_size, accum in ((1, 6), (2, 3), (3, 2), (6, 1)):
+        args = SimpleNamespace(global_batch_size=96, batch_size=16, grad_accum_steps=1)
+        train_utils.accumulate_for_global_batch(args, world_size)
+        assert args.grad_accum_steps == accum
+    with pytest.raises(train_utils.ConfigError, match=r"^--global_batch_size 96 is not a multiple of --batch_size "
+                                                      r"16 x world_size 4 = 64; "):
+        train_utils.accumulate_for_global_batch(SimpleNamespace(global_batch_size=96, batch_size=16), 4)
+    args = SimpleNamespace(global_batch_size=None, batch_size=16, grad_accum_steps=5)
+    train_utils.accumulate_for_global_batch(args, 2)
+    assert args.grad_accum_steps == 5

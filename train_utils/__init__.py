@@ -56,7 +56,7 @@ from .loaders import loader_workers
 from .metrics import RunLog
 from .output import print_line
 from .profiling import StepProfiler
-from .recipe import Recipe, batches_left, run_length
+from .recipe import Recipe, accumulate_for_global_batch, batches_left, run_length
 from .resume import Progress, rebuild_ddp_buckets
 from .sampler import ResumableDistributedSampler
 from .sharded_snapshots import ShardedSnapshots, dcp_async_save, dcp_result, resharding_note
@@ -79,7 +79,7 @@ __all__ = [
     "backend_for", "enable_nccl_diagnostics", "share_cpu_cores", "watch_collectives", "describe_run",
     "downloaders_first", "check_before_training", "loader_workers", "ResumableDistributedSampler",
     # the model and the recipe
-    "build_optimizer", "lr_factor", "Recipe", "run_length", "batches_left", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
+    "build_optimizer", "lr_factor", "Recipe", "run_length", "accumulate_for_global_batch", "batches_left", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
     "check_fsdp_backend", "checkpoint_activations", "contiguous_parameters", "fsdp_blocks",
     # the loop: steps, time-outs, stops, evaluation
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",

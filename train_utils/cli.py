@@ -191,6 +191,9 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the training model (saved weights stay loadable without it)")
     add("--grad_accum_steps", type=positive(int), default=1,
         help="micro-batches of --batch_size per optimizer step (default: 1)")
+    add("--global_batch_size", type=positive(int), default=None,
+        help="keep this global batch at any world size: --grad_accum_steps becomes it / (batch_size x "
+             "world_size), which must divide it (elastic jobs; default: off)")
     add("--activation_checkpointing", action="store_true",
         help="recompute each transformer block's activations in the backward pass: less memory, "
              "the same losses (default: off)")

@@ -62,6 +62,23 @@ def run_length(args: argparse.Namespace, steps_per_epoch: int) -> None:
         args.total_epochs = math.ceil(args.max_steps / steps_per_epoch)
 
 
+def accumulate_for_global_batch(args: argparse.Namespace, world_size: int) -> None:
+    """--global_batch_size G: set ``args.grad_accum_steps`` to G / (--batch_size
+    x ``world_size``), so that the global batch, the steps per epoch and the
+    schedule stay the same whatever the world size (an elastic job's). Raises
+    ConfigError (one line) when that is not a whole number >= 1. A no-op
+    without the flag."""
+    wanted = getattr(args, "global_batch_size", None)
+    if not wanted:
+        return
+    per_step = args.batch_size * world_size
+    if wanted % per_step:
+        raise ConfigError(f"--global_batch_size {wanted} is not a multiple of --batch_size {args.batch_size} x "
+                          f"world_size {world_size} = {per_step}; pick one that every world size of the job "
+                          f"divides (e.g. {per_step * max(1, wanted // per_step)}), or a smaller --batch_size")
+    args.grad_accum_steps = wanted // per_step
+
+
 def batches_left(args: argparse.Namespace, steps_per_epoch: int, epoch: int, batches_run: int) -> Optional[int]:
     """The micro-batches epoch ``epoch`` (0-based) may still train after its first
     ``batches_run``, for --max_steps optimizer steps of ``steps_per_epoch`` per

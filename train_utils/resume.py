@@ -106,6 +106,7 @@ class Progress:
         self.epoch_totals: Optional[torch.Tensor] = None
         self.saved_world_size: Optional[int] = None  # of the snapshot resumed from, if any
         self.saved_steps_run = 0  # the snapshot's steps_run, in its world size's steps
+        self.saved_accum = grad_accum_steps  # the snapshot's (--global_batch_size: per world size)
         # Positions of epoch epochs_run's permutation trained before this start, and
         # steps_run then: the sampler's offset (ResumableDistributedSampler).
         self.start_samples = self.start_steps = 0
@@ -164,6 +165,7 @@ class Progress:
         self.saved_world_size = state.get("world_size") or state.get("config", {}).get("world_size")
         self.epoch_totals = state["epoch_totals"]
         self.saved_steps_run = self.steps_run
+        self.saved_accum = state.get("config", {}).get("grad_accum_steps", self.accum)
         world_size, batch = self.loader.sampler.num_replicas, self.loader.batch_size
         saved_batch = state.get("config", {}).get("batch_size", batch) * (self.saved_world_size or world_size)
         self.start_samples = state.get("epoch_samples", self.steps_run * saved_batch) if self.steps_run else 0
@@ -204,8 +206,8 @@ class Progress:
         if saved is None or saved == now:
             return ""
         args = recipe.args
-        per_rank = args.batch_size * args.grad_accum_steps
-        steps = [batches_per_epoch(self.loader, size) // args.grad_accum_steps for size in (saved, now)]
+        accum = (self.saved_accum, args.grad_accum_steps)  # they differ under --global_batch_size
+        steps = [batches_per_epoch(self.loader, size) // n for size, n in zip((saved, now), accum)]
         schedule = ""
         if args.lr_schedule != "constant" or args.warmup_epochs:
             schedule = (f"; the {args.lr_schedule} lr schedule{' with warm-up' if args.warmup_epochs else ''}, "
@@ -218,8 +220,8 @@ class Progress:
                        f"{'its seed' if now - saved == 1 else 'their seeds'}"
         else:
             streams += f", those of {_ranks(now, saved)} dropped"
-        return (f" (saved by world_size {saved}, resumed by {now}: global batch size {per_rank * saved} -> "
-                f"{per_rank * now} at the same --lr, steps per epoch {steps[0]} -> {steps[1]}{schedule}"
+        return (f" (saved by world_size {saved}, resumed by {now}: global batch size "
+                f"{args.batch_size * accum[0] * saved} -> {args.batch_size * accum[1] * now} at the same --lr, steps per epoch {steps[0]} -> {steps[1]}{schedule}"
                 f"{self.epoch_note()}; {streams})")
 
     def epoch_note(self) -> str:

@@ -117,8 +117,10 @@ def _check_same_run(snapshot: dict, path: str, config: dict) -> None:
     """ConfigError unless ``snapshot`` continues the run of ``config`` (see
     ``read_snapshot``); NothingToTrain when it already holds every epoch."""
     saved, config = {**BEFORE_RECIPES, **snapshot["config"]}, {**BEFORE_RECIPES, **config}
+    # --global_batch_size sets the accumulation per world size: the global batch must match instead.
+    keys = [key for key in SNAPSHOT_MUST_MATCH if key != "grad_accum_steps" or not config.get("global_batch_size")]
     changed = [f"{key} {saved.get(key)} -> {config.get(key)}"
-               for key in SNAPSHOT_MUST_MATCH if saved.get(key) != config.get(key)]
+               for key in keys + ["global_batch_size"] if saved.get(key) != config.get(key)]
     if changed:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
                           f"resume with its settings, or {START_AFRESH}")
