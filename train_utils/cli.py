@@ -234,9 +234,8 @@ def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str,
     defaults = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
     add("--snapshot_path", default=None,
         help="snapshot to resume from when it exists, and to save to" + (f" (default: {defaults})" if defaults else ""))
-    add("--snapshot_every_steps", type=non_negative_int, default=0,
-        help="also snapshot every N steps inside an epoch, so a restart loses at most N steps "
-             "(0: only at epoch ends) (default: 0)")
+    add("--snapshot_every_steps", type=non_negative_int, default=0, help="also snapshot every N steps "
+        "inside an epoch, so a restart loses at most N steps (0: only at epoch ends) (default: 0)")
     add("--snapshot_every_s", type=non_negative_float, default=0, help="also snapshot inside an epoch "
         "once this many seconds have passed since the last snapshot, e.g. 60 (0: off) (default: 0)")
     add("--snapshot_sync", action="store_true", help="write each snapshot before training goes on "
