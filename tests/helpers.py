@@ -241,7 +241,8 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: 
     args = argparse.Namespace(
         strategy="ddp", grad_accum_steps=grad_accum_steps, amp=None, compile=False, save_every=1,
         total_epochs=1, metrics_path=None, tensorboard_dir=None, wandb_project=None, profile_dir=None,
-        snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, pg_timeout_s=600,
+        snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, snapshot_every_s=0,
+        snapshot_sync=False, pg_timeout_s=600,
         **{**common.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
            "optimizer": type(optimizer).__name__.lower(), **recipe})
     device = torch.device("cpu")

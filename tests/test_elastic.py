@@ -106,76 +106,26 @@ def _kill(pid: int) -> None:
         pass
 
 
-# A worker that only meets the others through train_utils.launcher_store:
-# says its place in the round, then all-reduces until a file named "finish"
-# exists (every rank agrees when, through the all-reduce).
-STORE_WORKER = f"""
-import os, sys, time
-from datetime import timedelta
-sys.path.insert(0, {str(REPO)!r})
-import torch, torch.distributed as dist
-from train_utils.launch import launcher_store
-
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-store = launcher_store(timedelta(seconds=20))
-dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
-print(f"worker {{os.getpid()}}: rank {{rank}} of {{world}}, restart {{os.environ['TORCHELASTIC_RESTART_COUNT']}}",
-      flush=True)
-while True:
-    flag = torch.tensor([float(os.path.exists("finish"))])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
-        break
-    time.sleep(0.1)
-dist.destroy_process_group()
-"""
-
-
-def test_a_node_lost_and_started_again_rejoins_without_a_hang(tmp_path):
-    """A 2-node job loses node b (agent and worker SIGKILLed): node a's worker
-    fails, its agent restarts it alone (restart count 1); b started again
-    (restart count 0) joins, and both ranks of the grown job meet at
-    process-group start, then end with exit 0. Keyed on the restart count,
-    the two ranks waited for each other's keys under two prefixes
-    (attempt_1, attempt_0) until the store's time-out, every round: the
-    restarts ran out and the job failed."""
-    (tmp_path / "worker.py").write_text(STORE_WORKER)
-    port = free_port()
-    host, other = (elastic_launch(port, hosts) + ["worker.py"] for hosts in (True, False))
-    agents = Agents(tmp_path)
-    try:
-        agents.start("a", host, **ELASTIC_ENV)
-        agents.wait_for("a", "rank 0 of 1, restart 0")  # a alone
-        agents.start("b", other, **ELASTIC_ENV)
-        agents.wait_for("b", "of 2, restart 0")
-        agents.kill("b")
-        agents.wait_for("a", "rank 0 of 1, restart 1")  # a's worker failed with b's; restarted alone
-        agents.start("b_again", other, **ELASTIC_ENV)
-        agents.wait_for("b_again", "of 2, restart 0")
-        agents.wait_for("a", "of 2, restart 1")
-        (tmp_path / "finish").touch()
-        for name in ("a", "b_again"):
-            assert agents.procs[name].wait(timeout=60) == 0, agents.logs()
-    finally:
-        agents.close()
-
-
 def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
     """The job of docs/fault-tolerance.md on real MNIST digits (1,600 to train,
     batch 16, a snapshot every 20 steps): nodes a and b start together (one
     round of 2: 50 steps an epoch). b's worker is held before its step 25 and
     b is SIGKILLed with it there, after the snapshot at step 20; a resumes
     alone, mid-epoch, at world size 1 (the 640 samples trained are its first
-    40 steps), and is held before its 29th step there. b started again joins:
-    torchrun stops a's worker with SIGTERM, whose stop path saves after the
-    step that follows (step 70 at size 1: 1,120 samples), and the grown job resumes that mid-epoch at world
+    40 steps), and is held before its 30th step there. b started again joins:
+    torchrun stops a's worker with SIGTERM, whose stop path saves after that
+    step (one process needs no all-reduce to agree on it: step 70 at size 1,
+    1,120 samples), and the grown job resumes that mid-epoch at world
     size 2 (step 35) and finishes, exit 0 on both nodes. The one epoch is
     summarised once, counting 1,600 samples: each trained once (the steps b
-    lost since the snapshot re-run once). a's first round waits up to 10 s
-    for b (the rendezvous' last call), so that both start in it. Fails without the resize (a
+    lost since the snapshot re-run once). b's agent starts first and waits
+    for a's rendezvous, so that both join a's first round (its last call
+    waits 10 s for a second node). Fails without the resize (a
     mid-epoch snapshot at another world size was refused: a used up its
-    restarts) and without the store fix (a's ranks and b's waited for
-    each other at process-group start)."""
+    restarts) and without the store keys every rank of a round agrees on
+    (launch.store_prefix: keyed on each agent's restart count, a's ranks
+    (1) and b's (0) waited for each other at process-group start until the
+    restarts ran out)."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
     port = free_port()
     host, other = (elastic_launch(port, hosts, last_call_s=10) + [
@@ -183,9 +133,13 @@ def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
         "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"] for hosts in (True, False))
     agents = Agents(tmp_path)
     try:
-        # a's worker: held before its 29th step in each process (only the one alone gets there).
-        agents.start("a", host, DDP_TEST_FAULT="step:0:29:wait_signal", **ELASTIC_ENV)
-        agents.start("b", other, DDP_TEST_FAULT="step:*:25:wait_signal_once", **ELASTIC_ENV)
+        # b's agent first, up to where it reaches for the rendezvous (LOGLEVEL=INFO makes torchrun
+        # say so), which a's agent hosts: both then join a's first round at once, however long
+        # each takes to start on a busy machine.
+        agents.start("b", other, DDP_TEST_FAULT="step:*:25:wait_signal_once", LOGLEVEL="INFO", **ELASTIC_ENV)
+        agents.wait_for("b", "Starting elastic_operator with launch configs")
+        # a's worker: held before its 30th step in each process (only the one alone gets there).
+        agents.start("a", host, DDP_TEST_FAULT="step:0:30:wait_signal", **ELASTIC_ENV)
         agents.wait_for("a", "epoch 1 step 20 | snapshot saved at snapshot_train.pt")
         agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 25")
         agents.kill("b")
@@ -195,7 +149,7 @@ def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
                              "epoch 1 goes on after 640 of its 1600 samples (step 20 by "
                              "world_size 2) at step 40, the rest split over 1 rank; random streams restored on "
                              "rank 0, those of rank 1 dropped)")
-        agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 29 on rank 0")
+        agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 30 on rank 0")
         agents.start("b_again", other, **ELASTIC_ENV)
         for name in ("a", "b_again"):
             assert agents.procs[name].wait(timeout=180) == 0, agents.logs()

@@ -49,15 +49,19 @@ from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, Scenario, check_resume
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
 
 
-SHORT = ["--total_epochs", "20", "--batch_size", "8"]
+# 4 epochs of 128 steps a rank. Every job that a trigger stops waits for it at
+# step 30 (every rank, the tests' hook; once both wait, the trigger comes),
+# so the stop lands mid-training however fast the machine starts and trains.
+EPOCHS = 4
+SHORT = ["--total_epochs", str(EPOCHS), "--batch_size", "8"]
 # The time-limit job's first run waits at step 30 (every rank, the tests'
 # hook) until the warning comes; once both wait, the test brings the time
 # limit near (warn_soon) and Slurm's timer sends the warning within about a
 # minute: it lands mid-training however fast the machine starts and trains,
 # and the requeued run, not held, its limit given back, trains the rest.
-HOLD_FOR_WARNING = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
-HELD_FOR_WARNING = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
-                    "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")
+HOLD_AT_STEP_30 = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
+HELD_AT_STEP_30 = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
+                   "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")
 GPUS_2 = ["--gres=gpu:2"]
 # What every scenario's final snapshot is compared with: train.py, 2 ranks, SHORT, never stopped.
 REFERENCE = ("train.py", 2)
@@ -69,15 +73,16 @@ HOLD_AT_STARTUP = {"DDP_TEST_FAULT": "startup:*:1:hang"}
 AT_STARTUP = ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1")
 SCENARIOS = [
     Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", "--gres=gpu:1"], SHORT,
-             preempt, REFERENCE),
+             preempt, REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("preempt-srun", "multi_node_srun.sh", "ddp-stop[4-5]",
-             ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], SHORT, preempt, REFERENCE),
+             ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], SHORT, preempt, REFERENCE,
+             env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("time-limit", "multi_gpu.sh", "ddp-stop6", [*GPUS_2, "--array=7"], SHORT, warn_soon,
-             REFERENCE, env=HOLD_FOR_WARNING, trigger_when=HELD_FOR_WARNING),
+             REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("scontrol-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
-             REFERENCE),
+             REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("scancel", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scancel, REFERENCE,
-             resubmit=True),
+             resubmit=True, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     # scontrol requeue while every rank is still starting (held there by the tests' hook)
     Scenario("startup-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
              REFERENCE, env=HOLD_AT_STARTUP, trigger_when=AT_STARTUP),
@@ -91,7 +96,7 @@ SCENARIOS = [
     # after KillWait. Once with a stop that saves in time, once with a save
     # held past KillWait.
     Scenario("nograce", "multi_gpu.sh", "ddp-stop7", GPUS_2, SHORT, preempt, REFERENCE,
-             partition="nograce"),
+             partition="nograce", env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("nograce-killed-saving", "multi_gpu.sh", "ddp-stop8", GPUS_2, SAVE_EVERY_EPOCH, preempt,
              REFERENCE, partition="nograce", env={"DDP_TEST_FAULT": "save:0:3:hang"}),
     # Clusters that set preempt_send_user_signal send the job's --signal
@@ -100,7 +105,7 @@ SCENARIOS = [
     # until a stop signal comes) for the other preemptions to be over, then it
     # is switched on (the gate) and the job preempted.
     Scenario("preempt-user-signal", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
-             REFERENCE, user_signal=True, env=HOLD_FOR_WARNING, gate=threading.Event(),
+             REFERENCE, user_signal=True, env=dict(HOLD_AT_STEP_30), gate=threading.Event(),
              trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                            "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
 ]
@@ -234,7 +239,7 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name):
         assert "batch shell got SIGUSR1" in texts[0] and "stopped by SIGUSR1" in texts[0], texts[0]
     else:  # Slurm's SIGTERM reached the step (not the batch shell): every rank stopped after one step
         assert "stopped by SIGTERM" in texts[0] and "batch shell got" not in texts[0], texts[0]
-    stops = check_resumes_exactly(texts, 20)
+    stops = check_resumes_exactly(texts, EPOCHS)
     assert len(stops) >= 1
     print(f"{name}: stopped at epoch {stops[0][0]} step {stops[0][1]}, {len(texts)} runs, "
           f"{scenario.signal_to_exit_s:.1f} s from the preemption to the job leaving RUNNING")
@@ -257,7 +262,7 @@ def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
     # relayed it and requeued the array task as itself.
     array_task = f"{info['ArrayJobId']}_7"
     assert "batch shell got SIGUSR1" in texts[0] and f"requeueing job {array_task}" in texts[0], texts[0]
-    stops = check_resumes_exactly(texts, 20)
+    stops = check_resumes_exactly(texts, EPOCHS)
     # Slurm's timer sends the warning while the first run waits for it (epoch
     # 1, at step 30): it stops after that step, and the next run trains the rest.
     assert "stopped by SIGUSR1 after this step" in texts[0] and [epoch for epoch, _ in stops] == [1], texts
@@ -276,7 +281,7 @@ def test_scontrol_requeue_snapshots_and_slurm_requeues(stopped):
     texts = runs(log)
     # SIGTERM to every process of the job, the batch shell too; Slurm requeued it, not the shell
     assert "batch shell got SIGTERM" in texts[0] and "requeueing job" not in texts[0], texts[0]
-    stops = check_resumes_exactly(texts, 20)
+    stops = check_resumes_exactly(texts, EPOCHS)
     assert len(stops) == 1, texts
     print(f"scontrol-requeue: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
     assert_same_snapshot(folders["scontrol-requeue"] / wrapper_snapshot("scontrol-requeue", scenario.args),
@@ -292,7 +297,7 @@ def test_scancel_snapshots_and_the_same_command_resumes(stopped):
     assert cancelled["JobState"] == "CANCELLED" and int(cancelled["Restarts"]) == 0, show(scenario)
     assert "batch shell got SIGTERM" in first_log and "requeueing" not in first_log, first_log
     assert again["JobState"] == "COMPLETED", show(scenario)
-    stops = check_resumes_exactly([first_log, second_log], 20)
+    stops = check_resumes_exactly([first_log, second_log], EPOCHS)
     assert len(stops) == 1, first_log
     print(f"scancel: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
     assert_same_snapshot(folders["scancel"] / wrapper_snapshot("scancel", scenario.args),
@@ -312,7 +317,7 @@ def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
     assert "batch shell got SIGTERM" in first and "stopped by SIGTERM during start-up" in first, first
     assert "Traceback" not in first.split("stopped by SIGTERM during start-up")[0], first
     assert not epochs(first) and "snapshot saved" not in first, first
-    check_resumes_exactly([first, second], 20)
+    check_resumes_exactly([first, second], EPOCHS)
     print(f"startup-requeue: {scenario.signal_to_exit_s:.1f} s from scontrol requeue to leaving RUNNING")
     assert_same_snapshot(folders[scenario.name] / wrapper_snapshot(scenario.name, scenario.args),
                          references[(*scenario.reference, tuple(scenario.args))])
@@ -352,7 +357,7 @@ def test_preemption_without_grace_time_snapshots_within_kill_wait(stopped):
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
     texts = runs(log)
     assert "batch shell got SIGTERM" in texts[0] and "stopped by SIGTERM" in texts[0], texts[0]
-    stops = check_resumes_exactly(texts, 20)
+    stops = check_resumes_exactly(texts, EPOCHS)
     assert len(stops) == 1, texts
     print(f"nograce: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s from the preemption to leaving "
           f"RUNNING (KillWait {KILL_WAIT_S} s)")
@@ -382,7 +387,7 @@ def test_preemption_without_grace_time_killed_mid_save_resumes_from_the_last_who
     assert resumed, texts[1]
     position = (resumed.group(2), resumed.group(3)) if resumed.group(2) else (resumed.group(4), None)
     assert position == last_saved, (last_saved, texts[1])
-    check_resumes_exactly(texts[1:], 20, first=int(last_saved[0]) + (0 if last_saved[1] else 1))
+    check_resumes_exactly(texts[1:], EPOCHS, first=int(last_saved[0]) + (0 if last_saved[1] else 1))
     print(f"nograce-killed-saving: killed mid-save, resumed {resumed.group(0)!r}, "
           f"{scenario.signal_to_exit_s:.1f} s from the preemption to leaving RUNNING")
     folder = folders[scenario.name]
@@ -405,7 +410,7 @@ def test_a_sweep_from_one_folder_gives_each_point_its_own_snapshot(stopped):
     # the first job was ended by scancel once it held every epoch, the second ran to its end
     assert first_info["JobState"] == "CANCELLED" and "test | loss" in first_log, f"{first_info}\n{first_log}"
     assert second_info["JobState"] == "COMPLETED", f"{second_info}\n{second_log}"
-    for log, total in ((first_log, 20), (second_log, 6)):
+    for log, total in ((first_log, EPOCHS), (second_log, 6)):
         assert "resuming from snapshot" not in log and len(runs(log)) == 1, log
         assert [e["epoch"] for e in epochs(log)] == list(range(1, total + 1)), log
     first_name, second_name = wrapper_snapshot("sweep", first.args), wrapper_snapshot("sweep", second.args)
