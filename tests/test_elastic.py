@@ -27,13 +27,16 @@ def elastic_launch(port: int, hosts: bool, last_call_s: int = 1) -> list:
     """torchrun for one node of a 1-to-2-node elastic job meeting at ``port``,
     whose agent hosts the rendezvous (``hosts``) or not: on one host every
     agent matches the endpoint, and the first to bind it would host it, so
-    the node that survives is told to (the rendezvous host's loss ends a job);
+    the node that survives is told to (the rendezvous host's loss ends a job),
+    and its address sorts first (``--local-addr``), so its worker is rank 0
+    in every round it is in, whichever agent started first;
     short rendezvous timeouts (a dead node's heartbeat missed for 3 s; a round
     of fewer than 2 nodes closes ``last_call_s`` after its first one joined)
     and a monitor that looks every 0.5 s, so that a loss or a join is seen
     quickly."""
     return TORCHRUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+                       f"--local-addr=127.0.0.{1 if hosts else 2}",
                        "--max-restarts=3", "--monitor-interval=0.5",
                        f"--rdzv-conf=is_host={str(hosts).lower()},join_timeout=60,last_call_timeout={last_call_s},"
                        "close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"]
