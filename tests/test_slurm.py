@@ -24,7 +24,7 @@ import torch
 from dataset_files import build_mnist_root
 from helpers import REPO, TORCHRUN, epochs, parse_test, script_env, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
-from slurm_jobs import release_when_requeued, runs
+
 
 # What this machine can give a job; the wrappers ask for a real GPU node's share.
 SMALL = ["--mem=1G", "--cpus-per-task=1", "--time=15"]
@@ -297,26 +297,3 @@ def test_elastic_multi_node_goes_on_without_a_dead_node_and_completes(cluster, t
     assert epoch_samples(tmp_path) == [ELASTIC_TRAINED]  # every digit of the epoch once
     assert parse_test(log)
 
-
-def test_elastic_multi_node_with_too_few_nodes_left_is_requeued_from_its_snapshot(cluster, tmp_path):
-    """At least 2 nodes (ELASTIC_MIN_NODES=2) and the second host dies: the
-    first host's agent waits for a second one until the rendezvous' join
-    timeout, the step ends, and the wrapper requeues the job (with
-    --no-kill, Slurm does not); the requeued job, on both hosts again,
-    resumes from the step-20 snapshot and completes the epoch."""
-    job, log_path = elastic_job_loses_a_host(cluster, tmp_path, 2, "join_timeout=30,last_call_timeout=1")
-    released: set = set()
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while (info := cluster.job(job))["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"):
-        assert time.monotonic() < deadline, f"{info}\n{log_path.read_text()}"
-        if info["JobState"] == "PENDING":
-            release_when_requeued(cluster, job, info, "ddp-node[1-2]", released)
-        time.sleep(0.5)
-    log = log_path.read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log}"
-    first, second = runs(log)
-    assert "with 1 of the job's 2 nodes left; requeueing job" in first, first
-    assert "| 2 nodes (ddp-node[1-2]) x 1 processes | elastic, at least 2 nodes |" in second, second
-    assert re.search(r"^resuming from snapshot \S+ in epoch 1 after step 20$", second, re.M), second
-    assert [e["epoch"] for e in epochs(log)] == [1], log
-    assert epoch_samples(tmp_path) == [ELASTIC_TRAINED]
