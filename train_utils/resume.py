@@ -221,8 +221,8 @@ class Progress:
         else:
             streams += f", those of {_ranks(now, saved)} dropped"
         return (f" (saved by world_size {saved}, resumed by {now}: global batch size "
-                f"{args.batch_size * accum[0] * saved} -> {args.batch_size * accum[1] * now} at the same --lr, steps per epoch {steps[0]} -> {steps[1]}{schedule}"
-                f"{self.epoch_note()}; {streams})")
+                f"{args.batch_size * accum[0] * saved} -> {args.batch_size * accum[1] * now} at the same --lr, "
+                f"steps per epoch {steps[0]} -> {steps[1]}{schedule}{self.epoch_note()}; {streams})")
 
     def epoch_note(self) -> str:
         """'' unless the snapshot loaded was taken inside an epoch by another
