@@ -174,24 +174,60 @@ def pytest_xdist_make_scheduler(config, log):
 
 _FILE_SECONDS: dict = {}
 _TEST_SECONDS: dict = {}
+_FILE_CPU_SECONDS: dict = {}
+_TEST_CPU_SECONDS: dict = {}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this test process and of every process
+    it has waited for (the scripts it ran, their ranks; not Slurm's jobs)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attach each phase's CPU seconds to its report (user_properties travel
+    from pytest-xdist's test processes to the one that prints)."""
+    outcome = yield
+    report = outcome.get_result()
+    started = getattr(item, "_cpu_mark", None)
+    now = _cpu_seconds()
+    if started is not None:
+        report.user_properties.append(("cpu_s", now - started))
+    item._cpu_mark = now if call.when != "teardown" else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item._cpu_mark = _cpu_seconds()
+    yield
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Add each test phase's duration (setup, call, teardown) to its file's
-    and its test's total."""
+    """Add each test phase's duration (setup, call, teardown) and CPU seconds
+    to its file's and its test's total."""
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
     _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+    cpu = sum(value for name, value in report.user_properties if name == "cpu_s")
+    _FILE_CPU_SECONDS[path] = _FILE_CPU_SECONDS.get(path, 0.0) + cpu
+    _TEST_CPU_SECONDS[report.nodeid] = _TEST_CPU_SECONDS.get(report.nodeid, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Print the seconds each test file took, longest first (fixtures included)."""
-    terminalreporter.section("seconds per test file")
+    """Print the seconds each test file took, longest first (fixtures
+    included), and the CPU seconds it used (its test process and the scripts
+    it ran; Slurm's jobs run outside it and are not counted)."""
+    terminalreporter.section("seconds per test file (wall, CPU)")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+        terminalreporter.write_line(f"{seconds:8.1f} s {_FILE_CPU_SECONDS.get(path, 0.0):8.1f} s CPU  {path}")
     workers = getattr(terminalreporter.config.option, "numprocesses", None)
     summed = " (summed over the test processes: more than the run's time)" if workers else ""
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all{summed}")
-    terminalreporter.section("the 15 slowest tests (fixtures included)")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s "
+                                f"{sum(_FILE_CPU_SECONDS.values()):8.1f} s CPU  in all{summed}")
+    terminalreporter.section("the 15 slowest tests (fixtures included; wall, CPU)")
     for nodeid, seconds in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1])[:15]:
-        terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
+        terminalreporter.write_line(f"{seconds:8.1f} s {_TEST_CPU_SECONDS.get(nodeid, 0.0):8.1f} s CPU  {nodeid}")

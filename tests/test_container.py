@@ -214,11 +214,13 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
 # wrappers' default `apptainer exec` line
 # --------------------------------------------------------------------------
 
-CONTAINER_SHORT = ["--total_epochs", "12", "--batch_size", "8"]
-# The preempted job's ranks wait at their 30th step (in epoch 1) until a stop
-# signal comes (the tests' hook, first attempt only), and the preemption is
-# triggered once they wait: it lands mid-training whatever the machine's speed.
-HOLD_FOR_PREEMPTION = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
+CONTAINER_SHORT = ["--total_epochs", "4", "--batch_size", "8"]
+# Each job's ranks wait at their 30th step (in epoch 1) until a stop signal
+# comes (the tests' hook, first attempt only), and the stop is triggered once
+# both wait: it lands mid-training whatever the machine's speed.
+HOLD_AT_STEP_30 = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
+HELD_AT_STEP_30 = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
+                   "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")
 
 
 @pytest.fixture(scope="module")
@@ -262,12 +264,10 @@ def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
     (tests/test_stop_paths.py)."""
     scenarios = [
         Scenario("container-preempt", "multi_gpu.sh", "ddp-stop1", ["--gres=gpu:2"], CONTAINER_SHORT, preempt,
-                 ("train.py", 2), env=dict(HOLD_FOR_PREEMPTION),
-                 trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
-                               "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
+                 ("train.py", 2), env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
         Scenario("container-srun-requeue", "multi_node_srun.sh", "ddp-stop[2-3]",
                  ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], CONTAINER_SHORT, scontrol_requeue,
-                 ("train.py", 2)),
+                 ("train.py", 2), env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     ]
     threads = []
     for scenario in scenarios:

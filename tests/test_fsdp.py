@@ -144,12 +144,13 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
 # --------------------------------------------------------------------------
 
 def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_path):
-    """7,200 real digits, 3 epochs, 2 ranks; 2,000 held-out digits. The CNN's
-    1.2 M parameters all have an even first dimension: exactly half of DDP's state."""
-    result = check(run(fsdp(2, "--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", 3),
+    """7,200 real digits, 2 epochs, 2 ranks; 2,000 held-out digits (0.976
+    with torch 2.14). The CNN's 1.2 M parameters all have an even first
+    dimension: exactly half of DDP's state."""
+    result = check(run(fsdp(2, "--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", 2),
                        tmp_path))
     lines = epochs(result.stdout)
-    assert len(lines) == 3 and lines[-1]["train_loss"] < lines[0]["train_loss"]
+    assert len(lines) == 2 and lines[-1]["train_loss"] < lines[0]["train_loss"]
     accuracy = parse_test(result.stdout)["acc"]
     mem = memory(result.stdout)
     print(f"FSDP real MNIST held-out accuracy: {accuracy:.4f}; state per rank {mem['bytes']:.0f} "

@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
+from dataset_files import build_mnist_root
 from helpers import REPO, TORCHRUN, check, free_port, run
 
 RUNGS = {"multigpu_spawn.py": "ddp", "multigpu_torchrun.py": "ddp", "multinode.py": "ddp",
          "multinode_fsdp.py": "fsdp"}
-# Few epochs, small: the synthetic task for 3 epochs; MNIST (8,000 real digits) for 1
+# Few epochs, small: the synthetic task for 3 epochs; MNIST (2,500 real digits) for 1
 # epoch of 64 a step and process, a few seconds of training.
 FLAGS = {"synthetic": ["--total_epochs", "3", "--seed", "3"],
          "mnist": ["--dataset", "mnist", "--total_epochs", "1", "--batch_size", "64"]}
@@ -38,12 +39,17 @@ def launch(script: str) -> tuple[list, dict]:
 
 
 @pytest.fixture(scope="module")
-def data_flags(request):
-    """--data_dir for MNIST (the session's real digits); none for the synthetic task."""
+def data_flags(tmp_path_factory):
+    """--data_dir for MNIST (2,000 real digits to train, 500 held out), made
+    once; none for the synthetic task."""
+    made = {}
+
     def flags(dataset: str) -> list:
-        if dataset == "mnist":
-            return ["--data_dir", str(request.getfixturevalue("mnist_root"))]
-        return []
+        if dataset != "mnist":
+            return []
+        if "root" not in made:
+            made["root"] = build_mnist_root(tmp_path_factory.mktemp("parity_mnist"), n_train=2000, n_test=500)
+        return ["--data_dir", str(made["root"])]
     return flags
 
 
