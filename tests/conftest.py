@@ -20,6 +20,25 @@ def mnist_root(tmp_path_factory) -> Path:
     return build_mnist_root(tmp_path_factory.mktemp("mnist"))
 
 
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """Puts a finished one-epoch run's snapshot in a folder: what
+    ``torchrun --standalone --nproc_per_node=2 train.py --total_epochs 1``
+    (the synthetic task, every default) leaves there, made once per test
+    process and copied for each test that starts from it, as
+    ``snapshot_train.pt`` or the name it asks for."""
+    import shutil
+
+    from helpers import REPO, TORCHRUN, check, run
+
+    made = tmp_path_factory.mktemp("finished_run")
+    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--total_epochs", "1"], made))
+
+    def put(folder: Path, name: str = "snapshot_train.pt") -> Path:
+        return Path(shutil.copy(made / "snapshot_train.pt", folder / name))
+    return put
+
+
 # --------------------------------------------------------------------------
 # One Slurm cluster per test session
 # --------------------------------------------------------------------------

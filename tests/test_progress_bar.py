@@ -7,7 +7,6 @@ import fcntl
 import os
 import pty
 import struct
-import sys
 import termios
 
 from helpers import REPO, TORCHRUN, free_port, run, script_env

@@ -48,8 +48,8 @@ def test_fewer_epochs_than_the_snapshot_holds_is_refused(tmp_path):
     (["--seed", "1"], "seed 0 -> 1"),  # the seed also draws the validation split
     (["--input_path", "torchvision"], "input_path fast -> torchvision"),
 ])
-def test_a_snapshot_of_other_data_or_seed_is_refused_naming_the_fix(flags, change, tmp_path):
-    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+def test_a_snapshot_of_other_data_or_seed_is_refused_naming_the_fix(flags, change, finished_run, tmp_path):
+    finished_run(tmp_path)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2", *flags], tmp_path)
     assert result.returncode != 0
@@ -132,8 +132,8 @@ def test_the_scripts_import_and_train_without_posix_only_signals(tmp_path):
     assert len(epochs(result.stdout)) == 1 and "test | loss" in result.stdout
 
 
-def test_a_config_error_is_torchruns_root_cause(tmp_path):
-    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+def test_a_config_error_is_torchruns_root_cause(finished_run, tmp_path):
+    finished_run(tmp_path)
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--batch_size", "16"], tmp_path)
     assert result.returncode != 0
     root_cause = result.stderr.split("Root Cause")[1]
