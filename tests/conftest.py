@@ -138,9 +138,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     silently smaller tier. The cluster files go first, so that under ``-n 2``
     their minutes of waiting overlap the other files' computing, the
     container's last of them, so that an image built in the background
-    (.ci/run) is ready by then (a stable sort: each file's tests keep their
-    order)."""
-    items.sort(key=lambda item: (_scope(item.nodeid) != "cluster", "/test_container.py::" in f"/{item.nodeid}"))
+    (.ci/run) is ready by then; the other files longest first (LONGEST_FIRST),
+    so that the last ones handed out are short and both test processes end
+    together (a stable sort: each file's tests keep their order)."""
+    def order(item) -> tuple:
+        file_name = item.nodeid.split("::")[0].rpartition("/")[2]
+        rank = LONGEST_FIRST.index(file_name) if file_name in LONGEST_FIRST else -1  # a new file: first
+        return _scope(item.nodeid) != "cluster", file_name == "test_container.py", rank
+
+    items.sort(key=order)
     used = set()
     for item in items:
         file_name, _, test_id = item.nodeid.rpartition("/")[2].partition("::")
@@ -163,6 +169,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 # the other. They wait on Slurm's timers and on downloads for minutes while
 # the other process runs the rest.
 CLUSTER_FILES = ("test_container.py", "test_slurm.py", "test_stop_paths.py")
+# The other files, longest first (their CPU seconds in a fresh-clone CI run on
+# 2 cores): handed out in this order, a file not listed before them all.
+# Longest first ends the two test processes within a short file of each other.
+LONGEST_FIRST = (
+    "test_fault_tolerance.py", "test_fsdp.py", "test_docs.py", "test_performance.py", "test_recipes.py",
+    "test_reruns_and_errors.py", "test_ladder.py", "test_output_paths.py", "test_parity.py", "test_wandb.py",
+    "test_distributed_correctness.py", "test_resize.py", "test_language_model.py", "test_lm_kit.py",
+    "test_loaders.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py",
+    "test_elastic.py", "test_train_utils.py", "test_metrics.py", "test_real_data.py", "test_common.py",
+    "test_claims.py", "test_slurm_wrappers.py", "test_package_map.py", "test_task_batching.py",
+    "test_ladder_diffs.py", "test_readme.py",
+)
 
 
 def _scope(nodeid: str) -> str:
@@ -176,7 +194,7 @@ def _scope(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (``-n 2``), hand out whole files, the cluster files
     together as one, the cluster first (it is the longest); the files in
-    collection order after it."""
+    collection order after it (pytest_collection_modifyitems: longest first)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
