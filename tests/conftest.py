@@ -23,19 +23,25 @@ def mnist_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
     """Puts a finished one-epoch run's snapshot in a folder: what
-    ``torchrun --standalone --nproc_per_node=2 train.py --total_epochs 1``
-    (the synthetic task, every default) leaves there, made once per test
-    process and copied for each test that starts from it, as
-    ``snapshot_train.pt`` or the name it asks for."""
+    ``torchrun --standalone --nproc_per_node=2 train.py --total_epochs 1
+    --strategy STRATEGY`` (the synthetic task, every other default) leaves,
+    made once per strategy and test process and copied for each test that
+    starts from it, under the name it asks for (``snapshot_train.pt`` by
+    default): a file for ddp, a folder of shards for fsdp."""
     import shutil
 
     from helpers import REPO, TORCHRUN, check, run
 
-    made = tmp_path_factory.mktemp("finished_run")
-    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--total_epochs", "1"], made))
+    made: dict = {}
 
-    def put(folder: Path, name: str = "snapshot_train.pt") -> Path:
-        return Path(shutil.copy(made / "snapshot_train.pt", folder / name))
+    def put(folder: Path, name: str = "snapshot_train.pt", strategy: str = "ddp") -> Path:
+        if strategy not in made:
+            made[strategy] = tmp_path_factory.mktemp(f"finished_{strategy}_run")
+            check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", strategy,
+                                  "--total_epochs", "1"], made[strategy]))
+        if strategy == "fsdp":
+            return Path(shutil.copytree(made[strategy] / "snapshot_train_fsdp", folder / name))
+        return Path(shutil.copy(made[strategy] / "snapshot_train.pt", folder / name))
     return put
 
 
@@ -209,10 +215,8 @@ def pytest_xdist_make_scheduler(config, log):
 # Each test file's time, printed at the end of the run
 # --------------------------------------------------------------------------
 
-_FILE_SECONDS: dict = {}
+# Each test's [wall seconds, CPU seconds], its phases (setup, call, teardown) summed.
 _TEST_SECONDS: dict = {}
-_FILE_CPU_SECONDS: dict = {}
-_TEST_CPU_SECONDS: dict = {}
 
 
 def _cpu_seconds() -> float:
@@ -225,46 +229,45 @@ def _cpu_seconds() -> float:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item._cpu_mark = _cpu_seconds()  # where the setup phase's CPU seconds count from
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Attach each phase's CPU seconds to its report (user_properties travel
     from pytest-xdist's test processes to the one that prints)."""
     outcome = yield
-    report = outcome.get_result()
-    started = getattr(item, "_cpu_mark", None)
     now = _cpu_seconds()
-    if started is not None:
-        report.user_properties.append(("cpu_s", now - started))
-    item._cpu_mark = now if call.when != "teardown" else None
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    item._cpu_mark = _cpu_seconds()
-    yield
+    outcome.get_result().user_properties.append(("cpu_s", now - item._cpu_mark))
+    item._cpu_mark = now
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Add each test phase's duration (setup, call, teardown) and CPU seconds
-    to its file's and its test's total."""
-    path = report.nodeid.split("::")[0]
-    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
-    _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+    """Add each test phase's duration and CPU seconds to its test's totals."""
     cpu = sum(value for name, value in report.user_properties if name == "cpu_s")
-    _FILE_CPU_SECONDS[path] = _FILE_CPU_SECONDS.get(path, 0.0) + cpu
-    _TEST_CPU_SECONDS[report.nodeid] = _TEST_CPU_SECONDS.get(report.nodeid, 0.0) + cpu
+    totals = _TEST_SECONDS.setdefault(report.nodeid, [0.0, 0.0])
+    totals[0] += report.duration
+    totals[1] += cpu
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print the seconds each test file took, longest first (fixtures
     included), and the CPU seconds it used (its test process and the scripts
     it ran; Slurm's jobs run outside it and are not counted)."""
+    files: dict = {}
+    for nodeid, (wall, cpu) in _TEST_SECONDS.items():
+        totals = files.setdefault(nodeid.split("::")[0], [0.0, 0.0])
+        totals[0] += wall
+        totals[1] += cpu
     terminalreporter.section("seconds per test file (wall, CPU)")
-    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{seconds:8.1f} s {_FILE_CPU_SECONDS.get(path, 0.0):8.1f} s CPU  {path}")
+    for path, (wall, cpu) in sorted(files.items(), key=lambda item: -item[1][0]):
+        terminalreporter.write_line(f"{wall:8.1f} s {cpu:8.1f} s CPU  {path}")
     workers = getattr(terminalreporter.config.option, "numprocesses", None)
     summed = " (summed over the test processes: more than the run's time)" if workers else ""
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s "
-                                f"{sum(_FILE_CPU_SECONDS.values()):8.1f} s CPU  in all{summed}")
+    terminalreporter.write_line(f"{sum(w for w, _ in files.values()):8.1f} s "
+                                f"{sum(c for _, c in files.values()):8.1f} s CPU  in all{summed}")
     terminalreporter.section("the 15 slowest tests (fixtures included; wall, CPU)")
-    for nodeid, seconds in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1])[:15]:
-        terminalreporter.write_line(f"{seconds:8.1f} s {_TEST_CPU_SECONDS.get(nodeid, 0.0):8.1f} s CPU  {nodeid}")
+    for nodeid, (wall, cpu) in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1][0])[:15]:
+        terminalreporter.write_line(f"{wall:8.1f} s {cpu:8.1f} s CPU  {nodeid}")

@@ -144,21 +144,10 @@ def test_a_snapshot_damaged_inside_its_tensors_is_refused_naming_the_entry(finis
     assert path.read_bytes() == damaged
 
 
-@pytest.fixture(scope="module")
-def finished_fsdp_run(tmp_path_factory):
-    """Puts what ``FSDP_SCRIPT --total_epochs 1`` leaves (the sharded snapshot
-    folder snapshot.pt) in a folder; the run is made once, copied for each test."""
-    import shutil
-
-    made = tmp_path_factory.mktemp("finished_fsdp_run")
-    check(run(FSDP_SCRIPT + ["--total_epochs", "1"], made))
-    return lambda folder: shutil.copytree(made / "snapshot.pt", folder / "snapshot.pt")
-
-
 @pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
-def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(finished_fsdp_run, tmp_path):
-    finished_fsdp_run(tmp_path)
+def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(finished_run, tmp_path):
+    finished_run(tmp_path, "snapshot.pt", strategy="fsdp")
     (folder,) = os.listdir(tmp_path / "snapshot.pt")
     meta = tmp_path / "snapshot.pt" / folder / train_utils.SHARDED_SNAPSHOT_META
     entry = zero_inside_largest_tensor_of(meta)
@@ -171,12 +160,12 @@ def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(finished_fsdp_run,
 
 @pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
-def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(finished_fsdp_run, tmp_path):
+def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(finished_run, tmp_path):
     """DCP keeps no checksum; each tensor in its .distcp files is a torch.save
     archive, whose CRCs catch what dcp.load would load without a word."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    finished_fsdp_run(tmp_path)
+    finished_run(tmp_path, "snapshot.pt", strategy="fsdp")
     (folder,) = os.listdir(tmp_path / "snapshot.pt")
     model = tmp_path / "snapshot.pt" / folder / "model"
     index, item = max(FileSystemReader(str(model)).read_metadata().storage_data.items(),

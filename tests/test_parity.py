@@ -39,17 +39,18 @@ def launch(script: str) -> tuple[list, dict]:
 
 
 @pytest.fixture(scope="module")
-def data_flags(tmp_path_factory):
-    """--data_dir for MNIST (2,000 real digits to train, 500 held out), made
-    once; none for the synthetic task."""
-    made = {}
+def parity_mnist(tmp_path_factory):
+    """2,000 real digits to train, 500 held out."""
+    return build_mnist_root(tmp_path_factory.mktemp("parity_mnist"), n_train=2000, n_test=500)
 
+
+@pytest.fixture(scope="module")
+def data_flags(request):
+    """--data_dir for MNIST (parity_mnist, made when first asked for); none for the synthetic task."""
     def flags(dataset: str) -> list:
-        if dataset != "mnist":
-            return []
-        if "root" not in made:
-            made["root"] = build_mnist_root(tmp_path_factory.mktemp("parity_mnist"), n_train=2000, n_test=500)
-        return ["--data_dir", str(made["root"])]
+        if dataset == "mnist":
+            return ["--data_dir", str(request.getfixturevalue("parity_mnist"))]
+        return []
     return flags
 
 

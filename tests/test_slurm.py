@@ -213,7 +213,6 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
     assert len(summary) == 1 and [e["epoch"] for e in epochs(summary[0])] == [1, 2]
 
 
-
 # multi_node.sh elastic (ELASTIC_MIN_NODES, sbatch --no-kill) on the two
 # hosts, one worker each: 2,275 digits, 2,048 to train after the validation
 # split, 32 steps of 32 per rank; a snapshot every 20 steps. Rank 1 (on the
@@ -228,13 +227,12 @@ ELASTIC_HELD_STEP = 25
 ELASTIC_SLURMD_TIMEOUT_S = 20
 
 
-def elastic_job_loses_a_host(cluster, folder, min_nodes: int, rdzv_conf: str, args=ELASTIC_ARGS,
-                             held_step: int = ELASTIC_HELD_STEP) -> tuple[int, Path]:
-    """Submits the elastic job (at least ``min_nodes`` nodes; torchrun's
-    --rdzv-conf ``rdzv_conf``; train.py's ``args`` on the MNIST slice),
-    waits until rank 1 is held on ddp-node2 before step ``held_step`` and
-    kills that host; returns (job id, its log) once the job has left RUNNING
-    (ended, or requeued), with ddp-node2's slurmd started again."""
+def elastic_job_loses_a_host(cluster, folder) -> tuple[int, Path]:
+    """Submits the elastic job (at least 1 node; a rendezvous round closes 1 s
+    after its first node joined; ELASTIC_ARGS on the MNIST slice), waits
+    until rank 1 is held on ddp-node2 before step ELASTIC_HELD_STEP and kills
+    that host; returns (job id, its log) once the job has left RUNNING, with
+    ddp-node2's slurmd started again."""
     # A host is killed and Slurm's timeout lowered for the whole cluster: the
     # jobs of the tests before (this file's, on the same hosts) must be gone.
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -243,13 +241,13 @@ def elastic_job_loses_a_host(cluster, folder, min_nodes: int, rdzv_conf: str, ar
         assert time.monotonic() < deadline, f"other jobs still queued or running:\n{queued}"
         time.sleep(1)
     data = build_mnist_root(folder / "data", n_train=ELASTIC_DIGITS, n_test=200)
-    held = f"DDP_TEST_FAULT: wait_signal_once at step {held_step} on rank 1"
-    job = submit(cluster, folder, "multi_node.sh", "--dataset", "mnist", "--batch_size", "32", *args,
+    held = f"DDP_TEST_FAULT: wait_signal_once at step {ELASTIC_HELD_STEP} on rank 1"
+    job = submit(cluster, folder, "multi_node.sh", "--dataset", "mnist", "--batch_size", "32", *ELASTIC_ARGS,
                  "--data_dir", str(data),
                  sbatch=[*MULTI, "--nodes=2", "--gres=gpu:1", "--no-kill"],
-                 env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "ELASTIC_MIN_NODES": str(min_nodes),
-                      "ELASTIC_RDZV_CONF": rdzv_conf,
-                      "DDP_TEST_FAULT": f"step:1:{held_step}:wait_signal_once"})
+                 env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "ELASTIC_MIN_NODES": "1",
+                      "ELASTIC_RDZV_CONF": "last_call_timeout=1",
+                      "DDP_TEST_FAULT": f"step:1:{ELASTIC_HELD_STEP}:wait_signal_once"})
     log_path = folder / f"multi_node-{job}.out"
     log, deadline = "", time.monotonic() + JOB_TIMEOUT_S
     while held not in log:
@@ -282,7 +280,7 @@ def test_elastic_multi_node_goes_on_without_a_dead_node_and_completes(cluster, t
     from the step-20 snapshot (1,280 of the epoch's 2,048 samples trained) and
     trains the rest: the job ends COMPLETED, never requeued, the epoch
     summarised once over every sample."""
-    job, log_path = elastic_job_loses_a_host(cluster, tmp_path, 1, "last_call_timeout=1")
+    job, log_path = elastic_job_loses_a_host(cluster, tmp_path)
     info = cluster.wait(job, JOB_TIMEOUT_S)
     log = log_path.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0" and info["ExitCode"] == "0:0", \
