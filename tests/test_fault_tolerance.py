@@ -94,17 +94,20 @@ def test_a_snapshot_is_written_while_training_goes_on(tmp_path):
     """The first snapshot (epoch 1 step 20) is held in its write, after the
     temporary file, before the rename (the tests' hook, until a stop signal
     comes): the rest of epoch 1 trains and is summarised meanwhile; the next
-    snapshot (the epoch's end) waits for it. On SIGTERM the held write
-    completes, then the stop's snapshot is written before the ranks exit,
-    and the same command resumes from it and finishes."""
-    launch = TORCHRUN_SCRIPT + ["--total_epochs", "2", "--snapshot_every_steps", "20"]
+    snapshot, the epoch's end (--save_every 1), waits for it, so the signal
+    comes while rank 0 waits there, however fast the machine trains. On
+    SIGTERM the held write completes, then the stop's snapshot is written
+    before the ranks exit, and the same command resumes from it and finishes."""
+    launch = TORCHRUN_SCRIPT + ["--total_epochs", "2", "--snapshot_every_steps", "20", "--save_every", "1"]
     held = "DDP_TEST_FAULT: wait_signal at save 1 on rank 0"
     text = signal_when(launch, tmp_path, (held, "epoch 1/2 | train_loss"), signal.SIGTERM,
                        DDP_TEST_FAULT="save:0:1:wait_signal")
     assert text.index(held) < text.index("epoch 1/2 | train_loss") < \
-        text.index("epoch 1 step 20 | snapshot saved at snapshot_train.pt"), text
+        text.index("epoch 1 step 20 | snapshot saved at snapshot_train.pt") < \
+        text.index("epoch 1 | snapshot saved at snapshot_train.pt"), text
+    # The stop's snapshot is the last one written (a write in flight prints its line first).
     after_stop = text.split("stopped by SIGTERM")[1]
-    step = re.search(r"^epoch 2 step (\d+) \| snapshot saved at snapshot_train.pt$", after_stop, re.M).group(1)
+    step = re.findall(r"^epoch 2 step (\d+) \| snapshot saved at snapshot_train.pt$", after_stop, re.M)[-1]
     resumed = check(run(launch, tmp_path))
     assert f"resuming from snapshot snapshot_train.pt in epoch 2 after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
