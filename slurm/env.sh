@@ -67,10 +67,14 @@ rendezvous_port() {
 }
 
 # require_launcher python|torchrun: one line and exit 2 when that command,
-# in the container if there is one, is missing; torchrun must also have the
-# two flags the stop on a time-limit warning or a preemption needs.
+# in the container if there is one, is missing; torchrun's torch must also be
+# 2.12 or newer, the first whose torchrun has both flags the stop on a
+# time-limit warning or a preemption needs (--signals-to-handle came in 2.10,
+# --shutdown-timeout in 2.12; docs/install.md). The version is read from the
+# environment's package metadata, without importing torch (`torchrun --help`
+# would: seconds of CPU at every start of the job).
 require_launcher() {
-    local help flag where="${CONTAINER_IMAGE:+ in the container}"
+    local found where="${CONTAINER_IMAGE:+ in the container}"
     if [ "$1" = python ]; then
         if ! ${CONTAINER[@]+"${CONTAINER[@]}"} python -c '' 2>/dev/null; then
             echo "error: no working python$where; activate the environment in the environment block of slurm/env.sh" >&2
@@ -78,14 +82,25 @@ require_launcher() {
         fi
         return
     fi
-    if ! help="$(${CONTAINER[@]+"${CONTAINER[@]}"} torchrun --help 2>&1)"; then
-        echo "error: no working torchrun$where; activate the environment in the environment block of slurm/env.sh (${help##*$'\n'})" >&2
+    # One python start (one container start): "major minor version", or why not.
+    if ! found="$(${CONTAINER[@]+"${CONTAINER[@]}"} python -c '
+import re, shutil, sys
+from importlib.metadata import PackageNotFoundError, version
+if shutil.which("torchrun") is None:
+    sys.exit("torchrun: command not found")
+try:
+    torch = version("torch")
+except PackageNotFoundError:
+    sys.exit("torchrun found, but no torch package beside python")
+print(*re.match(r"(\d+)\.(\d+)", torch).groups(), torch)' 2>&1)"; then
+        echo "error: no working torchrun$where; activate the environment in the environment block of slurm/env.sh (${found##*$'\n'})" >&2
         exit 2
     fi
-    for flag in --signals-to-handle --shutdown-timeout; do
-        if [[ "$help" != *"$flag"* && "$help" != *"${flag//-/_}"* ]]; then
-            echo "error: this torchrun has no $flag, which the stop on a time-limit warning or a preemption needs (torch 2.12 or newer; docs/install.md)" >&2
-            exit 2
-        fi
-    done
+    read -r major minor version <<<"$found"
+    if [ "$major" -lt 2 ] || { [ "$major" -eq 2 ] && [ "$minor" -lt 12 ]; }; then
+        local flag=--shutdown-timeout
+        [ "$major" -eq 2 ] && [ "$minor" -ge 10 ] || flag=--signals-to-handle
+        echo "error: this torchrun (torch $version) has no $flag, which the stop on a time-limit warning or a preemption needs (torch 2.12 or newer; docs/install.md)" >&2
+        exit 2
+    fi
 }

@@ -187,15 +187,22 @@ def test_env_sh_refuses_a_missing_script_or_launcher_in_one_line(tmp_path):
         assert result.stderr.startswith(f"error: no working {launcher}; activate the environment in the "
                                         "environment block of slurm/env.sh"), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    # A torchrun without the flags the stop needs (an older torch)
+    # A torchrun whose torch is too old for the flags the stop needs: the environment's
+    # package metadata says so (a torch-<version>.dist-info found first on the path).
     old = tmp_path / "old"
     old.mkdir()
-    (old / "torchrun").write_text("#!/bin/sh\necho 'usage: torchrun [--nnodes NNODES] [--rdzv-id RDZV_ID]'\n")
+    (old / "torchrun").write_text("#!/bin/sh\nexit 0\n")
     (old / "torchrun").chmod(0o755)
-    result = _env_sh(tmp_path, "require_launcher torchrun; echo fine", path=f"{old}:/usr/bin:/bin")
-    assert result.returncode == 2 and result.stderr.strip() == (
-        "error: this torchrun has no --signals-to-handle, which the stop on a time-limit warning or a "
-        "preemption needs (torch 2.12 or newer; docs/install.md)"), result.stderr
+    python_dir = Path(sys.executable).parent
+    for version, flag in (("2.8.0", "--signals-to-handle"), ("2.11.0+cu126", "--shutdown-timeout")):
+        metadata = tmp_path / version / f"torch-{version}.dist-info"
+        metadata.mkdir(parents=True)
+        (metadata / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        result = _env_sh(tmp_path, "require_launcher torchrun; echo fine", path=f"{old}:{python_dir}:/usr/bin:/bin",
+                         PYTHONPATH=str(metadata.parent))
+        assert result.returncode == 2 and result.stderr.strip() == (
+            f"error: this torchrun (torch {version}) has no {flag}, which the stop on a time-limit warning or "
+            f"a preemption needs (torch 2.12 or newer; docs/install.md)"), result.stderr
     # The tests' own torch passes both checks
     result = _env_sh(tmp_path, "require_launcher python; require_launcher torchrun; echo fine",
                      path=f"{Path(sys.executable).parent}:/usr/bin:/bin")
