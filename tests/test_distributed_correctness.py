@@ -154,9 +154,9 @@ def test_resume_equals_uninterrupted_run(script, dataset, tmp_path):
     assert not unequal
 
 
-def test_resume_refuses_a_snapshot_from_another_run(tmp_path):
+def test_resume_refuses_a_snapshot_from_another_run(finished_run, tmp_path):
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
-    check(run(launch + ["--total_epochs", "1"], tmp_path))
+    finished_run(tmp_path)  # train.py --total_epochs 1, every other default
     before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(launch + ["--total_epochs", "2", "--batch_size", "64", "--model", "linear"], tmp_path)
     assert result.returncode != 0

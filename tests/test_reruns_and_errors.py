@@ -22,8 +22,16 @@ ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 # Reruns that do what they say
 # --------------------------------------------------------------------------
 
-def test_rerunning_a_finished_run_says_nothing_to_train(tmp_path):
-    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path))
+@pytest.fixture(scope="module")
+def two_epoch_snapshot(tmp_path_factory):
+    """The snapshot of a finished 2-epoch run (train.py under torchrun, every other default), made once."""
+    made = tmp_path_factory.mktemp("two_epochs")
+    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], made))
+    return made / "snapshot_train.pt"
+
+
+def test_rerunning_a_finished_run_says_nothing_to_train(two_epoch_snapshot, tmp_path):
+    shutil.copy(two_epoch_snapshot, tmp_path)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
     again = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--lr", "0.01"], tmp_path))
     assert stdout_lines(again.stdout.strip())[-1] == (
@@ -33,13 +41,13 @@ def test_rerunning_a_finished_run_says_nothing_to_train(tmp_path):
     assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
 
-def test_fewer_epochs_than_the_snapshot_holds_is_refused(tmp_path):
-    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "3"], tmp_path))
+def test_fewer_epochs_than_the_snapshot_holds_is_refused(two_epoch_snapshot, tmp_path):
+    shutil.copy(two_epoch_snapshot, tmp_path)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
-    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], tmp_path)
+    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        "error: --total_epochs 2 is below the 3 epochs snapshot snapshot_train.pt already holds; raise "
+        "error: --total_epochs 1 is below the 2 epochs snapshot snapshot_train.pt already holds; raise "
         "--total_epochs, or delete it or pass another --snapshot_path to start afresh"]
     assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
