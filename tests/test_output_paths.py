@@ -84,6 +84,14 @@ def test_a_file_in_the_path_is_named_as_a_file_not_an_unwritable_folder(tmp_path
     error = refused_before_training(run(ONE_RANK + ["--snapshot_path", "notes/run1/snapshot.pt"], tmp_path))
     assert error == ("error: cannot write --snapshot_path notes/run1/snapshot.pt: notes is a file, "
                      "not a folder; pass another --snapshot_path")
+    assert (tmp_path / "notes").read_text() == "not a folder"
+
+
+def test_missing_folders_of_the_output_paths_are_created(tmp_path):
+    check(run(ONE_RANK + ["--total_epochs", "1", "--snapshot_path", "runs/a/snapshot.pt",
+                          "--metrics_path", "runs/exp2/m.jsonl"], tmp_path))
+    assert (tmp_path / "runs" / "a" / "snapshot.pt").exists()
+    assert (tmp_path / "runs" / "exp2" / "m.jsonl").read_text().count('"epoch": 1') == 1
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")

@@ -150,19 +150,6 @@ def test_a_config_error_is_torchruns_root_cause(finished_run, tmp_path):
     assert "To enable traceback" not in root_cause
 
 
-def test_metrics_path_in_a_missing_folder_is_created(tmp_path):
-    check(run(ONE_RANK + ["--total_epochs", "1", "--metrics_path", "runs/exp2/m.jsonl"], tmp_path))
-    assert (tmp_path / "runs" / "exp2" / "m.jsonl").read_text().count('"epoch": 1') == 1
-
-
-def test_metrics_path_that_cannot_be_written_is_refused_before_training(tmp_path):
-    (tmp_path / "runs").write_text("a file, not a folder")
-    result = run(ONE_RANK + ["--metrics_path", "runs/m.jsonl"], tmp_path)
-    assert result.returncode != 0
-    assert error_lines(result.stderr)[0].startswith("error: cannot write --metrics_path runs/m.jsonl")
-    assert "epoch 1/" not in result.stdout
-
-
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_saved_files_honour_the_umask(umask, mode, tmp_path):
     """As torch.save's own files do: a group that shares a project folder can read them."""
