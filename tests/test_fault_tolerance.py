@@ -7,10 +7,10 @@ DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
 (truncated files, crafted pickles, busy paths)."""
 
 import json
+import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -149,25 +149,33 @@ def test_truncated_snapshot_stops_with_one_line_and_is_kept(finished_run, tmp_pa
     assert "epoch 1/2" not in result.stdout
 
 
-def test_crafted_snapshot_is_refused_and_its_code_never_runs(tmp_path):
-    marker = tmp_path / "payload_ran"
-    crafted = tmp_path / "snapshot_train.pt"
-    # A pickle whose unpickling calls os.system: what a hostile snapshot looks like.
-    subprocess.run([sys.executable, "-c", f"""
-import os, torch
-class Payload:
+class _Payload:
+    """What a hostile snapshot holds: an object whose unpickling runs a command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
     def __reduce__(self):
-        return (os.system, ("touch {marker}",))
-torch.save({{"model": Payload()}}, "{crafted}")
-"""], check=True)
-    assert not marker.exists()
-    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path)
-    assert result.returncode != 0
-    assert len(error_lines(result.stderr)) == 1 and f"cannot read snapshot {SNAPSHOT}" in result.stderr
+        return (os.system, (self.command,))
+
+
+def test_crafted_snapshot_is_refused_and_its_code_never_runs(tmp_path, monkeypatch):
+    """read_snapshot, as train.py resumes (a damaged snapshot's refusal end to
+    end: the truncated one above): one short line that names what was refused,
+    without torch's advice to retry with weights_only=False, which would run
+    the file's code; and the code never ran."""
+    marker = tmp_path / "payload_ran"
+    torch.save({"model": _Payload(f"touch {marker}")}, tmp_path / SNAPSHOT)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(train_utils.ConfigError) as info:
+        train_utils.read_snapshot(SNAPSHOT, {})
+    message = str(info.value)
+    assert message.startswith(f"cannot read snapshot {SNAPSHOT}")
+    assert "weights_only" not in message and "\n" not in message and len(message) < 300
+    assert "refused it: Trying to load unsupported GLOBAL posix.system" in message
     assert not marker.exists()
     # Control: the same file loaded the unsafe way does run the payload.
-    subprocess.run([sys.executable, "-c", f"import torch; torch.load('{crafted}', weights_only=False)"],
-                   check=True)
+    torch.load(tmp_path / SNAPSHOT, weights_only=False)
     assert marker.exists()
 
 
