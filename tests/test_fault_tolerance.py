@@ -280,14 +280,17 @@ def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, 
 # (preemption, scontrol requeue, scancel), SIGINT (Ctrl-C): stop, snapshot, resume
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("signum,accum,nproc,hold,stop", [
+@pytest.mark.parametrize("signum,accum,nproc,hold,stop,amp", [
     # SIGUSR1 (a scheduler's warning, relayed when asked) with accumulation:
-    # the stop waits for the end of an optimizer step.
+    # the stop waits for the end of an optimizer step. Forced fp16 on the CPU:
+    # GradScaler scales the loss, unscales before clipping, skips the steps
+    # whose gradients overflow (the epoch line counts them); the resume goes
+    # on with the loss scale.
     # 115 micro-batches an epoch a rank; rank 0 held before the 131st (epoch
     # 2's 16th, in mid-accumulation) until the signal: the ranks share it at
     # the next optimizer step (the 18th) and stop after the one after (the
     # 21st; StopSignals.poll learns of it one call late, not to wait for it).
-    (signal.SIGUSR1, 3, 2, 131, "2 21"),
+    (signal.SIGUSR1, 3, 2, 131, "2 21", "fp16"),
     # Ctrl-C with 3 ranks: a resume must also lay out DDP's buckets as before
     # (with 2 ranks a sum is the same in any order). Loader workers, which
     # torchrun signals too, are checked in test_train_utils and test_loaders.
@@ -296,10 +299,10 @@ def test_diverging_loss_stops_and_keeps_the_last_snapshot(snapshot_every_steps, 
     # relays SIGTERM as it relays SIGINT (the Ctrl-C case) and, during
     # start-up, test_sigterm_during_start_up_... sends it to torchrun.
     # 76 steps an epoch a rank; rank 0 held before the 100th (epoch 2's 24th): stop after the 25th.
-    (signal.SIGINT, 1, 3, 100, "2 25"),
+    (signal.SIGINT, 1, 3, 100, "2 25", None),
 ], ids=["SIGUSR1-accum3", "Ctrl-C-3ranks"])
 def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly(
-        tmp_path, signum, accum, nproc, hold, stop):
+        tmp_path, signum, accum, nproc, hold, stop, amp):
     """What slurm/multi_gpu.sh does on a warning or a preemption, without Slurm
     (tests/test_stop_paths.py runs the real thing): torchrun relays the signal to
     the workers, which stop after the same step and snapshot it; the same command
@@ -314,6 +317,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     args = ["--total_epochs", "3", "--batch_size", "8", "--grad_accum_steps", str(accum),
             # and a recipe whose state must resume too:
             "--lr_schedule", "cosine", "--warmup_epochs", "1", "--weight_decay", "1e-4", "--clip_grad_norm", "1"]
+    args += ["--amp", amp] if amp else []
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     interrupted.mkdir()
     reference.mkdir()
@@ -335,8 +339,15 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
                         interrupted))
     assert f"resuming from snapshot snapshot_train.pt in epoch {epoch} after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == list(range(int(epoch), 4))
-    check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args], reference))
+    straight = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args], reference))
     assert_same_snapshot(interrupted / "snapshot_train.pt", reference / "snapshot_train.pt")
+    assert parse_test(resumed.stdout) == parse_test(straight.stdout)
+    if amp == "fp16":
+        assert "| amp fp16 with a loss scaler" in straight.stdout.splitlines()[0]  # the start-up line
+        lines = epochs(straight.stdout)
+        assert lines[0]["skipped_steps"] >= 1  # GradScaler's first scale, 65536, overflows fp16
+        assert sum(e["skipped_steps"] for e in lines[1:]) < lines[0]["skipped_steps"] + 5
+        assert torch.load(interrupted / "snapshot_train.pt", weights_only=True)["loss_scaler"]["scale"] < 65536.0
 
 
 def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(tmp_path):
