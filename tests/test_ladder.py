@@ -1,7 +1,9 @@
 """The ladder's five rungs end to end, on the default synthetic task, each in a
 copy of the repository without train_utils/ and train.py (the rungs stand
-alone), launched the way its docstring says; rungs 3-5 also stopped and
-resumed from their snapshots. Bad input gets one line and exit status 2."""
+alone), launched the way its docstring says; rungs 2-5 print the losses the
+kit prints for the same flags (the parity of tests/test_parity.py, here on
+the synthetic task); rungs 3-5 also stopped and resumed from their
+snapshots. Bad input gets one line and exit status 2."""
 
 import ast
 import shutil
@@ -59,12 +61,31 @@ def _losses(stdout: str) -> list[tuple[str, str]]:
             for line in stdout.splitlines() if line.startswith("epoch ") and "train_loss" in line]
 
 
+@pytest.fixture(scope="module")
+def kit_losses(tmp_path_factory):
+    """(train_loss, val_loss) of each epoch that train.py prints for the rungs'
+    4-epoch run, 2 processes, per --strategy (ddp, fsdp), each run once."""
+    made = {}
+
+    def losses(strategy: str) -> list[tuple[str, str]]:
+        if strategy not in made:
+            result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy",
+                                           strategy, "--total_epochs", "4"], tmp_path_factory.mktemp("kit"),
+                               OMP_NUM_THREADS="1"))
+            made[strategy] = _losses(result.stdout)
+        return made[strategy]
+    return losses
+
+
 @pytest.mark.parametrize("script", RUNGS)
-def test_rung_trains_standalone_and_resumes(script, standalone, tmp_path):
+def test_rung_trains_standalone_and_resumes(script, standalone, kit_losses, tmp_path):
     """4 epochs saving every 3rd: the loss falls, one summary line per epoch, what
-    was saved loads into a plain model. Rungs 3-5: 2 epochs, then a restart asking
-    for 4 resumes after epoch 2 and prints epochs 3-4 as the uninterrupted run did."""
+    was saved loads into a plain model; rungs 2-5 print, digit for digit, the
+    losses train.py prints for the same flags (DDP, or FSDP for the FSDP rung).
+    Rungs 3-5: 2 epochs, then a restart asking for 4 resumes after epoch 2 and
+    prints epochs 3-4 as the uninterrupted run did."""
     cmd, env = launch(script, standalone)
+    env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for 2 processes (mp.spawn sets nothing), as for the kit
     (tmp_path / "straight").mkdir()
     if script == "multinode_fsdp.py" and FSDP_REFUSED:
         result = run(cmd, tmp_path / "straight", **env)
@@ -73,6 +94,8 @@ def test_rung_trains_standalone_and_resumes(script, standalone, tmp_path):
                    for line in error_lines(result.stderr)), result.stderr
         return
     result = check(run(cmd + ["--total_epochs", "4", "--save_every", "3"], tmp_path / "straight", **env))
+    if script != "singlegpu.py":  # the kit never trains differently from the ladder
+        assert _losses(result.stdout) == kit_losses("fsdp" if script == "multinode_fsdp.py" else "ddp")
     lines = epochs(result.stdout)
     assert [int(e["epoch"]) for e in lines] == [1, 2, 3, 4], result.stdout
     assert lines[-1]["train_loss"] < 0.2 * lines[0]["train_loss"]  # Var(y) ~ 1, noise floor 0.01
