@@ -22,26 +22,27 @@ def mnist_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
-    """Puts a finished one-epoch run's snapshot in a folder: what
-    ``torchrun --standalone --nproc_per_node=2 train.py --total_epochs 1
-    --strategy STRATEGY`` (the synthetic task, every other default) leaves,
-    made once per strategy and test process and copied for each test that
-    starts from it, under the name it asks for (``snapshot_train.pt`` by
-    default): a file for ddp, a folder of shards for fsdp."""
+    """Puts a finished run's snapshot in a folder: what ``torchrun --standalone
+    --nproc_per_node=2 train.py --total_epochs TOTAL_EPOCHS --strategy
+    STRATEGY`` (the synthetic task, every other default; 1 epoch unless asked)
+    leaves, made once per strategy, epoch count and test process and copied
+    for each test that starts from it, under the name it asks for
+    (``snapshot_train.pt`` by default): a file for ddp, a folder of shards for fsdp."""
     import shutil
 
     from helpers import REPO, TORCHRUN, check, run
 
     made: dict = {}
 
-    def put(folder: Path, name: str = "snapshot_train.pt", strategy: str = "ddp") -> Path:
-        if strategy not in made:
-            made[strategy] = tmp_path_factory.mktemp(f"finished_{strategy}_run")
+    def put(folder: Path, name: str = "snapshot_train.pt", strategy: str = "ddp", total_epochs: int = 1) -> Path:
+        key = (strategy, total_epochs)
+        if key not in made:
+            made[key] = tmp_path_factory.mktemp(f"finished_{strategy}_run")
             check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", strategy,
-                                  "--total_epochs", "1"], made[strategy]))
+                                  "--total_epochs", str(total_epochs)], made[key]))
         if strategy == "fsdp":
-            return Path(shutil.copytree(made[strategy] / "snapshot_train_fsdp", folder / name))
-        return Path(shutil.copy(made[strategy] / "snapshot_train.pt", folder / name))
+            return Path(shutil.copytree(made[key] / "snapshot_train_fsdp", folder / name))
+        return Path(shutil.copy(made[key] / "snapshot_train.pt", folder / name))
     return put
 
 

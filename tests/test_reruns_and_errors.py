@@ -22,16 +22,8 @@ ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 # Reruns that do what they say
 # --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def two_epoch_snapshot(tmp_path_factory):
-    """The snapshot of a finished 2-epoch run (train.py under torchrun, every other default), made once."""
-    made = tmp_path_factory.mktemp("two_epochs")
-    check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2"], made))
-    return made / "snapshot_train.pt"
-
-
-def test_rerunning_a_finished_run_says_nothing_to_train(two_epoch_snapshot, tmp_path):
-    shutil.copy(two_epoch_snapshot, tmp_path)
+def test_rerunning_a_finished_run_says_nothing_to_train(finished_run, tmp_path):
+    finished_run(tmp_path, total_epochs=2)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
     again = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--lr", "0.01"], tmp_path))
     assert stdout_lines(again.stdout.strip())[-1] == (
@@ -41,8 +33,8 @@ def test_rerunning_a_finished_run_says_nothing_to_train(two_epoch_snapshot, tmp_
     assert (tmp_path / "snapshot_train.pt").read_bytes() == before
 
 
-def test_fewer_epochs_than_the_snapshot_holds_is_refused(two_epoch_snapshot, tmp_path):
-    shutil.copy(two_epoch_snapshot, tmp_path)
+def test_fewer_epochs_than_the_snapshot_holds_is_refused(finished_run, tmp_path):
+    finished_run(tmp_path, total_epochs=2)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path)
     assert result.returncode != 0
