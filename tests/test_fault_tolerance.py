@@ -110,7 +110,10 @@ def test_a_snapshot_is_written_while_training_goes_on(tmp_path):
     held = "DDP_TEST_FAULT: wait_signal at save 1 on rank 0"
     text = signal_when(launch, tmp_path, (held, "epoch 1/2 | train_loss"), signal.SIGTERM,
                        DDP_TEST_FAULT="save:0:1:wait_signal")
-    assert text.index(held) < text.index("epoch 1/2 | train_loss") < \
+    # Epoch 1 was summarised before the held write completed, and the epoch's own
+    # snapshot came after it. (Where the hook's line falls among them depends on
+    # when the writer thread reaches the hook: not asserted.)
+    assert held in text and text.index("epoch 1/2 | train_loss") < \
         text.index("epoch 1 step 20 | snapshot saved at snapshot_train.pt") < \
         text.index("epoch 1 | snapshot saved at snapshot_train.pt"), text
     # The stop's snapshot is the last one written (a write in flight prints its line first).
