@@ -525,6 +525,18 @@ def test_first_host_of_a_slurm_hostlist():
     assert train_utils.first_host("rack[2-3]-n[4,6]") == "rack2-n4"
 
 
+@pytest.mark.parametrize("backend, device_ids", [("nccl", [3]), ("gloo", None)])
+def test_the_kits_barrier_names_its_gpu_under_nccl(monkeypatch, backend, device_ids):
+    # Without device_ids, an NCCL barrier guesses the GPU and warns on every rank.
+    from train_utils import launch
+    calls = []
+    monkeypatch.setattr(launch.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(launch.dist, "barrier", lambda **kwargs: calls.append(kwargs))
+    launch.barrier()
+    assert calls == [{"device_ids": device_ids}]
+
+
 GLOO_AVG_SCRIPT = """
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")

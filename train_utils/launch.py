@@ -1,5 +1,5 @@
 """Meeting the other processes: the store under torchrun or srun, and the
-side gloo groups.
+side gloo groups, a barrier that names its GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 # Imported before any process group exists, on purpose: torch.distributed.nn
 # binds group.WORLD into its functions' default arguments at import time, and
@@ -123,3 +124,11 @@ def gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
             f"{setting}: set it to the network interface the nodes reach each other on "
             f"(`ip -brief addr` lists them), e.g. GLOO_SOCKET_IFNAME=eth0; NCCL jobs need it "
             f"too, for the CPU groups of the stop signal and the timeout report") from None
+
+
+def barrier() -> None:
+    """Collective: ``dist.barrier()`` on the default group. Under NCCL it names
+    this process's GPU (the one ``torch.cuda.set_device`` chose), which
+    ``barrier`` would otherwise guess, with a UserWarning on every rank."""
+    nccl = dist.get_backend() == "nccl"
+    dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .launch import gloo_group
+from .launch import barrier, gloo_group
 from .output import is_distributed, print_line, write_from_signal_handler
 
 
@@ -226,7 +226,7 @@ class StopSignal:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        dist.barrier()
+        barrier()
 
 
 def ignore_stop_signal(worker_id: int) -> None:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .launch import gloo_group
+from .launch import barrier, gloo_group
 from .output import is_distributed
 
 
@@ -74,7 +74,7 @@ def use_training_timeout(timeout_s: Optional[float]) -> None:
     if _WATCH.training or timeout_s is None or not is_distributed():
         return
     _WATCH.training = True
-    dist.barrier()
+    barrier()
     timeout = timedelta(seconds=timeout_s)
     # torch.distributed.set_timeout (newer releases) replaced the private _set_pg_timeout.
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
