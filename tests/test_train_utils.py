@@ -408,6 +408,38 @@ def test_a_config_error_after_start_up_destroys_the_process_group(tmp_path):
     assert "group left at exit: False" in result.stdout, result.stdout
 
 
+PEER_GONE_AFTER_SIGTERM = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import train_utils
+from train_utils.stop import note_stop_signals_only
+
+@train_utils.one_line_errors
+def main():
+    train_utils.catch_stop_signals()
+    note_stop_signals_only()  # training: a stop signal is noted, taken at a step
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, while the rank waits in a collective
+    raise RuntimeError("[pair.cc:545] Read error [127.0.0.1]:45487: Connection reset by peer")
+
+main()
+"""
+
+
+def test_a_rank_whose_peer_died_ends_at_the_launchers_sigterm_even_if_it_came_first(tmp_path):
+    """torchrun, seeing one rank die, sends SIGTERM to the others, which may
+    reach a rank still blocked in the collective the dead rank left: noted as
+    a stop signal. When that collective then fails (the peer gone), the rank
+    ends at once, quietly, with SIGTERM's status, instead of waiting
+    PEER_GONE_WAIT_S (10 s) for a SIGTERM that already came, which held up
+    every restart by as long."""
+    import sys
+
+    (tmp_path / "peer_gone.py").write_text(PEER_GONE_AFTER_SIGTERM)
+    result = run([sys.executable, "peer_gone.py", REPO], tmp_path, timeout=120)
+    assert result.returncode == 128 + 15, (result.returncode, result.stderr[-2000:])
+    assert error_lines(result.stderr) == [], result.stderr
+
+
 ONE_PROCESS_STOP = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])

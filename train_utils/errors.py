@@ -24,7 +24,8 @@ import torch.distributed as dist
 from common import ConfigError  # the task contract's one-line error (exit 2)
 from .claims import release_claim
 from .output import is_distributed, print_line
-from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, report_run_finished
+from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, received_stop_signal, \
+    report_run_finished
 from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diagnosis
 
 class NothingToTrain(Exception):
@@ -132,11 +133,17 @@ def _end_unexpected(exc: BaseException) -> None:
     the kit, or a task's own code), then one line naming it, which is also
     torchrun's root cause; exit 1. A collective that failed because another
     rank ended (``PEER_GONE``) first waits, quietly, for the launcher to end
-    this rank (SIGTERM), since that rank's own line says why; then one line."""
+    this rank (SIGTERM), since that rank's own line says why; then one line.
+    Where a stop signal came already (the launcher's, before the collective
+    failed), the rank ends at once, quietly, with its exit status."""
     where = f" on rank {dist.get_rank()} (host {socket.gethostname()})" if is_distributed() else ""
     note_stop_signals_only()
     if isinstance(exc, RuntimeError) and any(text in str(exc) for text in PEER_GONE):  # torch's errors
         signal.signal(signal.SIGTERM, _end_quietly)
+        # The launcher's SIGTERM may have come already, while this rank still
+        # waited in the collective: noted as a stop signal then, it ends the rank now.
+        if received_stop_signal():
+            _end_quietly(received_stop_signal(), None)
         time.sleep(PEER_GONE_WAIT_S)
         _end_run_failed(RunFailed(f"another rank ended{where and ', seen' + where}: its own error says "
                                   f"why (`{(str(exc).strip().splitlines() or [''])[0][:120]}`)"))
