@@ -21,28 +21,43 @@ def mnist_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def finished_run(tmp_path_factory):
-    """Puts a finished run's snapshot in a folder: what ``torchrun --standalone
-    --nproc_per_node=2 train.py --total_epochs TOTAL_EPOCHS --strategy
-    STRATEGY`` (the synthetic task, every other default; 1 epoch unless asked)
-    leaves, made once per strategy, epoch count and test process and copied
-    for each test that starts from it, under the name it asks for
-    (``snapshot_train.pt`` by default): a file for ddp, a folder of shards for fsdp."""
-    import shutil
-
+def kit_run(tmp_path_factory):
+    """Runs ``torchrun --standalone --nproc_per_node=2 train.py --strategy
+    STRATEGY FLAGS...`` (OMP_NUM_THREADS=1, what torchrun sets for 2
+    processes, set here whatever the environment holds) once per strategy
+    and flags in this test process, each in a folder of its own; returns
+    (that folder, the run's stdout). For tests that compare with a finished
+    run, or start from its snapshot."""
     from helpers import REPO, TORCHRUN, check, run
 
     made: dict = {}
 
-    def put(folder: Path, name: str = "snapshot_train.pt", strategy: str = "ddp", total_epochs: int = 1) -> Path:
-        key = (strategy, total_epochs)
+    def kit(strategy: str = "ddp", *flags) -> tuple[Path, str]:
+        key = (strategy, *map(str, flags))
         if key not in made:
-            made[key] = tmp_path_factory.mktemp(f"finished_{strategy}_run")
-            check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", strategy,
-                                  "--total_epochs", str(total_epochs)], made[key]))
+            folder = tmp_path_factory.mktemp(f"kit_{strategy}_run")
+            result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
+                                           "--strategy", strategy, *flags], folder, OMP_NUM_THREADS="1"))
+            made[key] = (folder, result.stdout)
+        return made[key]
+    return kit
+
+
+@pytest.fixture(scope="session")
+def finished_run(kit_run):
+    """Puts a finished run's snapshot in a folder: what ``torchrun --standalone
+    --nproc_per_node=2 train.py --total_epochs TOTAL_EPOCHS --strategy
+    STRATEGY`` (the synthetic task, every other default; 1 epoch unless asked)
+    leaves (``kit_run``), copied for each test that starts from it, under the
+    name it asks for (``snapshot_train.pt`` by default): a file for ddp, a
+    folder of shards for fsdp."""
+    import shutil
+
+    def put(folder: Path, name: str = "snapshot_train.pt", strategy: str = "ddp", total_epochs: int = 1) -> Path:
+        made, _ = kit_run(strategy, "--total_epochs", total_epochs)
         if strategy == "fsdp":
-            return Path(shutil.copytree(made[key] / "snapshot_train_fsdp", folder / name))
-        return Path(shutil.copy(made[key] / "snapshot_train.pt", folder / name))
+            return Path(shutil.copytree(made / "snapshot_train_fsdp", folder / name))
+        return Path(shutil.copy(made / "snapshot_train.pt", folder / name))
     return put
 
 

@@ -61,24 +61,8 @@ def _losses(stdout: str) -> list[tuple[str, str]]:
             for line in stdout.splitlines() if line.startswith("epoch ") and "train_loss" in line]
 
 
-@pytest.fixture(scope="module")
-def kit_losses(tmp_path_factory):
-    """(train_loss, val_loss) of each epoch that train.py prints for the rungs'
-    4-epoch run, 2 processes, per --strategy (ddp, fsdp), each run once."""
-    made = {}
-
-    def losses(strategy: str) -> list[tuple[str, str]]:
-        if strategy not in made:
-            result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy",
-                                           strategy, "--total_epochs", "4"], tmp_path_factory.mktemp("kit"),
-                               OMP_NUM_THREADS="1"))
-            made[strategy] = _losses(result.stdout)
-        return made[strategy]
-    return losses
-
-
 @pytest.mark.parametrize("script", RUNGS)
-def test_rung_trains_standalone_and_resumes(script, standalone, kit_losses, tmp_path):
+def test_rung_trains_standalone_and_resumes(script, standalone, kit_run, tmp_path):
     """4 epochs saving every 3rd: the loss falls, one summary line per epoch, what
     was saved loads into a plain model; rungs 2-5 print, digit for digit, the
     losses train.py prints for the same flags (DDP, or FSDP for the FSDP rung).
@@ -95,7 +79,8 @@ def test_rung_trains_standalone_and_resumes(script, standalone, kit_losses, tmp_
         return
     result = check(run(cmd + ["--total_epochs", "4", "--save_every", "3"], tmp_path / "straight", **env))
     if script != "singlegpu.py":  # the kit never trains differently from the ladder
-        assert _losses(result.stdout) == kit_losses("fsdp" if script == "multinode_fsdp.py" else "ddp")
+        strategy = "fsdp" if script == "multinode_fsdp.py" else "ddp"
+        assert _losses(result.stdout) == _losses(kit_run(strategy, "--total_epochs", 4)[1])
     lines = epochs(result.stdout)
     assert [int(e["epoch"]) for e in lines] == [1, 2, 3, 4], result.stdout
     assert lines[-1]["train_loss"] < 0.2 * lines[0]["train_loss"]  # Var(y) ~ 1, noise floor 0.01

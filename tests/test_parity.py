@@ -43,26 +43,12 @@ def parity_mnist(tmp_path_factory) -> list:
     return ["--data_dir", str(build_mnist_root(tmp_path_factory.mktemp("parity_mnist"), n_train=2000, n_test=500))]
 
 
-@pytest.fixture(scope="module")
-def kit_losses(tmp_path_factory, parity_mnist):
-    """train.py's epoch losses per strategy, each run once."""
-    cache = {}
-
-    def losses(strategy: str) -> list[str]:
-        if strategy not in cache:
-            folder = tmp_path_factory.mktemp(f"kit-{strategy}")
-            cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", strategy]
-            cache[strategy] = epoch_losses(check(run(cmd + FLAGS + parity_mnist, folder, **ENV)).stdout)
-        return cache[strategy]
-    return losses
-
-
 # The first DDP rung and the FSDP rung (rungs 3 and 4 feed the same digits to the same DDP
 # arithmetic as rung 2, launched as on the synthetic task in tests/test_ladder.py).
 @pytest.mark.parametrize("script", RUNGS)
-def test_rung_prints_the_losses_the_kit_prints(script, kit_losses, parity_mnist, tmp_path):
+def test_rung_prints_the_losses_the_kit_prints(script, kit_run, parity_mnist, tmp_path):
     if RUNGS[script] == "fsdp" and not torch.cuda.is_available() and torch.__version__ < "2.10":
         pytest.skip("FSDP on the CPU needs torch 2.10 (gloo's reduce_scatter sums before): both refuse")
     cmd, env = launch(script)
     rung = epoch_losses(check(run(cmd + FLAGS + parity_mnist, tmp_path, **env)).stdout)
-    assert len(rung) == 1 and rung == kit_losses(RUNGS[script])
+    assert len(rung) == 1 and rung == epoch_losses(kit_run(RUNGS[script], *FLAGS, *parity_mnist)[1])
