@@ -31,7 +31,6 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import common
 import train_utils
-from train_utils.testing import fault_point  # the tests' hook (DDP_TEST_FAULT); returns at once otherwise
 
 
 def setup(timeout_s: float) -> tuple[int, int, torch.device]:
@@ -56,66 +55,60 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
 
 
 class Trainer:
-    """Runs the epochs, evaluates, prints one summary line per epoch, saves
-    snapshots and resumes from the one at --snapshot_path when it exists.
+    """Runs the epochs: trains, evaluates and prints one summary line per
+    epoch, and has ``checkpointer`` save snapshots (every --save_every
+    epochs, after the last, inside an epoch when one is due, and at a stop
+    signal) and load the one to resume from.
 
-    ``model`` is on ``device``; under FSDP already sharded (``shard_model``), with
-    ``recipe``'s optimizer built on its shards. ``task`` gives the loss and the
-    batch transforms (see common.Task); ``log`` (``train_utils.RunLog``) prints
-    and records the figures, and its W&B run id goes into every snapshot;
-    ``args`` the run's flags. Collective: every rank makes one (the stop signal's
-    gloo group, DDP's first broadcast, reading a snapshot), and every rank calls
-    ``train``. Raises ConfigError (one line) for a snapshot of another run or a
-    damaged one; NothingToTrain when the snapshot already holds every epoch,
-    except under --sample_chars: then its weights are loaded and ``finished``
-    holds that NothingToTrain (None for a run with epochs left).
+    ``task`` gives the model (on ``device``; under FSDP already sharded:
+    ``shard_model``), the loss and the batch transforms (``common.Task``);
+    ``recipe`` the optimizer (built on the model's parameters or shards),
+    its lr schedule, the loss scaler and clipping; ``checkpointer`` the
+    snapshots (``train_utils.Checkpointer``, claimed already); ``log``
+    (``train_utils.RunLog``) prints and records the figures, and its W&B run
+    id goes into every snapshot; ``local_rank`` this process's index on its
+    node; ``args`` the run's flags. Collective: every rank makes one (the
+    stop signal's gloo group, loading the snapshot, DDP's first broadcast)
+    and calls ``train``. Raises ConfigError (one line) for a snapshot of
+    another run or a damaged one; NothingToTrain when the snapshot already
+    holds every epoch, except under --sample_chars: then its weights are
+    loaded and ``finished`` holds that NothingToTrain (None for a run with
+    epochs left).
     """
 
-    def __init__(self, model: torch.nn.Module, train_data: DataLoader, val_data: DataLoader,
-                 recipe: train_utils.Recipe, task: common.Task, device: torch.device,
-                 rank: int, local_rank: int, log: train_utils.RunLog, args) -> None:
-        self.device, self.rank, self.local_rank = device, rank, local_rank
+    def __init__(self, task: common.Task, train_data: DataLoader, val_data: DataLoader,
+                 recipe: train_utils.Recipe, checkpointer: train_utils.Checkpointer, log: train_utils.RunLog,
+                 device: torch.device, local_rank: int, args: argparse.Namespace) -> None:
+        self.task, self.model, self.args = task, task.model, args
+        self.device, self.rank, self.local_rank = device, dist.get_rank(), local_rank
         self.fsdp = args.strategy == "fsdp"
-        self.model = model
         self.train_data, self.val_data = train_data, val_data
-        self.recipe = recipe  # the optimizer, its lr schedule, the loss scaler, clipping
-        self.optimizer = recipe.optimizer
-        self.task, self.args = task, args
-        self.log = log  # the epoch line, --metrics_path, TensorBoard, W&B (its run id goes in snapshots)
+        self.recipe, self.optimizer = recipe, recipe.optimizer
+        self.checkpointer, self.log = checkpointer, log
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, args.amp)
-        # Saved in snapshots; both resume at any world size, mid-epoch too (FSDP: DCP reshards).
-        self.config = dict(vars(args), world_size=None if self.fsdp else dist.get_world_size())
-        self.progress = train_utils.Progress(device, train_data, rank, args.grad_accum_steps)  # epochs, steps, RNG
+        self.progress = train_utils.Progress(device, train_data, self.rank, args.grad_accum_steps)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
-        self.memory_reported = not self.fsdp  # FSDP: the state-per-rank line after the first step
-        # LM tasks: tokens per sample, and the model's FLOPs per token (None: not a transformer LM).
-        self.tokens_per_sample = task.tokens_per_sample
-        self.flops_per_token = train_utils.model_flops_per_token(model)
-        self.saved_at = ""  # the last snapshot saved or resumed from, and its position; '' for none
-        # In the background unless --snapshot_sync: a CPU copy written while training goes on.
-        self.writer = train_utils.SnapshotWriter(asynchronous=not args.snapshot_sync)
-        self.clock = train_utils.SnapshotClock(args.snapshot_every_s)  # --snapshot_every_s: rank 0's clock
-        # FSDP's background saves gather on CPU groups of their own (model, optimizer), not the
-        # training's; a rank gone mid-save fails them after --pg_timeout_s, not gloo's 30 minutes.
-        timeout = timedelta(seconds=args.pg_timeout_s)
-        self.save_groups = (train_utils.gloo_group(timeout), train_utils.gloo_group(timeout)) \
-            if self.fsdp and not args.snapshot_sync else (None, None)
+        self.watch = train_utils.Watch(args.pg_timeout_s, args.grad_accum_steps)  # time-outs, where each rank is
+        self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
+        self.flops_per_token = train_utils.model_flops_per_token(self.model)  # None: not a transformer LM
         self.finished = None  # --sample_chars on a finished run: its NothingToTrain, the weights loaded
         try:
-            self._load_any_snapshot()
+            state = checkpointer.load(self.model, self.optimizer)  # None: nothing to resume
         except train_utils.NothingToTrain as done:
             if not args.sample_chars:
                 raise
-            self.finished = done
-            self._load_weights()  # to sample from, then nothing to train
+            self.finished, state = done, None
+            checkpointer.load_model(self.model)  # to sample from, then nothing to train
+        if state is not None:
+            self._resume(state)
         if not self.fsdp and dist.get_world_size() > 1:
             self._wrap_in_ddp()
         # The compiled module shares the model's weights and runs the training
         # forward; saving and evaluation use the plain model, so what is saved
         # loads without torch.compile.
         self.compiled = train_utils.compile_model(self.model, args.compile)
-        self.profiler = train_utils.StepProfiler(args, device)  # --profile_dir: a few steps traced
+        self.profiler = train_utils.StepProfiler(args.profile_dir, device)  # --profile_dir: a few steps traced
 
     def _wrap_in_ddp(self) -> None:
         """DDP around the model, with more than one process: it copies rank 0's
@@ -129,29 +122,20 @@ class Trainer:
             train_utils.rebuild_ddp_buckets(self.model, self.train_data, self.task.loss_fn,
                                             self.task.eval_transform, device, self.autocast)
 
-    def _load_any_snapshot(self) -> None:
-        """Resume from the snapshot at --snapshot_path, if there is one: FSDP's
-        newest complete folder, DDP's file (seen on every node or on none)."""
-        if self.fsdp:
-            self.snapshots = train_utils.ShardedSnapshots(self.args.snapshot_path)  # a folder per save
-            folder = self.snapshots.latest()  # the newest complete one, on every node (or none)
-            if folder:
-                self._load_sharded_snapshot(folder)
-        elif train_utils.snapshot_on_every_node(self.args.snapshot_path):  # or on none
-            self._load_snapshot(self.args.snapshot_path)
-
-    def _load_weights(self) -> None:
-        """The snapshot's model weights alone, into the model (a finished run's, to sample from)."""
-        if self.fsdp:
-            import torch.distributed.checkpoint as dcp  # imported here: see shard_model
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-            state = get_model_state_dict(self.model)
-            dcp.load(state, checkpoint_id=os.path.join(self.snapshots.latest(), "model"))
-            set_model_state_dict(self.model, state)
-        else:
-            self.model.load_state_dict(torch.load(self.args.snapshot_path, map_location="cpu",
-                                                  weights_only=True)["model"])
+    def _resume(self, state: dict) -> None:
+        """What a loaded snapshot means besides its weights: the position and
+        RNG states, the recipe's schedule and loss scale, the W&B run; then the
+        resume line (rank 0), which says what changed when the snapshot came
+        from another world size."""
+        self.progress.load_state_dict(state)  # and this rank's RNG states: the same random draws
+        # The schedule and loss scale go on (a new --lr takes over), at the epoch's steps in this run's size.
+        self.recipe.resume(state, self.progress.steps_run)
+        self.log.wandb.load_state_dict(state)  # the resumed run logs to the same W&B run
+        # After both loads: the note compares the saved position and world size with this run's.
+        note = (train_utils.resharding_note(state["world_size"], self.progress.epoch_note()) if self.fsdp
+                else self.progress.resize_note(self.recipe))
+        if self.rank == 0:
+            self.log.resumed(self.checkpointer.found, self.progress.position(), note)
 
     @property
     def plain_model(self) -> torch.nn.Module:
@@ -169,8 +153,11 @@ class Trainer:
         return self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch (``step`` counts them from 0 in
-        the epoch); the optimizer steps after every --grad_accum_steps-th."""
+        """Forward and backward of one micro-batch as the loader gives it
+        (``step`` counts them from 0 in the epoch); the optimizer steps after
+        every --grad_accum_steps-th. Returns its mean loss (0-dim, on the device)."""
+        source = self.task.train_transform(source.to(self.device, non_blocking=True))
+        targets = targets.to(self.device, non_blocking=True)
         accum = self.args.grad_accum_steps
         last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
         if step % accum == 0:
@@ -183,184 +170,53 @@ class Trainer:
         self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
         if last:
             self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
-            train_utils.use_training_timeout(self.args.pg_timeout_s)  # from the first step on
         return loss.detach()
-
-    def _after_step(self, meter: train_utils.EpochMeter) -> bool:
-        """After an optimizer step: the FSDP memory line once, a snapshot on a stop
-        signal (then True: stop, the snapshot written), every --snapshot_every_steps
-        steps, or when rank 0's clock says --snapshot_every_s have passed."""
-        if not self.memory_reported:  # optimizers make their state at the first step: measure now
-            train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
-            self.memory_reported = True
-        # Rank 0's clock rides on the stop poll: every rank learns "due" at the same step.
-        if self.stop.poll(request=self.rank == 0 and self.clock.ask()):  # some rank got the signal
-            self._save(meter)  # every rank stops after this step, once the snapshot is written
-            self._finish_save()
-            return True
-        due = self.clock.due(self.stop.requested)  # --snapshot_every_s, unless one was taken since
-        every = self.args.snapshot_every_steps  # and not at the epoch's end: that one comes next
-        if meter.steps_left and (due or every and self.progress.steps_run % every == 0):
-            self._save(meter)
-        return False
 
     def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[dict]:
         """One epoch's training steps; its record, or None when a stop signal ended it."""
         self.model.train()
-        # A new shuffle each epoch; without this every epoch repeats epoch 0's order.
-        self.train_data.sampler.set_epoch(epoch)
-        # After a mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
-        self.train_data.sampler.offset = self.progress.start_samples
+        # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
+        # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
+        self.train_data.sampler.set_epoch(epoch, start=self.progress.start_samples)
         host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
         train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
                                f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
         meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
         limit = train_utils.batches_left(self.args, self.recipe.steps_per_epoch, epoch, self.progress.steps_run)
-        for step, (source, targets) in enumerate(meter.batches(self.train_data, self.args, limit),
-                                                 start=self.progress.steps_run):
-            # Where this rank is, for the report of a collective that times out.
-            train_utils.note_phase(f"epoch {epoch + 1}, training step {meter.steps_done} of this start")
-            # Collective until the first optimizer step (a monitored barrier on the side
-            # gloo group), then a no-op: a rank stuck in its loader is named after
-            # --pg_timeout_s instead of being waited for over --startup_timeout_s.
-            train_utils.check_first_batches(self.args.pg_timeout_s)
-            fault_point("step")  # the tests' hook: a rank killed, failing or held before this step
-            source = self.task.train_transform(source.to(self.device, non_blocking=True))
-            targets = targets.to(self.device, non_blocking=True)
+        batches = meter.batches(self.train_data, self.args.grad_accum_steps, limit)
+        for step, (source, targets) in enumerate(batches, start=self.progress.steps_run):
+            self.watch.step(epoch, meter.steps_done)  # where this rank is; until training runs, every rank's batch
             meter.add(self._run_batch(source, targets, step), len(targets))
             self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
             self.progress.steps_run = step + 1
             if self.progress.steps_run % self.args.grad_accum_steps:
                 continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
-            if self._after_step(meter):
+            # Every rank learns of a stop signal, and of rank 0's snapshot clock, at the same step.
+            if self.stop.poll(request=self.checkpointer.request()):
+                self._save(meter)  # every rank stops after this step, once the snapshot is written
+                self.checkpointer.wait()
                 return None
-        train_utils.note_phase(f"epoch {epoch + 1} after its training steps (evaluation or saving)")
+            if self.checkpointer.due(self.progress.steps_run, self.stop.requested) and meter.steps_left:
+                self._save(meter)  # not at the epoch's end: that snapshot comes next
+        self.watch.after_steps(epoch)
+        if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
+            train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
+            self.memory_reported = True
         dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
         record = meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
         # LM tasks: tokens/s, the model's FLOP/s, and on a GPU its MFU
-        return record | train_utils.throughput_figures(record["samples_per_s"], self.tokens_per_sample,
+        return record | train_utils.throughput_figures(record["samples_per_s"], self.task.tokens_per_sample,
                                                       self.flops_per_token, self.device,
                                                       train_utils.amp_dtype(self.device, self.args.amp))
 
-    def _load_snapshot(self, snapshot_path: str) -> None:
-        """DDP: the snapshot file's model, optimizer, recipe and position."""
-        snapshot = train_utils.read_snapshot(snapshot_path, self.config)  # refuses another run's
-        self.model.load_state_dict(snapshot["model"])
-        self.optimizer.load_state_dict(snapshot["optimizer"])
-        self._resume(snapshot, snapshot_path)
-
-    def _load_sharded_snapshot(self, folder: str) -> None:
-        """FSDP: DCP loads into this model's and optimizer's own sharded state dicts,
-        in place: each rank reads its shards' pieces from whichever files hold them."""
-        import torch.distributed.checkpoint as dcp  # imported here: see shard_model
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        snapshot = self.snapshots.read(folder, self.config, dist.get_world_size())  # or refuses it
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
-        dcp.load(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
-                       optim_state_dict=optimizer_state)
-        self._resume(snapshot, folder)
-
-    def _resume(self, snapshot: dict, path: str) -> None:
-        """What every snapshot holds besides the weights: the recipe's state, the
-        position and RNG states, the W&B run; then the resume line (rank 0), which
-        says what changed when the snapshot came from another world size."""
-        self.progress.load_state_dict(snapshot)  # and this rank's RNG states: the same random draws
-        # The schedule and loss scale go on (a new --lr takes over), at the epoch's steps in this run's size.
-        self.recipe.resume(snapshot, self.progress.steps_run)
-        self.log.wandb.load_state_dict(snapshot)  # the resumed run logs to the same W&B run
-        # After both loads: the note compares the saved position and world size with this run's.
-        note = (train_utils.resharding_note(snapshot["world_size"], self.progress.epoch_note()) if self.fsdp
-                else self.progress.resize_note(self.recipe))
-        if self.rank == 0:
-            self.log.resumed(path, self.progress.position(), note)
-        self.saved_at = f"{path} ({self.progress.position()})"  # intact whatever happens next
-
     def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
-        """Collective: a snapshot of this position, written in the background
-        (``self.writer``) unless --snapshot_sync; the previous write is waited
-        for first (``_finish_save``). Mid-epoch, ``meter`` holds the epoch so far
-        (its totals are saved too)."""
-        self._finish_save()  # at most one write in flight; a failed one ends the run here
-        progress = self.progress.state_dict(meter)  # every rank's RNG states, gathered
-        state = {**progress, **self.recipe.state_dict(),  # + lr_schedule, loss_scaler
-                 **self.log.wandb.state_dict(),  # + wandb_run_id: a resumed run logs to the same W&B run
-                 "config": self.config}
-        self.clock.saved()  # --snapshot_every_s counts from here
-        try:
-            if self.fsdp:
-                self._save_sharded(state)
-            elif self.rank == 0:  # every rank holds the same weights; one saves them
-                state.update(model=self.plain_model.state_dict(), optimizer=self.optimizer.state_dict())
-                self._write_file(state, f"{self.progress.tag()} | snapshot saved at {self.args.snapshot_path}")
-        except BaseException as exc:  # a full disk, say (DCP's CheckpointException is a BaseException)
-            self._raise_save_failure(exc)
-        if not self.writer.asynchronous:
-            self._finish_save()
-
-    def _write_file(self, state: dict, line: str) -> None:
-        """DDP, rank 0: ``state`` to the snapshot file, temp file + rename (never
-        torn; the tests' hook may strike between the two); in the background, a
-        CPU copy of it (the training goes on changing the originals)."""
-        state = train_utils.cpu_copy(state) if self.writer.asynchronous else state
-
-        def write() -> None:
-            train_utils.atomic_save(state, self.args.snapshot_path, before_rename=lambda: fault_point("save"))
-            train_utils.print_line(line)
-
-        self.writer.start(write, f"{self.args.snapshot_path} ({self.progress.position()})")
-
-    def _finish_save(self) -> None:
-        """Wait for the snapshot write in flight, if any: the snapshot it wrote
-        is the intact one from now on; a write that failed ends the run here,
-        with the one line ``save_failure`` makes of a refused write."""
-        done = None
-        try:
-            done = self.writer.wait()
-        except BaseException as exc:
-            self._raise_save_failure(exc)
-        if done:
-            self.saved_at = done
-
-    def _raise_save_failure(self, exc: BaseException) -> None:
-        """Raise ``exc``, as the one line of ``save_failure`` when the system refused the write."""
-        failure = train_utils.save_failure(exc, self.args.snapshot_path, self.saved_at)
-        if failure:
-            raise failure from exc
-        raise exc
-
-    def _save_sharded(self, state: dict) -> None:
-        """Collective: a new folder of every rank's shards; rank 0 completes it
-        (``ShardedSnapshots.commit``: the meta file, then the previous snapshot
-        goes). In the background unless --snapshot_sync: DCP's asynchronous save
-        copies the shards to CPU memory here and writes them from a thread, on
-        CPU (gloo) groups of their own; a thread of ours then completes it."""
-        import torch.distributed.checkpoint as dcp  # imported here: see shard_model
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        train_utils.broadcast_buffers(self.model)  # FSDP never syncs BatchNorm statistics: save rank 0's
-        # Each rank writes its own shards, DCP's rank 0 the index (.metadata); no rank ever
-        # holds the full state. A new folder each time: DCP overwrites files in place.
-        folder = self.snapshots.folder(self.progress.tag())
-        parts = zip(get_state_dict(self.model, self.optimizer), ("model", "optimizer"), self.save_groups)
-        if self.writer.asynchronous:
-            pending = [train_utils.dcp_async_save(part, os.path.join(folder, name), group)
-                       for part, name, group in parts]
-        else:  # plain state_dict keys
-            pending = [dcp.save(part, checkpoint_id=os.path.join(folder, name)) for part, name, _ in parts]
-        meta = dict(state, world_size=dist.get_world_size())
-        line = f"{self.progress.tag()} | snapshot saved at {folder}"
-
-        def complete() -> None:
-            for save in pending:
-                train_utils.dcp_result(save)  # every rank's shards are written (or it raises)
-            if self.rank == 0:
-                self.snapshots.commit(meta, folder, before_rename=lambda: fault_point("save"))  # complete now
-                train_utils.print_line(line)
-
-        self.writer.start(complete, f"{folder} ({self.progress.position()})")
+        """Collective: a snapshot of this position (``Checkpointer.save``: in the
+        background unless --snapshot_sync). Mid-epoch, ``meter`` holds the
+        epoch so far (its totals are saved too)."""
+        state = {**self.progress.state_dict(meter),  # position, the epoch's totals, every rank's RNG states
+                 **self.recipe.state_dict(),  # lr_schedule, loss_scaler
+                 **self.log.wandb.state_dict()}  # wandb_run_id: a resumed run logs to the same W&B run
+        self.checkpointer.save(self.plain_model, self.optimizer, state)
 
     def train(self, max_epochs: int) -> bool:
         """Collective: train up to ``max_epochs``, evaluating and printing each epoch
@@ -373,7 +229,7 @@ class Trainer:
             return self._train_epochs(max_epochs)
         except BaseException:
             with contextlib.suppress(BaseException):  # the run's own error is the one to report
-                self.writer.wait()
+                self.checkpointer.wait()
             raise
 
     def _train_epochs(self, max_epochs: int) -> bool:
@@ -391,7 +247,7 @@ class Trainer:
             # saves after the first epoch and can skip the last one.
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
                 self._save()
-        self._finish_save()  # the last snapshot written before the run reports its end
+        self.checkpointer.wait()  # the last snapshot written before the run reports its end
         return True
 
 
@@ -490,7 +346,6 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     # FSDP keeps each rank's slice of its own copy), then each rank its own random
     # stream, or all would draw the same dropout masks.
     torch.manual_seed(args.seed)
-    fault_point("startup")  # the tests' hook: start-up, the process group up, nothing loaded
     task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
     train_utils.check_sampling(args, task)  # --sample_chars: only a task with a vocabulary writes text
     task.model = task.model.to(device)
@@ -503,30 +358,31 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     return task, optimizer
 
 
-def finish(trainer: Trainer, test_data: DataLoader, rank: int) -> None:
+def finish(trainer: Trainer, test_data: DataLoader) -> None:
     """The run holds every epoch: the test figures, then (rank 0) tell a Slurm
     wrapper that nothing is left to train, so a late stop signal does not requeue it."""
     test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
-    if rank == 0:
+    if trainer.rank == 0:
         trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
     # --sample_chars: what the model writes (FSDP: every rank runs the forwards; rank 0 prints)
     train_utils.print_sample(trainer.plain_model, trainer.task, trainer.args, trainer.device, trainer.fsdp)
-    if rank == 0:
-        fault_point("finished")  # the tests' hook: a finished run held until a stop signal
+    if trainer.rank == 0:
         train_utils.report_run_finished()
 
 
 @train_utils.one_line_errors
 def main(args: argparse.Namespace) -> None:
     """Train by ``args`` (``parse_args``), resuming from --snapshot_path when it
-    holds a snapshot. Collective: every rank calls it. Bad input ends the process
-    with one line and exit status 2 (``one_line_errors``); a collective time-out
+    holds a snapshot. Collective: every rank calls it, and runs under a
+    process group from ``setup`` on. Bad input ends the process with one
+    line and exit status 2 (``one_line_errors``); a collective time-out
     with one line naming the ranks that did not arrive, exit status 1."""
     log = train_utils.RunLog(args)  # its start time: the metrics file's start record
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     rank, local_rank, device = setup(args.startup_timeout_s)
     args.amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
-    if args.strategy == "fsdp":
+    fsdp = args.strategy == "fsdp"
+    if fsdp:
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     task, optimizer = build(args, rank, local_rank, device)
     train_utils.accumulate_for_global_batch(args, dist.get_world_size())  # --global_batch_size, at this size
@@ -534,29 +390,29 @@ def main(args: argparse.Namespace) -> None:
                                                           task.collate_fn)
                                        for data, train in ((task.train_set, True), (task.val_set, False),
                                                            (task.test_set, False)))
-    saved = os.path.join(args.snapshot_path, "meta.pt") if args.strategy == "fsdp" else args.snapshot_path
-    train_utils.check_before_training(args, device, train_data, saved, saves=rank == 0 or args.strategy == "fsdp")
-    train_utils.claim_snapshot(args.snapshot_path)  # one live run per snapshot: another's is refused here
-    if rank == 0:  # claimed: a temporary file beside the snapshot is a killed writer's, on any host
-        train_utils.remove_stale_temporary_files(args.snapshot_path)
-    if rank == 0:
-        train_utils.print_line(train_utils.describe_run(device, args))
     steps_per_epoch = len(train_data) // args.grad_accum_steps  # optimizer steps
     train_utils.run_length(args, steps_per_epoch)  # --max_steps: the epochs it takes
+    train_utils.check_before_training(args, device, train_data)
+    # A file for DDP, a folder of sharded saves for FSDP; written in the background unless --snapshot_sync.
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, fsdp, vars(args), asynchronous=not args.snapshot_sync,
+                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
+                                            timeout_s=args.pg_timeout_s)
+    checkpointer.claim()  # one live run per snapshot: another's is refused here
+    if rank == 0:
+        train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, steps_per_epoch, device)
-    trainer = Trainer(task.model, train_data, val_data, recipe, task, device, rank, local_rank, log, args)
+    trainer = Trainer(task, train_data, val_data, recipe, checkpointer, log, device, local_rank, args)
     if trainer.finished:  # --sample_chars on a finished run: the sample, then "nothing to train"
-        train_utils.print_sample(trainer.plain_model, task, args, device, trainer.fsdp)
+        train_utils.print_sample(trainer.plain_model, task, args, device, fsdp)
         raise trainer.finished
     log.wandb.start(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
-        finish(trainer, test_data, rank)
+        finish(trainer, test_data)
     log.close()  # the W&B run ends here: the FSDP exit below skips wandb's own exit hook
     trainer.stop.close()
-    fsdp = trainer.fsdp
     del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()
-    train_utils.release_claim()  # outside Slurm the next run may take the snapshot, on any host
+    checkpointer.close()  # the claim given back: outside Slurm the next run may take the snapshot, on any host
     if fsdp:
         train_utils.exit_skipping_teardown()  # FSDP: the process group outlives destroy (torch 2.15)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import zipfile
 from typing import Callable
 
 import torch
@@ -17,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from common import ConfigError
 from .metrics import tensorboard_missing
-from .output import first_error, is_distributed
+from .output import first_error
 from .speed import check_amp
 
 
@@ -46,8 +45,7 @@ def downloaders_first(load: Callable[..., object], args: argparse.Namespace, dow
 
 # Flags that may differ between processes of one job (node-local paths, CPU
 # counts, what rank 0 alone writes); every other flag must be the same everywhere.
-PER_PROCESS_FLAGS = ("data_dir", "num_workers", "metrics_path", "tensorboard_dir", "snapshot_path",
-                     "checkpoint_path")
+PER_PROCESS_FLAGS = ("data_dir", "num_workers", "metrics_path", "tensorboard_dir", "snapshot_path")
 
 
 def check_same_settings(args: argparse.Namespace) -> None:
@@ -58,8 +56,6 @@ def check_same_settings(args: argparse.Namespace) -> None:
     a hang (NCCL). Compares ``args`` as given: train.py's --amp is already the
     job's dtype (``resolve_amp``), so "auto" on ranks that would pick
     different dtypes never reaches this comparison as the same string."""
-    if not is_distributed():
-        return
     mine = {key: value for key, value in vars(args).items() if key not in PER_PROCESS_FLAGS}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -71,16 +67,6 @@ def check_same_settings(args: argparse.Namespace) -> None:
             who = ", ".join(f"{value} on ranks {ranks}" for value, ranks in values.items())
             raise ConfigError(f"ranks disagree on --{key}: {who}; start every process with the "
                               f"same arguments")
-
-
-def is_torch_save(path: str) -> bool:
-    """True when ``path`` looks like a file ``torch.save`` wrote: a zip
-    archive holding a ``<name>/data.pkl`` entry (reads its directory only)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return any(name.endswith("/data.pkl") for name in archive.namelist())
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return False
 
 
 def _folder_takes_files(folder: str) -> str:
@@ -109,13 +95,12 @@ def output_path_error(flag: str, path: str, folder: bool = False) -> str:
     """'' when the run can write ``path`` (the value of --``flag``), else the
     one-line error: ``cannot write --flag path: why; what to do``.
 
-    ``folder``: ``path`` is a folder the run fills (--tensorboard_dir, the
-    FSDP rung's --snapshot_path), else a file. Refused: a folder where a file
-    is expected and a file where a folder is; a parent that is a file, cannot
-    be created, or takes no new files; an existing --metrics_path that is not
-    writable (it is appended to); an existing --checkpoint_path that
-    ``torch.save`` did not write (saving would replace it, and it is never
-    read first). Missing folders are created; no file is written or changed.
+    ``folder``: ``path`` is a folder the run fills (--tensorboard_dir,
+    --profile_dir, a sharded --snapshot_path), else a file. Refused: a folder
+    where a file is expected and a file where a folder is; a parent that is
+    a file, cannot be created, or takes no new files; an existing
+    --metrics_path that is not writable (it is appended to). Missing folders
+    are created; no file is written or changed.
     """
     fix = f"pass another --{flag}"
     snapshot = "snapshot " if flag == "snapshot_path" else ""
@@ -126,43 +111,22 @@ def output_path_error(flag: str, path: str, folder: bool = False) -> str:
         why = f"it is a folder, where a {snapshot}file is expected"
     else:
         why = _folder_takes_files(os.path.dirname(path) or ".")
-        if not why and os.path.isfile(path):
-            if flag == "metrics_path" and not os.access(path, os.W_OK):
-                why = "the file is not writable (Permission denied)"
-            elif flag == "checkpoint_path" and not is_torch_save(path):
-                why = "it is a file torch.save did not write, which saving would replace"
-                fix = f"move it away, or {fix}"
+        if not why and flag == "metrics_path" and os.path.isfile(path) and not os.access(path, os.W_OK):
+            why = "the file is not writable (Permission denied)"
     return f"cannot write --{flag} {path}: {why}; {fix}" if why else ""
 
 
-def output_paths(args: argparse.Namespace, save_path: str) -> list:
-    """(flag, path, folder) of each output the run writes: --checkpoint_path
-    or --snapshot_path (a folder when ``save_path`` lies inside it, as the
-    FSDP rung's snapshots do), --metrics_path and --tensorboard_dir when set."""
-    outputs = []
-    for flag in ("checkpoint_path", "snapshot_path"):
-        path = getattr(args, flag, None)
-        if path and path in (save_path, os.path.dirname(save_path)):
-            outputs.append((flag, path, path != save_path))
-    outputs.append(("metrics_path", args.metrics_path, False))
-    outputs.append(("tensorboard_dir", getattr(args, "tensorboard_dir", None), True))
-    return [(flag, path, folder) for flag, path, folder in outputs if path]
-
-
-def check_before_training(args: argparse.Namespace, device: torch.device,
-                          train_data: DataLoader, save_path: str, saves: bool) -> None:
+def check_before_training(args: argparse.Namespace, device: torch.device, train_data: DataLoader) -> None:
     """Everything that would fail later, checked before any training.
 
     Every rank got the same settings (``check_same_settings``); --amp where
     it would slow training down (``check_amp``); a training loader with fewer
     batches than one optimizer step needs; --snapshot_every_steps not a
-    multiple of --grad_accum_steps; and, on the processes that ``saves``,
-    every output path (``output_paths``: ``save_path``'s flag, --metrics_path,
-    --tensorboard_dir) can be written (``output_path_error``; missing folders
-    are created), and tensorboard imports where asked for. ``save_path`` is
-    --checkpoint_path or --snapshot_path, or a file inside the folder
-    --snapshot_path (the FSDP rung's snapshot folders).
-    Collective under a process group. Raises ConfigError (one line).
+    multiple of --grad_accum_steps; and, on rank 0, which writes them,
+    --metrics_path and --tensorboard_dir can be written
+    (``output_path_error``; missing folders are created) and tensorboard
+    imports where asked for. (--snapshot_path is the Checkpointer's:
+    ``Checkpointer.claim``.) Collective. Raises ConfigError (one line).
     """
     check_same_settings(args)
     check_amp(args.amp, device, args.model)
@@ -171,15 +135,16 @@ def check_before_training(args: argparse.Namespace, device: torch.device,
                           f"samples, {len(train_data)} batches of --batch_size "
                           f"{train_data.batch_size}, fewer than one optimizer step of "
                           f"--grad_accum_steps {args.grad_accum_steps}; lower --batch_size")
-    if getattr(args, "snapshot_every_steps", 0) % args.grad_accum_steps:
+    if args.snapshot_every_steps % args.grad_accum_steps:
         raise ConfigError(f"--snapshot_every_steps {args.snapshot_every_steps} is not a multiple "
                           f"of --grad_accum_steps {args.grad_accum_steps}; a snapshot must fall "
                           f"between optimizer steps")
     error = ""
-    if saves:
-        for flag, path, folder in output_paths(args, save_path):
-            error = error or output_path_error(flag, path, folder)
-        if getattr(args, "tensorboard_dir", None) and not error:
+    if dist.get_rank() == 0:
+        for flag, folder in (("metrics_path", False), ("tensorboard_dir", True)):
+            path = getattr(args, flag)
+            error = error or (output_path_error(flag, path, folder) if path else "")
+        if args.tensorboard_dir and not error:
             error = tensorboard_missing()
     error = first_error(error)
     if error:

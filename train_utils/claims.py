@@ -27,7 +27,7 @@ except ImportError:  # Windows: no flock; claims are then read and written unloc
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import first_error, is_distributed
+from .output import first_error
 
 CLAIM_SUFFIX = ".job"
 # squeue's states of a job that may still write (docs: squeue, JOB STATE CODES).
@@ -37,7 +37,7 @@ _HELD: dict = {}  # the claim this process took: {"path": ..., "holder": ...}
 
 
 def claim_path(snapshot_path: str) -> str:
-    """The claim file of ``snapshot_path`` (a file, or the FSDP rung's folder)."""
+    """The claim file of ``snapshot_path`` (a file, or a sharded snapshot's folder)."""
     return os.path.normpath(snapshot_path) + CLAIM_SUFFIX
 
 
@@ -191,12 +191,10 @@ def claim_snapshot(snapshot_path: str) -> None:
     claim is given back when the process ends (``release_claim``); inside a
     job it stays, as the wrappers' does, until another job takes it over."""
     me = this_run()
-    runs = [me]
-    if is_distributed():
-        runs = [None] * dist.get_world_size()
-        dist.all_gather_object(runs, me)
+    runs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(runs, me)
     error = ""
-    if not is_distributed() or dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         path = claim_path(snapshot_path)
         error = take_claim(path, me, {(run["host"], run["pid"], run.get("pidns", "")) for run in runs})
         if not error and "job" not in me:

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from common import ConfigError
 from .kernels import check_gpu_has_kernels
-from .output import is_distributed
 from .speed import amp_dtype
 
 
@@ -47,11 +46,10 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def device_for(local_rank: int, one_process: bool = False) -> torch.device:
+def device_for(local_rank: int) -> torch.device:
     """This process's device: ``cuda:local_rank`` where CUDA works, else another
-    accelerator ``torch.accelerator`` finds (``xpu:local_rank``; ``mps`` for
-    one process, singlegpu.py: ``one_process``; the process-group rungs run on
-    a Mac's CPU, since MPS has no process group backend), else the CPU.
+    accelerator ``torch.accelerator`` finds (``xpu:local_rank``; on a Mac the
+    CPU, since MPS has no process group backend), else the CPU.
 
     Under srun (``started_by_srun``) a task that sees exactly one GPU takes
     ``cuda:0``: Slurm bound that GPU to it (``--gpus-per-task=1``); a task that
@@ -65,7 +63,7 @@ def device_for(local_rank: int, one_process: bool = False) -> torch.device:
         if other is None:
             return torch.device("cpu")
         if other.type == "mps":  # one device, no collective backend: the processes use the CPU
-            return other if one_process else torch.device("cpu")
+            return torch.device("cpu")
         if local_rank >= torch.accelerator.device_count():
             raise ConfigError(f"local rank {local_rank} needs {other.type} device {local_rank}, but this "
                               f"node shows only {torch.accelerator.device_count()}; start at most that "
@@ -196,14 +194,13 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``),
     and one when torch is older than ``OLDEST_TORCH``.
     """
-    world_size = dist.get_world_size() if is_distributed() else 1
-    backend = dist.get_backend() if is_distributed() else "none"
+    world_size, backend = dist.get_world_size(), dist.get_backend()
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
             f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
             f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
 
-    dtype = amp_dtype(device, getattr(args, "amp", None))
+    dtype = amp_dtype(device, args.amp)
     if dtype is not None:  # what plain --amp chose on this device
         line += " | amp bf16" if dtype == torch.bfloat16 else " | amp fp16 with a loss scaler"
     reason = unusable_gpu_reason() if device.type == "cpu" else None

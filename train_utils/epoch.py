@@ -4,7 +4,6 @@ peak memory, the progress bar, and the finite-loss check.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import time
@@ -16,7 +15,6 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from common import ConfigError
-from .output import is_distributed
 from .speed import peak_memory_mib
 
 
@@ -40,21 +38,19 @@ class EpochMeter:
         self.carried = carried
         self.steps = self.steps_left = 0  # this start's training steps in the epoch; those still to come
         self._bar, self._bar_loss_at = None, 0.0
-        self.resumes = True  # the script resumes from snapshots (set by ``batches``)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.start = time.perf_counter()
 
-    def batches(self, loader: DataLoader, args: argparse.Namespace, limit: Optional[int] = None) -> Iterator:
-        """The epoch's batches: whole optimizer steps only (a last group of fewer
-        than --grad_accum_steps micro-batches is dropped, as ``drop_last`` drops
-        a short batch), at most ``limit`` of them (--max_steps' last epoch),
-        with a progress bar on rank 0 when stderr is a
-        terminal (not in logs). ``steps_left`` counts the batches still to
-        come. No collective runs in here: the training loop makes those."""
-        steps = len(loader) - len(loader) % args.grad_accum_steps
+    def batches(self, loader: DataLoader, grad_accum_steps: int, limit: Optional[int] = None) -> Iterator:
+        """The epoch's batches: whole optimizer steps of ``grad_accum_steps``
+        micro-batches only (a last group of fewer is dropped, as ``drop_last``
+        drops a short batch), at most ``limit`` of them (--max_steps' last
+        epoch), with a progress bar on rank 0 when stderr is a terminal (not
+        in logs). ``steps_left`` counts the batches still to come. No
+        collective runs in here: the training loop makes those."""
+        steps = len(loader) - len(loader) % grad_accum_steps
         steps = steps if limit is None else max(0, min(steps, limit))
-        self.resumes = getattr(args, "snapshot_path", None) is not None  # for check_finite's advice
         self.steps, self.steps_left = steps, steps
         self.start = time.perf_counter()
         self._bar = progress_bar(itertools.islice(loader, steps), f"epoch {self.epoch + 1}/{self.max_epochs}",
@@ -84,10 +80,9 @@ class EpochMeter:
         included, float64 (2,) on the CPU (what a mid-epoch snapshot holds).
         Raises ConfigError when the loss is not finite."""
         totals = self.totals.clone()
-        if is_distributed():
-            dist.all_reduce(totals)
+        dist.all_reduce(totals)
         totals = totals.cpu() + (self.carried.cpu() if self.carried is not None else 0)
-        check_finite(totals[0].item() / totals[1].item(), self.epoch, self.resumes)
+        check_finite(totals[0].item() / totals[1].item(), self.epoch)
         return totals
 
     def summary(self) -> dict:
@@ -103,7 +98,7 @@ class EpochMeter:
         seconds = time.perf_counter() - self.start
         loss_sum, samples = (self.totals.cpu() + (self.carried.cpu() if self.carried is not None
                                                   else 0)).tolist()
-        check_finite(loss_sum / samples, self.epoch, self.resumes)
+        check_finite(loss_sum / samples, self.epoch)
         return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
                 "train_loss": loss_sum / samples, "samples": round(samples),
                 "samples_per_s": new_samples / seconds,
@@ -118,7 +113,7 @@ def progress_bar(iterable: Iterable, desc: str, total: Optional[int] = None) -> 
     """``iterable`` wrapped in a tqdm bar labelled ``desc``, shown on global
     rank 0 only and only when stderr is a terminal (a log file gets none);
     the bar is removed when the loop ends (the epoch line says the rest)."""
-    rank0 = not is_distributed() or dist.get_rank() == 0
+    rank0 = dist.get_rank() == 0
     return tqdm(iterable, total=total, desc=desc, leave=False, disable=None if rank0 else True)
 
 
@@ -128,16 +123,12 @@ def evaluating(batches: Iterable) -> Iterable:
     return progress_bar(batches, "evaluating", total=len(batches) if hasattr(batches, "__len__") else None)
 
 
-def check_finite(loss: float, epoch: int, resumes: bool = True) -> None:
+def check_finite(loss: float, epoch: int) -> None:
     """Raise ConfigError when the training loss is NaN or infinite.
 
-    Called before anything is saved, so a diverged run never overwrites the
-    last good checkpoint or snapshot. ``resumes``: the script resumes from
-    its snapshots (--snapshot_path), so the advice is to resume with a lower
-    --lr; else (singlegpu, multigpu_spawn) to train again with one.
+    Called before anything is saved, so a diverged run never overwrites its
+    last good snapshot, from which it resumes with a lower --lr.
     """
     if not math.isfinite(loss):
-        advice = ("Lower --lr and resume" if resumes else
-                  "Lower --lr and train again (this script does not resume from its checkpoint)")
         raise ConfigError(f"training loss became {loss} in epoch {epoch + 1}; stopping without "
-                          f"saving (the last saved state is kept). {advice}")
+                          f"saving (the last saved state is kept). Lower --lr and resume")

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from common import ConfigError
-from .output import is_distributed
 
 
 def broadcast_buffers(model: torch.nn.Module) -> None:
@@ -32,12 +31,10 @@ def most_batches(loader: DataLoader, device: torch.device) -> int:
     a collective, and such a rank would have no input to run it with.
     """
     counts = torch.tensor([len(loader), -len(loader)], device=device)
-    if is_distributed():
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (most, -fewest) over ranks
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (most, -fewest) over ranks
     most, fewest = counts[0].item(), -counts[1].item()
     if fewest == 0 < most:
-        world_size = dist.get_world_size() if is_distributed() else 1
-        raise ConfigError(f"an evaluation split has fewer samples than the {world_size} "
+        raise ConfigError(f"an evaluation split has fewer samples than the {dist.get_world_size()} "
                           f"processes; start fewer processes")
     return most
 

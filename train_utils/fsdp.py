@@ -1,4 +1,4 @@
-"""The FSDP rung's helpers: which blocks become FSDP units, activation
+"""FSDP's helpers: which blocks become FSDP units, activation
 checkpointing of those blocks, the backend check, the state each rank holds,
 and the exit.
 """
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from common import ConfigError
 from .devices import torch_version
-from .output import is_distributed, print_line
+from .output import print_line
 from .speed import peak_memory_mib
 
 # The first torch whose gloo averages in reduce_scatter(ReduceOp.AVG); older ones sum.
@@ -140,12 +140,9 @@ def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimize
                 mine, whole = _local_and_full_bytes(tensor)
                 local["optimizer"] += mine
                 full += whole
-    local.update(total=sum(local.values()), rank=dist.get_rank() if is_distributed() else 0,
-                 ddp_total=full)
-    ranks: list = [local]
-    if is_distributed():
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, local)
+    local.update(total=sum(local.values()), rank=dist.get_rank(), ddp_total=full)
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, local)
     return max(ranks, key=lambda entry: entry["total"])
 
 
@@ -159,14 +156,14 @@ def _size(n_bytes: float) -> str:
 
 def print_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          device: torch.device) -> None:
-    """Collective: rank 0 prints the line multinode_fsdp.py shows after its first
-    optimizer step (when gradients and optimizer state first exist), e.g.
+    """Collective: rank 0 prints the state each rank holds, once gradients and
+    optimizer state exist (after the first optimizer step), e.g.
     ``state per rank: 8.6 KiB = params 2.9 KiB + grads 2.9 KiB + optimizer 2.9 KiB (8844
     bytes, rank 0 of 2); DDP would hold 16.5 KiB (16908 bytes), 1.91x``, from
     ``training_state_bytes``; on CUDA followed by ``| peak GPU memory 123.4 MiB``
     (``torch.cuda.max_memory_allocated``, the maximum over ranks, this epoch so far)."""
     state = training_state_bytes(model, optimizer)
-    world_size = dist.get_world_size() if is_distributed() else 1
+    world_size = dist.get_world_size()
     line = (f"state per rank: {_size(state['total'])} = params {_size(state['params'])} + grads "
             f"{_size(state['grads'])} + optimizer {_size(state['optimizer'])} ({state['total']} "
             f"bytes, rank {state['rank']} of {world_size}); DDP would hold "
@@ -175,7 +172,7 @@ def print_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
     peak = peak_memory_mib(device)
     if peak:
         line += f" | peak GPU memory {peak['peak_gpu_memory_mib']:.1f} MiB"
-    if not is_distributed() or dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         print_line(line)
 
 

@@ -89,7 +89,7 @@ class RunLog:
         self.started_at = time.time() if started_at is None else started_at
         self.run = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(self.started_at))}-{os.getpid()}"
         self.resumed_from: Optional[str] = None
-        self.wandb = WandbRun(getattr(args, "wandb_project", None))
+        self.wandb = WandbRun(args.wandb_project)
         self._last_epoch = 0  # the last epoch logged: TensorBoard's step for the test figures
         self._wrote_start = False  # the start record is in --metrics_path
         self._writer = None  # TensorBoard's SummaryWriter, made at the first record
@@ -106,7 +106,7 @@ class RunLog:
         print_line(metrics_line(record))
         if self.args.metrics_path:
             self._append_json(record)
-        if getattr(self.args, "tensorboard_dir", None):
+        if self.args.tensorboard_dir:
             self._tensorboard(record)
         self.wandb.log(record)  # a no-op unless wandb.start() started a run here
 

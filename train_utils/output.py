@@ -36,10 +36,7 @@ def is_distributed() -> bool:
 
 
 def first_error(error: str) -> str:
-    """The first non-empty error of any rank ('' if none); a collective
-    (an all-gather) under a process group, a no-op without one."""
-    if is_distributed():
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), "")
-    return error
+    """Collective (an all-gather): the first non-empty error of any rank ('' if none)."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), "")

@@ -4,14 +4,14 @@ one trace per rank, which Perfetto and chrome://tracing open.
 
 from __future__ import annotations
 
-import argparse
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from common import ConfigError
 from .checks import output_path_error
-from .output import is_distributed, print_line
+from .output import print_line
 
 # The profiler's schedule, in training steps (micro-batches) of this start:
 # the first is skipped (one-time set-up: lazy allocations, DDP's first
@@ -22,8 +22,8 @@ WAIT, WARMUP, ACTIVE = 1, 1, 3
 
 class StepProfiler:
     """Records steps WAIT + WARMUP + 1 to WAIT + WARMUP + ACTIVE of this start
-    with ``torch.profiler`` when --profile_dir is given; otherwise ``step``
-    does nothing.
+    with ``torch.profiler`` when ``folder`` (--profile_dir) is given; with
+    None, ``step`` does nothing.
 
     Activities: the CPU, and CUDA kernels when ``device`` is a GPU; input
     shapes are recorded too. After the last recorded step each rank writes
@@ -37,15 +37,15 @@ class StepProfiler:
     cannot be made or written, before any training.
     """
 
-    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        self.folder = getattr(args, "profile_dir", None)
+    def __init__(self, folder: Optional[str], device: torch.device) -> None:
+        self.folder = folder
         self.profiler = None
         if not self.folder:
             return
         error = output_path_error("profile_dir", self.folder, folder=True)  # now, not mid-training
         if error:
             raise ConfigError(error)
-        self.rank = dist.get_rank() if is_distributed() else 0
+        self.rank = dist.get_rank()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

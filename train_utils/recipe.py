@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from common import ConfigError, lr_factor
 
-from .output import is_distributed, print_line
+from .output import print_line
 from .speed import amp_dtype
 
 # What a resumed run may change in the recipe; the resume line says what it did.
@@ -68,7 +68,7 @@ def accumulate_for_global_batch(args: argparse.Namespace, world_size: int) -> No
     schedule stay the same whatever the world size (an elastic job's). Raises
     ConfigError (one line) when that is not a whole number >= 1. A no-op
     without the flag."""
-    wanted = getattr(args, "global_batch_size", None)
+    wanted = args.global_batch_size
     if not wanted:
         return
     per_step = args.batch_size * world_size
@@ -221,7 +221,7 @@ class Recipe:
                 group["betas"] = (self.args.beta1, self.args.beta2)
         changed = [f"{name} {config.get(name)} -> {getattr(self.args, name)}" for name in RECIPE_FLAGS
                    if config.get(name) != getattr(self.args, name)]
-        if changed and (not is_distributed() or dist.get_rank() == 0):
+        if changed and dist.get_rank() == 0:
             print_line(f"recipe changed at resume ({', '.join(changed)}): the {self.args.lr_schedule} "
                        f"schedule now runs to epoch {self.args.total_epochs}; the next step's "
                        f"learning rate is {self.lr:.6g}")

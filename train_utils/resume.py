@@ -83,7 +83,7 @@ def position(epochs_run: int, steps_run: int) -> str:
 
 
 def position_tag(epochs_run: int, steps_run: int) -> str:
-    """The same position as a short tag, for the save line and the FSDP rung's
+    """The same position as a short tag, for the save line and the sharded snapshots'
     folder names: "epoch 2" after epoch 2, "epoch 3 step 40" inside epoch 3."""
     return f"epoch {epochs_run + 1} step {steps_run}" if steps_run else f"epoch {epochs_run}"
 
@@ -151,7 +151,7 @@ class Progress:
         """Take the position and totals of ``state`` (from ``state_dict``) and
         this rank's random streams; a rank the saving run did not have (a run
         resumed at a larger world size) keeps its fresh seed. And
-        the world size that saved it (``saved_world_size``: the FSDP rung's
+        the world size that saved it (``saved_world_size``: a sharded snapshot's
         ``state["world_size"]``, else ``state["config"]["world_size"]``).
 
         Inside an epoch the epoch goes on after its ``epoch_samples`` trained

@@ -18,8 +18,8 @@ class ResumableDistributedSampler(DistributedSampler):
     on the world size; rank r takes positions r, r + W, r + 2W, ... of it
     (padded to a multiple of W with its first samples; cut to one with
     ``drop_last``), so after k batches of B on every rank the first k x B x W
-    positions are trained. Setting ``offset`` to that count makes this
-    sampler split the rest of the permutation, positions ``offset`` to its
+    positions are trained. ``set_epoch(epoch, start=k x B x W)`` makes this
+    sampler split the rest of the permutation, positions ``start`` to its
     end, over this sampler's world size the same way (padded, or cut, as
     above): no sample repeated, none skipped, at the same world size or
     another. At the same world size it is exactly the rest of each rank's
@@ -29,6 +29,13 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.offset = 0  # positions of this epoch's permutation trained before (by any world size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Epoch ``epoch``'s permutation (seed + epoch: a new shuffle each
+        epoch), from its position ``start`` on (0: the whole epoch; after a
+        mid-epoch resume, the positions trained before this start)."""
+        super().set_epoch(epoch)
+        self.offset = start
 
     def _rest_size(self) -> int:
         """Positions this epoch still splits over the ranks (a multiple of the world size)."""

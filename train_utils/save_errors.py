@@ -36,7 +36,7 @@ def save_failure(exc: BaseException, target: str, intact: str) -> Optional[RunFa
     the system refused a write (an OSError: a full disk, a quota), as a
     RunFailed naming the cause, which snapshot is intact (``intact``: its path
     and position, '' when none was saved yet) and what to do; None for any
-    other exception. A DCP CheckpointException (the FSDP rung, raised on
+    other exception. A DCP CheckpointException (a sharded save, raised on
     every rank) gives ``every_rank``."""
     error = _os_error(exc)
     if error is None:

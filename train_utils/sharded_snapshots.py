@@ -1,6 +1,7 @@
-"""The FSDP rung's snapshots: a folder per save under --snapshot_path, each
+"""Sharded snapshots (FSDP): a folder per save under --snapshot_path, each
 holding every rank's shards (torch.distributed.checkpoint, DCP) and a small
-file written last, whose presence means the folder is complete.
+file written last, whose presence means the folder is complete;
+``ShardedSnapshots``, the Checkpointer's sharded format.
 """
 
 from __future__ import annotations
@@ -9,30 +10,44 @@ import io
 import os
 import shutil
 from concurrent.futures import Future
+from datetime import timedelta
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import first_error, is_distributed
+from .evaluation import broadcast_buffers
+from .launch import gloo_group
+from .output import first_error, print_line
+from .resume import position_tag
 from .snapshots import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
 
 
 class ShardedSnapshots:
     """The snapshot folders under ``root`` (--snapshot_path): finding the
-    newest complete one, naming a new one, and completing a save.
+    newest complete one, loading it, saving a new one and completing it.
 
     A folder is named by its position (``position_tag``): ``epoch-2`` after
     epoch 2, ``epoch-3-step-40`` after step 40 of epoch 3. It is complete once
     it holds ``META`` (epochs_run, steps_run, epoch_totals, rng_states,
     config, world_size), which rank 0 writes after every rank wrote its
     shards. One job per ``root``, as ``atomic_save`` assumes one writer per path.
+
+    ``asynchronous``: saves are written in the background (DCP's
+    ``async_save``), their collectives on two CPU (gloo) groups of their own
+    (model, optimizer), made here (collective), not the training's: a rank
+    gone mid-save fails them after ``timeout_s`` seconds (--pg_timeout_s),
+    not gloo's 30 minutes. ``latest``, ``load``, ``load_model`` and ``save``
+    are the calls ``checkpointer.Checkpointer`` makes of either format.
     """
 
     META = "meta.pt"
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, asynchronous: bool = False, timeout_s: float = 600) -> None:
         self.root = root
+        timeout = timedelta(seconds=timeout_s)
+        self.groups = (gloo_group(timeout), gloo_group(timeout)) if asynchronous else (None, None)
 
     def folder(self, tag: str) -> str:
         """The folder of a new snapshot at position ``tag`` ("epoch 3 step 40")."""
@@ -69,28 +84,93 @@ class ShardedSnapshots:
             return message[0]
         return None
 
-    def read(self, folder: str, config: dict, world_size: int) -> dict:
-        """``read_snapshot`` of ``folder``'s META (the weights are in its DCP
-        shards). ``config["world_size"]`` is None in the FSDP rung, so any world
-        size matches: DCP reshards, and inside an epoch the rest of its
-        permutation is split over this run's ``world_size`` ranks
+    def read(self, folder: str, config: dict) -> dict:
+        """Collective: ``read_snapshot`` of ``folder``'s META (the weights are
+        in its DCP shards), then every rank checks its share of the shards
+        (``shard_damage``). ``config["world_size"]`` is None for a sharded
+        snapshot, so any world size matches: DCP reshards, and inside an epoch
+        the rest of its permutation is split over this run's ranks
         (``Progress.load_state_dict``). Raises ConfigError as ``read_snapshot``
-        does, and for damaged shards (``shard_damage``)."""
+        does, and for damaged shards."""
         snapshot = read_snapshot(os.path.join(folder, self.META), config)
-        rank, ranks = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
-        damage = first_error(shard_damage(folder, rank, ranks))  # each rank checks its share
+        damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
         if damage:
             raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
                               f"to start afresh (or put back a good copy), or pass another --snapshot_path")
         return snapshot
 
-    def commit(self, meta: dict, folder: str, before_rename: Optional[Callable[[], None]] = None) -> None:
+    def load(self, folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> dict:
+        """Collective: ``read`` the snapshot ``folder``, then DCP loads into
+        this model's and optimizer's own sharded state dicts, in place: each
+        rank reads its shards' pieces from whichever files hold them. Returns
+        the META (the position, RNG states, recipe, config, world_size)."""
+        import torch.distributed.checkpoint as dcp  # imported where FSDP uses it: see train.shard_model
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        snapshot = self.read(folder, config)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
+        dcp.load(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        return snapshot
+
+    def load_model(self, folder: str, model: torch.nn.Module) -> None:
+        """Collective: the model weights alone of the snapshot ``folder``, its
+        shards checked first (``shard_damage``)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
+        if damage:
+            raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
+                              f"to start afresh (or put back a good copy), or pass another --snapshot_path")
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=os.path.join(folder, "model"))
+        set_model_state_dict(model, state)
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+             asynchronous: bool) -> tuple[Callable[[], None], str]:
+        """Collective: a new folder of every rank's shards of ``model`` and
+        ``optimizer``; returns (the function that completes it, the folder).
+
+        Each rank writes its own shards, DCP's rank 0 the index (.metadata); no
+        rank ever holds the full state. A new folder each time: DCP overwrites
+        files in place. ``asynchronous``: DCP's ``async_save`` copies the shards
+        to CPU memory here and writes them from a thread of its own, on this
+        object's CPU groups; else they are written here. The returned function
+        waits for the shards (or raises DCP's CheckpointException, on every
+        rank), then on rank 0 writes ``state`` with the world size as the META
+        file (``commit``) and prints the save line: the Checkpointer runs it in
+        its writer's thread."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        broadcast_buffers(model)  # FSDP never syncs BatchNorm statistics: save rank 0's
+        tag = position_tag(state["epochs_run"], state["steps_run"])
+        folder = self.folder(tag)
+        parts = zip(get_state_dict(model, optimizer), ("model", "optimizer"), self.groups)
+        if asynchronous:
+            pending = [dcp_async_save(part, os.path.join(folder, name), group) for part, name, group in parts]
+        else:  # plain state_dict keys
+            pending = [dcp.save(part, checkpoint_id=os.path.join(folder, name)) for part, name, _ in parts]
+        meta = dict(state, world_size=dist.get_world_size())
+        rank = dist.get_rank()
+
+        def complete() -> None:
+            for save in pending:
+                dcp_result(save)  # every rank's shards are written (or it raises)
+            if rank == 0:
+                self.commit(meta, folder)  # complete now
+                print_line(f"{tag} | snapshot saved at {folder}")
+
+        return complete, folder
+
+    def commit(self, meta: dict, folder: str) -> None:
         """On rank 0, once every rank's shards are in ``folder``: write ``meta``
         there last (temp file + rename), which completes the snapshot; then
         delete every other snapshot folder, the previous one included (until
-        now, it was the one a restart resumed from). ``before_rename``: see
-        ``atomic_save``."""
-        atomic_save(meta, os.path.join(folder, self.META), before_rename)
+        now, it was the one a restart resumed from)."""
+        atomic_save(meta, os.path.join(folder, self.META))
         for _name, other, _position in self._folders():
             if os.path.abspath(other) != os.path.abspath(folder):
                 shutil.rmtree(other, ignore_errors=True)
@@ -112,7 +192,7 @@ def dcp_async_save(state: dict, folder: str, group: dist.ProcessGroup) -> Future
     else uses while the save is in flight. Returns the write's future
     (``dcp_result`` waits for it; it raises DCP's CheckpointException on
     every rank when one rank's write failed)."""
-    import torch.distributed.checkpoint as dcp  # only the FSDP rung needs DCP
+    import torch.distributed.checkpoint as dcp  # only FSDP needs DCP
 
     response = dcp.async_save(state, checkpoint_id=folder, process_group=group)
     return getattr(response, "upload_completion", response)  # an AsyncSaveResponse when staging is async
@@ -136,7 +216,7 @@ def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:
     (none in torch 2.8-2.15) are not checked. A damaged ``.metadata`` is
     reported too. Reads the files; never writes them.
     """
-    from torch.distributed.checkpoint import FileSystemReader  # only the FSDP rung needs DCP
+    from torch.distributed.checkpoint import FileSystemReader  # only FSDP needs DCP
 
     for part in ("model", "optimizer"):
         path = os.path.join(folder, part)
@@ -175,14 +255,14 @@ def _position(name: str) -> Optional[tuple]:
 
 
 def resharding_note(saved_world_size: int, epoch_note: str = "") -> str:
-    """'' when this run's world size is ``saved_world_size``, else the note the
-    FSDP rung's resume line ends with: weights and optimizer state are
+    """'' when this run's world size is ``saved_world_size``, else the note a
+    sharded snapshot's resume line ends with: weights and optimizer state are
     resharded exactly; only ranks that the saving run also had get their RNG
     states back (the others start from their seeds), so dropout and
     augmentation draws differ from those of an uninterrupted run.
     ``epoch_note``: where a mid-epoch snapshot's epoch goes on
     (``Progress.epoch_note``), put before the random streams."""
-    world_size = dist.get_world_size() if is_distributed() else 1
+    world_size = dist.get_world_size()
     if saved_world_size == world_size:
         return ""
     return (f" (saved by world_size {saved_world_size}, resharded to {world_size}: weights and "

@@ -1,5 +1,6 @@
-"""Snapshot files: reading one with the "is it this run's?" checks, seeing
-one from every node, and writing one so that a crash never tears it.
+"""Snapshot files (DDP): reading one with the "is it this run's?" checks,
+seeing one from every node, and writing one so that a crash never tears it;
+``SnapshotFile``, the Checkpointer's file format.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch.distributed as dist
 from common import ConfigError
 from .claims import process_lives
 from .errors import NothingToTrain
+from .output import print_line
+from .resume import position_tag
+from .snapshot_writer import cpu_copy
 
 
 # A snapshot made with other values of these trained something else, or on
@@ -156,7 +160,7 @@ def snapshot_on_every_node(path: str) -> bool:
     return all(exists)
 
 
-def atomic_save(obj: object, path: str, before_rename: Optional[Callable[[], None]] = None) -> None:
+def atomic_save(obj: object, path: str) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename.
 
     A crash at any moment leaves either the old file or the new one, never a
@@ -164,10 +168,8 @@ def atomic_save(obj: object, path: str, before_rename: Optional[Callable[[], Non
     file's name holds its writer (``<path>.<pid>@<host>.<random>.tmp``): a
     failed save removes its own file only, and after a successful one the
     files of writers on this host that no longer live are removed, never a
-    live writer's. ``before_rename``, if given, is called between the
-    written temporary file and the rename (the tests' fault hook: train.py
-    passes it, so the hook's call site is there). Raises what writing raises
-    (OSError: a full disk, say), the file at ``path`` left as it was.
+    live writer's. Raises what writing raises (OSError: a full disk, say),
+    the file at ``path`` left as it was.
     """
     folder = os.path.dirname(os.path.abspath(path))
     writer = f"{os.getpid()}@{socket.gethostname()}"
@@ -178,8 +180,6 @@ def atomic_save(obj: object, path: str, before_rename: Optional[Callable[[], Non
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -215,3 +215,50 @@ def remove_stale_temporary_files(path: str) -> list:
             os.remove(stale)
             removed.append(os.path.basename(stale))
     return removed
+
+
+class SnapshotFile:
+    """The Checkpointer's file format (DDP): the whole state in one file at
+    ``path``, written by rank 0 (every rank holds the same weights), read by
+    every rank. ``latest``, ``load``, ``load_model`` and ``save`` are the
+    calls ``checkpointer.Checkpointer`` makes of either format."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def latest(self) -> Optional[str]:
+        """Collective: ``path`` when every rank sees it, None when none does
+        (start afresh); ConfigError when only some do (``snapshot_on_every_node``)."""
+        return self.path if snapshot_on_every_node(self.path) else None
+
+    def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> dict:
+        """Read the snapshot file ``path`` (``read_snapshot``: integrity, then
+        "same run?" against ``config``), load its model and optimizer state
+        into ``model`` and ``optimizer``; return the rest of it."""
+        snapshot = read_snapshot(path, config)
+        model.load_state_dict(snapshot.pop("model"))
+        optimizer.load_state_dict(snapshot.pop("optimizer"))
+        return snapshot
+
+    def load_model(self, path: str, model: torch.nn.Module) -> None:
+        """The model weights alone of the snapshot file ``path`` (integrity checked, ``_load``)."""
+        model.load_state_dict(_load(path)["model"])
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+             asynchronous: bool) -> tuple[Optional[Callable[[], None]], str]:
+        """(the write, ``path``): on rank 0 a function that writes ``state``
+        with the model's and the optimizer's state dicts to ``path``
+        (``atomic_save``) and prints the save line; None on the other ranks.
+        ``asynchronous``: the write runs in another thread while training
+        changes the originals, so it writes a CPU copy taken now (``cpu_copy``)."""
+        if dist.get_rank() != 0:
+            return None, self.path
+        state = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict())
+        state = cpu_copy(state) if asynchronous else state
+        line = f"{position_tag(state['epochs_run'], state['steps_run'])} | snapshot saved at {self.path}"
+
+        def write() -> None:
+            atomic_save(state, self.path)
+            print_line(line)
+
+        return write, self.path

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import is_distributed, print_line
+from .output import print_line
 from .stop import STOP_SIGNALS
 
 
@@ -66,10 +66,8 @@ def resolve_amp(amp: Optional[str], device: torch.device) -> Optional[str]:
     mine = {"bf16": _native_bf16(device), "gpu": torch.cuda.get_device_name(device),
             "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
             "host": socket.gethostname()}
-    everyone = [mine]
-    if is_distributed():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     without = [rank for rank, info in enumerate(everyone) if not info["bf16"]]
     if amp not in ("auto", "bf16") or not without:
         return amp if amp != "auto" else "bf16"
@@ -81,7 +79,7 @@ def resolve_amp(amp: Optional[str], device: torch.device) -> Optional[str]:
         raise ConfigError(f"--amp bf16: {ranks} without native bf16 ({gpus}), "
                           f"which needs compute capability 8.0 (Ampere) or newer; bf16 autocast would be "
                           f"emulated and slower there. Use --amp (fp16 with a loss scaler on every rank)")
-    if len(without) < len(everyone) and (not is_distributed() or dist.get_rank() == 0):
+    if len(without) < len(everyone) and dist.get_rank() == 0:
         print_line(f"note: --amp is fp16 with a loss scaler on every rank: {ranks} without native bf16 "
                    f"({gpus}), and every rank must train in the same dtype")
     return "fp16"
@@ -177,6 +175,5 @@ def peak_memory_mib(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
     peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20, device=device)
-    if is_distributed():
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"peak_gpu_memory_mib": peak.item()}

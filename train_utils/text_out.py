@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import ConfigError
-from .output import is_distributed, print_line
+from .output import print_line
 
 # The sample's first token: a newline, as nanoGPT's sample.py starts, where the vocabulary has one.
 SAMPLE_START = "\n"
@@ -82,7 +82,7 @@ def print_sample(model: torch.nn.Module, task, args: argparse.Namespace, device:
     (pass the plain model, not DDP's wrapper)."""
     if not args.sample_chars:
         return
-    rank = dist.get_rank() if is_distributed() else 0
+    rank = dist.get_rank()
     if rank != 0 and not fsdp:
         return
     text = sample_text(model, task.decode, task.encode, args, device)

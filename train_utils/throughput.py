@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .output import is_distributed
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no sparsity):
 # (bf16/fp16 tensor core, tf32 tensor core). Used for MFU and by benchmarks/run.py.
@@ -94,7 +93,7 @@ def throughput_figures(samples_per_s: float, tokens_per_sample: Optional[int],
     figures["flops_per_s"] = figures["tokens_per_s"] * flops_per_token
     peaks = gpu_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if peaks:
-        world_size = dist.get_world_size() if is_distributed() else 1
+        world_size = dist.get_world_size()
         peak = peaks[0] if amp_dtype in (torch.bfloat16, torch.float16) else peaks[1]
         figures["mfu"] = figures["flops_per_s"] / (peak * world_size)
     return figures

@@ -44,7 +44,7 @@ def watch_collectives(timeout_s: float) -> None:
     without waiting for the others, this is the first wait for them: a rank
     that never arrives raises RanksStuck with ``startup_timeout_line``.
     """
-    if not is_distributed() or _WATCH.group is not None:
+    if _WATCH.group is not None:
         return
     try:
         _WATCH.group = gloo_group(timedelta(seconds=timeout_s))
@@ -60,6 +60,40 @@ def note_phase(phase: str) -> None:
     _WATCH.phase = phase
 
 
+class Watch:
+    """The training loop's time-outs: where this process is, for the report
+    of a collective that times out, and which time-out is in force.
+
+    ``step`` before each training micro-batch: it notes the step; until the
+    first optimizer step is done (``grad_accum_steps`` micro-batches) it
+    checks that every rank has its batch (``check_first_batches``, within
+    ``timeout_s`` seconds, --pg_timeout_s); at the micro-batch after it, the
+    training time-out takes over from start-up's (``use_training_timeout``).
+    ``after_steps`` once an epoch's training steps are done (evaluation and
+    saving follow). Every rank calls both, equally often.
+    """
+
+    def __init__(self, timeout_s: float, grad_accum_steps: int) -> None:
+        self.timeout_s, self.accum = timeout_s, grad_accum_steps
+        self.batches = 0  # micro-batches this start has begun
+
+    def step(self, epoch: int, step: int) -> None:
+        """Before micro-batch ``step`` (1-based, of this start) of epoch
+        ``epoch`` (0-based). Collective until the training time-out is in
+        force (a monitored barrier each micro-batch, then one barrier); a
+        no-op collective-wise after. Raises RanksStuck (``check_first_batches``)."""
+        note_phase(f"epoch {epoch + 1}, training step {step} of this start")
+        self.batches += 1
+        if self.batches > self.accum:  # an optimizer step is done on every rank
+            use_training_timeout(self.timeout_s)
+        else:
+            check_first_batches(self.timeout_s)
+
+    def after_steps(self, epoch: int) -> None:
+        """Epoch ``epoch``'s (0-based) training steps are done."""
+        note_phase(f"epoch {epoch + 1} after its training steps (evaluation or saving)")
+
+
 def use_training_timeout(timeout_s: Optional[float]) -> None:
     """Collective the first time: once every rank has finished the first
     optimizer step (a barrier), a collective may wait ``timeout_s`` seconds
@@ -71,7 +105,7 @@ def use_training_timeout(timeout_s: Optional[float]) -> None:
 
     gloo before torch 2.10 ignores a changed time-out (docs/install.md).
     """
-    if _WATCH.training or timeout_s is None or not is_distributed():
+    if _WATCH.training or timeout_s is None:
         return
     _WATCH.training = True
     barrier()

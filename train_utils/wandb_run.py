@@ -16,7 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import first_error, is_distributed
+from .output import first_error
 
 
 def wandb_missing() -> str:
@@ -74,14 +74,13 @@ class WandbRun:
         run (not logged in, say)."""
         if not self.project:
             return
-        distributed = is_distributed()
         error = ""
-        if not distributed or dist.get_rank() == 0:
+        if dist.get_rank() == 0:
             error = wandb_missing()
             if not error:
                 import wandb
 
-                config = dict(vars(args), world_size=dist.get_world_size() if distributed else 1)
+                config = dict(vars(args), world_size=dist.get_world_size())
                 try:
                     self.run = wandb.init(project=self.project, id=self.id, resume="allow", config=config)
                 except Exception as exc:  # wandb's UsageError, CommError, ...: one line, not a traceback
