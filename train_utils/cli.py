@@ -23,10 +23,14 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], object]:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a{'n' * (zero and kind is int)} {kind.__name__}, got {text!r}")
-        if not (0 <= value < float("inf") if zero else value > 0):  # also rejects NaN
-            raise argparse.ArgumentTypeError(f"must be >= 0{' and finite' * (kind is float)}, got {text}" if zero
-                                             else f"must be > 0, got {text}")
+            article = "an" if kind is int else "a"
+            raise argparse.ArgumentTypeError(f"expected {article} {kind.__name__}, got {text!r}")
+        if zero:
+            if not 0 <= value < float("inf"):  # also rejects NaN
+                finite = " and finite" if kind is float else ""
+                raise argparse.ArgumentTypeError(f"must be >= 0{finite}, got {text}")
+        elif not value > 0:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
 
     return parse
@@ -80,8 +84,13 @@ class _OneRankParser(argparse.ArgumentParser):
                 continue
             flag = word.split("=")[0]
             underscored = "--" + flag[2:].replace("-", "_")
-            guess = (underscored if underscored in known else "--total_epochs" if flag == "--epochs"
-                     else next(iter(difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)), None))
+            if underscored in known:
+                guess = underscored
+            elif flag == "--epochs":
+                guess = "--total_epochs"
+            else:
+                close = difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)
+                guess = close[0] if close else None
             if guess:
                 meant.append(f"{flag} -> {guess}")
         return f" (did you mean: {', '.join(meant)}?)" if meant else ""
