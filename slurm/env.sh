@@ -1,5 +1,5 @@
 # env.sh: sourced by every wrapper in slurm/ (single_gpu.sh, multi_gpu.sh,
-# multi_node.sh, multi_node_srun.sh) as its one set-up line; not run on its
+# multi_node.sh, multi_node_srun.sh), its one source line; not run on its
 # own. The one file to edit for your cluster: the environment block (where
 # python and torch come from), the network block (nodes with several
 # networks), the container block's variables. In this order: the check that
