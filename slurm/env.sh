@@ -1,11 +1,24 @@
 # env.sh: sourced by every wrapper in slurm/ (single_gpu.sh, multi_gpu.sh,
-# multi_node.sh, multi_node_srun.sh); not run on its own. The one file to
-# edit for your cluster: the environment block (where python and torch come
-# from), the network block (nodes with several networks), the container
-# block's variables. Then what every wrapper needs from them: the script it
+# multi_node.sh, multi_node_srun.sh), its one source line; not run on its
+# own. The one file to edit for your cluster: the environment block (where
+# python and torch come from), the network block (nodes with several
+# networks), the container block's variables. In this order: the check that
+# the wrapper runs under sbatch, the stop handling (its traps before anything
+# slow), those blocks, then what every wrapper needs from them: the script it
 # runs (SCRIPT), the multi-node jobs' data folder (DATA), the rendezvous port
 # (rendezvous_port) and the check that python or torchrun works
 # (require_launcher). Expects PROJECT, the project folder, from the wrapper.
+
+# Run by hand (bash slurm/multi_gpu.sh), a wrapper has no job: say how to
+# submit it, by its own name (under sbatch it runs as a spool copy instead).
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+    wrapper="${BASH_SOURCE[1]:-$0}"
+    echo "error: this is a Slurm batch script; submit it with: sbatch slurm/${wrapper##*/} [training args]" >&2
+    exit 2
+fi
+# The stop signals' traps first (the warning may come during set-up), then
+# snapshot_for and run_step: slurm/stop_and_requeue.sh.
+source "$PROJECT/slurm/stop_and_requeue.sh"
 
 # --- environment (edit for your cluster) ---
 set +u  # activation scripts (conda, some module systems) read unset variables

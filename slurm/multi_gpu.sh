@@ -26,19 +26,12 @@
 
 set -euo pipefail
 
-if [ -z "${SLURM_JOB_ID:-}" ]; then
-    echo "error: this is a Slurm batch script; submit it with: sbatch slurm/multi_gpu.sh [training args]" >&2
-    exit 2
-fi
 # sbatch runs a copy of this file from a spool folder: the project is the submission folder.
-PROJECT="${PROJECT_DIR:-$SLURM_SUBMIT_DIR}"
-if [ ! -f "$PROJECT/slurm/env.sh" ]; then
-    echo "error: $PROJECT/slurm/env.sh not found; run sbatch slurm/multi_gpu.sh from the project folder, or set PROJECT_DIR" >&2
-    exit 2
-fi
-# Traps the stop signals first (they may come during set-up); defines snapshot_for and run_step.
-source "$PROJECT/slurm/stop_and_requeue.sh"
-# The environment, network and container blocks (edit them there): SCRIPT, CONTAINER.
+PROJECT="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
+[ -f "$PROJECT/slurm/env.sh" ] || { echo "error: $PROJECT/slurm/env.sh not found; run sbatch slurm/multi_gpu.sh" \
+    "from the project folder, or set PROJECT_DIR" >&2; exit 2; }
+# slurm/env.sh, what every wrapper shares: the sbatch-only check, the stop traps first (a
+# signal may come during set-up), the blocks to edit (environment, network, container).
 source "$PROJECT/slurm/env.sh"
 require_launcher torchrun
 

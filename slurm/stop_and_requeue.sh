@@ -1,14 +1,15 @@
-# stop_and_requeue.sh: sourced by every wrapper in slurm/ (not run on its
-# own; nothing to edit here). What the batch shell does so that every way
-# Slurm stops a job ends with a snapshot and, where the job should run again,
-# a requeue: the time-limit warning (SIGUSR1 here) is relayed to the training
-# step, and after the step stopped the job is requeued; a preemption (SIGTERM
-# to the step only) is seen as PreemptTime and requeued too, since a batch
-# script that just ended during the grace time would end the job for good; on
-# scontrol requeue and scancel (SIGTERM here too) Slurm decides. A run that
-# already holds every epoch is never requeued. Also: the snapshot's name for a
-# submission, and the refusal to share it with another live job. The table,
-# and what must fit before the SIGKILL: docs/slurm.md.
+# stop_and_requeue.sh: sourced by slurm/env.sh, first thing in every wrapper
+# (not run on its own; nothing to edit here). What the batch shell does so
+# that every way Slurm stops a job ends with a snapshot and, where the job
+# should run again, a requeue: the time-limit warning (SIGUSR1 here) is
+# relayed to the training step, and after the step stopped the job is
+# requeued; a preemption (SIGTERM to the step only) is seen as PreemptTime and
+# requeued too, since a batch script that just ended during the grace time
+# would end the job for good; on scontrol requeue and scancel (SIGTERM here
+# too) Slurm decides. A run that already holds every epoch is never requeued.
+# Also: the snapshot's name for a submission, and the refusal to share it
+# with another live job. The table, and what must fit before the SIGKILL:
+# docs/slurm.md.
 
 # The signal this shell got: USR1 or TERM; empty while none came.
 STOP_SIGNAL=""

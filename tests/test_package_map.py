@@ -1,7 +1,6 @@
 """The kit's shape, read from the source with ast: train_utils is train.py's
-library of small modules without import circles (function-level imports
-counted), no function of it or of train.py runs over 50 lines, its face
-exports with ``__all__`` what train.py and the tests use, the tests' fault
+library of modules without import circles (function-level imports
+counted), its face exports with ``__all__`` what train.py and the tests use, the tests' fault
 hook is called from train.py only, W&B is reached only through the run log,
 and the ladder's rungs never import train_utils."""
 
@@ -13,8 +12,6 @@ from helpers import REPO
 PACKAGE = REPO / "train_utils"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 RUNGS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
-MOST_LINES = 250
-LONGEST_FUNCTION = 50
 
 
 def tree(path) -> ast.Module:
@@ -61,22 +58,6 @@ def test_circles_finds_a_circle():
 
 def test_train_utils_has_no_import_circles():
     assert circles({module: imported_modules(module) for module in MODULES}) == []
-
-
-def test_every_module_is_small():
-    sizes = {name: len((PACKAGE / f"{name}.py").read_text().splitlines()) for name in MODULES}
-    assert {name: n for name, n in sizes.items() if n > MOST_LINES} == {}
-
-
-def test_no_function_is_over_50_lines():
-    long = {}
-    for path in [REPO / "train.py", *sorted(PACKAGE.glob("*.py"))]:
-        for node in ast.walk(tree(path)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > LONGEST_FUNCTION:
-                    long[f"{path.name}:{node.name}"] = lines
-    assert long == {}
 
 
 def exported() -> list:

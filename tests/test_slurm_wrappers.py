@@ -2,13 +2,15 @@
 by themselves: no cluster, no training, seconds.
 
 What Slurm does with the wrappers is tests/test_slurm.py and
-tests/test_stop_paths.py; here: every wrapper takes its environment,
-network and container set-up from slurm/env.sh and its stop handling from
-slurm/stop_and_requeue.sh, copying neither; each header is short and every
+tests/test_stop_paths.py; here: every wrapper sources slurm/env.sh, once,
+which checks that it runs under sbatch, sources slurm/stop_and_requeue.sh
+(the stop traps) before anything slow, then sets up the environment, network
+and container; no wrapper copies any of it; each header is short and every
 ``#SBATCH`` line says what it is for; every wrapper parses (``bash -n``) and
-runs strict. Then what slurm/env.sh does when sourced (the virtual
-environment or the container command, the script, the launcher check, the
-rendezvous port, which the ranks under srun derive alike), and
+runs strict. Then what slurm/env.sh does when sourced (the traps before the
+environment block, the virtual environment or the container command, the
+script, the launcher check, the rendezvous port, which the ranks under srun
+derive alike), and
 slurm/stop_and_requeue.sh's own logic where a real cluster meets it only by
 chance (its requeue's SIGTERM, two jobs taking one snapshot's claim), with
 stand-in scontrol and squeue that make it happen every time.
@@ -29,10 +31,10 @@ from helpers import LAUNCHER_VARIABLES, wrapper_snapshot
 REPO = Path(__file__).resolve().parent.parent
 WRAPPERS = ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"]
 MAX_HEADER_LINES = 12
-SOURCES = [r'^source "\$PROJECT/slurm/stop_and_requeue.sh"$', r'^source "\$PROJECT/slurm/env.sh"$']
-# What only slurm/env.sh (or stop_and_requeue.sh) may hold: the blocks a user edits, the checks, the port.
-SHARED_ONLY = ["VENV=", "activate", "CONTAINER=(", "CONTAINER_RUN", "SOCKET_IFNAME", "python -c", "--help",
-               "15000", "--signals-to-handle", "DATA="]
+# What only slurm/env.sh (or stop_and_requeue.sh) may hold: the sbatch-only check, the stop handling,
+# the blocks a user edits, the checks, the port.
+SHARED_ONLY = ["SLURM_JOB_ID:-", "stop_and_requeue.sh", "trap ", "VENV=", "activate", "CONTAINER=(",
+               "CONTAINER_RUN", "SOCKET_IFNAME", "python -c", "--help", "15000", "--signals-to-handle", "DATA="]
 
 
 def read(wrapper: str) -> str:
@@ -40,15 +42,20 @@ def read(wrapper: str) -> str:
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_wrapper_sources_the_shared_files_and_copies_nothing_of_them(wrapper):
-    """The stop traps first (a signal may come during set-up), then the
-    environment; the one command of the training step runs the script
-    slurm/env.sh chose (train.py unless SCRIPT_NAME says otherwise)."""
+def test_wrapper_sources_the_shared_file_once_and_copies_nothing_of_it(wrapper):
+    """One source line, slurm/env.sh, which holds the rest in order: the
+    sbatch-only check, then the stop traps (a signal may come during set-up),
+    then the environment; the one command of the training step runs the
+    script slurm/env.sh chose (train.py unless SCRIPT_NAME says otherwise)."""
     text = read(wrapper)
-    lines = [re.search(pattern, text, re.M) for pattern in SOURCES]
-    assert all(lines) and lines[0].start() < lines[1].start(), wrapper
+    assert re.findall(r"^\s*(?:source|\.) .*$", text, re.M) == ['source "$PROJECT/slurm/env.sh"'], wrapper
     assert [word for word in SHARED_ONLY if word in text] == []
     assert '"$SCRIPT"' in text and re.search(r"^require_launcher (python|torchrun)$", text, re.M)
+    env_sh = read("env.sh")
+    order = [env_sh.index(line) for line in ('if [ -z "${SLURM_JOB_ID:-}" ]; then',
+                                             'source "$PROJECT/slurm/stop_and_requeue.sh"\n',
+                                             "# --- environment (edit for your cluster) ---")]
+    assert order == sorted(order), order
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
@@ -94,17 +101,28 @@ def test_wrapper_parses_and_runs_strict(wrapper):
     assert re.search(r"^set -euo pipefail$", text, re.M)
     # The training step is found at a glance.
     assert re.search(r"^# The training step:", text, re.M)
-    # The error for a wrong submission folder assumes no folder name.
-    assert "cd ddp-scripts" not in text and "from the project folder" in text and "$SLURM_SUBMIT_DIR" in text
+    # The project is the submission folder (or PROJECT_DIR); the error for a
+    # wrong submission folder assumes no folder name.
+    assert re.search(r'^PROJECT="\$\{PROJECT_DIR:-\$\{SLURM_SUBMIT_DIR:-\$PWD\}\}"$', text, re.M)
+    assert "cd ddp-scripts" not in text and "from the project folder" in text
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_wrapper_outside_sbatch_says_how_to_submit(wrapper):
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+def test_wrapper_outside_sbatch_says_how_to_submit(wrapper, tmp_path):
+    """Run by hand from the project folder (slurm/env.sh's check, naming the
+    wrapper run), or from elsewhere (the wrapper's own check: no env.sh there)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_") and key != "PROJECT_DIR"}
     result = subprocess.run(["bash", f"slurm/{wrapper}"], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: this is a Slurm batch script; submit it with: sbatch slurm/{wrapper} [training args]"]
+    assert result.stdout == ""
+    result = subprocess.run(["bash", REPO / "slurm" / wrapper], cwd=tmp_path, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {tmp_path}/slurm/env.sh not found; run sbatch slurm/{wrapper} from the project folder, "
+        f"or set PROJECT_DIR"]
     assert result.stdout == ""
 
 
@@ -171,6 +189,19 @@ def test_env_sh_activates_the_venv_or_builds_the_container_command(tmp_path):
         "venv=0", f"script={REPO}/multinode.py", "data=/local",
         "[podman][run][--rm][--env][SLURM_JOB_ID=31337][--env][SLURM_ARRAY_JOB_ID=31330]"
         "[--env][SLURM_ARRAY_TASK_ID=7][ddp:latest]"], result.stderr
+
+
+def test_env_sh_traps_the_stop_signals_before_the_environment_block(tmp_path):
+    """The time-limit warning may come while the environment activates (a
+    conda or module set-up takes seconds): by then the stop handler's traps
+    are set, and sourcing env.sh leaves them set."""
+    venv = _fake_venv(tmp_path / "venv")
+    (venv / "bin" / "activate").write_text("trap -p USR1 TERM\n")
+    result = _env_sh(tmp_path, "echo after; trap -p USR1 TERM", VENV_DIR=str(venv))
+    assert result.returncode == 0, result.stderr
+    during, after = result.stdout.split("after\n")
+    for traps in (during, after):
+        assert "on_stop_signal USR1" in traps and "on_stop_signal TERM" in traps, result.stdout
 
 
 def test_env_sh_refuses_a_missing_script_or_launcher_in_one_line(tmp_path):

@@ -737,3 +737,26 @@ def test_the_snapshot_clock_asks_once_per_interval_and_once_per_request():
     asks = [tiny.ask() for _ in range(6)]
     assert asks == [True, False, True, False, True, False]
     assert not any(train_utils.SnapshotClock(0, clock=lambda: 1e9).ask() for _ in range(3))
+
+
+@pytest.mark.parametrize("kind, zero, text, message", [
+    (int, False, "x", "expected an int, got 'x'"),
+    (int, True, "x", "expected an int, got 'x'"),
+    (float, False, "x", "expected a float, got 'x'"),
+    (int, False, "0", "must be > 0, got 0"),
+    (float, False, "nan", "must be > 0, got nan"),
+    (int, True, "-1", "must be >= 0, got -1"),
+    (float, True, "inf", "must be >= 0 and finite, got inf"),
+    (float, True, "nan", "must be >= 0 and finite, got nan"),
+])
+def test_a_flags_bad_number_is_named_in_plain_words(kind, zero, text, message):
+    """train.py's number flags (train_utils.cli.positive): the usage error says
+    what was expected and what came; good values pass through."""
+    import argparse
+
+    from train_utils.cli import positive
+
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        positive(kind, zero)(text)
+    assert str(info.value) == message
+    assert positive(kind, zero)("3") == 3 and positive(kind, True)("0") == 0

@@ -23,16 +23,21 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], object]:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a{'n' * (zero and kind is int)} {kind.__name__}, got {text!r}")
-        if not (0 <= value < float("inf") if zero else value > 0):  # also rejects NaN
-            raise argparse.ArgumentTypeError(f"must be >= 0{' and finite' * (kind is float)}, got {text}" if zero
-                                             else f"must be > 0, got {text}")
+            article = "an" if kind is int else "a"
+            raise argparse.ArgumentTypeError(f"expected {article} {kind.__name__}, got {text!r}")
+        if zero:
+            if not 0 <= value < float("inf"):  # also rejects NaN
+                finite = " and finite" if kind is float else ""
+                raise argparse.ArgumentTypeError(f"must be >= 0{finite}, got {text}")
+        elif not value > 0:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
 
     return parse
 
 
-non_negative_float, non_negative_int = positive(float, zero=True), positive(int, zero=True)
+non_negative_float = positive(float, zero=True)
+non_negative_int = positive(int, zero=True)
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -79,8 +84,13 @@ class _OneRankParser(argparse.ArgumentParser):
                 continue
             flag = word.split("=")[0]
             underscored = "--" + flag[2:].replace("-", "_")
-            guess = (underscored if underscored in known else "--total_epochs" if flag == "--epochs"
-                     else next(iter(difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)), None))
+            if underscored in known:
+                guess = underscored
+            elif flag == "--epochs":
+                guess = "--total_epochs"
+            else:
+                close = difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)
+                guess = close[0] if close else None
             if guess:
                 meant.append(f"{flag} -> {guess}")
         return f" (did you mean: {', '.join(meant)}?)" if meant else ""
@@ -149,10 +159,12 @@ def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
     add("--seed", type=int, default=0, help="seed for data split, model init, shuffling (default: 0)")
     add("--num_workers", type=non_negative_int, default=0,
         help="DataLoader worker processes per training process (default: 0)")
-    for name, kind, what in (("n_layer", positive(int), "transformer blocks"), ("n_head", positive(int), "heads"),
-                             ("n_embd", positive(int), "width"), ("block_size", positive(int), "context, tokens"),
-                             ("dropout", non_negative_float, "dropout probability")):
-        add(f"--{name}", type=kind, default=None, help=f"GPT tasks: {what} (default: the task's)")
+    add("--n_layer", type=positive(int), default=None, help="GPT tasks: transformer blocks (default: the task's)")
+    add("--n_head", type=positive(int), default=None, help="GPT tasks: heads (default: the task's)")
+    add("--n_embd", type=positive(int), default=None, help="GPT tasks: width (default: the task's)")
+    add("--block_size", type=positive(int), default=None, help="GPT tasks: context, tokens (default: the task's)")
+    add("--dropout", type=non_negative_float, default=None,
+        help="GPT tasks: dropout probability (default: the task's)")
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -166,11 +178,11 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
         help="also log the flags, each epoch's figures and the test figures to a Weights & Biases run "
              "in this project, from rank 0; a resumed run continues it; WANDB_MODE=offline, "
              "WANDB_ENTITY etc. apply (needs: pip install wandb)")
-    for name, kind, default, what in (
-            ("sample_chars", non_negative_int, 0, "LM tasks: characters the model writes, printed after training "
-             "and on a rerun of a finished run; 0: none"), ("temperature", positive(float), 0.8,
-            "--sample_chars: logits / this"), ("top_k", positive(int), 200, "--sample_chars: from the k likeliest")):
-        add(f"--{name}", type=kind, default=default, help=f"{what} (default: {default})")
+    add("--sample_chars", type=non_negative_int, default=0,
+        help="LM tasks: characters the model writes, printed after training and on a rerun of a "
+             "finished run; 0: none (default: 0)")
+    add("--temperature", type=positive(float), default=0.8, help="--sample_chars: logits / this (default: 0.8)")
+    add("--top_k", type=positive(int), default=200, help="--sample_chars: from the k likeliest (default: 200)")
     add("--profile_dir", default=None,
         help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
              "here, for Perfetto or chrome://tracing (default: no profiler)")
@@ -214,13 +226,22 @@ def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
         help="linear warm-up over this many (fractional) epochs of steps (default: the task's; 0)")
     add("--clip_grad_norm", type=non_negative_float, default=None,
         help="clip the gradients' total L2 norm, over all ranks, to this; 0: no clipping (default: the task's; 0)")
-    for name, kind, what in (
-            ("max_steps", non_negative_int, "optimizer steps to train, the last epoch cut short; 0: --total_epochs"),
-            ("warmup_steps", non_negative_int, "linear warm-up over this many optimizer steps (--warmup_epochs 0)"),
-            ("min_lr", non_negative_float, "where the cosine ends"), ("beta1", non_negative_float, "AdamW's beta1"),
-            ("beta2", non_negative_float, "AdamW's beta2"), ("lr_step_epochs", positive(int),
-            "step schedule: epochs between decays"), ("lr_gamma", positive(float), "step schedule: factor per decay")):
-        add(f"--{name}", type=kind, default=None, help=f"{what} (default: the task's; {RECIPE_DEFAULTS[name]})")
+    add("--max_steps", type=non_negative_int, default=None,
+        help="optimizer steps to train, the last epoch cut short; 0: --total_epochs "
+             f"(default: the task's; {RECIPE_DEFAULTS['max_steps']})")
+    add("--warmup_steps", type=non_negative_int, default=None,
+        help="linear warm-up over this many optimizer steps (--warmup_epochs 0) "
+             f"(default: the task's; {RECIPE_DEFAULTS['warmup_steps']})")
+    add("--min_lr", type=non_negative_float, default=None,
+        help=f"where the cosine ends (default: the task's; {RECIPE_DEFAULTS['min_lr']})")
+    add("--beta1", type=non_negative_float, default=None,
+        help=f"AdamW's beta1 (default: the task's; {RECIPE_DEFAULTS['beta1']})")
+    add("--beta2", type=non_negative_float, default=None,
+        help=f"AdamW's beta2 (default: the task's; {RECIPE_DEFAULTS['beta2']})")
+    add("--lr_step_epochs", type=positive(int), default=None,
+        help=f"step schedule: epochs between decays (default: the task's; {RECIPE_DEFAULTS['lr_step_epochs']})")
+    add("--lr_gamma", type=positive(float), default=None,
+        help=f"step schedule: factor per decay (default: the task's; {RECIPE_DEFAULTS['lr_gamma']})")
     add("--decay_params", choices=DECAY_PARAMS, default=None,
         help="all: every parameter decays; matrices: 2-D ones only, not biases or norms (default: the task's; all)")
 
@@ -233,13 +254,17 @@ def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str,
              "1/world_size of it (FSDP2), snapshots sharded (default: ddp)")
     defaults = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
     add("--snapshot_path", default=None,
-        help="snapshot to resume from when it exists, and to save to" + (f" (default: {defaults})" if defaults else ""))
-    add("--snapshot_every_steps", type=non_negative_int, default=0, help="also snapshot every N steps "
-        "inside an epoch, so a restart loses at most N steps (0: only at epoch ends) (default: 0)")
-    add("--snapshot_every_s", type=non_negative_float, default=0, help="also snapshot inside an epoch "
-        "once this many seconds have passed since the last snapshot, e.g. 60 (0: off) (default: 0)")
-    add("--snapshot_sync", action="store_true", help="write each snapshot before training goes on "
-        "(default: a CPU copy written in the background, one write at a time)")
+        help="snapshot to resume from when it exists, and to save to"
+             + (f" (default: {defaults})" if defaults else ""))
+    add("--snapshot_every_steps", type=non_negative_int, default=0,
+        help="also snapshot every N steps inside an epoch, so a restart loses at most N steps "
+             "(0: only at epoch ends) (default: 0)")
+    add("--snapshot_every_s", type=non_negative_float, default=0,
+        help="also snapshot inside an epoch once this many seconds have passed since the last "
+             "snapshot, e.g. 60 (0: off) (default: 0)")
+    add("--snapshot_sync", action="store_true",
+        help="write each snapshot before training goes on (default: a CPU copy written in the "
+             "background, one write at a time)")
     add("--pg_timeout_s", type=positive(float), default=600,
         help="once training runs, seconds a collective may wait for the other ranks before the job "
              "fails: on the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) "
