@@ -1,7 +1,7 @@
 """Small datasets in the real on-disk formats torchvision reads: MNIST from
 the real t10k digits written back as IDX files, and a tiny CIFAR-10 in its
-python-pickle layout. Used by the tests (conftest.py's fixtures) and by
-benchmarks/run.py."""
+python-pickle layout. Used by the tests (conftest.py's fixtures) and by the
+benchmark (benchmarks/run.py, benchmarks/input_pipeline.py)."""
 
 from __future__ import annotations
 

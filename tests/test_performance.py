@@ -6,7 +6,6 @@ No test here measures or asserts a time; benchmarks/ does the measuring."""
 import argparse
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -394,8 +393,7 @@ def test_the_peak_table_gives_h200_nvl_its_own_peak_and_a_mig_slice_none(monkeyp
 def test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus(monkeypatch, tmp_path):
     """One GPU: the sections of two processes are skipped with the reason; a section
     that raises is recorded with its error, and the sections after it still run."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import run as benchmark
+    from benchmarks import run as benchmark
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no sparsity):
-# (bf16/fp16 tensor core, tf32 tensor core). Used for MFU and by benchmarks/run.py.
+# (bf16/fp16 tensor core, tf32 tensor core). Used for MFU and by the benchmark's section 5
+# (benchmarks/gpu.py).
 GPU_PEAKS = MappingProxyType({
     "H100 80GB HBM3": (989e12, 495e12), "H100 SXM": (989e12, 495e12), "H200": (989e12, 495e12),
     "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 418e12), "H200 NVL": (835e12, 418e12),

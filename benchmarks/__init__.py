@@ -1,0 +1,32 @@
+"""The kit's benchmark: ``python benchmarks/run.py [--only N ...]`` (run.py).
+
+One module per section (the section's key in ``--only``, and its name in
+results/latest.json):
+
+    1  overhead.py          train.py's training step against a bare loop
+    1b amp_cpu.py           bf16 autocast on this CPU
+    2  input_pipeline.py    the fast input path against torchvision's per-sample one
+    3  scaling.py           1 and 2 processes, and the all-reduce share of a step
+    4  time_to_accuracy.py  wall seconds to 95% validation accuracy on real MNIST
+    5  gpu.py               ResNet-18 on one GPU: fp32, bf16, channels_last, compile
+    6  fsdp_vs_ddp.py       FSDP against DDP: step time and state per rank
+    7  snapshot_save.py     the rate a snapshot reaches the disk
+    8  language_model.py    shakespeare_char: tokens/s, FLOP/s, nanoGPT's own train.py
+    9  snapshot_cost.py     what a snapshot costs the training, sync against async
+
+What the sections share (the machine, the table, the process group, a bare
+training step, the timing) is harness.py.
+
+Importing the package puts the repository (train.py, common.py, train_utils)
+and tests/ (its two plain helper modules, helpers.py and dataset_files.py;
+not conftest.py: no pytest fixtures or hooks here) first on ``sys.path``, so
+the section modules import them as the scripts and the tests do; and the
+processes that sections 3, 6 and 9 spawn, which start with the parent's
+``sys.path``, import their workers as ``benchmarks.<module>``.
+"""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]

@@ -1,0 +1,153 @@
+"""What the benchmark's sections share: the machine the numbers were measured
+on, the markdown table each section prints, a process group set up as the
+scripts' ``ddp_setup`` does, a bare training step, and the timing (seconds per
+step, interleaved repetitions).
+
+Timing conventions of every section: ``timed`` returns seconds per call
+(wall time by default, CPU time where a section passes
+``clock=time.process_time``), with a GPU's queued work finished before and
+after; ``interleaved`` runs the variants in ABBA order so that a shared
+machine's drifting load falls on each alike. A section's headline figure is
+the best or the median of those repetitions, as its table's title says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+# First: importing the package puts the repository and tests/ on sys.path.
+from benchmarks import REPO  # noqa: F401  (the repository root, for the sections)
+import common
+import train_utils
+import vision_tasks
+
+CPU = torch.device("cpu")
+
+
+def build_model(dataset: str, model_name: str) -> torch.nn.Module:
+    """A fresh model of a built-in task (synthetic, mnist, cifar10), from the global RNG."""
+    if dataset == "synthetic":
+        return common.synthetic_model(model_name)
+    return vision_tasks.build_model(dataset, model_name)
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "os": platform.platform(),
+            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")}
+    try:
+        load = os.getloadavg()[0]
+        info["load_avg_1min_at_start"] = round(load, 2)
+    except OSError:
+        pass
+    return info
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    """A markdown table (also readable as plain text)."""
+    def cell(v):
+        return f"{v:,.3f}" if isinstance(v, float) and abs(v) < 10 else (
+            f"{v:,.0f}" if isinstance(v, float) else str(v))
+    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# What the sections share: the process group, a training step, the timing
+# --------------------------------------------------------------------------
+
+def backend_for(device: torch.device = None) -> str:
+    """The process-group backend the scripts use on ``device`` (default: this
+    machine's first GPU where CUDA works, else its CPU): nccl on a GPU, gloo on a CPU."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int, device: torch.device):
+    """Be ``rank`` of a ``world_size``-process group on this machine for a with
+    block, set up as the scripts' ``ddp_setup`` does: this rank's GPU selected
+    first, the CPU cores shared between the processes
+    (``train_utils.share_cpu_cores``: the usable cores over the world size,
+    unless OMP_NUM_THREADS is set), the device's backend. After the block the
+    group is gone and torch's thread count is what it was."""
+    threads = torch.get_num_threads()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    train_utils.share_cpu_cores(device, world_size)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` (on ``device``) in DistributedDataParallel, as the DDP scripts wrap it."""
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def train_step(model, optimizer, loss_fn, x, y, autocast=contextlib.nullcontext(), transform=None):
+    """One bare training step on the batch (``x``, ``y``), as a function of no
+    arguments: zero_grad, forward and loss under ``autocast`` (made once, as in
+    the scripts), backward, optimizer step. ``transform`` runs on ``x`` each step."""
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_fn(model(x if transform is None else transform(x)), y)
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` to finish (a GPU's; a CPU has none)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step, steps: int, device: torch.device = CPU, clock=time.perf_counter,
+          barrier: bool = False) -> float:
+    """Seconds per call of ``step()`` over ``steps`` calls, by ``clock``, with the
+    GPU's queued work finished before and after; with ``barrier``, every rank
+    of the process group starts together."""
+    synchronize(device)
+    if barrier:
+        dist.barrier()
+    start = clock()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return (clock() - start) / steps
+
+
+def interleaved(blocks: dict, reps: int) -> dict:
+    """{name: [what ``blocks[name]()`` returned, per repetition]}: each block once
+    per repetition, in ABBA order (reversed every other repetition): on a shared
+    machine the load drifts over seconds, and every block sees the same drift."""
+    results = {name: [] for name in blocks}
+    for rep in range(reps):
+        for name in (list(blocks) if rep % 2 == 0 else list(reversed(blocks))):
+            results[name].append(blocks[name]())
+    return results

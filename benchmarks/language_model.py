@@ -1,0 +1,226 @@
+"""Section 8, language_model: train.py --dataset shakespeare_char (nanoGPT's
+CPU recipe) in tokens/s and model FLOP/s; with ``--nanogpt PATH``, against
+nanoGPT's own train.py. Needs the corpus in ../shared/data/tinyshakespeare.
+
+8a (with a checkout of karpathy/nanoGPT; needs numpy): nanoGPT's train.py on
+the same recipe, model, data and ``--lm_threads`` threads, interleaved with
+the kit's 1 process, in tokens per CPU second (the CPU seconds of a run of a
+fifth of the steps subtracted: start-up and evaluation drop out, and a busy
+machine's other processes count against neither) and in wall tokens/s.
+Reading it: "kit / nanoGPT" per pair and their median; 1.0 is parity.
+
+8b: tokens/s and model FLOP/s (6N + 12 n_layer n_embd block_size FLOPs per
+token, as train.py's epoch line counts them: docs/performance.md) at 1 and 2
+processes, DDP and FSDP, with and without --activation_checkpointing, each
+``--lm_steps`` steps. Reading it: on a CPU the FLOP/s over what a 1024 x 1024
+fp32 matmul reaches on as many processes (``matmul_flops_per_s``), on a GPU
+the MFU; the FSDP rows carry the training state per rank that train.py
+printed, FSDP's and DDP's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import REPO, interleaved, table, timed
+from helpers import TORCHRUN, script_env
+
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# nanoGPT's CPU recipe (its README), which --dataset shakespeare_char trains by default.
+NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32",
+                      "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+                      "--lr_decay_iters=2000", "--dropout=0.0", "--log_interval=1", "--eval_iters=20",
+                      "--eval_interval=100000", "--always_save_checkpoint=False"]
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss \S+, time (\S+)ms", re.M)
+STATE_LINE = re.compile(r"state per rank: .* \((?P<fsdp>\d+) bytes, rank \d+ of \d+\); DDP would hold .* "
+                        r"\((?P<ddp>\d+) bytes\)")
+
+
+def matmul_flops_per_s(threads: int, n: int = 1024, reps: int = 10) -> float:
+    """fp32 FLOP/s of an n x n by n x n matmul (2 n^3 FLOPs) on this CPU with
+    ``threads`` threads, the best of ``reps``: what the machine's matrix
+    kernels reach, the yardstick of a CPU's FLOP/s where no data sheet says."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        best = min(timed(lambda: a @ b, 3) for _ in range(reps))
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n ** 3 / best
+
+
+def _corpus_dir(root: Path) -> Path:
+    """A --data_dir holding the shared corpus as shakespeare_char/input.txt."""
+    (root / "shakespeare_char").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(CORPUS, root / "shakespeare_char" / "input.txt")
+    return root
+
+
+def _child_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished (waited-for) descendants."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed_run(cmd: list, cwd: Path, threads: int) -> tuple[str, float]:
+    """``cmd``'s stdout and the CPU seconds it and its descendants used, with OMP_NUM_THREADS=``threads``."""
+    before = _child_cpu_seconds()
+    out = subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True,
+                         env=script_env(OMP_NUM_THREADS=str(threads)))
+    return out.stdout, _child_cpu_seconds() - before
+
+
+def _per_step_cpu(run_for, steps: int) -> tuple:
+    """(what ``run_for(steps)`` returned, CPU seconds per training step): ``run_for(n)``
+    runs a whole program for n steps and returns (result, CPU seconds); the CPU
+    seconds of a run of ``steps // 5`` steps are subtracted, so start-up and
+    evaluation (the same in both) drop out. CPU time, not wall time: on a shared
+    machine the time the scheduler gives other processes counts against neither."""
+    short_steps = max(1, steps // 5)
+    _, short = run_for(short_steps)
+    result, full = run_for(steps)
+    return result, (full - short) / (steps - short_steps)
+
+
+def _kit_lm_run(data: Path, nproc: int, strategy: str, checkpointing: bool, steps: int, threads: int) -> dict:
+    """train.py --dataset shakespeare_char (the task's recipe: nanoGPT's CPU one) for
+    ``steps`` optimizer steps on ``nproc`` processes of ``threads`` threads each
+    (OMP_NUM_THREADS): its epoch record (tokens_per_s, flops_per_s, mfu on a GPU),
+    CPU seconds per step of all processes together (``_per_step_cpu``) and, under
+    FSDP, the training state per rank it printed, FSDP's and DDP's."""
+    def run_for(n: int) -> tuple:
+        cwd = Path(tempfile.mkdtemp())
+        cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "train.py",
+                          "--dataset", "shakespeare_char", "--data_dir", data, "--max_steps", str(n),
+                          "--strategy", strategy, "--metrics_path", "m.jsonl"]
+        stdout, cpu = _timed_run(cmd + (["--activation_checkpointing"] if checkpointing else []), cwd, threads)
+        records = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+        shutil.rmtree(cwd, ignore_errors=True)
+        return ([r for r in records if "epoch" in r][-1], STATE_LINE.search(stdout)), cpu
+
+    (record, state), cpu_per_step = _per_step_cpu(run_for, steps)
+    return {**{key: record.get(key) for key in ("tokens_per_s", "flops_per_s", "mfu", "train_loss",
+                                                "peak_gpu_memory_mib")},
+            "tokens_per_cpu_s": nproc * 12 * 64 / cpu_per_step,
+            "fsdp_state_bytes": int(state["fsdp"]) if state else None,
+            "ddp_state_bytes": int(state["ddp"]) if state else None}
+
+
+def _nanogpt_folder(nanogpt: Path) -> Path:
+    """A temporary copy of nanoGPT's train.py, model.py, configurator.py and its
+    shakespeare_char config, with the shared corpus in its data format (what its
+    data/shakespeare_char/prepare.py writes: the sorted characters as ids, uint16,
+    the first 90% train.bin, the rest val.bin, meta.pkl)."""
+    import pickle
+
+    import numpy as np
+
+    folder = Path(tempfile.mkdtemp(prefix="nanogpt-"))
+    for name in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(nanogpt / name, folder / name)
+    text = CORPUS.read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    ids = {char: i for i, char in enumerate(chars)}
+    data = folder / "data" / "shakespeare_char"
+    data.mkdir(parents=True)
+    split = int(len(text) * 0.9)
+    for name, part in (("train.bin", text[:split]), ("val.bin", text[split:])):
+        np.array([ids[c] for c in part], dtype=np.uint16).tofile(data / name)
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": ids}, f)
+    return folder
+
+
+def _nanogpt_run(folder: Path, steps: int, threads: int) -> dict:
+    """nanoGPT's train.py on its CPU recipe for ``steps`` iterations, ``threads``
+    threads: tokens/s over its iterations 1..steps from the times it prints
+    (iteration 0, which holds its first evaluation, left out), and tokens per
+    CPU second (``_per_step_cpu``)."""
+    def run_for(n: int) -> tuple:
+        stdout, cpu = _timed_run([sys.executable, "train.py", *NANOGPT_CPU_RECIPE, f"--max_iters={n}"], folder,
+                                 threads)
+        return [float(ms) / 1e3 for iteration, ms in NANOGPT_ITER.findall(stdout) if int(iteration) >= 1], cpu
+
+    times, cpu_per_step = _per_step_cpu(run_for, steps)
+    return {"tokens_per_s": len(times) * 12 * 64 / sum(times), "tokens_per_cpu_s": 12 * 64 / cpu_per_step}
+
+
+LM_CASES = [(1, "ddp", False), (1, "ddp", True), (1, "fsdp", False), (2, "ddp", False), (2, "ddp", True),
+            (2, "fsdp", False), (2, "fsdp", True)]
+
+
+def _lm_versus_nanogpt(data: Path, nanogpt: str, steps: int, reps: int, threads: int) -> dict:
+    """The kit's 1 process against nanoGPT's own train.py (a temporary copy of
+    the checkout ``nanogpt``) on the same recipe, model, data and ``threads``,
+    ``reps`` interleaved pairs: their tokens per CPU second and tokens/s."""
+    folder = _nanogpt_folder(Path(nanogpt))
+    pairs = interleaved({"kit": lambda: _kit_lm_run(data, 1, "ddp", False, steps, threads),
+                         "nanoGPT": lambda: _nanogpt_run(folder, steps, threads)}, reps)
+    shutil.rmtree(folder, ignore_errors=True)
+    ratios = {key: statistics.median(k[key] / n[key] for k, n in zip(pairs["kit"], pairs["nanoGPT"]))
+              for key in ("tokens_per_cpu_s", "tokens_per_s")}
+    text = table(
+        f"8a. train.py vs nanoGPT's own train.py: the same recipe, model, data, 1 process of {threads} "
+        f"thread(s), {steps} steps each, {reps} interleaved pairs",
+        ["pair", "kit tokens per CPU s", "nanoGPT tokens per CPU s", "kit / nanoGPT (CPU time)",
+         "kit tokens/s (wall)", "nanoGPT tokens/s (wall)", "kit / nanoGPT (wall)"],
+        [[i + 1, k["tokens_per_cpu_s"], n["tokens_per_cpu_s"], k["tokens_per_cpu_s"] / n["tokens_per_cpu_s"],
+          k["tokens_per_s"], n["tokens_per_s"], k["tokens_per_s"] / n["tokens_per_s"]]
+         for i, (k, n) in enumerate(zip(pairs["kit"], pairs["nanoGPT"]))]
+        + [["median", "", "", ratios["tokens_per_cpu_s"], "", "", ratios["tokens_per_s"]]])
+    return {"nanogpt_pairs": pairs, "kit_over_nanogpt": ratios, "table": text}
+
+
+def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2, threads: int = 1) -> dict:
+    """The kit on --dataset shakespeare_char: with a nanoGPT checkout first its
+    own train.py against the kit's 1 process (``_lm_versus_nanogpt``, ``threads``
+    threads each: 1 makes CPU time compute time, no thread waiting for another);
+    then tokens/s and FLOP/s for each of ``LM_CASES`` (processes, strategy,
+    activation checkpointing; ``threads`` threads per process), on a CPU their
+    share of as many processes' matmul FLOP/s, the training state per rank."""
+    if not CORPUS.exists():
+        return {"skipped": f"no corpus at {CORPUS}"}
+    data = _corpus_dir(Path(tempfile.mkdtemp()))
+    report = {"steps": steps}
+    versus = ("nanoGPT comparison: skipped (pass --nanogpt PATH, a checkout of karpathy/nanoGPT)" if not nanogpt
+              else None)
+    if nanogpt:
+        report.update(_lm_versus_nanogpt(data, nanogpt, steps, reps, threads))
+        versus = report.pop("table")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    matmul = None if gpus else matmul_flops_per_s(threads)  # what ``threads`` threads of one process reach
+    results = []
+    for nproc, strategy, checkpointing in LM_CASES:
+        if gpus and nproc > gpus:
+            continue
+        run = _kit_lm_run(data, nproc, strategy, checkpointing, steps, threads)
+        results.append({"processes": nproc, "strategy": strategy, "activation_checkpointing": checkpointing,
+                        **run, "of_matmul": run["flops_per_s"] / (nproc * matmul) if matmul else None})
+    rows = [[r["processes"], r["strategy"], "yes" if r["activation_checkpointing"] else "no", r["tokens_per_s"],
+             r["flops_per_s"] / 1e9, f"{r['of_matmul']:.1%}" if r["of_matmul"] else
+             (f"MFU {r['mfu']:.1%}" if r.get("mfu") else "-"), r["tokens_per_cpu_s"],
+             f"{r['fsdp_state_bytes']:,}" if r["fsdp_state_bytes"] else "-",
+             f"{r['ddp_state_bytes']:,}" if r["ddp_state_bytes"] else "-"] for r in results]
+    yardstick = (f"{threads} thread(s) per process; the yardstick: {matmul / 1e9:.1f} GFLOP/s of a 1024x1024 "
+                 f"fp32 matmul per process" if matmul else "GPU")
+    text = table(f"8b. Language model: train.py --dataset shakespeare_char (nanoGPT's CPU recipe: 4 layers, "
+                 f"4 heads, 128 wide, context 64, batch 12 per process), {steps} steps; {yardstick}",
+                 ["processes", "strategy", "activation checkpointing", "tokens/s (the kit's line)",
+                  "model GFLOP/s", "of matmul FLOP/s (CPU) / MFU (GPU)", "tokens per CPU second",
+                  "FSDP state bytes per rank", "DDP state bytes per rank"], rows)
+    report.update(results=results, matmul_flops_per_s=matmul, table=versus + "\n\n" + text)
+    return report

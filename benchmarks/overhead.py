@@ -1,0 +1,102 @@
+"""Section 1, overhead: what train.py's training step costs over a bare loop.
+
+Measures steps/s of train.py's ``Trainer._run_batch`` (built by
+tests/helpers.py's ``kit_trainer``) against a bare zero_grad / forward /
+backward / step loop on a copy of the same DDP model, with the same batch and
+data, in a 1-process gloo group: only the kit's own code differs. Blocks of
+steps (~0.2 s or more each) are timed in CPU seconds of this process, in
+adjacent (bare, train.py) pairs, ABBA-interleaved.
+
+Reading the table: "median of pair ratios" is bare-loop time over train.py's
+time (1.0: no overhead; the target is >= 0.97); the "band", the spread of the
+pair ratios' quartiles, is the noise to read it against: read the ratio only
+where the band is well under 3%. The steps/s columns are each side's best
+block.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import CPU, build_model, ddp, interleaved, process_group, table, timed, train_step
+from helpers import free_port, kit_trainer
+
+# Blocks of ~0.2 s or more: much shorter ones measure the clock's and the
+# scheduler's noise (3 CNN steps per block gave pair ratios of 0.85-1.05).
+OVERHEAD_CASES = [("mnist cnn", "mnist", "cnn", (64, 1, 28, 28), 8),
+                  ("synthetic mlp", "synthetic", "mlp", (32, 20), 1500)]
+# train.py's Trainer and its bare loop on the same DDP model: only the kit's code differs.
+OVERHEAD_SCRIPTS = [("train.py", "bare DDP")]
+
+
+def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -> dict:
+    """{name: step()} of the bare DDP loop and train.py's Trainer._run_batch,
+    each on its own copy of one model, on the same batch."""
+    torch.manual_seed(0)
+    base = build_model(dataset, model_name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g)
+    if dataset == "synthetic":
+        y, loss_fn = torch.randn(shape[0], 1, generator=g), F.mse_loss
+    else:
+        y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
+    steps = {}
+    for name in ("bare DDP", "train.py"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        if name == "bare DDP":
+            steps[name] = train_step(ddp(model, CPU), opt, loss_fn, x, y)
+        else:  # micro-batch 0 of an epoch: with --grad_accum_steps 1, every one a whole step
+            steps[name] = functools.partial(kit_trainer(model, opt, loss_fn, out_dir)._run_batch, x, y, 0)
+    return steps
+
+
+def _overhead_pairs(bare, script, steps: int, reps: int) -> dict:
+    """``reps`` adjacent pairs of blocks of ``steps`` steps, ABBA, timed in CPU
+    seconds of this process, not wall time: time the scheduler gives other
+    processes on a busy machine is not counted against either side."""
+    times = interleaved({side: functools.partial(timed, fn, steps, clock=time.process_time)
+                         for side, fn in (("bare", bare), ("script", script))}, reps)
+    ratios = [t_ref / t_script for t_ref, t_script in zip(times["bare"], times["script"])]
+    # Headline: best block of each, as timeit does (the least disturbed by other
+    # processes); the pairs' median ratio and quartiles show the spread.
+    return {"script_steps_per_s": 1 / min(times["script"]), "bare_steps_per_s": 1 / min(times["bare"]),
+            "ratio": min(times["bare"]) / min(times["script"]),
+            "ratio_median_of_pairs": statistics.median(ratios),
+            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2]}
+
+
+def section_overhead(reps: int = 30) -> dict:
+    """Section 1: for each of ``OVERHEAD_CASES``, ``reps`` interleaved pairs of
+    blocks of the bare DDP loop and train.py's ``_run_batch`` (``_overhead_pairs``),
+    in a 1-process gloo group. Returns {"results", "pairs", "table", "note"}."""
+    results = []
+    with process_group(0, 1, free_port(), CPU):  # train.py's Trainer (DDP) needs one
+        for label, dataset, model_name, shape, steps in OVERHEAD_CASES:
+            runners = _overhead_steps(dataset, model_name, shape, tempfile.mkdtemp())
+            for step in runners.values():  # warm-up
+                for _ in range(3):
+                    step()
+            for name, reference in OVERHEAD_SCRIPTS:
+                results.append({"case": label, "batch": shape[0], "script": name, "reference": reference,
+                                **_overhead_pairs(runners[reference], runners[name], steps, reps)})
+    rows = [[r["case"], r["batch"], r["script"], r["reference"], r["bare_steps_per_s"],
+             r["script_steps_per_s"], r["ratio_median_of_pairs"],
+             "{:.3f}-{:.3f}".format(*r["ratio_quartiles"]),
+             f"{r['ratio_quartiles'][1] - r['ratio_quartiles'][0]:.1%}"] for r in results]
+    text = table(f"1. Overhead: train.py's _run_batch vs a bare loop, CPU time, {reps} interleaved "
+                 f"pairs of blocks (target ratio >= 0.97; read it only where the band is well "
+                 f"under 3%)",
+                 ["model", "batch", "script", "bare loop on", "bare steps/s (best)",
+                  "script steps/s (best)", "median of pair ratios", "pair ratio quartiles",
+                  "band (quartile spread)"], rows)
+    return {"results": results, "pairs": reps, "table": text,
+            "note": "median over adjacent (bare, train.py) pairs of blocks; in a "
+                    "1-process gloo group"}
