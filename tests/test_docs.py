@@ -167,7 +167,8 @@ PAST = r"(?:was|were|had|did|ran|took|gave|grew|brought|became|trained|measured|
        r"added|removed|replaced|dropped|moved|passed|failed|used|kept)"
 NARRATION = {
     "an issue or pull request": r"\bissues? #?\d+|(?<![\w/.-])#\d+\b|\bpull requests?\b",
-    "a work session": r"\bsessions?\b|\bthis (?:work|change|commit|VM)\b|\bon this machine\b",
+    "the work's sessions and machines": r"\bsessions?\b|\bthis (?:work|change|commit|VM)\b|\bon this machine\b"
+                                       r"|\b(?:seen|measured|found|ran|tried) here\b|\bno GPU was (?:lent|available)\b",
     "an earlier state": r"\b(?:earlier|previous|older|former|old|first) (?:versions?|design|method|code|layout|"
                         r"implementation)\b|\bversion of (?:the|this) (?:page|test|benchmark|kit|scripts?|project|docs?)\b"
                         r"|\bin (?:an|the) earlier (?:run|one)\b|\bused to\b|\bno longer\b|\bpreviously\b"
@@ -304,6 +305,7 @@ def test_the_voice_checks_can_fail():
         "Fixed in issue #24; untested here.",
         "The kit's run above predates its fused AdamW.",
         "Three things brought the step down (the same session).",
+        "Measured here: no GPU was lent.",
         "It is not measured yet.",
         "The CIFAR-stem ResNet-18, now the default, has no row.",
         "The node is no longer part of the allocation.",
