@@ -154,8 +154,15 @@ def _spans_out(text: str) -> str:
 
 
 def sentences(block: str) -> list:
-    """(sentence as written, sentence with code spans out) of a block."""
-    parts = re.split(r"(?<=[.!?])\s+(?=[A-Z*(\[`])", block)
+    """(sentence as written, sentence with code spans out) of a block, split
+    after a full stop, never inside a code span."""
+    spans = re.findall(r"`[^`]*`", block)
+    held = re.sub(r"`[^`]*`", "\0", block)  # each span held out while splitting
+    parts = []
+    for part in re.split(r"(?<=[.!?])\s+(?=[A-Za-z*(\[\0])", held):
+        while "\0" in part:
+            part = part.replace("\0", spans.pop(0), 1)
+        parts.append(part)
     return [(part, _spans_out(part)) for part in parts if part.strip()]
 
 
@@ -193,12 +200,13 @@ def narration(text: str) -> list:
     """The page's sentences that narrate the project's past: (line, what, sentence)."""
     found = []
     blocks = page_blocks(text)
+    in_captions = captions(blocks)
     for index, (kind, line, block) in enumerate(blocks):
         for written, plain in sentences(block):
             for what, pattern in NARRATION.items():
                 if re.search(pattern, plain, re.I):
                     found.append((line, what, written))
-            if (kind == "prose" and not _is_caption(blocks, index) and re.search(PROJECT_PAST, plain)
+            if (kind == "prose" and index not in in_captions and re.search(PROJECT_PAST, plain)
                     and not re.search(COUNTERFACTUAL, plain)):
                 found.append((line, "the project in the past tense", written))
     return found
@@ -224,11 +232,22 @@ SPLIT = r"(?:first|last|seeded|held-out) \d+%|\d+% of (?:the|its) (?:[\w-]+ )?(?
 CITES_A_TABLE = r"\btables?\b"
 
 
-def _is_caption(blocks: list, index: int) -> bool:
-    """A prose block within two blocks of a table or a table's title: the
-    caption that names the machine and torch, or the note the benchmark
-    prints after its table."""
-    return any(kind in ("table", "title") for kind, _, _ in blocks[max(0, index - 2):index + 3])
+def captions(blocks: list) -> set:
+    """The indices of the prose blocks that caption a table: each one right
+    before or after a table or its title (the machine, torch, what ran),
+    and the one-line notes, not sentences, next to a caption (the
+    benchmark's "(30 s; load average after: ...)")."""
+    anchors = {i for i, (kind, _, _) in enumerate(blocks) if kind in ("table", "title")}
+    found = {i for i, (kind, _, _) in enumerate(blocks)
+             if kind == "prose" and (i - 1 in anchors or i + 1 in anchors)}
+    grown = True
+    while grown:
+        notes = {i for i, (kind, line, block) in enumerate(blocks)
+                 if kind == "prose" and i not in found and (i - 1 in found or i + 1 in found)
+                 and len(block) <= 80 and not block.endswith(".")}
+        found |= notes
+        grown = bool(notes)
+    return found
 
 
 def _numbers(text: str) -> set:
@@ -249,11 +268,12 @@ def loose_figures(text: str) -> list:
     titles and captions), nor are settings, definitions or splits: (line,
     figure, sentence)."""
     blocks = page_blocks(text)
+    in_captions = captions(blocks)
     results = " ".join(block for index, (kind, _, block) in enumerate(blocks)
-                       if kind != "prose" or _is_caption(blocks, index))
+                       if kind != "prose" or index in in_captions)
     found = []
     for index, (kind, line, block) in enumerate(blocks):
-        if kind != "prose" or _is_caption(blocks, index):
+        if kind != "prose" or index in in_captions:
             continue
         for written, plain in sentences(block):
             if re.search(CITES_A_TABLE, plain):
@@ -322,7 +342,8 @@ def test_the_voice_checks_can_fail():
              "Two processes train 1.82x the tokens/s of one.",
              "After 1,307 steps the validation loss was 1.9904.",
              "A minimal script hung in 2 of 5 runs.",
-             "| wait | 30 |\n|---|---|\n\nA\n\nB\n\nA stuck rank is killed 30 s after its SIGTERM."]
+             "| wait | 30 |\n|---|---|\n\n" + "A caption, long enough to be more than a one-line note. " * 2
+             + "\n\nA stuck rank is killed 30 s after its SIGTERM."]
     for text in loose:
         assert loose_figures(text), text
     table = "| run | epoch s |\n|---|---|\n| fp32 | 3.7 |\n"
