@@ -238,6 +238,37 @@ def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int],
     return factor  # a function, not an object: LambdaLR then saves none of its settings
 
 
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules of a task's model that FSDP shards one by one (the FSDP
+    rung's and train.py's ``shard_model``), each an FSDP unit whose parameters
+    are all-gathered just before it runs and freed after; the root, sharded
+    after them, takes the parameters left over.
+
+    A transformer (a model with an ``nn.ModuleList`` named ``blocks``, as
+    ``gpt.GPT`` has): each block that holds parameters, nothing else;
+    embeddings, the final norm and the output layer stay in the root, so an
+    output layer tied to the token embedding keeps its one weight in one unit.
+    Any other model: the root's children that hold parameters, except that a
+    container child (``nn.Sequential``, ``nn.ModuleList``: ResNet's
+    ``layer1``..``layer4``) gives its children instead (ResNet's residual
+    blocks), and a child sharing a parameter with another (tied weights)
+    stays in the root. MNIST CNN: conv1, conv2, fc1, fc2; the synthetic MLP
+    (itself a Sequential): its two Linear layers. The usual rule (PyTorch's
+    FSDP2 examples, torchtitan: one unit per transformer block).
+    """
+    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        return [block for block in model.blocks if next(block.parameters(), None) is not None]
+    units = []
+    for child in model.children():
+        parts = list(child.children()) if isinstance(child, (nn.Sequential, nn.ModuleList)) else [child]
+        units += [part for part in parts if next(part.parameters(), None) is not None]
+    owners: dict = {}  # parameter -> the units holding it
+    for unit in units:
+        for param in unit.parameters():
+            owners.setdefault(param, set()).add(unit)
+    return [unit for unit in units if all(len(owners[p]) == 1 for p in unit.parameters())]
+
+
 # The short names --dataset accepts, each a task function as "module:function",
 # the form --dataset takes for yours; the first is the default.
 TASKS: dict[str, str] = {

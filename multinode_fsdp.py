@@ -164,17 +164,14 @@ def latest_snapshot(root: str) -> Optional[str]:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each child with parameters (a Sequential's
-    or ModuleList's children: ResNet's residual blocks; a GPT's blocks alone) becomes one unit, all-gathered just
-    before its forward and backward; the root takes the parameters left (a GPT's embeddings, its tied output)."""
+    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each unit of common.fsdp_units (ResNet's
+    residual blocks; a GPT's blocks alone) is all-gathered just before its forward and backward; the root takes
+    the parameters left (a GPT's embeddings, its tied output)."""
     for param in model.parameters():  # fully_shard refuses channels-last weights (ResNets on CUDA)
         param.data = param.data.contiguous()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # one dimension: every rank
-    for child in [model.blocks] if hasattr(model, "blocks") else model.children():
-        blocks = list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)) else [child]
-        for block in blocks:
-            if next(block.parameters(), None) is not None:
-                fully_shard(block, mesh=mesh)
+    for unit in common.fsdp_units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

@@ -433,7 +433,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
 def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> torch.nn.Module:
     """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
 
-    Each of ``train_utils.fsdp_blocks`` becomes one FSDP unit, then the root takes the
+    Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
     parameters left; a unit's are all-gathered just before its forward and backward.
     ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
     BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
@@ -449,7 +449,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
         norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         for norm in norms:
             fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
-    for block in train_utils.fsdp_blocks(model):
+    for block in common.fsdp_units(model):
         if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
             fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32, torch.float32))

@@ -6,18 +6,21 @@ with the same losses and gradients and fewer saved activations."""
 
 import copy
 import json
+import os
 import signal
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import common
 import train_utils
 from common import ConfigError
 from gpt import GPT
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import (EPOCH_LINE, REPO, TORCHRUN, assert_bitwise, check, full_state, parse_test, run, signal_when,
-                     snapshot_folder)
+from helpers import (EPOCH_LINE, REPO, TORCHRUN, assert_bitwise, check, free_port, full_state, parse_test, run,
+                     signal_when, snapshot_folder)
 
 def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     """nanoGPT's CPU recipe model (4 layers, 4 heads, 128 wide, context 64, 65
@@ -64,21 +67,53 @@ def _line(record: dict) -> str:
     return metrics_line(record)
 
 
+class Tied(torch.nn.Module):
+    """Three children, the first and the last sharing one weight (an output layer tied to an embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.hidden, self.out = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)
+        self.out.weight = self.embed.weight
+
+
 def test_fsdp_units_are_the_transformer_blocks_and_a_tied_weight_stays_in_the_root():
     """A GPT: one unit per block; the token embedding and the output layer,
     one shared weight, stay in the root (two units holding it are refused by
     fully_shard). Another model with tied children: they stay in the root."""
     model = GPT(65, 16, 3, 2, 32)
-    assert train_utils.fsdp_blocks(model) == list(model.blocks)
-
-    class Tied(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.hidden, self.out = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)
-            self.out.weight = self.embed.weight
-
+    assert common.fsdp_units(model) == list(model.blocks)
     tied = Tied()
-    assert train_utils.fsdp_blocks(tied) == [tied.hidden]
+    assert common.fsdp_units(tied) == [tied.hidden]
+
+
+def _sharded_units_worker(rank, port, out_dir):
+    """One process: the FSDP rung's shard_model and train.py's, each on a GPT and on
+    ``Tied``; the names of the modules each made an FSDP unit (the root as "")."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=1)
+    from torch.distributed.fsdp import FSDPModule
+
+    import multinode_fsdp
+    import train
+
+    cpu, units = torch.device("cpu"), {}
+    for name, shard in (("rung", lambda m: multinode_fsdp.shard_model(m, cpu)),
+                        ("kit", lambda m: train.shard_model(m, cpu, dtype=None))):
+        for label, model in (("GPT", GPT(65, 16, 3, 2, 32)), ("Tied", Tied())):
+            sharded = shard(model)  # fully_shard changes the class of each unit, the root too
+            units[name, label] = [n for n, m in sharded.named_modules() if isinstance(m, FSDPModule)]
+    torch.save(units, os.path.join(out_dir, "units.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_the_fsdp_rung_and_the_kit_shard_the_same_units(tmp_path):
+    """multinode_fsdp.py and train.py shard by the one rule, common.fsdp_units:
+    the same units of a GPT (its blocks, then the root) and of a model with a
+    tied weight (the tied children stay in the root)."""
+    mp.spawn(_sharded_units_worker, args=(free_port(), str(tmp_path)), nprocs=1)
+    units = torch.load(tmp_path / "units.pt")
+    assert units["rung", "GPT"] == units["kit", "GPT"] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert units["rung", "Tied"] == units["kit", "Tied"] == ["", "hidden"]
 
 
 def _step_figures(model, x, y):

@@ -30,7 +30,7 @@ tests use. The ladder's rungs never import this package.
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
   resume             Progress (position, samples trained, RNG states), DDP's buckets
   sampler            the training sampler: an epoch part-way, at any world size
-  fsdp               FSDP units, activation checkpointing, backend check, state per rank, the exit
+  fsdp               activation checkpointing, backend check, state per rank, the exit
   throughput         tokens/s, model FLOPs per token, achieved FLOP/s, MFU
   text_out           what a language model writes (--sample_chars)
   testing            the tests' fault hook (DDP_TEST_FAULT), called by train.py only;
@@ -50,7 +50,7 @@ from .epoch import EpochMeter, evaluating
 from .errors import NothingToTrain, one_line_errors
 from .evaluation import batches_for_every_rank, broadcast_buffers
 from .fsdp import GLOO_AVG_REDUCE_SCATTER, check_fsdp_backend, checkpoint_activations, contiguous_parameters, \
-    exit_skipping_teardown, fsdp_blocks, print_sharded_memory, training_state_bytes
+    exit_skipping_teardown, print_sharded_memory, training_state_bytes
 from .launch import first_host, gloo_group, launcher_store
 from .loaders import loader_workers
 from .metrics import RunLog
@@ -80,7 +80,7 @@ __all__ = [
     "downloaders_first", "check_before_training", "loader_workers", "ResumableDistributedSampler",
     # the model and the recipe
     "build_optimizer", "lr_factor", "Recipe", "run_length", "accumulate_for_global_batch", "batches_left", "resolve_amp", "amp_dtype", "autocast", "check_amp", "compile_model",
-    "check_fsdp_backend", "checkpoint_activations", "contiguous_parameters", "fsdp_blocks",
+    "check_fsdp_backend", "checkpoint_activations", "contiguous_parameters",
     # the loop: steps, time-outs, stops, evaluation
     "EpochMeter", "evaluating", "note_phase", "check_first_batches", "use_training_timeout", "StopSignal",
     "StepProfiler", "batches_for_every_rank", "broadcast_buffers", "print_sharded_memory",
