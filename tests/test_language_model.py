@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import common
+import recipes
 import gpt
 import text_tasks
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
@@ -28,7 +29,7 @@ TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16
 
 def lm_args(data_dir, **flags) -> argparse.Namespace:
     """What train.py passes common.load_task for --dataset shakespeare_char, no recipe flag given."""
-    return task_args("shakespeare_char", data_dir, **{**{name: None for name in common.RECIPE_DEFAULTS}, **flags})
+    return task_args("shakespeare_char", data_dir, **{**{name: None for name in recipes.RECIPE_DEFAULTS}, **flags})
 
 
 # --------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def test_gpt_shapes_tying_initialisation_and_causality():
 # --------------------------------------------------------------------------
 
 def recipe_args(**flags) -> argparse.Namespace:
-    return argparse.Namespace(**{**common.RECIPE_DEFAULTS, **text_tasks.SHAKESPEARE_RECIPE, "total_epochs": 1,
+    return argparse.Namespace(**{**recipes.RECIPE_DEFAULTS, **text_tasks.SHAKESPEARE_RECIPE, "total_epochs": 1,
                                  **flags})
 
 
@@ -160,7 +161,7 @@ def nanogpt_lr(it: int, lr=1e-3, min_lr=1e-4, warmup=100, decay_iters=2000) -> f
 
 def test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule():
     model = gpt.GPT(65, 16, 2, 2, 32, bias=True)
-    optimizer = common.build_optimizer(model, recipe_args())
+    optimizer = recipes.build_optimizer(model, recipe_args())
     names = {id(p): name for name, p in model.named_parameters()}
     decayed, kept = ({names[id(p)] for p in group["params"]} for group in optimizer.param_groups)
     assert type(optimizer) is torch.optim.AdamW and len(optimizer.param_groups) == 2
@@ -169,15 +170,15 @@ def test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule():
     assert kept and all(name.endswith("bias") or ".ln_" in name or name.startswith("ln_f") for name in kept)
     assert [(g["weight_decay"], g["betas"]) for g in optimizer.param_groups] == [(0.1, (0.9, 0.99)), (0.0, (0.9, 0.99))]
     assert len(decayed) + len(kept) == len(list(model.parameters()))  # the tied weight once
-    assert len(common.build_optimizer(model, recipe_args(decay_params="all")).param_groups) == 1  # the others' recipe
-    factor = common.lr_factor(recipe_args(), steps_per_epoch=1307)  # max_steps, not epochs, sets the horizon
+    assert len(recipes.build_optimizer(model, recipe_args(decay_params="all")).param_groups) == 1  # the others' recipe
+    factor = recipes.lr_factor(recipe_args(), steps_per_epoch=1307)  # max_steps, not epochs, sets the horizon
     assert [factor(k) for k in range(100)] == [(k + 1) / 100 for k in range(100)]
     assert [1e-3 * factor(k) for k in range(100, 2200)] == pytest.approx([nanogpt_lr(k) for k in range(100, 2200)],
                                                                          rel=1e-12)
     with pytest.raises(common.ConfigError, match="give the warm-up in one of them"):
-        common.lr_factor(recipe_args(warmup_epochs=0.5), 1307)
+        recipes.lr_factor(recipe_args(warmup_epochs=0.5), 1307)
     with pytest.raises(common.ConfigError, match="--min_lr 0.002 is above --lr 0.001"):
-        common.lr_factor(recipe_args(min_lr=0.002), 1307)
+        recipes.lr_factor(recipe_args(min_lr=0.002), 1307)
 
 
 # --------------------------------------------------------------------------

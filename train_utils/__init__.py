@@ -40,7 +40,8 @@ Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
 
-from common import ConfigError, build_optimizer, lr_factor  # the recipe's meaning lives with the tasks
+from common import ConfigError
+from recipes import build_optimizer, lr_factor  # the recipe's meaning, which the rungs share
 from .claims import claim_snapshot, release_claim
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args

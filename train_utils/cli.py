@@ -11,7 +11,7 @@ import difflib
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
-from common import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS
+from recipes import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS
 from .errors import report_to_torchrun
 
 
@@ -201,7 +201,7 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
     """The recipe (train_utils.recipe): each default is the task's choice
-    (Task.recipe), else common.RECIPE_DEFAULTS; see docs/recipes.md."""
+    (Task.recipe), else recipes.RECIPE_DEFAULTS; see docs/recipes.md."""
     add = parser.add_argument
     add("--optimizer", choices=tuple(OPTIMIZERS), default=None,
         help="optimizer (default: the task's; synthetic sgd, momentum 0.9)")
