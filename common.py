@@ -13,6 +13,10 @@ function as ``module:function``, or by a short name in ``TASKS``:
   shakespeare_char  text_tasks:shakespeare_char_task: Tiny Shakespeare, one
              token per character, a GPT (gpt.py), nats per character.
 
+Each of those modules lists the models its task functions accept, the
+default first, in a ``MODELS`` dict ({function name: models}), which
+--model's help shows (``task_models``).
+
 Your own task goes in its own file (see docs/custom-task.md), found the same
 way as the built-ins: ``--dataset my_module:my_task``, or by its file,
 ``--dataset my_module.py:my_task`` or ``dir/my_module.py:my_task``. The
@@ -155,14 +159,6 @@ TASKS: dict[str, str] = {
     "cifar10": "vision_tasks:cifar10_task",
     "shakespeare_char": "text_tasks:shakespeare_char_task",
 }
-# The models each of those tasks accepts, its default first (what its task
-# function passes to ``choose_model``), for --model's help.
-TASK_MODELS: dict[str, tuple[str, ...]] = {
-    "synthetic": ("mlp", "linear"),
-    "mnist": ("cnn",),
-    "cifar10": ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet"),  # vision_tasks.CIFAR10_MODELS
-    "shakespeare_char": ("gpt",),
-}
 
 
 def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
@@ -198,6 +194,25 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
 # The folders of the task files --dataset named by their path, first on
 # sys.path: DataLoader workers started afresh import the task's module from them.
 TASK_FILE_FOLDERS: list[str] = []
+
+
+def task_models() -> dict[str, tuple[str, ...]]:
+    """The models each task of ``TASKS`` accepts, its default first, for
+    --model's help: {short name: models}, read from the ``MODELS`` dict of the
+    task's module ({task function name: models}, what the task function
+    passes to ``choose_model``; every built-in task module exports one). A
+    task whose module exports none, or cannot be imported (a copy of the
+    scripts without it), is left out."""
+    found = {}
+    for name, spec in TASKS.items():
+        try:
+            function = task_function(spec)
+        except ConfigError:
+            continue
+        models = getattr(sys.modules[function.__module__], "MODELS", {}).get(function.__name__)
+        if models:
+            found[name] = tuple(models)
+    return found
 
 
 def _task_file_module(path: str, function: str) -> str:
@@ -291,6 +306,8 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 # --------------------------------------------------------------------------
 
 SYNTHETIC_FEATURES = 20
+# --model: the models this module's task function accepts, its default first (common.task_models).
+MODELS = {"synthetic_task": ("mlp", "linear")}
 
 
 class SyntheticRegression(Dataset):
@@ -332,7 +349,7 @@ def synthetic_model(model: str = "mlp") -> nn.Module:
 def synthetic_task(args: argparse.Namespace, download: bool) -> Task:
     """The default task: ``SyntheticRegression``, an MLP (or ``--model linear``)
     float32 (N, 20) -> (N, 1), MSE loss. Needs no files, so ``download`` is unused."""
-    model = choose_model(args, TASK_MODELS["synthetic"])
+    model = choose_model(args, MODELS["synthetic_task"])
     full, test = SyntheticRegression(args.seed, "train"), SyntheticRegression(args.seed, "test")
     train_idx, val_idx = split_indices(len(full), VAL_FRACTION, args.seed)
     return Task(Subset(full, train_idx), Subset(full, val_idx), test,

@@ -33,6 +33,8 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 SHAKESPEARE_BYTES = 1115394
 TRAIN_FRACTION = 0.9  # the first 90% of the text trains, the last 10% is held out (nanoGPT's split)
+# --model: the models this module's task function accepts (common.task_models).
+MODELS = {"shakespeare_char_task": ("gpt",)}
 
 # The model's sizes (the --n_layer ... --dropout flags) and the recipe where no flag
 # says otherwise: nanoGPT's CPU recipe for this corpus (its README, "I only have a
@@ -212,7 +214,7 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     """
     from gpt import GPT
 
-    choose_model(args, ("gpt",))
+    choose_model(args, MODELS["shakespeare_char_task"])
     sizes = model_sizes(args)
     for name, value in sizes.items():  # the sizes used, in the run's config (and its snapshots)
         setattr(args, name, value)

@@ -108,7 +108,7 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
     ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``), the first
     the default; a ``module:function`` (your own task, see docs/custom-task.md)
     is accepted too. ``models``: each task's models, the default first, for
-    --model's help (``common.TASK_MODELS``). ``snapshot_paths``: the default
+    --model's help (``common.task_models()``). ``snapshot_paths``: the default
     --snapshot_path of each --strategy (None: no default). Invalid values
     (zero epochs, an unknown dataset, ...) end with argparse's usage line, exit status 2.
     """
