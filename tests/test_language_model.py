@@ -6,6 +6,7 @@ cosine to a minimum: nanoGPT's get_lr), --max_steps in the kit, stopped by SIGTE
 and resumed bitwise, and a rung training the GPT with the task's recipe."""
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -73,7 +74,7 @@ def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     assert recipe == ("adamw", 1e-3, 0.9, 0.99, 0.1, "matrices", "cosine", 1e-4, 100, 2000, 1.0, 12)
     assert (args.model, args.n_layer, args.n_head, args.n_embd, args.block_size, args.dropout) == ("gpt", 4, 4, 128, 64, 0.0)
     assert task.model.num_parameters(embeddings=False) == 795904  # nanoGPT prints "0.80M" for this model
-    with pytest.raises(common.ConfigError, match="--n_embd 30 is not a multiple of --n_head 4"):
+    with pytest.raises(common.ConfigError, match="n_embd 30 is not a multiple of n_head 4"):
         common.load_task(lm_args(tmp_path, n_embd=30), download=False)
 
 
@@ -117,7 +118,7 @@ def test_missing_corpus_is_one_line_and_the_download_is_md5_checked(tmp_path, mo
 def test_gpt_shapes_tying_initialisation_and_causality():
     torch.manual_seed(0)
     V, T, L, C = 65, 16, 2, 64
-    model = gpt.GPT(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_embd=C, bias=True)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_embd=C, bias=True))
     idx = torch.randint(0, V, (3, T))
     logits = model(idx)
     assert logits.shape == (3, T, V) and logits.dtype == torch.float32
@@ -138,8 +139,26 @@ def test_gpt_shapes_tying_initialisation_and_causality():
     assert torch.allclose(after[:, :10], logits[:, :10], atol=1e-6) and not torch.allclose(after[:, 10], logits[:, 10])
     with pytest.raises(ValueError, match="longer than block_size 16"):
         model(torch.zeros(1, T + 1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="n_embd 30 is not a multiple of n_head 4"):
-        gpt.GPT(V, T, 1, 4, 30)
+    with pytest.raises(common.ConfigError, match="n_embd 30 is not a multiple of n_head 4"):
+        gpt.GPT(gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=4, n_embd=30))
+
+
+def test_gpt_sizes_are_one_config_checked_where_it_is_made(tmp_path):
+    """GPTConfig has nanoGPT's fields, in its order, and its defaults (GPT-2
+    small's shape; no biases). A bad size is one ConfigError line, the same
+    whether code or train.py's flags give it, and the flags' are refused
+    before the corpus is read (there is none at tmp_path)."""
+    fields = [(field.name, field.default) for field in dataclasses.fields(gpt.GPTConfig)]
+    assert fields == [("block_size", 1024), ("vocab_size", 50304), ("n_layer", 12), ("n_head", 12),
+                      ("n_embd", 768), ("dropout", 0.0), ("bias", False)]
+    for sizes, error in ((dict(n_layer=0, block_size=0), "the GPT's sizes must be 1 or more: n_layer 0, block_size 0"),
+                         (dict(n_embd=30, n_head=12), "n_embd 30 is not a multiple of n_head 12"),
+                         (dict(dropout=1.0), r"dropout 1.0 is outside \[0, 1\)")):
+        with pytest.raises(common.ConfigError, match=error) as info:
+            gpt.GPTConfig(**sizes)
+        assert "\n" not in str(info.value)
+        with pytest.raises(common.ConfigError, match=error):
+            common.load_task(lm_args(tmp_path, **sizes), download=False)
 
 
 # --------------------------------------------------------------------------
@@ -160,7 +179,7 @@ def nanogpt_lr(it: int, lr=1e-3, min_lr=1e-4, warmup=100, decay_iters=2000) -> f
 
 
 def test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule():
-    model = gpt.GPT(65, 16, 2, 2, 32, bias=True)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True))
     optimizer = recipes.build_optimizer(model, recipe_args())
     names = {id(p): name for name, p in model.named_parameters()}
     decayed, kept = ({names[id(p)] for p in group["params"]} for group in optimizer.param_groups)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import common
 import train_utils
 from common import ConfigError
-from gpt import GPT
+from gpt import GPT, GPTConfig
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
 from helpers import (EPOCH_LINE, REPO, TORCHRUN, assert_bitwise, check, free_port, full_state, parse_test, run,
                      signal_when, snapshot_folder)
@@ -25,14 +25,16 @@ from helpers import (EPOCH_LINE, REPO, TORCHRUN, assert_bitwise, check, free_por
 def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     """nanoGPT's CPU recipe model (4 layers, 4 heads, 128 wide, context 64, 65
     characters) has N = 0.80M without the position embedding (nanoGPT prints
-    0.80M), so 6N + 12 x 4 x 128 x 64 FLOPs per token; a model of no stated
-    shape has none."""
+    0.80M), so 6N + 12 x 4 x 128 x 64 FLOPs per token (nanoGPT's 12 L H Q T,
+    H Q = n_embd), the GPT's own figure, which the kit reads; a model that
+    gives none has none."""
     torch.manual_seed(0)
-    model = GPT(65, 64, 4, 4, 128)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
     n = sum(p.numel() for p in model.parameters()) - 64 * 128  # the tied output layer counted once
     assert n == 795_904
     assert train_utils.model_flops_per_token(model) == 6 * n + 12 * 4 * 128 * 64 == 5_168_640
-    assert train_utils.transformer_flops_per_token(10, 2, 3, 4) == 60 + 288
+    small = GPT(GPTConfig(vocab_size=10, block_size=4, n_layer=2, n_head=3, n_embd=3))
+    assert small.flops_per_token() == 6 * small.num_parameters(embeddings=False) + 12 * 2 * 3 * 4
     assert train_utils.model_flops_per_token(torch.nn.Linear(3, 3)) is None
 
 
@@ -80,7 +82,7 @@ def test_fsdp_units_are_the_transformer_blocks_and_a_tied_weight_stays_in_the_ro
     """A GPT: one unit per block; the token embedding and the output layer,
     one shared weight, stay in the root (two units holding it are refused by
     fully_shard). Another model with tied children: they stay in the root."""
-    model = GPT(65, 16, 3, 2, 32)
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=3, n_head=2, n_embd=32))
     assert common.fsdp_units(model) == list(model.blocks)
     tied = Tied()
     assert common.fsdp_units(tied) == [tied.hidden]
@@ -99,7 +101,8 @@ def _sharded_units_worker(rank, port, out_dir):
     cpu, units = torch.device("cpu"), {}
     for name, shard in (("rung", lambda m: multinode_fsdp.shard_model(m, cpu)),
                         ("kit", lambda m: train.shard_model(m, cpu, dtype=None))):
-        for label, model in (("GPT", GPT(65, 16, 3, 2, 32)), ("Tied", Tied())):
+        gpt = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=3, n_head=2, n_embd=32))
+        for label, model in (("GPT", gpt), ("Tied", Tied())):
             sharded = shard(model)  # fully_shard changes the class of each unit, the root too
             units[name, label] = [n for n, m in sharded.named_modules() if isinstance(m, FSDPModule)]
     torch.save(units, os.path.join(out_dir, "units.pt"))
@@ -131,7 +134,7 @@ def test_activation_checkpointing_gives_the_same_losses_and_gradients_and_keeps_
     same loss and gradients, under a quarter of the saved activations, the
     same state_dict keys (snapshots load either way)."""
     torch.manual_seed(0)
-    plain = GPT(65, 32, 2, 2, 32, dropout=0.1)
+    plain = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
     recomputed = train_utils.checkpoint_activations(copy.deepcopy(plain))
     x, y = torch.randint(0, 65, (4, 32)), torch.randint(0, 65, (4, 32))
     torch.manual_seed(1)
@@ -149,7 +152,7 @@ def test_activation_checkpointing_gives_the_same_losses_and_gradients_and_keeps_
 def test_generate_is_seeded_and_top_k_1_is_greedy():
     """The same generator seed draws the same tokens; top_k 1 takes the most likely token each time."""
     torch.manual_seed(0)
-    model = GPT(11, 8, 1, 1, 16)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=16))
     start = torch.zeros(1, 1, dtype=torch.long)
     draws = [train_utils.generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
     assert draws[0].shape == (1, 21) and torch.equal(draws[0], draws[1])
@@ -198,7 +201,8 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     characters = sorted(set(require_tinyshakespeare().read_text(encoding="utf-8")[:12_000]))  # the vocabulary
     assert len(text) == 80 and set(text) <= set(characters)
     assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 32)  # x --block_size
-    flops_per_token = train_utils.model_flops_per_token(GPT(len(characters), 32, 2, 2, 32))
+    model = GPT(GPTConfig(vocab_size=len(characters), block_size=32, n_layer=2, n_head=2, n_embd=32))
+    flops_per_token = train_utils.model_flops_per_token(model)
     assert record["flops_per_s"] == pytest.approx(record["tokens_per_s"] * flops_per_token)
     assert "mfu" not in record  # a CPU
     again = check(run(cmd + ["--snapshot_path", "ac"], tmp_path))

@@ -31,7 +31,7 @@ tests use. The ladder's rungs never import this package.
   resume             Progress (position, samples trained, RNG states), DDP's buckets
   sampler            the training sampler: an epoch part-way, at any world size
   fsdp               activation checkpointing, backend check, state per rank, the exit
-  throughput         tokens/s, model FLOPs per token, achieved FLOP/s, MFU
+  throughput         tokens/s, achieved FLOP/s (the model's FLOPs per token), MFU
   text_out           what a language model writes (--sample_chars)
   testing            the tests' fault hook (DDP_TEST_FAULT), called by train.py only;
                      not exported here
@@ -67,8 +67,7 @@ from .snapshots import atomic_save, read_snapshot, remove_stale_temporary_files,
 from .speed import AMP_HELPS_ON_CPU, amp_dtype, autocast, check_amp, compile_model, peak_memory_mib, \
     resolve_amp
 from .stop import STOP_SIGNALS, StopSignal, catch_stop_signals, ignore_stop_signal, report_run_finished
-from .throughput import GPU_PEAKS, gpu_peak, model_flops_per_token, throughput_figures, \
-    transformer_flops_per_token
+from .throughput import GPU_PEAKS, gpu_peak, model_flops_per_token, throughput_figures
 from .text_out import check_sampling, generate, print_sample
 from .timeouts import check_first_batches, note_phase, use_training_timeout, watch_collectives
 
@@ -94,7 +93,7 @@ __all__ = [
     "RunLog", "print_line", "report_run_finished", "exit_skipping_teardown",
     "model_flops_per_token", "throughput_figures", "check_sampling", "print_sample", "NothingToTrain",
     # for the tests and benchmarks
-    "AMP_HELPS_ON_CPU", "GLOO_AVG_REDUCE_SCATTER", "GPU_PEAKS", "gpu_peak", "transformer_flops_per_token",
+    "AMP_HELPS_ON_CPU", "GLOO_AVG_REDUCE_SCATTER", "GPU_PEAKS", "gpu_peak",
     "generate", "SHARDED_SNAPSHOT_META", "STOP_SIGNALS", "first_host",
     "ignore_stop_signal", "peak_memory_mib", "torch_version", "training_state_bytes", "unusable_gpu_reason",
 ]
