@@ -1,9 +1,10 @@
 """The task contract: what a task is, how ``--dataset`` finds one, the synthetic task.
 
-Every script trains a ``Task`` (three datasets, a model, a loss, whether it
-is a classification, the recipe it trains best with) built by a task
-function ``(args, download) -> Task``. ``--dataset`` names the task
-function as ``module:function``, or by a short name in ``TASKS``:
+Every script trains a ``Task`` (training, validation and, where the task
+has one, test data; a model, a loss, whether it is a classification, the
+recipe it trains best with) built by a task function ``(args, download) ->
+Task``. ``--dataset`` names the task function as ``module:function``, or
+by a short name in ``TASKS``:
 
   synthetic  common:synthetic_task (below): seeded regression, 20 features
              -> 1 target, MLP or linear model, MSE loss. No download; the
@@ -22,8 +23,9 @@ way as the built-ins: ``--dataset my_module:my_task``, or by its file,
 ``--dataset my_module.py:my_task`` or ``dir/my_module.py:my_task``. The
 scripts, the train_utils package and this file need no edit. What a
 task's recipe means (its optimizer, its learning-rate schedule) is
-recipes.py's. This module imports no training machinery, so a task module
-can import it alone.
+recipes.py's; which modules of a model FSDP shards one by one is the
+contract's (``fsdp_units``). This module imports no training machinery, so
+a task module can import it alone.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class Task:
     returns the mean (training) or the sum (evaluation, so every sample counts once)
     of the per-sample losses, as ``F.mse_loss`` and ``F.cross_entropy`` do
     (``functools.partial(F.cross_entropy, label_smoothing=0.1)`` too).
+    ``test_set`` may be None: the task holds no test split (a language model
+    whose held-out text is its validation set), and the scripts skip the test
+    evaluation and print no test line.
     ``classification``: the model outputs (N, classes) logits and targets are
     int64 (N,) class indices; evaluation then also reports accuracy.
     ``train_transform``/``eval_transform`` turn a batch's inputs, once on the
@@ -107,7 +112,7 @@ class Task:
 
     train_set: Dataset
     val_set: Dataset
-    test_set: Dataset
+    test_set: Optional[Dataset]
     model: nn.Module
     loss_fn: Callable[..., torch.Tensor]
     classification: bool

@@ -6,8 +6,9 @@ imports it the way it imports ``--dataset my_module:my_task``.
 
   shakespeare_char  the 1,115,394 characters of Tiny Shakespeare (karpathy/char-rnn),
                     each character a token (65 of them); the first 90% to train,
-                    the last 10% held out, nanoGPT's split; a ``gpt.GPT``; the
-                    cross-entropy in nats per character; nanoGPT's CPU recipe.
+                    the last 10% held out to validate, nanoGPT's split (no test
+                    set); a ``gpt.GPT``; the cross-entropy in nats per character;
+                    nanoGPT's CPU recipe.
 
 Reads ``shakespeare_char/input.txt`` under ``--data_dir``; with ``download``
 (local rank 0 first, ``train_utils.downloaders_first``) it fetches a missing
@@ -197,8 +198,10 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     Vocabulary: the sorted set of the whole text's characters
     (``CharVocabulary``, 65 for the corpus). Split: the first 90% of the text
     trains, the last 10% is held out (nanoGPT's split, so its validation
-    losses compare); the held-out part is both the validation and the test
-    set. Samples: ``CharWindows`` of --block_size characters (training: each
+    losses compare); the held-out part is the validation set, and there is no
+    test set (``Task.test_set`` None: no test line), as nanoGPT's split has
+    none: a test line over the same text would repeat the last validation
+    loss. Samples: ``CharWindows`` of --block_size characters (training: each
     shifted by a random 0..block_size-1 characters; held out: tiling the text);
     int64 (B, block_size) contexts and next characters. Model: ``gpt.GPT``
     of the --n_layer --n_head --n_embd --block_size --dropout flags
@@ -220,6 +223,6 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     block_size = config.block_size
     train, held_out = CharWindows(tokens[:split], block_size, shift=True), CharWindows(tokens[split:], block_size)
     model = GPT(dataclasses.replace(config, vocab_size=len(vocabulary)))
-    return Task(train, held_out, held_out, model, lm_loss, classification=False,
+    return Task(train, held_out, None, model, lm_loss, classification=False,
                 recipe=dict(SHAKESPEARE_RECIPE), tokens_per_sample=block_size,
                 decode=vocabulary.decode, encode=vocabulary.encode)

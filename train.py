@@ -456,13 +456,16 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
     return model
 
 
-def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
-                       seed: int, collate_fn: Callable) -> DataLoader:
+def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers: int, train: bool,
+                       seed: int, collate_fn: Callable) -> Optional[DataLoader]:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
     (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
     epoch's permutation (DistributedSampler, resumable mid-epoch). Evaluation:
     rank r takes samples r, r+W, r+2W, ... unpadded, each sample once. Batches
-    are made by ``collate_fn`` (the task's, ``common.Task.collate_fn``)."""
+    are made by ``collate_fn`` (the task's, ``common.Task.collate_fn``). None
+    for no ``dataset`` (a task without a test split, ``common.Task``)."""
+    if dataset is None:
+        return None
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
@@ -503,12 +506,15 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     return task, optimizer
 
 
-def finish(trainer: Trainer, test_data: DataLoader, rank: int) -> None:
-    """The run holds every epoch: the test figures, then (rank 0) tell a Slurm
-    wrapper that nothing is left to train, so a late stop signal does not requeue it."""
-    test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
-    if rank == 0:
-        trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
+def finish(trainer: Trainer, test_data: Optional[DataLoader], rank: int) -> None:
+    """The run holds every epoch: the test figures (none for a task without a
+    test split: ``test_data`` None), then (rank 0) tell a Slurm wrapper that
+    nothing is left to train, so a late stop signal does not requeue it."""
+    if test_data is not None:
+        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device,
+                                            trainer.fsdp)
+        if rank == 0:
+            trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
     # --sample_chars: what the model writes (FSDP: every rank runs the forwards; rank 0 prints)
     train_utils.print_sample(trainer.plain_model, trainer.task, trainer.args, trainer.device, trainer.fsdp)
     if rank == 0:

@@ -23,7 +23,7 @@ import recipes
 import gpt
 import text_tasks
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import REPO, TORCHRUN, check, epochs, parse_test, run, signal_when, snapshot_tensors, task_args
+from helpers import REPO, TORCHRUN, check, epochs, run, signal_when, snapshot_tensors, task_args
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
 
@@ -39,7 +39,7 @@ def lm_args(data_dir, **flags) -> argparse.Namespace:
 
 def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     """65 characters, sorted, as nanoGPT numbers them; the first 90% trains, the
-    last 10% is held out (validation and test); windows of block_size characters
+    last 10% is held out (validation; no test set); windows of block_size characters
     tile the held-out part; training windows start a random 0..T-1 characters
     later (torch's generator: seeded, reproducible), y the next characters of x;
     the defaults are nanoGPT's CPU recipe."""
@@ -65,7 +65,7 @@ def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     assert len(draws) > 5 and len(set(shifts)) > 1  # a window starts anywhere in its block
     for i in (0, 7):  # held out: the windows tile the text
         assert task.decode(task.val_set[i][0]) == text[split + i * T:split + (i + 1) * T]
-    assert task.test_set is task.val_set and task.decode(task.encode(text[:2000])) == text[:2000]
+    assert task.test_set is None and task.decode(task.encode(text[:2000])) == text[:2000]
     assert task.tokens_per_sample == T and not task.classification
     with pytest.raises(common.ConfigError, match=r"the character '\\x00' is not in the vocabulary"):
         task.encode("\x00")
@@ -221,11 +221,11 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     lines = epochs(straight.stdout)
     records = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["total_epochs"], r["samples"]) for r in records if "epoch" in r] == [(1, 2, 1120), (2, 2, 480)]
-    assert records[-2]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
+    assert records[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
     assert lines[1]["val_loss"] < 3.5 < math.log(65)  # it learns (a uniform guess: ln 65 = 4.17 nats/char)
     text = signal_when(launch, stopped_dir, "DDP_TEST_FAULT: wait_signal at step 85", signal.SIGTERM,
                        DDP_TEST_FAULT="step:*:85:wait_signal")
-    assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
+    assert text.count("stopped by SIGTERM") == 1 and "epoch 2/2 |" not in text, text  # stopped, not finished
     resumed = check(run(launch, stopped_dir))
     assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 2 after step 1\d\b", resumed.stdout)
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
@@ -233,7 +233,8 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     steps_b, b = snapshot_tensors(stopped_dir / "snapshot_train.pt", rng=True)
     assert steps_a == steps_b == 2 and a["lr_schedule.step"].item() == 100 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
-    assert parse_test(resumed.stdout) == parse_test(straight.stdout)
+    assert epochs(resumed.stdout)[-1]["val_loss"] == lines[-1]["val_loss"]  # the held-out loss at the end
+    assert "test | loss" not in straight.stdout + resumed.stdout  # no test split: no test line
     longer = run([*launch[:-2], "--max_steps", "150"], straight_dir)  # its epoch 2 was cut short at step 100
     assert longer.returncode != 0 and "error: the snapshot holds a finished run of --max_steps 100, which ended " \
         "inside an epoch; it cannot go on to --max_steps 150" in longer.stderr, longer.stderr
@@ -260,3 +261,4 @@ def test_a_rung_trains_the_gpt_with_the_tasks_recipe(tmp_path):
     assert [e["lr"] for e in lines] == pytest.approx([1e-4 + 0.5 * (1 + math.cos(math.pi * (k - 10) / 130)) * 9e-4
                                                       for k in (69, 139)], rel=1e-5)  # 6 digits shown
     assert lines[0]["train_loss"] < 4.0 and lines[1]["val_loss"] < 3.4
+    assert "test | loss" not in result.stdout  # the task holds no test split
