@@ -25,8 +25,8 @@ MOST_LINES = 250  # per rung
 # process group, DDP, the sampler, sharded evaluation, the download barrier, mp.spawn
 # and its error exit; FSDP the sharding, the collective evaluation and DCP snapshots.
 # Their measured size is their cap instead: no change may make them longer.
-OVER_DIFF = {"multigpu_spawn.py": 86, "multinode_fsdp.py": 107}
-OVER_LINES = {"multinode_fsdp.py": 278}
+OVER_DIFF = {"multigpu_spawn.py": 86, "multinode_fsdp.py": 104}
+OVER_LINES = {"multinode_fsdp.py": 277}
 
 
 def changed_lines(before: str, after: str) -> int:
