@@ -28,8 +28,9 @@ from common import ConfigError
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """A GPT's sizes: nanoGPT's ``GPTConfig`` (model.py), its fields and, but
-    for ``bias``, its defaults (GPT-2 small's shape, 124M parameters).
+    """A GPT's sizes: nanoGPT's ``GPTConfig`` (model.py), its fields in its
+    order, with its defaults (GPT-2 small's shape, 124M parameters) but for
+    ``bias``, False as in nanoGPT's train.py.
 
     ``block_size``: the longest context, in tokens (positions);
     ``vocab_size``: the tokens of the vocabulary (50304: GPT-2's 50,257

@@ -511,8 +511,7 @@ def finish(trainer: Trainer, test_data: Optional[DataLoader], rank: int) -> None
     test split: ``test_data`` None), then (rank 0) tell a Slurm wrapper that
     nothing is left to train, so a late stop signal does not requeue it."""
     if test_data is not None:
-        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device,
-                                            trainer.fsdp)
+        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
         if rank == 0:
             trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
     # --sample_chars: what the model writes (FSDP: every rank runs the forwards; rank 0 prints)
