@@ -1,9 +1,10 @@
-"""The task contract: what a task is, how ``--dataset`` finds one, its recipe's defaults.
+"""The task contract: what a task is, how ``--dataset`` finds one, the synthetic task.
 
-Every script trains a ``Task`` (three datasets, a model, a loss, whether it
-is a classification, the recipe it trains best with) built by a task
-function ``(args, download) -> Task``. ``--dataset`` names the task
-function as ``module:function``, or by a short name in ``TASKS``:
+Every script trains a ``Task`` (training, validation and, where the task
+has one, test data; a model, a loss, whether it is a classification, the
+recipe it trains best with) built by a task function ``(args, download) ->
+Task``. ``--dataset`` names the task function as ``module:function``, or
+by a short name in ``TASKS``:
 
   synthetic  common:synthetic_task (below): seeded regression, 20 features
              -> 1 target, MLP or linear model, MSE loss. No download; the
@@ -13,20 +14,24 @@ function as ``module:function``, or by a short name in ``TASKS``:
   shakespeare_char  text_tasks:shakespeare_char_task: Tiny Shakespeare, one
              token per character, a GPT (gpt.py), nats per character.
 
+Each of those modules lists the models its task functions accept, the
+default first, in a ``MODELS`` dict ({function name: models}), which
+--model's help shows (``task_models``).
+
 Your own task goes in its own file (see docs/custom-task.md), found the same
 way as the built-ins: ``--dataset my_module:my_task``, or by its file,
 ``--dataset my_module.py:my_task`` or ``dir/my_module.py:my_task``. The
-scripts, the train_utils package and this file need no edit (another
-optimizer than those --optimizer offers is one line in OPTIMIZERS). This module
-imports no training machinery, so a task module can import it alone.
+scripts, the train_utils package and this file need no edit. What a
+task's recipe means (its optimizer, its learning-rate schedule) is
+recipes.py's; which modules of a model FSDP shards one by one is the
+contract's (``fsdp_units``). This module imports no training machinery, so
+a task module can import it alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -89,12 +94,15 @@ class Task:
     returns the mean (training) or the sum (evaluation, so every sample counts once)
     of the per-sample losses, as ``F.mse_loss`` and ``F.cross_entropy`` do
     (``functools.partial(F.cross_entropy, label_smoothing=0.1)`` too).
+    ``test_set`` may be None: the task holds no test split (a language model
+    whose held-out text is its validation set), and the scripts skip the test
+    evaluation and print no test line.
     ``classification``: the model outputs (N, classes) logits and targets are
     int64 (N,) class indices; evaluation then also reports accuracy.
     ``train_transform``/``eval_transform`` turn a batch's inputs, once on the
     device, into the model's input (e.g. ``fast_images.DeviceTransform``).
     ``recipe``: the task's defaults for the recipe flags (keys of
-    ``RECIPE_DEFAULTS``: optimizer, lr, weight_decay, lr_schedule,
+    ``recipes.RECIPE_DEFAULTS``: optimizer, lr, weight_decay, lr_schedule,
     warmup_epochs, lr_step_epochs, lr_gamma, ...); the command line overrides them.
     A language-model task also gives ``tokens_per_sample`` (tokens each
     sample trains on, its context length; 0: not counted in tokens) and
@@ -104,7 +112,7 @@ class Task:
 
     train_set: Dataset
     val_set: Dataset
-    test_set: Dataset
+    test_set: Optional[Dataset]
     model: nn.Module
     loss_fn: Callable[..., torch.Tensor]
     classification: bool
@@ -117,125 +125,35 @@ class Task:
     encode: Optional[Callable[[str], list]] = None
 
 
-# The recipe flags' values where neither the command line nor the task's
-# ``Task.recipe`` sets one (the mechanism is train_utils.recipe).
-# beta1/beta2: AdamW's (torch's own defaults; SGD and Adadelta have none);
-# decay_params: "all" parameters decay, or "matrices" only (2-D and up);
-# warmup_steps: a warm-up in optimizer steps (instead of --warmup_epochs);
-# min_lr: where the cosine ends; max_steps: the run's length in optimizer steps
-# (0: --total_epochs); clip_grad_norm: None for no clipping; batch_size per process.
-RECIPE_DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0, "lr_schedule": "constant",
-                   "warmup_epochs": 0.0, "lr_step_epochs": 1, "lr_gamma": 0.1,
-                   "beta1": 0.9, "beta2": 0.999, "decay_params": "all", "warmup_steps": 0, "min_lr": 0.0,
-                   "max_steps": 0, "clip_grad_norm": None, "batch_size": 32}
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules of a task's model that FSDP shards one by one (the FSDP
+    rung's and train.py's ``shard_model``), each an FSDP unit whose parameters
+    are all-gathered just before it runs and freed after; the root, sharded
+    after them, takes the parameters left over.
 
-
-# --------------------------------------------------------------------------
-# What a recipe means: the optimizer and the learning-rate schedule its
-# values name. The ladder's rungs and the kit (train_utils.recipe) build
-# them with these two functions, so both train a task the same way.
-# --------------------------------------------------------------------------
-
-# --optimizer: name -> (class, keyword arguments besides lr and weight_decay).
-# SGD's momentum 0.9 is the usual one for image classification (He et al. 2016);
-# AdamW and Adadelta keep torch's defaults. Add your own here.
-OPTIMIZERS: dict[str, tuple[type, dict]] = {
-    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
-    "adamw": (torch.optim.AdamW, {}),
-    "adadelta": (torch.optim.Adadelta, {}),
-}
-LR_SCHEDULES = ("constant", "cosine", "step")
-DECAY_PARAMS = ("all", "matrices")
-
-
-def _recipe(args: argparse.Namespace, name: str):
-    """The recipe value ``name`` of ``args``; ``RECIPE_DEFAULTS``' where ``args`` has none
-    (a namespace made before that key existed)."""
-    value = getattr(args, name, None)
-    return RECIPE_DEFAULTS[name] if value is None else value
-
-
-def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """The optimizer --optimizer names (``OPTIMIZERS``), over all of ``model``'s
-    parameters, at --lr with --weight_decay (decoupled for AdamW, added to the
-    gradient for SGD and Adadelta, as torch defines them), and --beta1
-    --beta2 for an optimizer that takes ``betas`` (AdamW).
-
-    --decay_params ``all``: one parameter group, every parameter decays.
-    ``matrices``: two groups, the parameters of 2 dimensions or more (the
-    weights of linear layers and embeddings) decaying, the others (biases,
-    LayerNorm weights and biases) at weight decay 0 and marked
-    ``"decays": False`` (nanoGPT's ``configure_optimizers``; Loshchilov &
-    Hutter 2019 decay weights, not gains and offsets). AdamW over parameters
-    on a GPU runs fused (``fused=True``: the same update, one kernel). Build it after the
-    parameters are final (the FSDP rung: after ``fully_shard``). Raises
-    ConfigError for an optimizer or a decay_params name it does not know.
+    A transformer (a model with an ``nn.ModuleList`` named ``blocks``, as
+    ``gpt.GPT`` has): each block that holds parameters, nothing else;
+    embeddings, the final norm and the output layer stay in the root, so an
+    output layer tied to the token embedding keeps its one weight in one unit.
+    Any other model: the root's children that hold parameters, except that a
+    container child (``nn.Sequential``, ``nn.ModuleList``: ResNet's
+    ``layer1``..``layer4``) gives its children instead (ResNet's residual
+    blocks), and a child sharing a parameter with another (tied weights)
+    stays in the root. MNIST CNN: conv1, conv2, fc1, fc2; the synthetic MLP
+    (itself a Sequential): its two Linear layers. The usual rule (PyTorch's
+    FSDP2 examples, torchtitan: one unit per transformer block).
     """
-    if args.optimizer not in OPTIMIZERS:  # a task's default; the command line is checked already
-        raise ConfigError(f"optimizer {args.optimizer!r} (the task's recipe) is not one of "
-                          f"{', '.join(OPTIMIZERS)}; pass --optimizer, or add it to OPTIMIZERS "
-                          f"in common.py")
-    decay_params = _recipe(args, "decay_params")
-    if decay_params not in DECAY_PARAMS:
-        raise ConfigError(f"decay_params {decay_params!r} (the task's recipe) is not one of "
-                          f"{', '.join(DECAY_PARAMS)}; pass --decay_params")
-    optimizer_class, options = OPTIMIZERS[args.optimizer]
-    if "betas" in inspect.signature(optimizer_class).parameters:
-        options = dict(options, betas=(_recipe(args, "beta1"), _recipe(args, "beta2")))
-    if optimizer_class is torch.optim.AdamW and all(p.is_cuda for p in model.parameters()):
-        # One kernel for every parameter's update instead of several per group:
-        # a small GPT's GPU step is 15% shorter (docs/performance.md); nanoGPT does the same.
-        options = dict(options, fused=True)
-    parameters = model.parameters()
-    if decay_params == "matrices":
-        params = list(parameters)
-        groups = [{"params": [p for p in params if p.dim() >= 2]},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "decays": False}]
-        parameters = [group for group in groups if group["params"]]
-    return optimizer_class(parameters, lr=args.lr, weight_decay=args.weight_decay, **options)
-
-
-def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int], float]:
-    """The schedule as a function: optimizer step k (0-based) -> the factor of
-    --lr it uses.
-
-    Warm-up: linear from 1/W to 1 over the first W steps (the gradual warm-up
-    of Goyal et al. 2017, "Accurate, Large Minibatch SGD"), W = --warmup_steps,
-    or round(--warmup_epochs x steps_per_epoch). The run lasts T steps:
-    --max_steps, or --total_epochs x steps_per_epoch. After the warm-up,
-    ``constant`` 1; ``cosine`` from 1 down to m = --min_lr / --lr at step T,
-    m + (1 - m)(1 + cos(pi p)) / 2 with p the fraction of the T - W steps
-    after the warm-up done (Loshchilov & Hutter 2017, SGDR, without restarts;
-    nanoGPT's ``get_lr`` with its min_lr), then m; ``step`` --lr_gamma **
-    (epoch // --lr_step_epochs), the epoch being k // steps_per_epoch (torch's
-    StepLR stepped once per epoch). The factor of step decay multiplies the
-    warm-up's; cosine starts after it. Raises ConfigError for a schedule name
-    not in ``LR_SCHEDULES``, both warm-ups set, or --min_lr above --lr.
-    """
-    if args.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"lr_schedule {args.lr_schedule!r} (the task's recipe) is not one of "
-                          f"{', '.join(LR_SCHEDULES)}; pass --lr_schedule")
-    warmup_steps, min_lr, max_steps = (_recipe(args, name) for name in ("warmup_steps", "min_lr", "max_steps"))
-    if warmup_steps and args.warmup_epochs:
-        raise ConfigError(f"--warmup_steps {warmup_steps} and --warmup_epochs {args.warmup_epochs}: give "
-                          f"the warm-up in one of them, the other 0 (the task's recipe may set one)")
-    if min_lr > args.lr:
-        raise ConfigError(f"--min_lr {min_lr} is above --lr {args.lr}: the cosine would rise; pass a "
-                          f"lower --min_lr (or 0)")
-    warmup = warmup_steps or round(args.warmup_epochs * steps_per_epoch)
-    total = max_steps or args.total_epochs * steps_per_epoch
-    floor = min_lr / args.lr
-
-    def factor(step: int) -> float:
-        ramp = (step + 1) / warmup if step < warmup else 1.0
-        if args.lr_schedule == "cosine":
-            progress = max(0, step - warmup) / max(1, total - warmup)
-            return ramp * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-        if args.lr_schedule == "step":
-            return ramp * args.lr_gamma ** (step // steps_per_epoch // args.lr_step_epochs)
-        return ramp
-
-    return factor  # a function, not an object: LambdaLR then saves none of its settings
+    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        return [block for block in model.blocks if next(block.parameters(), None) is not None]
+    units = []
+    for child in model.children():
+        parts = list(child.children()) if isinstance(child, (nn.Sequential, nn.ModuleList)) else [child]
+        units += [part for part in parts if next(part.parameters(), None) is not None]
+    owners: dict = {}  # parameter -> the units holding it
+    for unit in units:
+        for param in unit.parameters():
+            owners.setdefault(param, set()).add(unit)
+    return [unit for unit in units if all(len(owners[p]) == 1 for p in unit.parameters())]
 
 
 # The short names --dataset accepts, each a task function as "module:function",
@@ -245,14 +163,6 @@ TASKS: dict[str, str] = {
     "mnist": "vision_tasks:mnist_task",
     "cifar10": "vision_tasks:cifar10_task",
     "shakespeare_char": "text_tasks:shakespeare_char_task",
-}
-# The models each of those tasks accepts, its default first (what its task
-# function passes to ``choose_model``), for --model's help.
-TASK_MODELS: dict[str, tuple[str, ...]] = {
-    "synthetic": ("mlp", "linear"),
-    "mnist": ("cnn",),
-    "cifar10": ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet"),  # vision_tasks.CIFAR10_MODELS
-    "shakespeare_char": ("gpt",),
 }
 
 
@@ -289,6 +199,25 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
 # The folders of the task files --dataset named by their path, first on
 # sys.path: DataLoader workers started afresh import the task's module from them.
 TASK_FILE_FOLDERS: list[str] = []
+
+
+def task_models() -> dict[str, tuple[str, ...]]:
+    """The models each task of ``TASKS`` accepts, its default first, for
+    --model's help: {short name: models}, read from the ``MODELS`` dict of the
+    task's module ({task function name: models}, what the task function
+    passes to ``choose_model``; every built-in task module exports one). A
+    task whose module exports none, or cannot be imported (a copy of the
+    scripts without it), is left out."""
+    found = {}
+    for name, spec in TASKS.items():
+        try:
+            function = task_function(spec)
+        except ConfigError:
+            continue
+        models = getattr(sys.modules[function.__module__], "MODELS", {}).get(function.__name__)
+        if models:
+            found[name] = tuple(models)
+    return found
 
 
 def _task_file_module(path: str, function: str) -> str:
@@ -332,9 +261,10 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
     downloads missing files only when ``download`` (see
     ``train_utils.downloaders_first``). The recipe flags left unset on the
     command line (None) are then set from the task's ``recipe``, else from
-    ``RECIPE_DEFAULTS``. Raises ConfigError (one line) for an unknown task
-    or model, missing data, a task function that returns no ``Task``, or a
-    ``recipe`` key that is no recipe flag.
+    ``recipes.RECIPE_DEFAULTS`` (``recipes.set_recipe_flags``). Raises
+    ConfigError (one line) for an unknown task or model, missing data, a
+    task function that returns no ``Task``, or a ``recipe`` key that is no
+    recipe flag.
     """
     try:
         task_fn = task_function(TASKS.get(args.dataset, args.dataset))
@@ -347,13 +277,9 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
                           f"({type(task).__name__}), not a common.Task; end it with "
                           f"`return common.Task(train_set, val_set, test_set, model, loss_fn, "
                           f"classification)` (docs/custom-task.md)")
-    unknown = sorted(set(task.recipe) - set(RECIPE_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"--dataset {args.dataset}: Task.recipe sets {', '.join(unknown)}, which "
-                          f"is no recipe flag; use keys of {', '.join(RECIPE_DEFAULTS)}")
-    for name, default in RECIPE_DEFAULTS.items():  # the command line first, then the task
-        if getattr(args, name, None) is None:
-            setattr(args, name, task.recipe.get(name, default))
+    from recipes import set_recipe_flags  # imported here: recipes imports this module's ConfigError
+
+    set_recipe_flags(args, task.recipe)
     return task
 
 
@@ -385,6 +311,8 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 # --------------------------------------------------------------------------
 
 SYNTHETIC_FEATURES = 20
+# --model: the models this module's task function accepts, its default first (common.task_models).
+MODELS = {"synthetic_task": ("mlp", "linear")}
 
 
 class SyntheticRegression(Dataset):
@@ -426,7 +354,7 @@ def synthetic_model(model: str = "mlp") -> nn.Module:
 def synthetic_task(args: argparse.Namespace, download: bool) -> Task:
     """The default task: ``SyntheticRegression``, an MLP (or ``--model linear``)
     float32 (N, 20) -> (N, 1), MSE loss. Needs no files, so ``download`` is unused."""
-    model = choose_model(args, TASK_MODELS["synthetic"])
+    model = choose_model(args, MODELS["synthetic_task"])
     full, test = SyntheticRegression(args.seed, "train"), SyntheticRegression(args.seed, "test")
     train_idx, val_idx = split_indices(len(full), VAL_FRACTION, args.seed)
     return Task(Subset(full, train_idx), Subset(full, val_idx), test,

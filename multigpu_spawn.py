@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 import common
+import recipes
 
 
 class Trainer:
@@ -152,20 +153,21 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         task = common.load_task(args, download=False)
     model = task.model.to(device)
     torch.manual_seed(args.seed + rank)  # each rank its own stream, or all draw the same dropout masks
-    optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
+    optimizer = recipes.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
-    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
         raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
                                  f"data for a process; pass a smaller one")
-    scheduler = LambdaLR(optimizer, common.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
+    scheduler = LambdaLR(optimizer, recipes.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
-    test_loss, test_acc = evaluate(model, test_data, task, device)
-    line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
-    if rank == 0:
-        print(line, flush=True)
+    if task.test_set is not None:  # None: the task holds no test split (common.Task), so no test line
+        test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed, task.collate_fn)
+        test_loss, test_acc = evaluate(model, test_data, task, device)
+        line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
+        if rank == 0:
+            print(line, flush=True)
     del trainer  # free DDP before its process group
     dist.destroy_process_group()
 

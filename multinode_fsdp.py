@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 import common
+import recipes
 
 
 class Trainer:
@@ -164,17 +165,14 @@ def latest_snapshot(root: str) -> Optional[str]:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each child with parameters (a Sequential's
-    or ModuleList's children: ResNet's residual blocks; a GPT's blocks alone) becomes one unit, all-gathered just
-    before its forward and backward; the root takes the parameters left (a GPT's embeddings, its tied output)."""
+    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each unit of common.fsdp_units (ResNet's
+    residual blocks; a GPT's blocks alone) is all-gathered just before its forward and backward; the root takes
+    the parameters left (a GPT's embeddings, its tied output)."""
     for param in model.parameters():  # fully_shard refuses channels-last weights (ResNets on CUDA)
         param.data = param.data.contiguous()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # one dimension: every rank
-    for child in [model.blocks] if hasattr(model, "blocks") else model.children():
-        blocks = list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)) else [child]
-        for block in blocks:
-            if next(block.parameters(), None) is not None:
-                fully_shard(block, mesh=mesh)
+    for unit in common.fsdp_units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -220,20 +218,21 @@ def main(args: argparse.Namespace) -> None:
         task = common.load_task(args, download=False)
     model = shard_model(task.model.to(device), device)  # before the optimizer: it replaces the parameters
     torch.manual_seed(args.seed + rank)  # each rank its own stream, or all draw the same dropout masks
-    optimizer = common.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
+    optimizer = recipes.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
-    test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
         raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
                                  f"data for a process; pass a smaller one")
-    scheduler = LambdaLR(optimizer, common.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
+    scheduler = LambdaLR(optimizer, recipes.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
-    test_loss, test_acc = evaluate(model, test_data, task, device)
-    line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
-    if rank == 0:
-        print(line, flush=True)
+    if task.test_set is not None:  # None: the task holds no test split (common.Task), so no test line
+        test_data = prepare_dataloader(task.test_set, args.batch_size, False, args.seed, task.collate_fn)
+        test_loss, test_acc = evaluate(model, test_data, task, device)
+        line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
+        if rank == 0:
+            print(line, flush=True)
     dist.destroy_process_group()
     # Once sharded tensors exist the process group outlives destroy_process_group (torch 2.15),
     # and gloo's threads can abort the interpreter's teardown: end here (every print was flushed).

@@ -6,8 +6,9 @@ imports it the way it imports ``--dataset my_module:my_task``.
 
   shakespeare_char  the 1,115,394 characters of Tiny Shakespeare (karpathy/char-rnn),
                     each character a token (65 of them); the first 90% to train,
-                    the last 10% held out, nanoGPT's split; a ``gpt.GPT``; the
-                    cross-entropy in nats per character; nanoGPT's CPU recipe.
+                    the last 10% held out to validate, nanoGPT's split (no test
+                    set); a ``gpt.GPT``; the cross-entropy in nats per character;
+                    nanoGPT's CPU recipe.
 
 Reads ``shakespeare_char/input.txt`` under ``--data_dir``; with ``download``
 (local rank 0 first, ``train_utils.downloaders_first``) it fetches a missing
@@ -17,6 +18,7 @@ file from karpathy/char-rnn and checks its md5. See docs/language-model.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import socket
@@ -28,18 +30,23 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from common import Batch, ConfigError, Task, choose_model
+from gpt import GPT, GPTConfig
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 SHAKESPEARE_BYTES = 1115394
 TRAIN_FRACTION = 0.9  # the first 90% of the text trains, the last 10% is held out (nanoGPT's split)
+# --model: the models this module's task function accepts (common.task_models).
+MODELS = {"shakespeare_char_task": ("gpt",)}
 
 # The model's sizes (the --n_layer ... --dropout flags) and the recipe where no flag
 # says otherwise: nanoGPT's CPU recipe for this corpus (its README, "I only have a
 # macbook"): 4 layers, 4 heads, 128 wide, a 64-character context, batch 12, no
 # dropout; AdamW lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on matrices only,
 # 100 warm-up steps, cosine to 1e-4 at step 2,000, gradients clipped to norm 1.
-SHAKESPEARE_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "dropout": 0.0}
+# vocab_size: the corpus's 65 characters; the task sets that of the text it reads.
+SHAKESPEARE_MODEL = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
+SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")  # the GPTConfig fields train.py's flags set
 SHAKESPEARE_RECIPE = {"optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1,
                       "decay_params": "matrices", "lr_schedule": "cosine", "min_lr": 1e-4,
                       "warmup_steps": 100, "max_steps": 2000, "clip_grad_norm": 1.0, "batch_size": 12}
@@ -175,22 +182,14 @@ def read_corpus(data_dir: str, download: bool) -> str:
         raise ConfigError(f"shakespeare_char: cannot read {path} as UTF-8 text ({exc})") from None
 
 
-def model_sizes(args: argparse.Namespace) -> dict:
-    """The GPT's sizes: each of ``SHAKESPEARE_MODEL``'s from ``args`` (the flags)
-    where set there, else its default; the rungs, which have no such flags,
-    get the defaults. Raises ConfigError for n_embd not a multiple of n_head,
-    a size < 1 or a dropout outside [0, 1)."""
-    sizes = {name: getattr(args, name, None) for name in SHAKESPEARE_MODEL}
-    sizes = {name: default if sizes[name] is None else sizes[name] for name, default in SHAKESPEARE_MODEL.items()}
-    small = [f"--{name} {sizes[name]}" for name in ("n_layer", "n_head", "n_embd", "block_size") if sizes[name] < 1]
-    if small:
-        raise ConfigError(f"{', '.join(small)}: the GPT's sizes must be >= 1")
-    if sizes["n_embd"] % sizes["n_head"]:
-        raise ConfigError(f"--n_embd {sizes['n_embd']} is not a multiple of --n_head {sizes['n_head']}: "
-                          f"each head is n_embd / n_head wide")
-    if not 0.0 <= sizes["dropout"] < 1.0:
-        raise ConfigError(f"--dropout {sizes['dropout']} must be in [0, 1)")
-    return sizes
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPT's sizes: ``SHAKESPEARE_MODEL`` with each of ``SIZE_FLAGS`` that
+    ``args`` sets (the flags) in its place; the rungs, which have no such
+    flags, get the defaults. Checked by ``GPTConfig``: raises ConfigError
+    (one line) for n_embd not a multiple of n_head, a size < 1 or a dropout
+    outside [0, 1)."""
+    given = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name, None) is not None}
+    return dataclasses.replace(SHAKESPEARE_MODEL, **given)
 
 
 def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
@@ -199,30 +198,31 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     Vocabulary: the sorted set of the whole text's characters
     (``CharVocabulary``, 65 for the corpus). Split: the first 90% of the text
     trains, the last 10% is held out (nanoGPT's split, so its validation
-    losses compare); the held-out part is both the validation and the test
-    set. Samples: ``CharWindows`` of --block_size characters (training: each
+    losses compare); the held-out part is the validation set, and there is no
+    test set (``Task.test_set`` None: no test line), as nanoGPT's split has
+    none: a test line over the same text would repeat the last validation
+    loss. Samples: ``CharWindows`` of --block_size characters (training: each
     shifted by a random 0..block_size-1 characters; held out: tiling the text);
     int64 (B, block_size) contexts and next characters. Model: ``gpt.GPT``
     of the --n_layer --n_head --n_embd --block_size --dropout flags
-    (``SHAKESPEARE_MODEL`` where unset, then set in ``args``); loss ``lm_loss`` (nats per
+    (``SHAKESPEARE_MODEL``'s where unset, then set in ``args``; checked before the
+    corpus is read) and the vocabulary's size; loss ``lm_loss`` (nats per
     character); recipe ``SHAKESPEARE_RECIPE``. The Task's ``tokens_per_sample``
     is block_size, its ``decode``/``encode`` the vocabulary's. Raises
     ConfigError (one line) for a missing corpus that cannot be downloaded,
     a model other than ``gpt`` and bad sizes.
     """
-    from gpt import GPT
-
-    choose_model(args, ("gpt",))
-    sizes = model_sizes(args)
-    for name, value in sizes.items():  # the sizes used, in the run's config (and its snapshots)
-        setattr(args, name, value)
+    choose_model(args, MODELS["shakespeare_char_task"])
+    config = model_config(args)
+    for name in SIZE_FLAGS:  # the sizes used, in the run's config (and its snapshots)
+        setattr(args, name, getattr(config, name))
     text = read_corpus(args.data_dir, download)
     vocabulary = CharVocabulary(text)
     tokens = torch.tensor(vocabulary.encode(text), dtype=torch.int64)
     split = int(len(tokens) * TRAIN_FRACTION)
-    block_size = sizes["block_size"]
+    block_size = config.block_size
     train, held_out = CharWindows(tokens[:split], block_size, shift=True), CharWindows(tokens[split:], block_size)
-    model = GPT(len(vocabulary), **sizes)
-    return Task(train, held_out, held_out, model, lm_loss, classification=False,
+    model = GPT(dataclasses.replace(config, vocab_size=len(vocabulary)))
+    return Task(train, held_out, None, model, lm_loss, classification=False,
                 recipe=dict(SHAKESPEARE_RECIPE), tokens_per_sample=block_size,
                 decode=vocabulary.decode, encode=vocabulary.encode)

@@ -289,7 +289,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
 def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> torch.nn.Module:
     """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
 
-    Each of ``train_utils.fsdp_blocks`` becomes one FSDP unit, then the root takes the
+    Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
     parameters left; a unit's are all-gathered just before its forward and backward.
     ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
     BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
@@ -305,20 +305,23 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
         norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         for norm in norms:
             fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
-    for block in train_utils.fsdp_blocks(model):
+    for block in common.fsdp_units(model):
         if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
             fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32, torch.float32))
     return model
 
 
-def prepare_dataloader(dataset: Dataset, batch_size: int, num_workers: int, train: bool,
-                       seed: int, collate_fn: Callable) -> DataLoader:
+def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers: int, train: bool,
+                       seed: int, collate_fn: Callable) -> Optional[DataLoader]:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
     (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
     epoch's permutation (DistributedSampler, resumable mid-epoch). Evaluation:
     rank r takes samples r, r+W, r+2W, ... unpadded, each sample once. Batches
-    are made by ``collate_fn`` (the task's, ``common.Task.collate_fn``)."""
+    are made by ``collate_fn`` (the task's, ``common.Task.collate_fn``). None
+    for no ``dataset`` (a task without a test split, ``common.Task``)."""
+    if dataset is None:
+        return None
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
@@ -358,12 +361,14 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     return task, optimizer
 
 
-def finish(trainer: Trainer, test_data: DataLoader) -> None:
-    """The run holds every epoch: the test figures, then (rank 0) tell a Slurm
-    wrapper that nothing is left to train, so a late stop signal does not requeue it."""
-    test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
-    if trainer.rank == 0:
-        trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
+def finish(trainer: Trainer, test_data: Optional[DataLoader]) -> None:
+    """The run holds every epoch: the test figures (none for a task without a
+    test split: ``test_data`` None), then (rank 0) tell a Slurm wrapper that
+    nothing is left to train, so a late stop signal does not requeue it."""
+    if test_data is not None:
+        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
+        if trainer.rank == 0:
+            trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
     # --sample_chars: what the model writes (FSDP: every rank runs the forwards; rank 0 prints)
     train_utils.print_sample(trainer.plain_model, trainer.task, trainer.args, trainer.device, trainer.fsdp)
     if trainer.rank == 0:
@@ -419,5 +424,5 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     # A file for DDP, a folder of sharded saves (one sub-folder per save) for FSDP.
-    main(train_utils.parse_args(__doc__, common.TASKS, models=common.TASK_MODELS,
+    main(train_utils.parse_args(__doc__, common.TASKS, models=common.task_models(),
                                 snapshot_paths={"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp"}))

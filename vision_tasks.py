@@ -66,6 +66,8 @@ class MnistCNN(nn.Module):
 
 # --model for cifar10: the CIFAR-stem ResNets first (the default), then torchvision's own.
 CIFAR10_MODELS = ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet")
+# --model: the models each task function of this module accepts, its default first (common.task_models).
+MODELS = {"mnist_task": ("cnn",), "cifar10_task": CIFAR10_MODELS}
 # The recipes the built-in tasks train with unless a flag says otherwise (docs/recipes.md).
 # MNIST: SGD with momentum, half an epoch of warm-up, x0.7 per epoch (the decay of
 # pytorch/examples mnist/main.py). CIFAR-10: the widely reproduced ResNet recipe of
@@ -198,7 +200,7 @@ def vision_task(dataset: str, args: argparse.Namespace, download: bool) -> Task:
     """
     from torchvision import transforms
 
-    model_name = choose_model(args, ("cnn",) if dataset == "mnist" else CIFAR10_MODELS)
+    model_name = choose_model(args, MODELS[f"{dataset}_task"])
     prepare_data(dataset, args.data_dir, download)
     cls = _torchvision_class(dataset)
     stats = (MNIST_MEAN, MNIST_STD) if dataset == "mnist" else (CIFAR10_MEAN, CIFAR10_STD)

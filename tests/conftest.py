@@ -118,6 +118,7 @@ QUICK = [
     "test_fault_tolerance.py::test_truncated_snapshot_stops_with_one_line_and_is_kept",
     "test_language_model.py::test_split_vocabulary_and_windows_are_nanogpts",  # the LM: task, model, recipe
     "test_language_model.py::test_gpt_shapes_tying_initialisation_and_causality",
+    "test_language_model.py::test_gpt_sizes_are_one_config_checked_where_it_is_made",
     "test_language_model.py::test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule",
     "test_lm_kit.py::test_flops_per_token_is_6n_plus_attention_with_nanogpts_n",  # the kit's LM parts, in-process
     "test_lm_kit.py::test_tokens_flops_and_mfu_figures",

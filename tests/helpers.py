@@ -234,7 +234,7 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: 
     group (DDP wraps the model). ``optimizer``'s type and lr, ``grad_accum_steps``
     and ``recipe`` (recipe flags, e.g. ``clip_grad_norm=0.05``) are the run's flags.
     Raises AssertionError where train.Trainer takes a parameter this does not give."""
-    import common
+    import recipes
     import train
     import train_utils
 
@@ -243,7 +243,7 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: 
         total_epochs=1, metrics_path=None, tensorboard_dir=None, wandb_project=None, profile_dir=None,
         snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, snapshot_every_s=0,
         snapshot_sync=False, pg_timeout_s=600,
-        **{**common.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
+        **{**recipes.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
            "optimizer": type(optimizer).__name__.lower(), **recipe})
     device = torch.device("cpu")
     available = dict(model=model, train_data=None, val_data=None,

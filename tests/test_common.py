@@ -106,6 +106,20 @@ def test_built_in_tasks_are_found_the_way_a_users_task_is(tmp_path, monkeypatch)
     assert load_task("probe_task:build").classification is False
 
 
+def test_each_task_module_says_its_models_and_the_help_reads_them(tmp_path, monkeypatch):
+    """task_models (--model's help) reads each registered task's models from
+    its module's MODELS, keyed by the task function; a task whose module
+    lists none, or is not there, is left out rather than stopping the command line."""
+    assert common.task_models() == {"synthetic": ("mlp", "linear"), "mnist": ("cnn",),
+                                    "cifar10": vision_tasks.CIFAR10_MODELS, "shakespeare_char": ("gpt",)}
+    (tmp_path / "listed_task.py").write_text("MODELS = {'build': ('small', 'large')}\ndef build(args, download): pass\n"
+                                             "def other(args, download): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(common, "TASKS", {"listed": "listed_task:build", "unlisted": "listed_task:other",
+                                          "missing": "no_such_task_module:build"})
+    assert common.task_models() == {"listed": ("small", "large")}
+
+
 def test_dataset_flag_accepts_the_task_names_and_module_function(monkeypatch):
     for given in ("synthetic", "mnist", "cifar10", "my_task:build_task"):
         monkeypatch.setattr(sys, "argv", ["train.py", "--dataset", given])

@@ -1,7 +1,9 @@
 """Your own task, plugged in the documented way (docs/custom-task.md): the
 guide's own my_task.py, trained through the real command line under torchrun."""
 
+import json
 import re
+import sys
 
 import torch
 
@@ -38,6 +40,30 @@ def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path)
     snapshot = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)
     assert snapshot["config"]["dataset"] == "my_task:build_task"
     assert snapshot["model"]["2.weight"].shape == (3, 32)  # the guide's model, 3 classes
+
+
+RUNGS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
+
+
+def test_a_task_without_a_test_split_trains_and_prints_no_test_line(tmp_path):
+    """Task.test_set None (docs/custom-task.md's table): the first rung and
+    train.py train it, validate every epoch and print no test line (the kit's
+    metrics file holds no test record); every rung skips the test the same way."""
+    (tmp_path / "no_test_task.py").write_text(
+        "import common\n"
+        "def build(args, download):\n"
+        "    task = common.synthetic_task(args, download)\n"
+        "    task.test_set = None  # no test split\n"
+        "    return task\n")
+    task = ["--dataset", "no_test_task.py:build", "--total_epochs", "1"]
+    rung = check(run([sys.executable, REPO / "singlegpu.py", *task], tmp_path))
+    kit = check(run(ONE_RANK + [*task, "--metrics_path", "metrics.jsonl"], tmp_path))
+    for result in (rung, kit):
+        assert [e["epoch"] for e in epochs(result.stdout)] == [1] and "test |" not in result.stdout, result.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if "epoch" in r] == [1] and not any("test_loss" in r for r in records)
+    for script in RUNGS:
+        assert "    if task.test_set is not None:" in (REPO / script).read_text(), script
 
 
 def test_unknown_task_module_is_one_line(tmp_path):

@@ -18,9 +18,10 @@ RUNGS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode
 SAVED = {"singlegpu.py": "checkpoint_singlegpu.pt", "multigpu_spawn.py": "checkpoint_multigpu_spawn.pt",
          "multigpu_torchrun.py": "snapshot_multigpu_torchrun.pt", "multinode.py": "snapshot_multinode.pt",
          "multinode_fsdp.py": "snapshot_multinode_fsdp"}
-# What a rung may import: a few standard modules, torch, torchvision, tqdm, and the task modules.
+# What a rung may import: a few standard modules, torch, torchvision, tqdm, the task modules
+# and what a recipe means (recipes.py).
 ALLOWED = {"argparse", "os", "shutil", "socket", "sys", "time", "typing",
-           "torch", "torchvision", "tqdm", "common", "vision_tasks", "fast_images"}
+           "torch", "torchvision", "tqdm", "common", "vision_tasks", "fast_images", "recipes"}
 # Before torch 2.10, gloo's reduce_scatter sums where FSDP averages: the FSDP rung refuses the CPU.
 FSDP_REFUSED = not torch.cuda.is_available() and torch.__version__ < "2.10"
 

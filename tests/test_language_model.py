@@ -6,6 +6,7 @@ cosine to a minimum: nanoGPT's get_lr), --max_steps in the kit, stopped by SIGTE
 and resumed bitwise, and a rung training the GPT with the task's recipe."""
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -18,17 +19,18 @@ import pytest
 import torch
 
 import common
+import recipes
 import gpt
 import text_tasks
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import REPO, TORCHRUN, check, epochs, parse_test, run, signal_when, snapshot_tensors, task_args
+from helpers import REPO, TORCHRUN, check, epochs, run, signal_when, snapshot_tensors, task_args
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
 
 
 def lm_args(data_dir, **flags) -> argparse.Namespace:
     """What train.py passes common.load_task for --dataset shakespeare_char, no recipe flag given."""
-    return task_args("shakespeare_char", data_dir, **{**{name: None for name in common.RECIPE_DEFAULTS}, **flags})
+    return task_args("shakespeare_char", data_dir, **{**{name: None for name in recipes.RECIPE_DEFAULTS}, **flags})
 
 
 # --------------------------------------------------------------------------
@@ -37,7 +39,7 @@ def lm_args(data_dir, **flags) -> argparse.Namespace:
 
 def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     """65 characters, sorted, as nanoGPT numbers them; the first 90% trains, the
-    last 10% is held out (validation and test); windows of block_size characters
+    last 10% is held out (validation; no test set); windows of block_size characters
     tile the held-out part; training windows start a random 0..T-1 characters
     later (torch's generator: seeded, reproducible), y the next characters of x;
     the defaults are nanoGPT's CPU recipe."""
@@ -63,7 +65,7 @@ def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     assert len(draws) > 5 and len(set(shifts)) > 1  # a window starts anywhere in its block
     for i in (0, 7):  # held out: the windows tile the text
         assert task.decode(task.val_set[i][0]) == text[split + i * T:split + (i + 1) * T]
-    assert task.test_set is task.val_set and task.decode(task.encode(text[:2000])) == text[:2000]
+    assert task.test_set is None and task.decode(task.encode(text[:2000])) == text[:2000]
     assert task.tokens_per_sample == T and not task.classification
     with pytest.raises(common.ConfigError, match=r"the character '\\x00' is not in the vocabulary"):
         task.encode("\x00")
@@ -72,7 +74,7 @@ def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     assert recipe == ("adamw", 1e-3, 0.9, 0.99, 0.1, "matrices", "cosine", 1e-4, 100, 2000, 1.0, 12)
     assert (args.model, args.n_layer, args.n_head, args.n_embd, args.block_size, args.dropout) == ("gpt", 4, 4, 128, 64, 0.0)
     assert task.model.num_parameters(embeddings=False) == 795904  # nanoGPT prints "0.80M" for this model
-    with pytest.raises(common.ConfigError, match="--n_embd 30 is not a multiple of --n_head 4"):
+    with pytest.raises(common.ConfigError, match="n_embd 30 is not a multiple of n_head 4"):
         common.load_task(lm_args(tmp_path, n_embd=30), download=False)
 
 
@@ -116,7 +118,7 @@ def test_missing_corpus_is_one_line_and_the_download_is_md5_checked(tmp_path, mo
 def test_gpt_shapes_tying_initialisation_and_causality():
     torch.manual_seed(0)
     V, T, L, C = 65, 16, 2, 64
-    model = gpt.GPT(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_embd=C, bias=True)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_embd=C, bias=True))
     idx = torch.randint(0, V, (3, T))
     logits = model(idx)
     assert logits.shape == (3, T, V) and logits.dtype == torch.float32
@@ -137,8 +139,26 @@ def test_gpt_shapes_tying_initialisation_and_causality():
     assert torch.allclose(after[:, :10], logits[:, :10], atol=1e-6) and not torch.allclose(after[:, 10], logits[:, 10])
     with pytest.raises(ValueError, match="longer than block_size 16"):
         model(torch.zeros(1, T + 1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="n_embd 30 is not a multiple of n_head 4"):
-        gpt.GPT(V, T, 1, 4, 30)
+    with pytest.raises(common.ConfigError, match="n_embd 30 is not a multiple of n_head 4"):
+        gpt.GPT(gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=4, n_embd=30))
+
+
+def test_gpt_sizes_are_one_config_checked_where_it_is_made(tmp_path):
+    """GPTConfig has nanoGPT's fields, in its order, and its defaults (GPT-2
+    small's shape; no biases). A bad size is one ConfigError line, the same
+    whether code or train.py's flags give it, and the flags' are refused
+    before the corpus is read (there is none at tmp_path)."""
+    fields = [(field.name, field.default) for field in dataclasses.fields(gpt.GPTConfig)]
+    assert fields == [("block_size", 1024), ("vocab_size", 50304), ("n_layer", 12), ("n_head", 12),
+                      ("n_embd", 768), ("dropout", 0.0), ("bias", False)]
+    for sizes, error in ((dict(n_layer=0, block_size=0), "the GPT's sizes must be 1 or more: n_layer 0, block_size 0"),
+                         (dict(n_embd=30, n_head=12), "n_embd 30 is not a multiple of n_head 12"),
+                         (dict(dropout=1.0), r"dropout 1.0 is outside \[0, 1\)")):
+        with pytest.raises(common.ConfigError, match=error) as info:
+            gpt.GPTConfig(**sizes)
+        assert "\n" not in str(info.value)
+        with pytest.raises(common.ConfigError, match=error):
+            common.load_task(lm_args(tmp_path, **sizes), download=False)
 
 
 # --------------------------------------------------------------------------
@@ -146,7 +166,7 @@ def test_gpt_shapes_tying_initialisation_and_causality():
 # --------------------------------------------------------------------------
 
 def recipe_args(**flags) -> argparse.Namespace:
-    return argparse.Namespace(**{**common.RECIPE_DEFAULTS, **text_tasks.SHAKESPEARE_RECIPE, "total_epochs": 1,
+    return argparse.Namespace(**{**recipes.RECIPE_DEFAULTS, **text_tasks.SHAKESPEARE_RECIPE, "total_epochs": 1,
                                  **flags})
 
 
@@ -159,8 +179,8 @@ def nanogpt_lr(it: int, lr=1e-3, min_lr=1e-4, warmup=100, decay_iters=2000) -> f
 
 
 def test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule():
-    model = gpt.GPT(65, 16, 2, 2, 32, bias=True)
-    optimizer = common.build_optimizer(model, recipe_args())
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True))
+    optimizer = recipes.build_optimizer(model, recipe_args())
     names = {id(p): name for name, p in model.named_parameters()}
     decayed, kept = ({names[id(p)] for p in group["params"]} for group in optimizer.param_groups)
     assert type(optimizer) is torch.optim.AdamW and len(optimizer.param_groups) == 2
@@ -169,15 +189,15 @@ def test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule():
     assert kept and all(name.endswith("bias") or ".ln_" in name or name.startswith("ln_f") for name in kept)
     assert [(g["weight_decay"], g["betas"]) for g in optimizer.param_groups] == [(0.1, (0.9, 0.99)), (0.0, (0.9, 0.99))]
     assert len(decayed) + len(kept) == len(list(model.parameters()))  # the tied weight once
-    assert len(common.build_optimizer(model, recipe_args(decay_params="all")).param_groups) == 1  # the others' recipe
-    factor = common.lr_factor(recipe_args(), steps_per_epoch=1307)  # max_steps, not epochs, sets the horizon
+    assert len(recipes.build_optimizer(model, recipe_args(decay_params="all")).param_groups) == 1  # the others' recipe
+    factor = recipes.lr_factor(recipe_args(), steps_per_epoch=1307)  # max_steps, not epochs, sets the horizon
     assert [factor(k) for k in range(100)] == [(k + 1) / 100 for k in range(100)]
     assert [1e-3 * factor(k) for k in range(100, 2200)] == pytest.approx([nanogpt_lr(k) for k in range(100, 2200)],
                                                                          rel=1e-12)
     with pytest.raises(common.ConfigError, match="give the warm-up in one of them"):
-        common.lr_factor(recipe_args(warmup_epochs=0.5), 1307)
+        recipes.lr_factor(recipe_args(warmup_epochs=0.5), 1307)
     with pytest.raises(common.ConfigError, match="--min_lr 0.002 is above --lr 0.001"):
-        common.lr_factor(recipe_args(min_lr=0.002), 1307)
+        recipes.lr_factor(recipe_args(min_lr=0.002), 1307)
 
 
 # --------------------------------------------------------------------------
@@ -201,11 +221,11 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     lines = epochs(straight.stdout)
     records = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["total_epochs"], r["samples"]) for r in records if "epoch" in r] == [(1, 2, 1120), (2, 2, 480)]
-    assert records[-2]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
+    assert records[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
     assert lines[1]["val_loss"] < 3.5 < math.log(65)  # it learns (a uniform guess: ln 65 = 4.17 nats/char)
     text = signal_when(launch, stopped_dir, "DDP_TEST_FAULT: wait_signal at step 85", signal.SIGTERM,
                        DDP_TEST_FAULT="step:*:85:wait_signal")
-    assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
+    assert text.count("stopped by SIGTERM") == 1 and "epoch 2/2 |" not in text, text  # stopped, not finished
     resumed = check(run(launch, stopped_dir))
     assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 2 after step 1\d\b", resumed.stdout)
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
@@ -213,7 +233,8 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     steps_b, b = snapshot_tensors(stopped_dir / "snapshot_train.pt", rng=True)
     assert steps_a == steps_b == 2 and a["lr_schedule.step"].item() == 100 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
-    assert parse_test(resumed.stdout) == parse_test(straight.stdout)
+    assert epochs(resumed.stdout)[-1]["val_loss"] == lines[-1]["val_loss"]  # the held-out loss at the end
+    assert "test | loss" not in straight.stdout + resumed.stdout  # no test split: no test line
     longer = run([*launch[:-2], "--max_steps", "150"], straight_dir)  # its epoch 2 was cut short at step 100
     assert longer.returncode != 0 and "error: the snapshot holds a finished run of --max_steps 100, which ended " \
         "inside an epoch; it cannot go on to --max_steps 150" in longer.stderr, longer.stderr
@@ -240,3 +261,4 @@ def test_a_rung_trains_the_gpt_with_the_tasks_recipe(tmp_path):
     assert [e["lr"] for e in lines] == pytest.approx([1e-4 + 0.5 * (1 + math.cos(math.pi * (k - 10) / 130)) * 9e-4
                                                       for k in (69, 139)], rel=1e-5)  # 6 digits shown
     assert lines[0]["train_loss"] < 4.0 and lines[1]["val_loss"] < 3.4
+    assert "test | loss" not in result.stdout  # the task holds no test split

@@ -6,30 +6,35 @@ with the same losses and gradients and fewer saved activations."""
 
 import copy
 import json
+import os
 import signal
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import common
 import train_utils
 from common import ConfigError
-from gpt import GPT
+from gpt import GPT, GPTConfig
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import (EPOCH_LINE, REPO, TORCHRUN, assert_bitwise, check, full_state, parse_test, run, signal_when,
+from helpers import (EPOCH_LINE, REPO, TORCHRUN, assert_bitwise, check, free_port, full_state, run, signal_when,
                      snapshot_folder)
 
 def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     """nanoGPT's CPU recipe model (4 layers, 4 heads, 128 wide, context 64, 65
     characters) has N = 0.80M without the position embedding (nanoGPT prints
-    0.80M), so 6N + 12 x 4 x 128 x 64 FLOPs per token; a model of no stated
-    shape has none."""
+    0.80M), so 6N + 12 x 4 x 128 x 64 FLOPs per token (nanoGPT's 12 L H Q T,
+    H Q = n_embd), the GPT's own figure, which the kit reads; a model that
+    gives none has none."""
     torch.manual_seed(0)
-    model = GPT(65, 64, 4, 4, 128)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
     n = sum(p.numel() for p in model.parameters()) - 64 * 128  # the tied output layer counted once
     assert n == 795_904
     assert train_utils.model_flops_per_token(model) == 6 * n + 12 * 4 * 128 * 64 == 5_168_640
-    assert train_utils.transformer_flops_per_token(10, 2, 3, 4) == 60 + 288
+    small = GPT(GPTConfig(vocab_size=10, block_size=4, n_layer=2, n_head=3, n_embd=3))
+    assert small.flops_per_token() == 6 * small.num_parameters(embeddings=False) + 12 * 2 * 3 * 4
     assert train_utils.model_flops_per_token(torch.nn.Linear(3, 3)) is None
 
 
@@ -64,21 +69,54 @@ def _line(record: dict) -> str:
     return metrics_line(record)
 
 
+class Tied(torch.nn.Module):
+    """Three children, the first and the last sharing one weight (an output layer tied to an embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.hidden, self.out = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)
+        self.out.weight = self.embed.weight
+
+
 def test_fsdp_units_are_the_transformer_blocks_and_a_tied_weight_stays_in_the_root():
     """A GPT: one unit per block; the token embedding and the output layer,
     one shared weight, stay in the root (two units holding it are refused by
     fully_shard). Another model with tied children: they stay in the root."""
-    model = GPT(65, 16, 3, 2, 32)
-    assert train_utils.fsdp_blocks(model) == list(model.blocks)
-
-    class Tied(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.hidden, self.out = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)
-            self.out.weight = self.embed.weight
-
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=3, n_head=2, n_embd=32))
+    assert common.fsdp_units(model) == list(model.blocks)
     tied = Tied()
-    assert train_utils.fsdp_blocks(tied) == [tied.hidden]
+    assert common.fsdp_units(tied) == [tied.hidden]
+
+
+def _sharded_units_worker(rank, port, out_dir):
+    """One process: the FSDP rung's shard_model and train.py's, each on a GPT and on
+    ``Tied``; the names of the modules each made an FSDP unit (the root as "")."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=1)
+    from torch.distributed.fsdp import FSDPModule
+
+    import multinode_fsdp
+    import train
+
+    cpu, units = torch.device("cpu"), {}
+    for name, shard in (("rung", lambda m: multinode_fsdp.shard_model(m, cpu)),
+                        ("kit", lambda m: train.shard_model(m, cpu, dtype=None))):
+        gpt = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=3, n_head=2, n_embd=32))
+        for label, model in (("GPT", gpt), ("Tied", Tied())):
+            sharded = shard(model)  # fully_shard changes the class of each unit, the root too
+            units[name, label] = [n for n, m in sharded.named_modules() if isinstance(m, FSDPModule)]
+    torch.save(units, os.path.join(out_dir, "units.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_the_fsdp_rung_and_the_kit_shard_the_same_units(tmp_path):
+    """multinode_fsdp.py and train.py shard by the one rule, common.fsdp_units:
+    the same units of a GPT (its blocks, then the root) and of a model with a
+    tied weight (the tied children stay in the root)."""
+    mp.spawn(_sharded_units_worker, args=(free_port(), str(tmp_path)), nprocs=1)
+    units = torch.load(tmp_path / "units.pt")
+    assert units["rung", "GPT"] == units["kit", "GPT"] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert units["rung", "Tied"] == units["kit", "Tied"] == ["", "hidden"]
 
 
 def _step_figures(model, x, y):
@@ -96,7 +134,7 @@ def test_activation_checkpointing_gives_the_same_losses_and_gradients_and_keeps_
     same loss and gradients, under a quarter of the saved activations, the
     same state_dict keys (snapshots load either way)."""
     torch.manual_seed(0)
-    plain = GPT(65, 32, 2, 2, 32, dropout=0.1)
+    plain = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
     recomputed = train_utils.checkpoint_activations(copy.deepcopy(plain))
     x, y = torch.randint(0, 65, (4, 32)), torch.randint(0, 65, (4, 32))
     torch.manual_seed(1)
@@ -114,7 +152,7 @@ def test_activation_checkpointing_gives_the_same_losses_and_gradients_and_keeps_
 def test_generate_is_seeded_and_top_k_1_is_greedy():
     """The same generator seed draws the same tokens; top_k 1 takes the most likely token each time."""
     torch.manual_seed(0)
-    model = GPT(11, 8, 1, 1, 16)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=16))
     start = torch.zeros(1, 1, dtype=torch.long)
     draws = [train_utils.generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
     assert draws[0].shape == (1, 21) and torch.equal(draws[0], draws[1])
@@ -132,7 +170,8 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     tokens_per_s = samples_per_s x block_size and flops_per_s = tokens_per_s x
     the model's FLOPs per token; every rank runs the sampling's forwards (FSDP),
     rank 0 prints --sample_chars characters once. Without it, stopped by SIGTERM
-    before step 4 and resumed: the same losses, test loss and text, and
+    before step 4 and resumed: the same losses (the held-out one; no test line: the
+    task has no test split) and text, and
     bitwise the same weights, AdamW state, schedule and RNG states. Rerun on its finished snapshot, the first prints the same text
     again, then says nothing to train."""
     data = build_shakespeare_root(tmp_path / "data", 12_000)
@@ -157,13 +196,14 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
         texts[name] = sample[1][:80]
     record, text = records["ac"], texts["ac"]
     assert [records["plain"][key] for key in ("train_loss", "val_loss")] == [record["train_loss"], record["val_loss"]]
-    assert parse_test(outputs["plain"]) == parse_test(outputs["ac"]) and texts["plain"] == text
+    assert "test | loss" not in outputs["plain"] + outputs["ac"] and texts["plain"] == text  # no test split
     # bitwise: weights, AdamW's moments, the cosine's step, every rank's RNG state
     assert_bitwise(*(full_state(snapshot_folder(tmp_path / name), tmp_path / f"{name}-full")[1] for name in ("ac", "plain")))
     characters = sorted(set(require_tinyshakespeare().read_text(encoding="utf-8")[:12_000]))  # the vocabulary
     assert len(text) == 80 and set(text) <= set(characters)
     assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 32)  # x --block_size
-    flops_per_token = train_utils.model_flops_per_token(GPT(len(characters), 32, 2, 2, 32))
+    model = GPT(GPTConfig(vocab_size=len(characters), block_size=32, n_layer=2, n_head=2, n_embd=32))
+    flops_per_token = train_utils.model_flops_per_token(model)
     assert record["flops_per_s"] == pytest.approx(record["tokens_per_s"] * flops_per_token)
     assert "mfu" not in record  # a CPU
     again = check(run(cmd + ["--snapshot_path", "ac"], tmp_path))

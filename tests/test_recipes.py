@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import common
+import recipes
 import train_utils
 import vision_tasks
 from dataset_files import build_cifar10_root
@@ -24,7 +25,7 @@ TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"
 
 
 def recipe_args(**flags) -> argparse.Namespace:
-    return argparse.Namespace(**{**common.RECIPE_DEFAULTS, "total_epochs": 4, "clip_grad_norm": None,
+    return argparse.Namespace(**{**recipes.RECIPE_DEFAULTS, "total_epochs": 4, "clip_grad_norm": None,
                                  "amp": None, **flags})
 
 
@@ -84,7 +85,7 @@ def test_the_task_gives_the_recipe_defaults_and_the_command_line_overrides_them(
         "    return t\n")
     monkeypatch.chdir(tmp_path)
     flags = dict(dataset="recipe_task:task", data_dir="data", input_path="fast", seed=0, model=None,
-                 **{name: None for name in common.RECIPE_DEFAULTS})
+                 **{name: None for name in recipes.RECIPE_DEFAULTS})
     args = argparse.Namespace(**dict(flags, lr=0.01))
     common.load_task(args, download=False)
     assert (args.optimizer, args.lr, args.weight_decay, args.lr_schedule) == ("adamw", 0.01, 0.1, "constant")

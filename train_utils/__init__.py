@@ -37,15 +37,15 @@ launcher's store, the stop signals during start-up, and the one-line errors.
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
   resume             Progress (position, samples trained, RNG states), DDP's buckets
   sampler            the training sampler: an epoch part-way, at any world size
-  fsdp               FSDP units, activation checkpointing, backend check, state per rank, the exit
-  throughput         tokens/s, model FLOPs per token, achieved FLOP/s, MFU
+  fsdp               activation checkpointing, backend check, state per rank, the exit
+  throughput         tokens/s, achieved FLOP/s (the model's FLOPs per token), MFU
   text_out           what a language model writes (--sample_chars)
 
 Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
 
-from common import build_optimizer  # the recipe's meaning lives with the tasks
+from recipes import build_optimizer  # the recipe's meaning, which the rungs share
 from .checkpointer import Checkpointer
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args
@@ -54,7 +54,7 @@ from .epoch import EpochMeter, evaluating
 from .errors import NothingToTrain, one_line_errors
 from .evaluation import batches_for_every_rank, broadcast_buffers
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
-    fsdp_blocks, print_sharded_memory
+    print_sharded_memory
 from .launch import launcher_store
 from .loaders import loader_workers
 from .metrics import RunLog
@@ -99,7 +99,6 @@ __all__ = [
     "check_fsdp_backend",
     "checkpoint_activations",
     "contiguous_parameters",
-    "fsdp_blocks",
     # the loop: steps, time-outs, stops, evaluation, snapshots
     "EpochMeter",
     "evaluating",

@@ -11,7 +11,7 @@ import difflib
 import os
 from typing import Callable, Iterable, Mapping, Optional
 
-from common import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS
+from recipes import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS
 from .errors import report_to_torchrun
 
 
@@ -118,7 +118,7 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
     ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``), the first
     the default; a ``module:function`` (your own task, see docs/custom-task.md)
     is accepted too. ``models``: each task's models, the default first, for
-    --model's help (``common.TASK_MODELS``). ``snapshot_paths``: the default
+    --model's help (``common.task_models()``). ``snapshot_paths``: the default
     --snapshot_path of each --strategy (None: no default). Invalid values
     (zero epochs, an unknown dataset, ...) end with argparse's usage line, exit status 2.
     """
@@ -213,7 +213,7 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
     """The recipe (train_utils.recipe): each default is the task's choice
-    (Task.recipe), else common.RECIPE_DEFAULTS; see docs/recipes.md."""
+    (Task.recipe), else recipes.RECIPE_DEFAULTS; see docs/recipes.md."""
     add = parser.add_argument
     add("--optimizer", choices=tuple(OPTIMIZERS), default=None,
         help="optimizer (default: the task's; synthetic sgd, momentum 0.9)")

@@ -1,6 +1,7 @@
-"""FSDP's helpers: which blocks become FSDP units, activation
-checkpointing of those blocks, the backend check, the state each rank holds,
-and the exit.
+"""The kit's FSDP helpers: activation checkpointing of a transformer's blocks,
+the backend check, the state each rank holds, and the exit. Which modules
+become FSDP units is the task contract's rule, ``common.fsdp_units``, which
+the FSDP rung uses too.
 """
 
 from __future__ import annotations
@@ -28,37 +29,6 @@ def check_fsdp_backend() -> None:
     if dist.get_backend() == "gloo" and torch_version() < GLOO_AVG_REDUCE_SCATTER:
         raise ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer: torch {torch.__version__}'s "
                           f"gloo sums where FSDP averages gradients; pip install 'torch>=2.10', or train on GPUs")
-
-
-def fsdp_blocks(model: torch.nn.Module) -> list:
-    """The modules multinode_fsdp.py shards one by one, each an FSDP unit whose
-    parameters are all-gathered just before it runs and freed after.
-
-    A transformer (a model with a ``blocks`` ModuleList, ``gpt.GPT``): each
-    block, nothing else; embeddings, the final norm and the output layer stay
-    in the root, so an output layer tied to the token embedding keeps its one
-    weight in one unit. Any other model: the root's children that hold
-    parameters, except that a container child (``nn.Sequential``,
-    ``nn.ModuleList``: ResNet's ``layer1``..``layer4``) gives its children
-    instead (ResNet's residual blocks), and a child sharing a parameter with
-    another (tied weights) stays in the root. MNIST CNN: conv1, conv2, fc1,
-    fc2; the synthetic MLP (itself a Sequential): its two Linear layers. The
-    root, sharded after them, takes the parameters left over. The usual rule
-    (PyTorch's FSDP2 examples, torchtitan: one unit per transformer block);
-    pass your own list for finer or coarser units.
-    """
-    if isinstance(getattr(model, "blocks", None), torch.nn.ModuleList):
-        return [block for block in model.blocks if next(block.parameters(), None) is not None]
-    blocks = []
-    for child in model.children():
-        containers = (torch.nn.Sequential, torch.nn.ModuleList)
-        parts = list(child.children()) if isinstance(child, containers) else [child]
-        blocks += [part for part in parts if next(part.parameters(), None) is not None]
-    owners: dict = {}  # parameter -> the blocks holding it
-    for block in blocks:
-        for param in block.parameters():
-            owners.setdefault(param, set()).add(block)
-    return [block for block in blocks if all(len(owners[p]) == 1 for p in block.parameters())]
 
 
 def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:

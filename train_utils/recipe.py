@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from common import ConfigError, lr_factor
+from common import ConfigError
+from recipes import lr_factor
 
 from .output import print_line
 from .speed import amp_dtype

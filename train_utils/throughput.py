@@ -1,6 +1,6 @@
-"""What language-model training is measured in: tokens per second, the model's
-FLOPs per token, the FLOP/s achieved and, on a GPU of known peak, the model
-FLOPs utilization (MFU).
+"""What language-model training is measured in: tokens per second, the FLOP/s
+achieved (of the FLOPs per token the model gives) and, on a GPU of known
+peak, the model FLOPs utilization (MFU).
 """
 
 from __future__ import annotations
@@ -39,38 +39,14 @@ def gpu_peak(name: str) -> Optional[tuple[float, float]]:
     return None
 
 
-def transformer_flops_per_token(n_params: int, n_layer: int, n_embd: int, block_size: int) -> int:
-    """Training FLOPs per token of a decoder-only transformer, forward and
-    backward: 6 N + 12 n_layer n_embd block_size.
-
-    6 N: a multiply-add (2 FLOPs) per parameter and token in the forward
-    pass, twice that in the backward pass (Kaplan et al. 2020, "Scaling Laws
-    for Neural Language Models", section 2.1). 12 n_layer n_embd block_size:
-    the attention scores and their weighted sum, which no parameter counts
-    (Chowdhery et al. 2022, PaLM, appendix B: 12 L H Q T, H Q = n_embd), at
-    the full context ``block_size``. ``n_params`` N: the parameters a token's
-    matrix products use (nanoGPT's ``get_num_params``: the position
-    embedding left out, the token embedding counted once, as the output
-    layer tied to it). Activation recomputation (--activation_checkpointing)
-    is not counted: MFU counts the model's FLOPs, not the hardware's.
-    """
-    return 6 * n_params + 12 * n_layer * n_embd * block_size
-
-
 def model_flops_per_token(model: torch.nn.Module) -> Optional[int]:
-    """``transformer_flops_per_token`` of ``model`` when it is a transformer
-    language model that says its shape (``gpt.GPT``): int attributes
-    ``n_layer``, ``n_embd`` and ``block_size``; N is its
-    ``num_parameters(embeddings=False)`` where it has one (the position
-    embedding left out), else every parameter, each shared one once. None for
-    any other model. Full sizes also when the parameters are FSDP's shards (a
-    DTensor's ``numel`` is the whole tensor's)."""
-    shape = [getattr(model, name, None) for name in ("n_layer", "n_embd", "block_size")]
-    if not all(isinstance(value, int) for value in shape):
-        return None
-    count = getattr(model, "num_parameters", None)
-    n_params = count(embeddings=False) if callable(count) else sum(p.numel() for p in model.parameters())
-    return transformer_flops_per_token(n_params, *shape)
+    """The training FLOPs per token of ``model`` where the model gives them
+    itself, by a ``flops_per_token()`` method (``gpt.GPT``'s: 6N + 12 L H Q T,
+    nanoGPT's formula); None for any other model, which then gets no FLOP/s
+    or MFU figures. Called on the model before DDP wraps it, or on FSDP's
+    sharded model (the same class, the full sizes)."""
+    count = getattr(model, "flops_per_token", None)
+    return count() if callable(count) else None
 
 
 def throughput_figures(samples_per_s: float, tokens_per_sample: Optional[int],

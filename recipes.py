@@ -1,0 +1,150 @@
+"""What a recipe means: the optimizer and the learning-rate schedule its values name.
+
+A recipe is how a model is trained: ``--optimizer``, ``--lr``,
+``--weight_decay``, ``--lr_schedule``, the warm-up, ... (docs/recipes.md).
+Each task gives the values it trains best with (``common.Task.recipe``);
+``common.load_task`` fills the flags the command line left unset from them,
+then from ``RECIPE_DEFAULTS`` (``set_recipe_flags``). The ladder's rungs and
+the kit (train_utils.recipe) build the optimizer and the schedule with
+``build_optimizer`` and ``lr_factor``, so both train a task the same way.
+Another optimizer than those --optimizer offers is one line in ``OPTIMIZERS``.
+Imports torch and the task contract's ConfigError only, so a rung can import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+from typing import Callable
+
+import torch
+
+from common import ConfigError
+
+# The recipe flags' values where neither the command line nor the task's
+# ``Task.recipe`` sets one (``set_recipe_flags``).
+# beta1/beta2: AdamW's (torch's own defaults; SGD and Adadelta have none);
+# decay_params: "all" parameters decay, or "matrices" only (2-D and up);
+# warmup_steps: a warm-up in optimizer steps (instead of --warmup_epochs);
+# min_lr: where the cosine ends; max_steps: the run's length in optimizer steps
+# (0: --total_epochs); clip_grad_norm: None for no clipping; batch_size per process.
+RECIPE_DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0, "lr_schedule": "constant",
+                   "warmup_epochs": 0.0, "lr_step_epochs": 1, "lr_gamma": 0.1,
+                   "beta1": 0.9, "beta2": 0.999, "decay_params": "all", "warmup_steps": 0, "min_lr": 0.0,
+                   "max_steps": 0, "clip_grad_norm": None, "batch_size": 32}
+
+# --optimizer: name -> (class, keyword arguments besides lr and weight_decay).
+# SGD's momentum 0.9 is the usual one for image classification (He et al. 2016);
+# AdamW and Adadelta keep torch's defaults. Add your own here.
+OPTIMIZERS: dict[str, tuple[type, dict]] = {
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {}),
+    "adadelta": (torch.optim.Adadelta, {}),
+}
+LR_SCHEDULES = ("constant", "cosine", "step")
+DECAY_PARAMS = ("all", "matrices")
+
+
+def set_recipe_flags(args: argparse.Namespace, recipe: dict) -> None:
+    """Set each recipe flag (a key of ``RECIPE_DEFAULTS``) that ``args`` leaves
+    unset (None, or absent: the rungs have no such flags) to the task's value in
+    ``recipe`` (``Task.recipe``), else to ``RECIPE_DEFAULTS``'; the command line
+    wins. Raises ConfigError (one line) for a key of ``recipe`` that is no recipe flag."""
+    unknown = sorted(set(recipe) - set(RECIPE_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"--dataset {args.dataset}: Task.recipe sets {', '.join(unknown)}, which "
+                          f"is no recipe flag; use keys of {', '.join(RECIPE_DEFAULTS)}")
+    for name, default in RECIPE_DEFAULTS.items():  # the command line first, then the task
+        if getattr(args, name, None) is None:
+            setattr(args, name, recipe.get(name, default))
+
+
+def _recipe(args: argparse.Namespace, name: str):
+    """The recipe value ``name`` of ``args``; ``RECIPE_DEFAULTS``' where ``args`` has none
+    (a namespace made before that key existed)."""
+    value = getattr(args, name, None)
+    return RECIPE_DEFAULTS[name] if value is None else value
+
+
+def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The optimizer --optimizer names (``OPTIMIZERS``), over all of ``model``'s
+    parameters, at --lr with --weight_decay (decoupled for AdamW, added to the
+    gradient for SGD and Adadelta, as torch defines them), and --beta1
+    --beta2 for an optimizer that takes ``betas`` (AdamW).
+
+    --decay_params ``all``: one parameter group, every parameter decays.
+    ``matrices``: two groups, the parameters of 2 dimensions or more (the
+    weights of linear layers and embeddings) decaying, the others (biases,
+    LayerNorm weights and biases) at weight decay 0 and marked
+    ``"decays": False`` (nanoGPT's ``configure_optimizers``; Loshchilov &
+    Hutter 2019 decay weights, not gains and offsets). AdamW over parameters
+    on a GPU runs fused (``fused=True``: the same update, one kernel). Build it after the
+    parameters are final (the FSDP rung: after ``fully_shard``). Raises
+    ConfigError for an optimizer or a decay_params name it does not know.
+    """
+    if args.optimizer not in OPTIMIZERS:  # a task's default; the command line is checked already
+        raise ConfigError(f"optimizer {args.optimizer!r} (the task's recipe) is not one of "
+                          f"{', '.join(OPTIMIZERS)}; pass --optimizer, or add it to OPTIMIZERS "
+                          f"in recipes.py")
+    decay_params = _recipe(args, "decay_params")
+    if decay_params not in DECAY_PARAMS:
+        raise ConfigError(f"decay_params {decay_params!r} (the task's recipe) is not one of "
+                          f"{', '.join(DECAY_PARAMS)}; pass --decay_params")
+    optimizer_class, options = OPTIMIZERS[args.optimizer]
+    if "betas" in inspect.signature(optimizer_class).parameters:
+        options = dict(options, betas=(_recipe(args, "beta1"), _recipe(args, "beta2")))
+    if optimizer_class is torch.optim.AdamW and all(p.is_cuda for p in model.parameters()):
+        # One kernel for every parameter's update instead of several per group:
+        # a small GPT's GPU step is 15% shorter (docs/performance.md); nanoGPT does the same.
+        options = dict(options, fused=True)
+    parameters = model.parameters()
+    if decay_params == "matrices":
+        params = list(parameters)
+        groups = [{"params": [p for p in params if p.dim() >= 2]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "decays": False}]
+        parameters = [group for group in groups if group["params"]]
+    return optimizer_class(parameters, lr=args.lr, weight_decay=args.weight_decay, **options)
+
+
+def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int], float]:
+    """The schedule as a function: optimizer step k (0-based) -> the factor of
+    --lr it uses.
+
+    Warm-up: linear from 1/W to 1 over the first W steps (the gradual warm-up
+    of Goyal et al. 2017, "Accurate, Large Minibatch SGD"), W = --warmup_steps,
+    or round(--warmup_epochs x steps_per_epoch). The run lasts T steps:
+    --max_steps, or --total_epochs x steps_per_epoch. After the warm-up,
+    ``constant`` 1; ``cosine`` from 1 down to m = --min_lr / --lr at step T,
+    m + (1 - m)(1 + cos(pi p)) / 2 with p the fraction of the T - W steps
+    after the warm-up done (Loshchilov & Hutter 2017, SGDR, without restarts;
+    nanoGPT's ``get_lr`` with its min_lr), then m; ``step`` --lr_gamma **
+    (epoch // --lr_step_epochs), the epoch being k // steps_per_epoch (torch's
+    StepLR stepped once per epoch). The factor of step decay multiplies the
+    warm-up's; cosine starts after it. Raises ConfigError for a schedule name
+    not in ``LR_SCHEDULES``, both warm-ups set, or --min_lr above --lr.
+    """
+    if args.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"lr_schedule {args.lr_schedule!r} (the task's recipe) is not one of "
+                          f"{', '.join(LR_SCHEDULES)}; pass --lr_schedule")
+    warmup_steps, min_lr, max_steps = (_recipe(args, name) for name in ("warmup_steps", "min_lr", "max_steps"))
+    if warmup_steps and args.warmup_epochs:
+        raise ConfigError(f"--warmup_steps {warmup_steps} and --warmup_epochs {args.warmup_epochs}: give "
+                          f"the warm-up in one of them, the other 0 (the task's recipe may set one)")
+    if min_lr > args.lr:
+        raise ConfigError(f"--min_lr {min_lr} is above --lr {args.lr}: the cosine would rise; pass a "
+                          f"lower --min_lr (or 0)")
+    warmup = warmup_steps or round(args.warmup_epochs * steps_per_epoch)
+    total = max_steps or args.total_epochs * steps_per_epoch
+    floor = min_lr / args.lr
+
+    def factor(step: int) -> float:
+        ramp = (step + 1) / warmup if step < warmup else 1.0
+        if args.lr_schedule == "cosine":
+            progress = max(0, step - warmup) / max(1, total - warmup)
+            return ramp * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+        if args.lr_schedule == "step":
+            return ramp * args.lr_gamma ** (step // steps_per_epoch // args.lr_step_epochs)
+        return ramp
+
+    return factor  # a function, not an object: LambdaLR then saves none of its settings
