@@ -158,14 +158,21 @@ def _end_unexpected(exc: BaseException) -> None:
 
 
 def _end_nothing_to_train(done: NothingToTrain) -> None:
-    """Rank 0 prints ``done`` and tells a Slurm wrapper the run is finished; exit 0."""
+    """Rank 0 prints ``done`` and tells a Slurm wrapper the run is finished;
+    the claim given back; exit 0 at once, without the interpreter's
+    teardown: once FSDP made DTensors the process group outlives
+    ``destroy_process_group`` and gloo's threads can abort the teardown, as
+    at the end of a finished FSDP run (``fsdp.exit_skipping_teardown``)."""
     note_stop_signals_only()  # a stop signal now must not cut the report short
     if not is_distributed() or dist.get_rank() == 0:
         print_line(str(done))
         report_run_finished()  # for a Slurm wrapper: no requeue
     if is_distributed():
         dist.destroy_process_group()
-    sys.exit(0)
+    release_claim()  # os._exit skips atexit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _end_config_error(exc: ConfigError) -> None:
