@@ -78,6 +78,12 @@ class Trainer:
 
     def _load_snapshot(self, path: str) -> None:
         snapshot = torch.load(path, map_location=self.device)
+        # Another task's or model's snapshot does not fit this model: refuse it in one line.
+        held = snapshot.get("task", [self.args.dataset, self.args.model])  # older snapshots: not recorded
+        if held != [self.args.dataset, self.args.model]:
+            raise common.ConfigError(f"snapshot {path} holds --dataset {held[0]} --model {held[1]}, not "
+                                     f"--dataset {self.args.dataset} --model {self.args.model}; delete it "
+                                     f"or pass another --snapshot_path")
         self.model.module.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scheduler.load_state_dict(snapshot["lr_schedule"])
@@ -89,13 +95,17 @@ class Trainer:
         if self.rank != 0:  # every rank holds the same weights; global rank 0 alone writes the shared file
             return
         snapshot = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1}
+                    "lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1,
+                    "task": [self.args.dataset, self.args.model]}
         # A temporary file beside it, then a rename: a crash mid-save leaves the old snapshot whole.
         torch.save(snapshot, self.args.snapshot_path + ".tmp")
         os.replace(self.args.snapshot_path + ".tmp", self.args.snapshot_path)
         print(f"epoch {epoch + 1} | snapshot saved at {self.args.snapshot_path}", flush=True)
 
     def train(self, max_epochs: int) -> None:
+        if self.epochs_run >= max_epochs and self.rank == 0:  # the snapshot holds every epoch asked for
+            print(f"snapshot {self.args.snapshot_path} already holds {self.epochs_run} epochs: nothing to "
+                  f"train (raise --total_epochs to train on)", flush=True)
         for epoch in range(self.epochs_run, max_epochs):
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model.module, self.val_data, self.task, self.device)
@@ -198,7 +208,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         main(args)
     except common.ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank may raise the same: one line
+            print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
 

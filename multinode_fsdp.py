@@ -79,12 +79,18 @@ class Trainer:
         return loss_sum / samples, samples, time.perf_counter() - start
 
     def _load_snapshot(self, path: str) -> None:
+        snapshot = torch.load(os.path.join(path, "meta.pt"))
+        # Another task's or model's snapshot does not fit this model: refuse it in one line.
+        held = snapshot.get("task", [self.args.dataset, self.args.model])  # older snapshots: not recorded
+        if held != [self.args.dataset, self.args.model]:
+            raise common.ConfigError(f"snapshot {path} holds --dataset {held[0]} --model {held[1]}, not "
+                                     f"--dataset {self.args.dataset} --model {self.args.model}; delete it "
+                                     f"or pass another --snapshot_path")
         # DCP fills this rank's own shards in place, reading their pieces from whichever files hold them.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.load(model_state, checkpoint_id=os.path.join(path, "model"))
         dcp.load(optimizer_state, checkpoint_id=os.path.join(path, "optimizer"))
         set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-        snapshot = torch.load(os.path.join(path, "meta.pt"))
         self.scheduler.load_state_dict(snapshot["lr_schedule"])
         self.epochs_run = snapshot["epochs_run"]
         if self.rank == 0:
@@ -98,7 +104,8 @@ class Trainer:
         dcp.save(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))  # returns once all wrote
         if self.rank != 0:  # global rank 0 alone completes the save, on storage every node shares
             return
-        snapshot = {"lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1}
+        snapshot = {"lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1,
+                    "task": [self.args.dataset, self.args.model]}
         # meta.pt, last, completes the folder: one without it is a torn save. Written whole or not at all.
         torch.save(snapshot, os.path.join(folder, "meta.pt.tmp"))
         os.replace(os.path.join(folder, "meta.pt.tmp"), os.path.join(folder, "meta.pt"))
@@ -108,6 +115,9 @@ class Trainer:
         print(f"epoch {epoch + 1} | snapshot saved at {folder}", flush=True)
 
     def train(self, max_epochs: int) -> None:
+        if self.epochs_run >= max_epochs and self.rank == 0:  # the snapshot holds every epoch asked for
+            print(f"snapshot {self.args.snapshot_path} already holds {self.epochs_run} epochs: nothing to "
+                  f"train (raise --total_epochs to train on)", flush=True)
         for epoch in range(self.epochs_run, max_epochs):
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model, self.val_data, self.task, self.device)
@@ -244,7 +254,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         main(args)
     except common.ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank may raise the same: one line
+            print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
 
