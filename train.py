@@ -94,7 +94,7 @@ class Trainer:
         self.flops_per_token = train_utils.model_flops_per_token(self.model)  # None: not a transformer LM
         self.finished = None  # --sample_chars on a finished run: its NothingToTrain, the weights loaded
         try:
-            state = checkpointer.load(self.model, self.optimizer)  # None: nothing to resume
+            state = checkpointer.load(self.model, self.optimizer, vars(args))  # None: nothing to resume
         except train_utils.NothingToTrain as done:
             if not args.sample_chars:
                 raise
@@ -385,8 +385,13 @@ def main(args: argparse.Namespace) -> None:
     log = train_utils.RunLog(args)  # its start time: the metrics file's start record
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     rank, local_rank, device = setup(args.startup_timeout_s)
-    args.amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
     fsdp = args.strategy == "fsdp"
+    # A file for DDP, a folder of sharded saves for FSDP; written in the background unless --snapshot_sync.
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, fsdp, asynchronous=not args.snapshot_sync,
+                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
+                                            timeout_s=args.pg_timeout_s)
+    checkpointer.claim()  # one live run per snapshot: another's is refused here, before any download
+    args.amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
     if fsdp:
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     task, optimizer = build(args, rank, local_rank, device)
@@ -398,11 +403,6 @@ def main(args: argparse.Namespace) -> None:
     steps_per_epoch = len(train_data) // args.grad_accum_steps  # optimizer steps
     train_utils.run_length(args, steps_per_epoch)  # --max_steps: the epochs it takes
     train_utils.check_before_training(args, device, train_data)
-    # A file for DDP, a folder of sharded saves for FSDP; written in the background unless --snapshot_sync.
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, fsdp, vars(args), asynchronous=not args.snapshot_sync,
-                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
-                                            timeout_s=args.pg_timeout_s)
-    checkpointer.claim()  # one live run per snapshot: another's is refused here
     if rank == 0:
         train_utils.print_line(train_utils.describe_run(device, args))
     recipe = train_utils.Recipe(optimizer, args, steps_per_epoch, device)

@@ -45,23 +45,22 @@ class Checkpointer:
     bitwise resume, another world size mid-epoch, damaged and foreign
     snapshots refused in one line.
 
-    ``config``: the run's flags (``vars(args)``), saved in every snapshot and
-    compared with a snapshot's before it is loaded (``snapshots.read_snapshot``:
-    another run's is refused). ``every_s``: --snapshot_every_s, rank 0's
-    clock; ``every_steps``: --snapshot_every_steps; ``timeout_s``:
-    --pg_timeout_s for the background saves' own groups (FSDP).
+    ``every_s``: --snapshot_every_s, rank 0's clock; ``every_steps``:
+    --snapshot_every_steps; ``timeout_s``: --pg_timeout_s for the background
+    saves' own groups (FSDP). The run's flags come with ``load``: they are
+    compared with a snapshot's before it is loaded, and saved in every one.
 
     Collective: every rank makes one (FSDP's background saves make two gloo
-    groups) and calls ``claim``, ``load``, ``save`` and ``due`` alike.
+    groups) and calls ``claim``, ``load``, ``save`` and ``due`` alike. Make
+    and ``claim`` it as soon as the process group exists: a second run of
+    the same command is refused before it builds its task (a download, say).
     """
 
-    def __init__(self, path: str, sharded: bool, config: dict, *, asynchronous: bool = True,
+    def __init__(self, path: str, sharded: bool, *, asynchronous: bool = True,
                  every_s: float = 0, every_steps: int = 0, timeout_s: float = 600) -> None:
         self.path, self.sharded, self.every_steps = path, sharded, every_steps
         self.rank = dist.get_rank()
-        # The world size goes in a file's config (a resumed run compares it with its own);
-        # a sharded snapshot's meta file holds it beside the config.
-        self.config = dict(config, world_size=None if sharded else dist.get_world_size())
+        self.config: dict = {}  # the run's flags, from ``load``
         self.store = ShardedSnapshots(path, asynchronous, timeout_s) if sharded else SnapshotFile(path)
         self.writer = SnapshotWriter(asynchronous)
         self.clock = SnapshotClock(every_s)
@@ -83,18 +82,24 @@ class Checkpointer:
         if self.rank == 0:  # claimed: a temporary file beside the snapshot is a killed writer's, on any host
             remove_stale_temporary_files(self.path)
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[dict]:
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> Optional[dict]:
         """Collective: load the snapshot to resume from, if there is one, into
         ``model`` and ``optimizer`` (in place; under FSDP each rank its own
         shards); return the rest of it: ``epochs_run``, ``steps_run``,
         ``epoch_samples``, ``epoch_totals``, ``rng_states``, ``lr_schedule``,
         ``loss_scaler``, ``wandb_run_id``, ``config`` (and ``world_size`` of a
-        sharded one); None when there is none (a fresh start).
+        sharded one); None when there is none (a fresh start). ``config``:
+        this run's flags (``vars(args)``), compared with the snapshot's
+        (``snapshots.read_snapshot``: another run's is refused) and saved in
+        every snapshot from now on.
 
         Raises ConfigError (one line, the snapshot kept) for a damaged
         snapshot or another run's, or one seen on some nodes only;
         NothingToTrain when it already holds every epoch (``load_model``
         then loads its weights alone)."""
+        # The world size goes in a file's config (a resumed run compares it with its own);
+        # a sharded snapshot's meta file holds it beside the config.
+        self.config = dict(config, world_size=None if self.sharded else dist.get_world_size())
         self.found = self.store.latest()
         if self.found is None:
             return None

@@ -76,6 +76,8 @@ def one_line_errors(fn: Callable) -> Callable:
     ``snapshots.save_failure``) becomes its line, exit status 1; any other
     exception its traceback, then one line naming it (``_end_unexpected``),
     exit status 1. Every one of these lines is torchrun's root cause too.
+    Each of these exits gives back the snapshot's claim this process took
+    (``claims.release_claim``; at exit, or before an ``os._exit``).
 
     Under a process group only rank 0 prints, since such errors are raised on
     every rank alike (see ``downloaders_first``); the other ranks exit quietly.
@@ -86,6 +88,7 @@ def one_line_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except StopDuringStartup as stop:
+            release_claim()  # os._exit skips atexit
             end_startup_stop(stop)
         except NothingToTrain as done:
             _end_nothing_to_train(done)
