@@ -32,7 +32,8 @@ from common import ConfigError
 RECIPE_DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0, "lr_schedule": "constant",
                    "warmup_epochs": 0.0, "lr_step_epochs": 1, "lr_gamma": 0.1,
                    "beta1": 0.9, "beta2": 0.999, "decay_params": "all", "warmup_steps": 0, "min_lr": 0.0,
-                   "max_steps": 0, "clip_grad_norm": None, "batch_size": 32}
+                   "max_steps": 0, "clip_grad_norm": None, "batch_size": 32,
+                   "log_every_steps": 0}
 
 # --optimizer: name -> (class, keyword arguments besides lr and weight_decay).
 # SGD's momentum 0.9 is the usual one for image classification (He et al. 2016);

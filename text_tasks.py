@@ -49,7 +49,8 @@ SHAKESPEARE_MODEL = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4,
 SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")  # the GPTConfig fields train.py's flags set
 SHAKESPEARE_RECIPE = {"optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1,
                       "decay_params": "matrices", "lr_schedule": "cosine", "min_lr": 1e-4,
-                      "warmup_steps": 100, "max_steps": 2000, "clip_grad_norm": 1.0, "batch_size": 12}
+                      "warmup_steps": 100, "max_steps": 2000, "clip_grad_norm": 1.0, "batch_size": 12,
+                      "log_every_steps": 100}
 
 
 class CharVocabulary:

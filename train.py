@@ -89,6 +89,7 @@ class Trainer:
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, args.amp)
         self.progress = train_utils.Progress(device, train_data, self.rank, args.grad_accum_steps)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
+        self.step_log = train_utils.StepLog(args.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(args.pg_timeout_s, args.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
         self.flops_per_token = train_utils.model_flops_per_token(self.model)  # None: not a transformer LM
@@ -178,12 +179,12 @@ class Trainer:
         # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
         # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
         self.train_data.sampler.set_epoch(epoch, start=self.progress.start_samples)
-        host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
-        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
-                               f"| batch_size {self.train_data.batch_size} | steps {len(self.train_data)}")
         meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
         limit = train_utils.batches_left(self.args, self.recipe.steps_per_epoch, epoch, self.progress.steps_run)
         batches = meter.batches(self.train_data, self.args.grad_accum_steps, limit)
+        host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
+        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
+                               f"| batch_size {self.train_data.batch_size} | steps {meter.steps}")
         for step, (source, targets) in enumerate(batches, start=self.progress.steps_run):
             self.watch.step(epoch, meter.steps_done)  # where this rank is; until training runs, every rank's batch
             meter.add(self._run_batch(source, targets, step), len(targets))
@@ -191,6 +192,7 @@ class Trainer:
             self.progress.steps_run = step + 1
             if self.progress.steps_run % self.args.grad_accum_steps:
                 continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
+            self.step_log.step(self.recipe.schedule.last_epoch, meter, self.recipe.last_lr)  # --log_every_steps
             # Every rank learns of a stop signal, and of rank 0's snapshot clock, at the same step.
             if self.stop.poll(request=self.checkpointer.request()):
                 self._save(meter)  # every rank stops after this step, once the snapshot is written
@@ -410,7 +412,7 @@ def main(args: argparse.Namespace) -> None:
     if trainer.finished:  # --sample_chars on a finished run: the sample, then "nothing to train"
         train_utils.print_sample(trainer.plain_model, task, args, device, fsdp)
         raise trainer.finished
-    log.wandb.start(args)  # --wandb_project: rank 0's W&B run (after a resume, the snapshot's)
+    log.start()  # the metrics file's start record; --wandb_project: the W&B run (after a resume, the snapshot's)
     if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
         finish(trainer, test_data)
     log.close()  # the W&B run ends here: the FSDP exit below skips wandb's own exit hook

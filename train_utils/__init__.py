@@ -57,7 +57,7 @@ from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_paramet
     print_sharded_memory
 from .launch import launcher_store
 from .loaders import loader_workers
-from .metrics import RunLog
+from .metrics import RunLog, StepLog
 from .output import print_line
 from .profiling import StepProfiler
 from .recipe import Recipe, accumulate_for_global_batch, batches_left, run_length
@@ -114,6 +114,7 @@ __all__ = [
     "Checkpointer",
     # output and the end of a run
     "RunLog",
+    "StepLog",
     "print_line",
     "report_run_finished",
     "exit_skipping_teardown",

@@ -183,6 +183,10 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
              "finished run; 0: none (default: 0)")
     add("--temperature", type=positive(float), default=0.8, help="--sample_chars: logits / this (default: 0.8)")
     add("--top_k", type=positive(int), default=200, help="--sample_chars: from the k likeliest (default: 200)")
+    add("--log_every_steps", type=non_negative_int, default=None,
+        help="also print a progress line on rank 0 every N optimizer steps, in a log file as on a terminal: "
+             "step, epoch, loss, lr, samples/s or tokens/s, ms a step; 0: none "
+             f"(default: the task's; shakespeare_char 100, else {RECIPE_DEFAULTS['log_every_steps']})")
     add("--profile_dir", default=None,
         help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
              "here, for Perfetto or chrome://tracing (default: no profiler)")

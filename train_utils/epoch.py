@@ -51,10 +51,14 @@ class EpochMeter:
         collective runs in here: the training loop makes those."""
         steps = len(loader) - len(loader) % grad_accum_steps
         steps = steps if limit is None else max(0, min(steps, limit))
-        self.steps, self.steps_left = steps, steps
+        self.steps, self.steps_left = steps, steps  # known at once, before the first batch
+        return self._counted(loader)
+
+    def _counted(self, loader: DataLoader) -> Iterator:
+        """``batches``' generator: ``self.steps`` batches of ``loader``, counted down in ``steps_left``."""
         self.start = time.perf_counter()
-        self._bar = progress_bar(itertools.islice(loader, steps), f"epoch {self.epoch + 1}/{self.max_epochs}",
-                                 total=steps)
+        self._bar = progress_bar(itertools.islice(loader, self.steps), f"epoch {self.epoch + 1}/{self.max_epochs}",
+                                 total=self.steps)
         for batch in self._bar:
             self.steps_left -= 1
             yield batch

@@ -12,6 +12,9 @@ import time
 from types import MappingProxyType
 from typing import Optional
 
+import torch.distributed as dist
+
+from .epoch import EpochMeter
 from .output import print_line
 from .wandb_run import WandbRun
 
@@ -94,6 +97,16 @@ class RunLog:
         self._wrote_start = False  # the start record is in --metrics_path
         self._writer = None  # TensorBoard's SummaryWriter, made at the first record
 
+    def start(self) -> None:
+        """Collective: the run starts training (after the snapshot, if any, is
+        loaded): rank 0 writes the start record to --metrics_path now, so a
+        run stopped before its first epoch ends leaves one, and every rank
+        starts the W&B run (``WandbRun.start``: rank 0's, after a resume the
+        snapshot's)."""
+        if self.args.metrics_path and dist.get_rank() == 0:
+            self._append_json(None)
+        self.wandb.start(self.args)
+
     def log(self, record: dict) -> None:
         """Print ``metrics_line(record)``; append ``record`` as JSON to
         --metrics_path, write it to TensorBoard and to the W&B run.
@@ -124,14 +137,17 @@ class RunLog:
             self._writer.close()
             self._writer = None
 
-    def _append_json(self, record: dict) -> None:
+    def _append_json(self, record: Optional[dict]) -> None:
+        """Append ``record`` with the stamp, after the run's start record if
+        that is not written yet; None: the start record alone."""
         stamp = {"run": self.run, "time": time.time(), "resumed_from": self.resumed_from}
         with open(self.args.metrics_path, "a") as f:
             if not self._wrote_start:  # each run opens with its settings
                 f.write(json.dumps({"event": "start", **stamp, "time": self.started_at,
                                     "config": vars(self.args)}) + "\n")
                 self._wrote_start = True
-            f.write(json.dumps({**record, **stamp}) + "\n")
+            if record is not None:
+                f.write(json.dumps({**record, **stamp}) + "\n")
 
     def _tensorboard(self, record: dict) -> None:
         """Write ``record``'s figures as TensorBoard scalars, step = epoch.
@@ -152,3 +168,49 @@ class RunLog:
             if record.get(key) is not None:
                 self._writer.add_scalar(tag, record[key], step)
         self._writer.flush()
+
+
+class StepLog:
+    """--log_every_steps N: a progress line on rank 0 every N optimizer steps,
+    in a log file as on a terminal (the progress bar shows on terminals only)::
+
+        step 200 | epoch 1 | loss 2.412345 | lr 0.000998 | tokens/s 10345.2 | ms/step 74.2
+
+    ``step``: optimizer steps of the run so far; ``loss``: rank 0's mean
+    training loss over the micro-batches since the last line (its own: no
+    collective); ``lr``: the last step's learning rate; ``samples/s`` (or
+    ``tokens/s`` for a task whose samples count ``tokens_per_sample`` tokens):
+    every rank's over the same interval (rank 0's count x the world size,
+    ranks training equal batches); ``ms/step``: wall-clock milliseconds per
+    optimizer step over the interval, evaluation and snapshots included
+    when they fall in it. A line reads the loss from the device, waiting for
+    it once per N steps (nanoGPT's ``log_interval`` does the same). N 0, and
+    every rank but 0: nothing.
+    """
+
+    def __init__(self, every: int, tokens_per_sample: int = 0) -> None:
+        self.every = every if dist.get_rank() == 0 else 0
+        self.tokens_per_sample, self.world_size = tokens_per_sample, dist.get_world_size()
+        self._meter: Optional[EpochMeter] = None  # the epoch of the interval's start
+        self._start = (0.0, 0.0, 0.0, 0)  # (loss sum, samples, perf_counter seconds, step) then
+
+    def step(self, step: int, meter: EpochMeter, lr: float) -> None:
+        """Optimizer step ``step`` (of the run) is done; ``meter`` holds its
+        epoch so far, ``lr`` its learning rate. Prints every ``every`` steps."""
+        if not self.every:
+            return
+        if meter is not self._meter:  # a new epoch (or start): the interval begins with it
+            self._meter, self._start = meter, (0.0, 0.0, meter.start, step - 1)
+        if step % self.every:
+            return
+        loss_sum, samples = meter.totals.tolist()  # waits for the device
+        now = time.perf_counter()
+        loss_before, samples_before, then, step_before = self._start
+        self._start = (loss_sum, samples, now, step)
+        new = samples - samples_before
+        if not new:
+            return
+        rate = new * self.world_size / (now - then)
+        speed = f"tokens/s {rate * self.tokens_per_sample:.1f}" if self.tokens_per_sample else f"samples/s {rate:.1f}"
+        print_line(f"step {step} | epoch {meter.epoch + 1} | loss {(loss_sum - loss_before) / new:.6f} | "
+                   f"lr {lr:.6g} | {speed} | ms/step {1000 * (now - then) / (step - step_before):.1f}")
