@@ -173,8 +173,9 @@ class Trainer:
             self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
         return loss.detach()
 
-    def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[dict]:
-        """One epoch's training steps; its record, or None when a stop signal ended it."""
+    def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[tuple]:
+        """One epoch's training steps: (its meter, its record), or None when a
+        stop signal ended it (after a snapshot of that step)."""
         self.model.train()
         # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
         # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
@@ -204,12 +205,13 @@ class Trainer:
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
             train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
             self.memory_reported = True
-        dist.all_reduce(meter.totals)  # sum over ranks: the global mean loss and sample count
-        record = meter.summary() | self.recipe.epoch_figures()  # lr; fp16: steps skipped
+        totals = meter.totals.clone()
+        dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
+        record = meter.summary(totals) | self.recipe.epoch_figures()  # lr; fp16: steps skipped
         # LM tasks: tokens/s, the model's FLOP/s, and on a GPU its MFU
-        return record | train_utils.throughput_figures(record["samples_per_s"], self.task.tokens_per_sample,
-                                                      self.flops_per_token, self.device,
-                                                      train_utils.amp_dtype(self.device, self.args.amp))
+        return meter, record | train_utils.throughput_figures(
+            record["samples_per_s"], self.task.tokens_per_sample, self.flops_per_token, self.device,
+            train_utils.amp_dtype(self.device, self.args.amp))
 
     def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
         """Collective: a snapshot of this position (``Checkpointer.save``: in the
@@ -237,11 +239,16 @@ class Trainer:
     def _train_epochs(self, max_epochs: int) -> bool:
         """``train``'s epochs (see there)."""
         for epoch in range(self.progress.epochs_run, max_epochs):
-            record = self._run_epoch(epoch, max_epochs)
-            if record is None:  # stopped by the signal, after a snapshot of this step
+            trained = self._run_epoch(epoch, max_epochs)
+            if trained is None:  # stopped by the signal, after a snapshot of this step
                 return False
-            record["val_loss"], record["val_accuracy"] = evaluate(self.plain_model, self.val_data, self.task,
-                                                                  self.device, self.fsdp)
+            meter, record = trained
+            scores = evaluate(self.plain_model, self.val_data, self.task, self.device, self.fsdp, self.stop)
+            if scores is None:  # stopped during the evaluation: the epoch's steps saved, evaluated on resume
+                self._save(meter)
+                self.checkpointer.wait()
+                return False
+            record["val_loss"], record["val_accuracy"] = scores
             if self.rank == 0:  # every rank holds the same numbers; one prints them
                 self.log.log(record)
             self.progress.end_epoch(epoch)
@@ -255,7 +262,7 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device: torch.device,
-             fsdp: bool = False) -> tuple[float, Optional[float]]:
+             fsdp: bool = False, stop: Optional[train_utils.StopSignal] = None) -> Optional[tuple]:
     """Mean loss, and accuracy for a classification task, over every sample of ``data``.
 
     The loss is weighted by samples (sum of per-sample losses / sample count),
@@ -263,23 +270,30 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
     Collective: each rank scores its shard, the sums are all-reduced. Pass DDP's
     ``.module`` (DDP's forward is a collective). An FSDP model's forward all-gathers
     parameters, so there every rank runs as many forwards as the longest shard has
-    batches (``batches_for_every_rank``). Returns (loss, accuracy or None).
+    batches (``batches_for_every_rank``). ``stop``: polled after each batch that
+    every rank has (``fewest_batches``), so a stop signal ends a long evaluation
+    within a batch. Returns (loss, accuracy or None); None when ``stop`` ended it.
     """
     train_utils.broadcast_buffers(model)  # each rank's BatchNorm statistics differ: use rank 0's, as saved
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     batches = train_utils.batches_for_every_rank(data, device) if fsdp else \
         ((source, targets, True) for source, targets in data)
-    for source, targets, counted in train_utils.evaluating(batches):
+    polls = train_utils.fewest_batches(data, device) if stop else 0  # a poll is collective: equally many
+    for index, (source, targets, counted) in enumerate(train_utils.evaluating(batches)):
         source = task.eval_transform(source.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         output = model(source)
-        if not counted:  # this shard is done: the forward only joins the others' all-gathers
-            continue
-        totals[0] += task.loss_fn(output, targets, reduction="sum")
-        if task.classification:
-            totals[1] += (output.argmax(dim=1) == targets).sum()
-        totals[2] += len(targets)
+        if counted:  # else this shard is done: the forward only joined the others' all-gathers
+            totals[0] += task.loss_fn(output, targets, reduction="sum")
+            if task.classification:
+                totals[1] += (output.argmax(dim=1) == targets).sum()
+            totals[2] += len(targets)
+        if index < polls and stop.poll():  # a stop signal: the evaluation is redone on resume
+            model.train()
+            if fsdp:
+                model.reshard()
+            return None
     model.train()
     if fsdp:
         model.reshard()  # the root stays gathered after a forward without backward: free it

@@ -1,6 +1,6 @@
 """train.py with one fault injected from the test side: a rank killed,
 failing, hung or held at a chosen point of a real run. The kit itself reads
-no test variable and holds no hook; this launcher patches three of its
+no test variable and holds no hook; this launcher patches a few of its
 functions, then runs train.py as ``__main__``.
 
 Run it wherever ``train.py ARGS`` runs, with the same ARGS: under torchrun
@@ -16,6 +16,8 @@ Points, and the function patched for each:
             ``train_utils.downloaders_first``, first thing
   step      before each training micro-batch: ``Watch.step``, after it
             (the time-out watch has noted the step)
+  evaluate  the start of an epoch's evaluation (its stop polls counted):
+            ``train_utils.fewest_batches``, first thing
   save      between a snapshot's written temporary file and its rename (DDP's
             file, FSDP's meta file that completes a folder): the ``os.replace``
             of ``train_utils.snapshots``
@@ -129,6 +131,7 @@ def install(spec: str) -> None:
     fault = Fault(spec)
     train_utils.downloaders_first = _first(fault, "startup", train_utils.downloaders_first)
     train_utils.timeouts.Watch.step = _after(fault, "step", train_utils.timeouts.Watch.step)
+    train_utils.fewest_batches = _first(fault, "evaluate", train_utils.fewest_batches)
     train_utils.snapshots.os = _OsReplacingWithFault(fault)
     train_utils.report_run_finished = _first(fault, "finished", train_utils.report_run_finished)
 

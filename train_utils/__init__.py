@@ -52,7 +52,7 @@ from .cli import parse_args
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores
 from .epoch import EpochMeter, evaluating
 from .errors import NothingToTrain, one_line_errors
-from .evaluation import batches_for_every_rank, broadcast_buffers
+from .evaluation import batches_for_every_rank, broadcast_buffers, fewest_batches
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
     print_sharded_memory
 from .launch import launcher_store
@@ -107,6 +107,7 @@ __all__ = [
     "StepProfiler",
     "batches_for_every_rank",
     "broadcast_buffers",
+    "fewest_batches",
     "print_sharded_memory",
     "Progress",
     "rebuild_ddp_buckets",

@@ -24,8 +24,8 @@ class EpochMeter:
 
     ``totals`` is a float64 (2,) tensor on the device, (loss sum, samples) of
     this rank: it stays there, since a ``.item()`` per step would make the CPU
-    wait for the GPU at every step. A script all-reduces it before
-    ``summary`` to get the global figures. ``carried`` is the global totals of
+    wait for the GPU at every step. The kit passes ``summary`` its sum over
+    the ranks (a copy, all-reduced), so that the meter keeps this rank's own. ``carried`` is the global totals of
     the steps trained before a mid-epoch resume (None: none), so a resumed
     epoch's summary still covers the whole epoch. Making one starts the
     epoch's measurements: its clock, and on CUDA its peak memory.
@@ -89,19 +89,19 @@ class EpochMeter:
         check_finite(totals[0].item() / totals[1].item(), self.epoch)
         return totals
 
-    def summary(self) -> dict:
+    def summary(self, totals: torch.Tensor) -> dict:
         """The epoch's record: epoch, total_epochs, train_loss (mean over every
         sample trained in the epoch), samples (how many: full batches only, so
         a last partial batch of each rank's shard is not among them),
         samples_per_s (samples trained since the epoch
         (re)started / seconds), epoch_seconds, and peak_gpu_memory_mib on
-        CUDA (the scripts add the recipe's figures: ``Recipe.epoch_figures``).
-        ``totals`` must already be the global sums. Raises ConfigError when the
-        loss is not finite, before anything is saved."""
-        new_samples = self.totals[1].item()  # waits for the device, so the time is honest
+        CUDA (the kit adds the recipe's figures: ``Recipe.epoch_figures``).
+        ``totals``: ``self.totals`` summed over every rank (float64 (2,), on
+        the device). Raises ConfigError when the loss is not finite, before
+        anything is saved."""
+        new_samples = totals[1].item()  # waits for the device, so the time is honest
         seconds = time.perf_counter() - self.start
-        loss_sum, samples = (self.totals.cpu() + (self.carried.cpu() if self.carried is not None
-                                                  else 0)).tolist()
+        loss_sum, samples = (totals.cpu() + (self.carried.cpu() if self.carried is not None else 0)).tolist()
         check_finite(loss_sum / samples, self.epoch)
         return {"epoch": self.epoch + 1, "total_epochs": self.max_epochs,
                 "train_loss": loss_sum / samples, "samples": round(samples),

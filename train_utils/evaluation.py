@@ -39,6 +39,14 @@ def most_batches(loader: DataLoader, device: torch.device) -> int:
     return most
 
 
+def fewest_batches(loader: DataLoader, device: torch.device) -> int:
+    """Collective: the fewest batches any rank's ``loader`` gives (evaluation
+    shards differ by up to one sample, so by up to one batch)."""
+    count = torch.tensor(len(loader), device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    return int(count.item())
+
+
 def batches_for_every_rank(loader: DataLoader, device: torch.device) -> Iterator[tuple]:
     """Collective: ``loader``'s (source, targets, counted) batches, as many on
     every rank as the longest shard has (``most_batches``).
