@@ -52,11 +52,17 @@ def loader_workers(num_workers: int, dataset: Dataset) -> dict:
     module of ``dataset``'s class; a worker then costs a fork and unpickling
     the dataset. A fork server or spawn pickles the dataset for every worker
     (its tensors go to shared memory, once): raises ConfigError when it
-    cannot be pickled.
+    cannot be pickled. A dataset of more separate tensors than a fork server
+    can pass a worker as file descriptors (``MOST_STORAGES``: a list of
+    per-sample tensors, say) makes torch pass them by the names of their
+    shared-memory files instead (the "file_system" sharing strategy, for the
+    whole process; torch's ``torch_shm_manager`` removes the files once no
+    process uses them).
     """
     if num_workers == 0:
         return {"num_workers": 0}
-    _check_picklable(dataset)
+    if _storages(dataset) > MOST_STORAGES:
+        torch.multiprocessing.set_sharing_strategy("file_system")
     return {"num_workers": num_workers, "multiprocessing_context": _fork_server(dataset),
             "worker_init_fn": worker_started}
 
@@ -174,10 +180,10 @@ class _Discard:
         return len(data)
 
 
-def _check_picklable(dataset: Dataset) -> None:
-    """Raise ConfigError (one line) when ``dataset`` cannot be pickled, or
-    holds more separate tensors (storages) than a fork server can send a
-    worker (``MOST_STORAGES``)."""
+def _storages(dataset: Dataset) -> int:
+    """The separate tensors (storages) ``dataset`` holds, found by pickling
+    it without its data; raises ConfigError (one line) when it cannot be
+    pickled."""
     probe = _Probe(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
     try:
         probe.dump(dataset)
@@ -186,9 +192,4 @@ def _check_picklable(dataset: Dataset) -> None:
                           f"which must pickle the dataset, and {type(dataset).__name__} cannot be "
                           f"pickled ({exc}): define its classes and functions at the top level of a "
                           f"module (no lambdas or local functions), or use --num_workers 0") from None
-    if len(probe.storages) > MOST_STORAGES:
-        raise ConfigError(f"--num_workers starts DataLoader workers by a fork server, which sends each "
-                          f"worker the dataset's tensors one file descriptor each, and "
-                          f"{type(dataset).__name__} holds {len(probe.storages)} separate tensors (at most "
-                          f"{MOST_STORAGES} fit): keep the data in a few large tensors and give each item a "
-                          f"slice of them (docs/custom-task.md), or use --num_workers 0")
+    return len(probe.storages)
