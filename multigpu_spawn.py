@@ -144,7 +144,9 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
     # Join the others at MASTER_ADDR:MASTER_PORT (set at the bottom of this file).
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                            device_id=device if device.type == "cuda" else None)
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if rank == 0:  # rank 0 downloads while the others wait, so no two write the same files
         task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
@@ -189,7 +191,9 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help
     add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
     add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")
@@ -206,6 +210,9 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = parse_args()
+    if torch.cuda.is_available() and args.world_size > torch.cuda.device_count():  # one GPU per process
+        sys.exit(f"error: --world_size {args.world_size} is more processes than this machine's "
+                 f"{torch.cuda.device_count()} GPUs; pass at most {torch.cuda.device_count()}")
     # Where the processes meet: a fixed address and port on this machine; the environment may override them.
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "12355")

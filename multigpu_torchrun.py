@@ -168,7 +168,9 @@ def main(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
     # Rank, world size and where to meet come from torchrun's environment (env://).
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None)
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if rank == 0:  # rank 0 downloads while the others wait, so no two write the same files
@@ -215,7 +217,9 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help
     add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
     add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")

@@ -215,7 +215,9 @@ def main(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
     # Rank, world size and where to meet come from torchrun's environment (env://).
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None)
     if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # compared as versions; gloo summed there
         raise common.ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer (torch {torch.__version__}'s "
                                  f"gloo sums where FSDP averages); pip install 'torch>=2.10', or train on GPUs")
@@ -267,7 +269,9 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help
     add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
     add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")

@@ -154,7 +154,9 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help
     add("--total_epochs", type=positive, default=10, help="epochs to train (default: %(default)s)")
     add("--save_every", type=positive, default=5, help="save every N epochs, and after the last (default: %(default)s)")

@@ -123,7 +123,9 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
     (zero epochs, an unknown dataset, ...) end with argparse's usage line, exit status 2.
     """
     tasks = tuple(tasks)
-    parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: a misspelt flag (--total_epoch) is an error naming the one meant, not taken for it.
+    parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            allow_abbrev=False)
     _add_training_flags(parser, tasks, models or {})
     _add_output_flags(parser)
     _add_speed_flags(parser)
