@@ -48,6 +48,7 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
         train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
     train_utils.share_cpu_cores(device, world_size)
+    train_utils.raise_open_file_limit()  # gloo groups hold a socket to every other rank: 5 x world_size files
     backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     train_utils.watch_collectives(timeout_s)  # a side group that names the stuck ranks on a time-out

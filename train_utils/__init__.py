@@ -55,7 +55,7 @@ from .errors import NothingToTrain, one_line_errors
 from .evaluation import batches_for_every_rank, broadcast_buffers, fewest_batches
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
     print_sharded_memory
-from .launch import launcher_store
+from .launch import launcher_store, raise_open_file_limit
 from .loaders import loader_workers
 from .metrics import RunLog, StepLog
 from .output import print_line
@@ -76,6 +76,7 @@ __all__ = [
     "one_line_errors",
     "catch_stop_signals",
     "launcher_store",
+    "raise_open_file_limit",
     "device_for",
     "backend_for",
     "enable_nccl_diagnostics",

@@ -189,16 +189,22 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     """The start-up line: what runs where, and the global batch size.
 
     E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
-    batch_size 32 x grad_accum_steps 1 x world_size 2``, then ``| amp bf16``
-    or ``| amp fp16 with a loss scaler`` under --amp; preceded by a
-    ``note:`` line when GPUs are present but unusable (``unusable_gpu_reason``),
-    and one when torch is older than ``OLDEST_TORCH``.
+    batch_size 32 x grad_accum_steps 1 x world_size 2 | cpu threads 1 per
+    process``: on a CPU, the intra-op threads each process computes with
+    (``share_cpu_cores``; OMP_NUM_THREADS sets them); then ``| amp bf16`` or
+    ``| amp fp16 with a loss scaler`` under --amp. Preceded by a ``note:``
+    line when GPUs are present but unusable (``unusable_gpu_reason``), one
+    when torch is older than ``OLDEST_TORCH``, and one for a multi-node
+    torchrun with restarts that shares its rendezvous store with the
+    workers (``rejoin_note``).
     """
     world_size, backend = dist.get_world_size(), dist.get_backend()
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
             f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
             f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
+    if device.type == "cpu":
+        line += f" | cpu threads {torch.get_num_threads()} per process"
 
     dtype = amp_dtype(device, args.amp)
     if dtype is not None:  # what plain --amp chose on this device
@@ -207,10 +213,28 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     if reason:
         line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
                 f"training on the CPU. Install the torch build that matches your driver\n" + line)
+    if rejoin_note():
+        line = rejoin_note() + "\n" + line
     if torch_version() < OLDEST_TORCH:
         line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
                 f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
     return line
+
+
+def rejoin_note() -> str:
+    """The note for a torchrun job of several nodes with restarts
+    (TORCHELASTIC_MAX_RESTARTS > 0, GROUP_WORLD_SIZE > 1) whose agents share
+    their rendezvous store with the workers (TORCHELASTIC_USE_AGENT_STORE):
+    the store's address is not renewed when the nodes change, so a node that
+    joins after a loss waits in the rendezvous until its time-out; '' for any
+    other start. docs/fault-tolerance.md: elastic torchrun."""
+    env = os.environ
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and int(env.get("GROUP_WORLD_SIZE", "1")) > 1):
+        return ("note: torchrun shares its rendezvous store with the workers, so a node that joins after "
+                "a loss waits until the rendezvous times out; start every node's torchrun with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (slurm/multi_node.sh does; docs/fault-tolerance.md)")
+    return ""
 
 
 def usable_cpus() -> int:

@@ -4,6 +4,7 @@ side gloo groups, a barrier that names its GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -116,6 +117,11 @@ def gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
     except dist.DistStoreError:
         raise
     except RuntimeError as exc:
+        if "Too many open files" in str(exc):  # EMFILE: a limit, not the network
+            raise ConfigError(f"rank {dist.get_rank()} ran out of open files making a gloo group (its "
+                              f"limit is {open_file_limit()}; a gloo group holds a connection to every "
+                              f"other rank): raise the limit (ulimit -n, up to ulimit -Hn; your cluster "
+                              f"may set it), or start fewer processes") from None
         value = os.environ.get("GLOO_SOCKET_IFNAME")
         setting = f"GLOO_SOCKET_IFNAME is {value!r}" if value else "GLOO_SOCKET_IFNAME is not set"
         raise ConfigError(
@@ -132,3 +138,33 @@ def barrier() -> None:
     ``barrier`` would otherwise guess, with a UserWarning on every rank."""
     nccl = dist.get_backend() == "nccl"
     dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
+
+
+def open_file_limit() -> str:
+    """This process's limit of open files (its soft limit, ``ulimit -n``), as text; '?' where unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return "?"
+    return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit
+    (``ulimit -n`` to ``ulimit -Hn``, which needs no privilege).
+
+    Every gloo group holds a socket to each other rank: the kit's side groups
+    (the time-out watch, the stop poll, FSDP's two background-save groups),
+    and on CPUs the training's own group, make up to five full meshes, about
+    5 x world_size descriptors a rank: past the common soft limit of 1,024
+    from about 200 ranks on, while hard limits are usually far higher. A
+    limit still too low is named when a group cannot be made (``gloo_group``).
+    Nothing on a system without the ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
