@@ -20,11 +20,17 @@ its own file (docs/custom-task.md).
 import argparse
 import contextlib
 import os
+import signal
 import socket
 from datetime import timedelta
 from typing import Callable, Optional
 
-import torch
+if __name__ == "__main__":
+    # Ctrl-C in the seconds torch takes to import ends this process quietly (nothing is
+    # trained yet), not in a KeyboardInterrupt traceback per rank; main() then takes over.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import torch  # noqa: E402
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
