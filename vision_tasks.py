@@ -185,7 +185,10 @@ def prepare_data(dataset: str, data_dir: str, download: bool) -> None:
         f"{'download failed: ' if download else ''}{reason}). Pre-stage it on a machine with "
         f"network: python -c \"from torchvision import datasets; datasets.{cls.__name__}"
         f"('{data_dir}', download=True)\" and copy the folder here, or point --data_dir at an "
-        f"existing copy")
+        f"existing copy" + (
+            "; with only MNIST's test split files at hand (t10k-images-idx3-ubyte.gz, "
+            "t10k-labels-idx1-ubyte.gz), python vision_tasks.py THEIR_FOLDER mnist_t10k writes a "
+            "--data_dir of their 10,000 digits" if dataset == "mnist" else ""))
 
 
 def vision_task(dataset: str, args: argparse.Namespace, download: bool) -> Task:
