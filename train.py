@@ -287,6 +287,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
     batches = train_utils.batches_for_every_rank(data, device) if fsdp else \
         ((source, targets, True) for source, targets in data)
     polls = train_utils.fewest_batches(data, device) if stop else 0  # a poll is collective: equally many
+    stopped = False
     for index, (source, targets, counted) in enumerate(train_utils.evaluating(batches)):
         source = task.eval_transform(source.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
@@ -297,13 +298,13 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
                 totals[1] += (output.argmax(dim=1) == targets).sum()
             totals[2] += len(targets)
         if index < polls and stop.poll():  # a stop signal: the evaluation is redone on resume
-            model.train()
-            if fsdp:
-                model.reshard()
-            return None
+            stopped = True
+            break
     model.train()
     if fsdp:
         model.reshard()  # the root stays gathered after a forward without backward: free it
+    if stopped:
+        return None
     dist.all_reduce(totals)
     loss_sum, correct, samples = totals.tolist()
     return loss_sum / samples, (correct / samples if task.classification else None)
