@@ -21,6 +21,10 @@ from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapsho
                      held_at_step, parse_test, run, script_env, stdout_lines)
 
 import train_utils
+from common import ConfigError
+from train_utils.devices import torch_version
+from train_utils.snapshots import read_snapshot
+from train_utils.speed import check_amp
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
 SNAPSHOT = "snapshot_train.pt"  # its default --snapshot_path
@@ -51,9 +55,9 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
              "--optimizer", "adamw", "--lr", "0.003", "--lr_schedule", "cosine", "--warmup_epochs", "0.5",
              "--clip_grad_norm", "1", "--metrics_path", "m.jsonl"]
     try:
-        train_utils.check_amp("auto", torch.device("cpu"), "cnn")
+        check_amp("auto", torch.device("cpu"), "cnn")
         flags.append("--amp")
-    except train_utils.ConfigError as refused:
+    except ConfigError as refused:
         print(f"--amp refused on this CPU, trained without: {refused}")
     # 5 steps an epoch a rank (540 digits, 3 ranks, batches of 32); the 9th
     # step is epoch 2's 4th, after the epoch's step-3 snapshot.
@@ -170,8 +174,8 @@ def test_crafted_snapshot_is_refused_and_its_code_never_runs(tmp_path, monkeypat
     marker = tmp_path / "payload_ran"
     torch.save({"model": _Payload(f"touch {marker}")}, tmp_path / SNAPSHOT)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(train_utils.ConfigError) as info:
-        train_utils.read_snapshot(SNAPSHOT, {})
+    with pytest.raises(ConfigError) as info:
+        read_snapshot(SNAPSHOT, {})
     message = str(info.value)
     assert message.startswith(f"cannot read snapshot {SNAPSHOT}")
     assert "weights_only" not in message and "\n" not in message and len(message) < 300
@@ -215,7 +219,7 @@ def test_one_failing_or_hanging_rank_ends_the_whole_job(action, tmp_path):
     all-reduce: the job must end, non-zero, inside the first epoch, not after
     the start-up time-out (30 min). A hang is caught by the process group
     timeout (--pg_timeout_s), which the error line names."""
-    if action == "hang" and train_utils.torch_version() < (2, 10):
+    if action == "hang" and torch_version() < (2, 10):
         pytest.skip(f"torch {torch.__version__}'s gloo keeps the start-up timeout: --pg_timeout_s needs 2.10")
     result = run(TORCHRUN_SCRIPT + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=300,
                  DDP_TEST_FAULT=f"step:1:5:{action}")
@@ -314,7 +318,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     waits for the end of an optimizer step (no half-accumulated gradients lost)."""
     relay = []  # torchrun relays SIGTERM and SIGINT by default; SIGUSR1 only when asked (torch 2.10+)
     if signum == signal.SIGUSR1:
-        if train_utils.torch_version() < (2, 10):
+        if torch_version() < (2, 10):
             pytest.skip(f"torch {torch.__version__}'s torchrun has no --signals-to-handle (2.10)")
         relay = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     args = ["--total_epochs", "3", "--batch_size", "8", "--grad_accum_steps", str(accum),

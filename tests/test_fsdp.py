@@ -23,13 +23,15 @@ from helpers import (REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, f
 
 import common
 import train_utils
+from train_utils.devices import torch_version
+from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 import vision_tasks
 
 FSDP = REPO / "train.py"
 SNAPSHOT = "snapshot_train_fsdp"  # train.py's default --snapshot_path under --strategy fsdp
 # These tests run on the CPU, where train.py --strategy fsdp refuses gloo before torch 2.10 (it
 # sums in reduce_scatter; tests/test_train_utils.py measures that and tests the refusal).
-pytestmark = pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+pytestmark = pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                                 reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
 MEMORY_LINE = re.compile(r"^state per rank: .* \((?P<bytes>\d+) bytes, rank (?P<rank>\d+) of "
                          r"(?P<world>\d+)\); DDP would hold .* \((?P<ddp>\d+) bytes\), (?P<ratio>\S+)x$",

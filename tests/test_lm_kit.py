@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import common
 import train_utils
+from train_utils.text_out import generate
 from common import ConfigError
 from gpt import GPT, GPTConfig
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
@@ -154,9 +155,9 @@ def test_generate_is_seeded_and_top_k_1_is_greedy():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=16))
     start = torch.zeros(1, 1, dtype=torch.long)
-    draws = [train_utils.generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
+    draws = [generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
     assert draws[0].shape == (1, 21) and torch.equal(draws[0], draws[1])
-    greedy = train_utils.generate(model, start, 12, 1.0, 1, torch.Generator().manual_seed(4))
+    greedy = generate(model, start, 12, 1.0, 1, torch.Generator().manual_seed(4))
     assert model.training  # back in the mode it had
     idx = start
     for _ in range(12):

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import train_utils
+from common import ConfigError
 from helpers import REPO, TORCHRUN, check, epochs, load_task, run, snapshot_tensors, stdout_lines
 
 BATCH = 64
@@ -179,8 +180,8 @@ def test_global_batch_size_sets_the_accumulation_for_each_world_size():
         args = SimpleNamespace(global_batch_size=96, batch_size=16, grad_accum_steps=1)
         train_utils.accumulate_for_global_batch(args, world_size)
         assert args.grad_accum_steps == accum
-    with pytest.raises(train_utils.ConfigError, match=r"^--global_batch_size 96 is not a multiple of --batch_size "
-                                                      r"16 x world_size 4 = 64; "):
+    with pytest.raises(ConfigError, match=r"^--global_batch_size 96 is not a multiple of --batch_size "
+                                          r"16 x world_size 4 = 64; "):
         train_utils.accumulate_for_global_batch(SimpleNamespace(global_batch_size=96, batch_size=16), 4)
     args = SimpleNamespace(global_batch_size=None, batch_size=16, grad_accum_steps=5)
     train_utils.accumulate_for_global_batch(args, 2)
