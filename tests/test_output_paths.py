@@ -18,7 +18,6 @@ import torch
 from helpers import REPO, TORCHRUN, check, error_lines, run, task_args
 
 import common
-import train_utils
 from train_utils.devices import torch_version
 from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.sharded_snapshots import ShardedSnapshots
