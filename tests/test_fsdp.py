@@ -17,9 +17,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dataset_files import build_mnist_root
-from helpers import (REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state, held_at_step, parse_test,
-                     plain_task, run, snapshot_folder,
-                     signal_when, stdout_lines)
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state, held_at_step,
+                     parse_test, plain_task, run, snapshot_folder, signal_when, stdout_lines)
 
 import common
 import train_utils
@@ -38,9 +37,11 @@ MEMORY_LINE = re.compile(r"^state per rank: .* \((?P<bytes>\d+) bytes, rank (?P<
                          re.M)
 
 
-def fsdp(nproc: int, *flags, restarts: int = 0) -> list:
+def fsdp(nproc: int, *flags, restarts: int = 0, script=FSDP) -> list:
+    """torchrun's command for ``script`` (train.py; FAULTY_TRAIN for a run with
+    DDP_TEST_FAULT) --strategy fsdp ``flags`` on ``nproc`` processes."""
     extra = [f"--max-restarts={restarts}"] if restarts else []
-    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, FSDP, "--strategy", "fsdp",
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, script, "--strategy", "fsdp",
                        *map(str, flags)]
 
 
@@ -316,8 +317,11 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     task, optimizer = train.build(args, rank, rank, device)  # seeded and sharded as train.py does
     train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0, task.collate_fn)
     recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
-    trainer = train.Trainer(task.model, train_data, None, recipe, task, device, rank, rank,
-                            train_utils.RunLog(args), args)
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, True, vars(args), asynchronous=not args.snapshot_sync,
+                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
+                                            timeout_s=args.pg_timeout_s)  # as train.py's main makes it
+    trainer = train.Trainer(task, train_data, None, recipe, checkpointer, train_utils.RunLog(args), device, rank,
+                            args)
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
@@ -380,8 +384,8 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
     A copy of that snapshot resumed by 1 rank: DCP reshards, the rest of epoch
     2's permutation goes on from the 576 samples trained (36 steps of 8 on 2
     ranks), and the epoch's record counts each sample trained once."""
-    launch = fsdp(2, *FAULT_FLAGS)
-    launch.insert(launch.index(FSDP), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    launch = fsdp(2, *FAULT_FLAGS, script=FAULTY_TRAIN)  # held by DDP_TEST_FAULT
+    launch.insert(launch.index(FAULTY_TRAIN), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     hold_env, held = held_at_step(150)  # epoch 2's 35th of 115 steps
     text = signal_when(launch, tmp_path, held, signal.SIGUSR1, start_s=180, stop_s=120, **hold_env)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text

@@ -22,7 +22,7 @@ from train_utils.speed import check_amp, peak_memory_mib
 from train_utils.throughput import GPU_PEAKS, gpu_peak
 import vision_tasks
 from dataset_files import build_cifar10_root, build_mnist_root
-from helpers import (load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
+from helpers import (FAULTY_TRAIN, load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
                      kit_trainer, snapshot_tensors)
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
@@ -215,7 +215,7 @@ def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
     check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"] + flags,
               tmp_path / "clean"))
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                   REPO / "train.py"] + flags, tmp_path / "killed",
+                                   FAULTY_TRAIN] + flags, tmp_path / "killed",
                        DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 steps each), step 11
     assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 8" in killed.stdout
     _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot_train.pt")

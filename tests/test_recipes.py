@@ -162,7 +162,7 @@ def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):
     all, the restart resumes from the previous folder, still complete (epoch 1
     step 40), removes the torn one, resumes the schedule and the scale, and the
     final shards are bitwise the uninterrupted run's."""
-    from helpers import assert_bitwise, full_state, snapshot_folder
+    from helpers import FAULTY_TRAIN, assert_bitwise, full_state, snapshot_folder
     from test_fsdp import fsdp
 
     flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "40",
@@ -171,7 +171,8 @@ def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     uninterrupted = check(run(fsdp(2, *flags), tmp_path / "a"))
-    killed = check(run(fsdp(2, *flags, restarts=1), tmp_path / "b", DDP_TEST_FAULT="save:0:2:kill"))
+    killed = check(run(fsdp(2, *flags, restarts=1, script=FAULTY_TRAIN), tmp_path / "b",
+                       DDP_TEST_FAULT="save:0:2:kill"))
     assert "DDP_TEST_FAULT: kill at save 2 on rank 0" in killed.stderr
     assert "resuming from snapshot snapshot_train_fsdp/epoch-1-step-40 in epoch 1 after step 40" in killed.stdout
     assert sorted(os.listdir(tmp_path / "b" / "snapshot_train_fsdp")) == ["epoch-2"]  # the torn one removed
