@@ -296,8 +296,8 @@ def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
 
 def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     """Here: the CPU and gloo. An XPU (faked: none on these machines) gives
-    xpu:LOCAL_RANK; MPS one device for a single process only (no process-group
-    backend: a process group runs on the CPU there)."""
+    xpu:LOCAL_RANK; on MPS the CPU (no process-group backend for MPS, and the
+    kit always runs under a process group)."""
     assert train_utils.device_for(0) == torch.device("cpu")
     assert train_utils.backend_for(torch.device("cpu")) == "gloo"
     if not hasattr(torch, "accelerator"):
@@ -310,7 +310,6 @@ def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     with pytest.raises(ConfigError, match="local rank 2 needs xpu device 2"):
         train_utils.device_for(2)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("mps"))
-    assert train_utils.device_for(0, one_process=True) == torch.device("mps")
     assert train_utils.device_for(1) == torch.device("cpu")  # no backend for MPS: a Mac's CPU, with gloo
 
 
