@@ -30,6 +30,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` ent
 # in the environment (its docstring says more). The kit holds no test hook, so
 # a test that sets DDP_TEST_FAULT must launch this, not train.py.
 FAULTY_TRAIN = REPO / "tests" / "train_with_fault.py"
+# The same under a Slurm wrapper (or in a container that binds the project
+# folder): slurm/env.sh runs $PROJECT/$SCRIPT_NAME (train.py by default), so a
+# job given DDP_TEST_FAULT gets this in its environment too.
+FAULTY_TRAIN_JOB_ENV = {"SCRIPT_NAME": str(FAULTY_TRAIN.relative_to(REPO))}
 
 EPOCH_LINE = re.compile(
     r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "
