@@ -260,9 +260,9 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, local_
         **{**recipes.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
            "optimizer": type(optimizer).__name__.lower(), **recipe})
     device = torch.device("cpu")
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, False, vars(args),
-                                            asynchronous=not args.snapshot_sync, every_s=args.snapshot_every_s,
-                                            every_steps=args.snapshot_every_steps, timeout_s=args.pg_timeout_s)
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, False, asynchronous=not args.snapshot_sync,
+                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
+                                            timeout_s=args.pg_timeout_s)
     available = dict(task=plain_task(loss_fn, False, model), train_data=None, val_data=None,
                      recipe=train_utils.Recipe(optimizer, args, steps_per_epoch=1, device=device),
                      checkpointer=checkpointer, log=train_utils.RunLog(args), device=device,

@@ -317,7 +317,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     task, optimizer = train.build(args, rank, rank, device)  # seeded and sharded as train.py does
     train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0, task.collate_fn)
     recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, True, vars(args), asynchronous=not args.snapshot_sync,
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, True, asynchronous=not args.snapshot_sync,
                                             every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
                                             timeout_s=args.pg_timeout_s)  # as train.py's main makes it
     trainer = train.Trainer(task, train_data, None, recipe, checkpointer, train_utils.RunLog(args), device, rank,
