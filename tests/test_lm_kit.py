@@ -39,11 +39,12 @@ def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     assert train_utils.model_flops_per_token(torch.nn.Linear(3, 3)) is None
 
 
-def test_tokens_flops_and_mfu_figures(monkeypatch):
+def test_tokens_flops_and_mfu_figures(monkeypatch, one_process_group):
     """tokens/s = samples/s x tokens per sample; FLOP/s = tokens/s x FLOPs per
     token; MFU against the data-sheet peak of every rank's GPU: bf16 under
     --amp, tf32 without; none on a CPU or an unknown GPU; nothing for a task
-    not counted in tokens. The line shows them and the tests' parser reads them."""
+    not counted in tokens (here every rank is this one, in a group of one). The
+    line shows them and the tests' parser reads them."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert train_utils.throughput_figures(100.0, 0, 1000, cpu, None) == {}
     assert train_utils.throughput_figures(100.0, 64, None, cpu, None) == {"tokens_per_s": 6400.0}
