@@ -174,12 +174,13 @@ def signal_when(launch: list, cwd: Path, line, signum: int, start_s: float = 120
 
 def held_at_step(step: int) -> tuple[dict, str]:
     """For ``signal_when``: the environment under which ``FAULTY_TRAIN`` (launch
-    it, not train.py) holds rank 0 before its ``step``-th training step (micro-batches, counted from 1 over
-    the run's first attempt) until a stop signal comes, and the line it
-    prints there. A signal sent on that line lands mid-run however fast the
-    machine trains, with rank 0 held and the other ranks already in that
-    step, waiting for it in a collective: the ranks get the signal at
-    different points and must still agree on one step to stop after."""
+    it, not train.py) holds rank 0 before its ``step``-th training step
+    (micro-batches, counted from 1 over the run's first attempt) until a stop
+    signal comes, and the line it prints there. A signal sent on that line
+    lands mid-run however fast the machine trains, with rank 0 held and the
+    other ranks already in that step, waiting for it in a collective: the
+    ranks get the signal at different points and must still agree on one
+    step to stop after."""
     return ({"DDP_TEST_FAULT": f"step:0:{step}:wait_signal_once"},
             f"DDP_TEST_FAULT: wait_signal_once at step {step} on rank 0")
 
