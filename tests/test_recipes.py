@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import common
 import recipes
 import train_utils
-from common import ConfigError, lr_factor
+from common import ConfigError
+from recipes import lr_factor
 from train_utils.devices import torch_version
 from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots import read_snapshot
