@@ -237,7 +237,8 @@ def test_no_gpu_files_means_nothing_to_report(monkeypatch, one_process_group):
     line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=8,
                                                                grad_accum_steps=4, amp=None))
     assert line == ("device cpu | backend gloo | world_size 1 | global batch size 32 = "
-                    "batch_size 8 x grad_accum_steps 4 x world_size 1")
+                    f"batch_size 8 x grad_accum_steps 4 x world_size 1 | cpu threads {torch.get_num_threads()} "
+                    "per process")
 
 
 def test_nccl_diagnostics_keep_torchs_error_handling_and_dump_where_the_job_was_submitted(monkeypatch,
@@ -649,14 +650,15 @@ def test_loader_workers_ignore_the_stop_signals():
 def test_the_epoch_record_counts_the_samples_trained():
     """``samples`` is what the epoch trained on, the part carried over a
     mid-epoch resume included: full batches only, so a training split that
-    batches do not divide trains fewer samples than it holds."""
+    batches do not divide trains fewer samples than it holds. (One rank: the
+    totals summed over every rank, which ``summary`` takes, are its own.)"""
     meter = train_utils.EpochMeter(0, 1, torch.device("cpu"))
     for _ in range(3):
         meter.add(torch.tensor(0.5), 32)
-    assert meter.summary()["samples"] == 96
+    assert meter.summary(meter.totals.clone())["samples"] == 96
     resumed = train_utils.EpochMeter(0, 1, torch.device("cpu"), carried=torch.tensor([10.0, 64.0]))
     resumed.add(torch.tensor(0.5), 32)
-    record = resumed.summary()
+    record = resumed.summary(resumed.totals.clone())
     assert record["samples"] == 96 and isinstance(record["samples"], int)
     assert record["train_loss"] == pytest.approx((10 + 16) / 96)
 
