@@ -131,9 +131,11 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
     assert worst <= 1e-5
     assert all(not torch.allclose(weights[n], start[n], atol=1e-3) for n in start)  # training moved them
 
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # torchrun's 1 for several processes, unless set here
     assert stdout_lines(result.stdout)[0] == (
         f"device cpu | backend gloo | world_size {world_size} | global batch size {global_batch} = "
-        f"batch_size {batch_size} x grad_accum_steps {accum} x world_size {world_size}")
+        f"batch_size {batch_size} x grad_accum_steps {accum} x world_size {world_size} | cpu threads {threads} "
+        f"per process")
     assert len(epochs(result.stdout)) == 1 and parse_test(result.stdout)["loss"] < 0.1
     # Memory: exactly the bytes of rank 0's shards; DDP's, the full tensors.
     mem = memory(result.stdout)
