@@ -1,5 +1,5 @@
 """Section 1b, amp_cpu: bf16 autocast on this CPU, the measurement behind
-``--amp``'s CPU rule (train_utils.AMP_HELPS_ON_CPU).
+``--amp``'s CPU rule (train_utils.speed.AMP_HELPS_ON_CPU).
 
 Measures training samples/s of a bare training step with and without bf16
 autocast for the synthetic MLP, the MNIST CNN and torchvision's ResNet-18
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import train_utils
+from train_utils.speed import AMP_HELPS_ON_CPU
 from benchmarks.harness import CPU, build_model, interleaved, table, timed, train_step
 
 AMP_CASES = [("synthetic", "mlp", (32, 20), 300), ("mnist", "cnn", (64, 1, 28, 28), 10),
@@ -49,7 +50,7 @@ def section_amp_cpu(reps: int = 3) -> dict:
                         "bf16_autocast_samples_per_s": bf16, "speedup": bf16 / fp32})
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     text = table(f"1b. bf16 autocast on this CPU (native bf16: {native}); --amp allowed on a CPU "
-                 f"for: {', '.join(train_utils.AMP_HELPS_ON_CPU)}",
+                 f"for: {', '.join(AMP_HELPS_ON_CPU)}",
                  ["model", "batch", "fp32 samples/s", "bf16 autocast samples/s", "speedup"],
                  [[r["model"], r["batch"], r["fp32_samples_per_s"], r["bf16_autocast_samples_per_s"],
                    r["speedup"]] for r in results])

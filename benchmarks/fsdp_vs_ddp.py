@@ -5,7 +5,7 @@ and ResNet-18 wrapped as train.py --strategy ddp (DistributedDataParallel)
 and --strategy fsdp (``train.shard_model``) wrap them, on the same batch: the
 median time of a training step over interleaved blocks, the training state
 per rank (parameters + gradients + SGD momentum,
-``train_utils.training_state_bytes``), and on CUDA each one's peak GPU memory.
+``train_utils.fsdp.training_state_bytes``), and on CUDA each one's peak GPU memory.
 
 Reading the table: "FSDP / DDP time" above 1 is what FSDP's all-gathers and
 reduce-scatters cost in step time; "DDP / FSDP state" is the memory it saves
@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 import train
 import train_utils
+from train_utils.fsdp import training_state_bytes
+from train_utils.speed import peak_memory_mib
 from benchmarks.harness import backend_for, build_model, ddp, interleaved, process_group, table, timed, train_step
 from helpers import free_port
 
@@ -47,13 +49,13 @@ def _fsdp_vs_ddp_case(dataset: str, model_name: str, shape: tuple, device: torch
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         step[kind] = train_step(model, opt, F.cross_entropy, x, y)
         step[kind]()  # gradients and momentum buffers exist from here on
-        state[kind] = train_utils.training_state_bytes(model, opt)
+        state[kind] = training_state_bytes(model, opt)
 
     def block(kind: str) -> float:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         seconds = timed(step[kind], steps, device, barrier=True)
-        state[kind].update(train_utils.peak_memory_mib(device))  # {} on a CPU
+        state[kind].update(peak_memory_mib(device))  # {} on a CPU
         return seconds
 
     times = interleaved({kind: functools.partial(block, kind) for kind in step}, reps)

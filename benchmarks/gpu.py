@@ -9,7 +9,7 @@ the timed steps.
 
 Reading the table: "achieved TFLOP/s" is the step's FLOPs over its seconds;
 "fraction of peak" divides that by the GPU's dense data-sheet peak
-(``train_utils.gpu_peak``: bf16 for the bf16 rows, TF32 for fp32), "unknown"
+(``train_utils.throughput.gpu_peak``: bf16 for the bf16 rows, TF32 for fp32), "unknown"
 for a GPU the kit's table does not know or a MIG slice. A variant that raises
 shows its error instead of a number.
 """
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import fast_images
 import train_utils
+from train_utils.throughput import gpu_peak
 import vision_tasks
 from benchmarks.harness import build_model, synchronize, table, timed, train_step
 
@@ -66,7 +67,7 @@ def section_gpu(batch_size: int = 256, steps: int = 30) -> dict:
         return {"skipped": "no CUDA device", "table": "**5. GPU: ResNet-18 CIFAR-10**\n\nskipped: no CUDA device"}
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
-    peaks = train_utils.gpu_peak(name)  # the kit's table: (bf16, tf32) dense FLOP/s
+    peaks = gpu_peak(name)  # the kit's table: (bf16, tf32) dense FLOP/s
     x8 = torch.randint(0, 256, (batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
     y = torch.randint(0, 10, (batch_size,), device=device)
     results = []

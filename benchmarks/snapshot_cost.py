@@ -33,7 +33,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import train
-import train_utils
+from train_utils.launch import gloo_group
+from train_utils.sharded_snapshots import dcp_async_save, dcp_result
+from train_utils.snapshot_writer import SnapshotWriter, cpu_copy
+from train_utils.snapshots import atomic_save
 from benchmarks.harness import (CPU, ddp, interleaved, process_group, synchronize, table, timed,
                                 train_step)
 from helpers import free_port
@@ -65,7 +68,7 @@ def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     import torch.distributed.checkpoint as dcp
 
-    writer, rank, numbers = train_utils.SnapshotWriter(asynchronous), dist.get_rank(), itertools.count()
+    writer, rank, numbers = SnapshotWriter(asynchronous), dist.get_rank(), itertools.count()
 
     def save(_index: int) -> None:
         writer.wait()
@@ -73,20 +76,20 @@ def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder:
         if strategy == "ddp":
             if rank == 0:
                 state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
-                state = train_utils.cpu_copy(state) if asynchronous else state
-                writer.start(lambda: train_utils.atomic_save(state, os.path.join(folder, "snapshot.pt")), str(n))
+                state = cpu_copy(state) if asynchronous else state
+                writer.start(lambda: atomic_save(state, os.path.join(folder, "snapshot.pt")), str(n))
             return
         target = os.path.join(folder, f"save-{n}")
         parts = list(zip(get_state_dict(model, optimizer), ("model", "optimizer"), groups))
-        pending = ([train_utils.dcp_async_save(part, os.path.join(target, name), group) for part, name, group in parts]
+        pending = ([dcp_async_save(part, os.path.join(target, name), group) for part, name, group in parts]
                    if asynchronous else [dcp.save(part, checkpoint_id=os.path.join(target, name))
                                          for part, name, _ in parts])
 
         def complete() -> None:
             for one in pending:
-                train_utils.dcp_result(one)
+                dcp_result(one)
             if rank == 0:
-                train_utils.atomic_save({"n": n}, os.path.join(target, "meta.pt"))
+                atomic_save({"n": n}, os.path.join(target, "meta.pt"))
                 if n:
                     shutil.rmtree(os.path.join(folder, f"save-{n - 1}"), ignore_errors=True)
 
@@ -130,7 +133,7 @@ def _snapshot_cost_worker(rank: int, world_size: int, port: int, device_type: st
     rank to ``out.<rank>``."""
     device = torch.device(device_type, rank) if device_type == "cuda" else CPU
     with process_group(rank, world_size, port, device):
-        groups = (train_utils.gloo_group(), train_utils.gloo_group())  # the async saves' own CPU groups
+        groups = (gloo_group(), gloo_group())  # the async saves' own CPU groups
         folder = os.path.join(os.path.dirname(out), "saves")  # one for every rank, as --snapshot_path is
         results = []
         for strategy in ("ddp", "fsdp"):

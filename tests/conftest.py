@@ -20,6 +20,21 @@ def mnist_root(tmp_path_factory) -> Path:
     return build_mnist_root(tmp_path_factory.mktemp("mnist"))
 
 
+@pytest.fixture
+def one_process_group():
+    """A real gloo process group of one process (this one: rank 0, world size
+    1), for the test's duration: the kit's code runs under a process group
+    always, from train.setup on, and calls torch.distributed without asking
+    whether there is one."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def kit_run(tmp_path_factory):
     """Runs ``torchrun --standalone --nproc_per_node=2 train.py --strategy

@@ -25,6 +25,16 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
 
+# train.py with a fault injected from the test side: launch it where train.py
+# is launched, with the same arguments, and DDP_TEST_FAULT="POINT:RANK:N:ACTION"
+# in the environment (its docstring says more). The kit holds no test hook, so
+# a test that sets DDP_TEST_FAULT must launch this, not train.py.
+FAULTY_TRAIN = REPO / "tests" / "train_with_fault.py"
+# The same under a Slurm wrapper (or in a container that binds the project
+# folder): slurm/env.sh runs $PROJECT/$SCRIPT_NAME (train.py by default), so a
+# job given DDP_TEST_FAULT gets this in its environment too.
+FAULTY_TRAIN_JOB_ENV = {"SCRIPT_NAME": str(FAULTY_TRAIN.relative_to(REPO))}
+
 EPOCH_LINE = re.compile(
     r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "
     r"val_loss (?P<val_loss>\S+)(?: \| val_acc (?P<val_acc>\S+))? \| "
@@ -163,13 +173,14 @@ def signal_when(launch: list, cwd: Path, line, signum: int, start_s: float = 120
 
 
 def held_at_step(step: int) -> tuple[dict, str]:
-    """For ``signal_when``: the test hook's environment that holds rank 0
-    before its ``step``-th training step (micro-batches, counted from 1 over
-    the run's first attempt) until a stop signal comes, and the line it
-    prints there. A signal sent on that line lands mid-run however fast the
-    machine trains, with rank 0 held and the other ranks already in that
-    step, waiting for it in a collective: the ranks get the signal at
-    different points and must still agree on one step to stop after."""
+    """For ``signal_when``: the environment under which ``FAULTY_TRAIN`` (launch
+    it, not train.py) holds rank 0 before its ``step``-th training step
+    (micro-batches, counted from 1 over the run's first attempt) until a stop
+    signal comes, and the line it prints there. A signal sent on that line
+    lands mid-run however fast the machine trains, with rank 0 held and the
+    other ranks already in that step, waiting for it in a collective: the
+    ranks get the signal at different points and must still agree on one
+    step to stop after."""
     return ({"DDP_TEST_FAULT": f"step:0:{step}:wait_signal_once"},
             f"DDP_TEST_FAULT: wait_signal_once at step {step} on rank 0")
 
@@ -220,20 +231,24 @@ def load_task(dataset: str, data_dir="data", input_path: str = "torchvision", se
     return common.load_task(task_args(dataset, data_dir, input_path, seed), download=False)
 
 
-def plain_task(loss_fn, classification: bool):
-    """A ``common.Task`` with no data: a loss, and whether it is a classification."""
+def plain_task(loss_fn, classification: bool, model=None):
+    """A ``common.Task`` with no data: a loss, whether it is a classification,
+    and ``model`` (None unless given)."""
     import common
 
-    return common.Task(None, None, None, None, loss_fn, classification)
+    return common.Task(None, None, None, model, loss_fn, classification)
 
 
-def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: int = 0,
+def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, local_rank: int = 0,
                 grad_accum_steps: int = 1, **recipe):
     """train.py's Trainer (DDP) around ``model`` on the CPU, with no data and no
     snapshot to resume: for calling its ``_run_batch`` directly. Needs a process
-    group (DDP wraps the model). ``optimizer``'s type and lr, ``grad_accum_steps``
+    group (DDP wraps the model; the rank is the group's), ``local_rank`` this
+    process's index on its node. ``optimizer``'s type and lr, ``grad_accum_steps``
     and ``recipe`` (recipe flags, e.g. ``clip_grad_norm=0.05``) are the run's flags.
-    Raises AssertionError where train.Trainer takes a parameter this does not give."""
+    The snapshot path does not exist: its Checkpointer (not claimed) finds
+    nothing to load. Raises AssertionError where train.Trainer takes a
+    parameter this does not give."""
     import recipes
     import train
     import train_utils
@@ -246,10 +261,13 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, rank: 
         **{**recipes.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
            "optimizer": type(optimizer).__name__.lower(), **recipe})
     device = torch.device("cpu")
-    available = dict(model=model, train_data=None, val_data=None,
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, False, asynchronous=not args.snapshot_sync,
+                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
+                                            timeout_s=args.pg_timeout_s)
+    available = dict(task=plain_task(loss_fn, False, model), train_data=None, val_data=None,
                      recipe=train_utils.Recipe(optimizer, args, steps_per_epoch=1, device=device),
-                     task=plain_task(loss_fn, False), device=device,
-                     rank=rank, local_rank=rank, log=train_utils.RunLog(args), args=args)
+                     checkpointer=checkpointer, log=train_utils.RunLog(args), device=device,
+                     local_rank=local_rank, args=args)
     parameters = inspect.signature(train.Trainer).parameters
     missing = [name for name in parameters if name not in available]
     assert not missing, f"train.Trainer takes {missing}, which kit_trainer does not give"
@@ -272,14 +290,14 @@ def full_state(folder, out_dir) -> tuple[dict, dict]:
     RNG state ("rng.<rank>"), the lr schedule's step and the loss scaler's state."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    import train_utils
+    from train_utils.sharded_snapshots import ShardedSnapshots
 
     os.makedirs(out_dir, exist_ok=True)
     for part in ("model", "optimizer"):
         dcp_to_torch_save(os.path.join(folder, part), os.path.join(out_dir, f"{part}.pt"))
     weights = torch.load(os.path.join(out_dir, "model.pt"), weights_only=True)
     optimizer = torch.load(os.path.join(out_dir, "optimizer.pt"), weights_only=True)
-    meta = torch.load(os.path.join(folder, train_utils.SHARDED_SNAPSHOT_META), weights_only=True)
+    meta = torch.load(os.path.join(folder, ShardedSnapshots.META), weights_only=True)
     tensors = dict(weights)
     for name, state in optimizer["state"].items():
         for key, value in state.items():  # SGD's momentum_buffer; AdamW's exp_avg, exp_avg_sq, step

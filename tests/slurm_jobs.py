@@ -46,7 +46,8 @@ class Scenario:
     resubmit: bool = False  # after it ends (scancel), submit the same command again
     user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
     partition: str = "stops"
-    env: dict = field(default_factory=dict)  # added to the job's environment (DDP_TEST_FAULT)
+    # added to the job's environment: DDP_TEST_FAULT, with helpers.FAULTY_TRAIN_JOB_ENV (SCRIPT_NAME)
+    env: dict = field(default_factory=dict)
     trigger_when: tuple = ()  # lines that must all be in the log before the trigger; () : epoch 2's
     gate: Optional[threading.Event] = None  # and, when given, set before the trigger (by the test)
     # filled in by the driver
@@ -172,7 +173,9 @@ def drive(cluster, scenario: Scenario, folder: Path) -> None:
     scenario.infos.append(info)
     scenario.logs.append(job_log(folder, scenario, job))
     print(f"{scenario.name}: ended {time.monotonic() - deadline + SCENARIO_TIMEOUT_S:.0f} s after its submission")
-    if scenario.resubmit:  # the same sbatch command again: it resumes (the tests' hold was for the first job)
+    # The same sbatch command again: it resumes (the tests' hold was for the first job; without
+    # DDP_TEST_FAULT, tests/train_with_fault.py runs train.py as it is).
+    if scenario.resubmit:
         job = submit(cluster, replace(scenario, env={name: value for name, value in scenario.env.items()
                                                      if name != "DDP_TEST_FAULT"}), folder)
         scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))

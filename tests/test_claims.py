@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import train_utils
+from common import ConfigError
+from train_utils.claims import claim_snapshot, release_claim, start_ticks
+from train_utils.snapshots import atomic_save, remove_stale_temporary_files
 from helpers import REPO, error_lines, free_port, run
-from train_utils.claims import start_ticks
 
 HOST = socket.gethostname()
 REFUSED = ": two live runs must not write one snapshot; wait for that run to end (or stop it), or pass another --snapshot_path"
@@ -27,7 +29,7 @@ def outside_slurm(monkeypatch):
     for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     yield
-    train_utils.release_claim()
+    release_claim()
 
 
 @pytest.fixture
@@ -56,23 +58,23 @@ def squeue_says(tmp_path: Path, monkeypatch, state: str) -> None:
 
 
 def test_a_live_runs_claim_is_refused_naming_it_and_a_dead_ones_is_taken_over(tmp_path, outside_slurm,
-                                                                             other_run):
+                                                                             other_run, one_process_group):
     snapshot, claim = tmp_path / "two.pt", tmp_path / "two.pt.job"
     claim.write_text(claimed_by(other_run.pid))
-    with pytest.raises(train_utils.ConfigError) as refusal:
-        train_utils.claim_snapshot(str(snapshot))
+    with pytest.raises(ConfigError) as refusal:
+        claim_snapshot(str(snapshot))
     assert str(refusal.value) == f"snapshot {snapshot} is in use by pid {other_run.pid} on host {HOST}{REFUSED}"
     assert claim.read_text() == claimed_by(other_run.pid)  # left as it was
     # The same pid, now another process (started later): the claim's run has ended.
     claim.write_text(f"host={HOST} pid={other_run.pid} start=1\n")
-    train_utils.claim_snapshot(str(snapshot))
+    claim_snapshot(str(snapshot))
     assert claim.read_text() == claimed_by(os.getpid())
-    train_utils.release_claim()  # the run's end gives it back
+    release_claim()  # the run's end gives it back
     assert not claim.exists()
     other_run.kill()
     other_run.wait()  # its pid is gone
     claim.write_text(claimed_by(other_run.pid))
-    train_utils.claim_snapshot(str(snapshot))
+    claim_snapshot(str(snapshot))
     assert claim.read_text() == claimed_by(os.getpid())
 
 
@@ -90,54 +92,55 @@ def test_train_py_is_refused_before_training_while_another_run_holds_its_snapsho
     assert claim.read_text() == claimed_by(other_run.pid)
 
 
-def test_a_torchrun_restart_keeps_its_own_claim(tmp_path, outside_slurm, monkeypatch):
+def test_a_torchrun_restart_keeps_its_own_claim(tmp_path, outside_slurm, monkeypatch, one_process_group):
     """A worker torchrun restarted finds the claim its agent's run wrote (the
     agent, its parent, lives on): taken. The same claim seen by a process that
     is not that agent's worker names a live run: refused."""
     snapshot, claim = tmp_path / "snapshot.pt", tmp_path / "snapshot.pt.job"
     claim.write_text(claimed_by(os.getppid()))
-    with pytest.raises(train_utils.ConfigError, match=f"in use by pid {os.getppid()} on host"):
-        train_utils.claim_snapshot(str(snapshot))
+    with pytest.raises(ConfigError, match=f"in use by pid {os.getppid()} on host"):
+        claim_snapshot(str(snapshot))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "any")
-    train_utils.claim_snapshot(str(snapshot))
+    claim_snapshot(str(snapshot))
     assert claim.read_text() == claimed_by(os.getppid())
 
 
-def test_a_claim_of_another_host_is_refused_saying_how_to_free_it(tmp_path, outside_slurm):
+def test_a_claim_of_another_host_is_refused_saying_how_to_free_it(tmp_path, outside_slurm, one_process_group):
     snapshot, claim = tmp_path / "snapshot.pt", tmp_path / "snapshot.pt.job"
     claim.write_text("host=elsewhere pid=4242 start=77\n")
-    with pytest.raises(train_utils.ConfigError) as refusal:
-        train_utils.claim_snapshot(str(snapshot))
+    with pytest.raises(ConfigError) as refusal:
+        claim_snapshot(str(snapshot))
     assert str(refusal.value) == (f"snapshot {snapshot} is in use by pid 4242 on host elsewhere, which cannot "
                                   f"be checked from here{REFUSED}; if it has ended, delete {claim}")
     # This host's name, another pid namespace (a container on the host network): pid 4242 here says nothing.
     claim.write_text(f"host={HOST} pid=4242 start=77 pidns=1\n")
-    with pytest.raises(train_utils.ConfigError, match=f"pid 4242 on host {HOST}, which cannot be checked from here"):
-        train_utils.claim_snapshot(str(snapshot))
+    with pytest.raises(ConfigError, match=f"pid 4242 on host {HOST}, which cannot be checked from here"):
+        claim_snapshot(str(snapshot))
 
 
 def test_slurm_jobs_claims_follow_squeue_and_a_requeued_job_keeps_its_own(tmp_path, outside_slurm,
-                                                                           monkeypatch, other_run):
+                                                                           monkeypatch, other_run,
+                                                                           one_process_group):
     snapshot, claim = tmp_path / "snapshot.pt", tmp_path / "snapshot.pt.job"
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     squeue_says(tmp_path, monkeypatch, "RUNNING")
     claim.write_text("7\n")  # as the wrappers write it
-    with pytest.raises(train_utils.ConfigError, match=f"^snapshot {snapshot} is in use by job 7 \\(RUNNING\\)"):
-        train_utils.claim_snapshot(str(snapshot))
+    with pytest.raises(ConfigError, match=f"^snapshot {snapshot} is in use by job 7 \\(RUNNING\\)"):
+        claim_snapshot(str(snapshot))
     # The job's own claim: taken by its run wherever the requeued job landed, and kept at the end.
     claim.write_text("job=8 host=elsewhere pid=4242\n")
-    train_utils.claim_snapshot(str(snapshot))
+    claim_snapshot(str(snapshot))
     assert claim.read_text() == f"job=8 {claimed_by(os.getpid())}"
-    train_utils.release_claim()
+    release_claim()
     assert claim.exists()
     # ... but not by a second run started inside the same job while the first lives.
     claim.write_text(f"job=8 {claimed_by(other_run.pid)}")
-    with pytest.raises(train_utils.ConfigError, match=f"in use by pid {other_run.pid} on host {HOST}, another "
-                                                      f"run in this job 8"):
-        train_utils.claim_snapshot(str(snapshot))
+    with pytest.raises(ConfigError, match=f"in use by pid {other_run.pid} on host {HOST}, another "
+                                          f"run in this job 8"):
+        claim_snapshot(str(snapshot))
     squeue_says(tmp_path, monkeypatch, "COMPLETED")
     claim.write_text(f"job=7 {claimed_by(other_run.pid)}")  # squeue decides for a job, not the pid
-    train_utils.claim_snapshot(str(snapshot))
+    claim_snapshot(str(snapshot))
     assert claim.read_text() == f"job=8 {claimed_by(os.getpid())}"
 
 
@@ -158,9 +161,9 @@ def test_atomic_save_removes_only_its_own_temporary_file(tmp_path, other_run):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        train_utils.atomic_save({"a": Unpicklable()}, str(path))
+        atomic_save({"a": Unpicklable()}, str(path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, remote.name, stale.name])
-    train_utils.atomic_save({"a": torch.arange(3)}, str(path))
+    atomic_save({"a": torch.arange(3)}, str(path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, remote.name, path.name])
     assert live.read_bytes() == b"half a snapshot"
 
@@ -195,5 +198,5 @@ def test_the_claims_holder_removes_the_temporary_files_of_killed_writers_on_any_
     stale = [tmp_path / "two.pt.4242@node7.abcd1234.tmp", tmp_path / "two.pt.x1y2z3.tmp"]  # the latter: older name
     for file in keep + stale:
         file.write_bytes(b"x")
-    assert sorted(train_utils.remove_stale_temporary_files(str(path))) == sorted(p.name for p in stale)
+    assert sorted(remove_stale_temporary_files(str(path))) == sorted(p.name for p in stale)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in keep)

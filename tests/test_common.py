@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import common
 import train_utils
+from common import ConfigError
 import vision_tasks
 from helpers import load_task, task_args
 
@@ -61,7 +62,7 @@ def test_models_have_the_documented_shapes(dataset, model, shape, out):
 
 def test_unknown_model_for_dataset_is_a_config_error():
     assert common.choose_model(task_args("mnist"), ("cnn",)) == "cnn"
-    with pytest.raises(train_utils.ConfigError, match="choose one of resnet18, resnet50"):
+    with pytest.raises(ConfigError, match="choose one of resnet18, resnet50"):
         common.choose_model(task_args("cifar10", model="cnn"), ("resnet18", "resnet50"))
 
 
@@ -76,7 +77,7 @@ def test_mnist_task_reads_the_real_digits(mnist_root):
 
 
 def test_missing_files_message_is_one_line_with_folder_files_and_fix(tmp_path):
-    with pytest.raises(train_utils.ConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         vision_tasks.prepare_data("cifar10", str(tmp_path), download=False)
     message = str(info.value)
     assert "\n" not in message
@@ -147,14 +148,14 @@ def test_a_failed_download_leaves_no_empty_dataset_folder(tmp_path, monkeypatch)
 
     monkeypatch.setattr(datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])
     data_dir = tmp_path / "data"
-    with pytest.raises(train_utils.ConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         vision_tasks.prepare_data("mnist", str(data_dir), download=True)
     assert "\n" not in str(info.value) and "download failed" in str(info.value)
     assert not data_dir.exists(), sorted(str(p) for p in data_dir.rglob("*"))
     # A folder the user made stays, with what is in it.
     data_dir.mkdir()
     (data_dir / "notes.txt").write_text("mine")
-    with pytest.raises(train_utils.ConfigError):
+    with pytest.raises(ConfigError):
         vision_tasks.prepare_data("mnist", str(data_dir), download=True)
     assert sorted(p.name for p in data_dir.iterdir()) == ["notes.txt"]
 

@@ -44,8 +44,8 @@ import pytest
 
 from container_image import PREBUILT_VAR, RUN_TIMEOUT_S, Image, Podman, _checked, build, prebuilt, unavailable_reason
 from dataset_files import build_mnist_root
-from helpers import IN_CI, REPO, assert_same_snapshot, check, epochs, free_port, parse_test, run, run_together, \
-    wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, IN_CI, REPO, assert_same_snapshot, check, epochs, free_port, parse_test, \
+    run, run_together, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 from slurm_jobs import SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, preempt, runs, \
     scontrol_requeue, show
@@ -216,9 +216,11 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
 
 CONTAINER_SHORT = ["--total_epochs", "4", "--batch_size", "8"]
 # Each job's ranks wait at their 30th step (in epoch 1) until a stop signal
-# comes (the tests' hook, first attempt only), and the stop is triggered once
-# both wait: it lands mid-training whatever the machine's speed.
-HOLD_AT_STEP_30 = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
+# comes (a fault injected from the test side, first attempt only: the job's
+# SCRIPT_NAME is tests/train_with_fault.py, which the container sees in the
+# project folder it binds), and the stop is triggered once both wait: it
+# lands mid-training whatever the machine's speed.
+HOLD_AT_STEP_30 = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once", **FAULTY_TRAIN_JOB_ENV}
 HELD_AT_STEP_30 = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                    "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from dataset_files import build_mnist_root
-from helpers import REPO, TORCHRUN, free_port, script_env
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, free_port, script_env
 
 # torch's dynamic rendezvous shares its agent's store with the workers by
 # default, and that store's address is not renewed when the membership
@@ -131,9 +131,11 @@ def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
     restarts ran out)."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
     port = free_port()
-    host, other = (elastic_launch(port, hosts, last_call_s=10) + [
-        REPO / "train.py", "--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
-        "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"] for hosts in (True, False))
+    flags = ["--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
+             "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
+    # a and b held by DDP_TEST_FAULT (FAULTY_TRAIN); b started again runs train.py itself.
+    host, other = (elastic_launch(port, hosts, last_call_s=10) + [FAULTY_TRAIN, *flags] for hosts in (True, False))
+    other_again = elastic_launch(port, False, last_call_s=10) + [REPO / "train.py", *flags]
     agents = Agents(tmp_path)
     try:
         # b's agent first, up to where it reaches for the rendezvous (LOGLEVEL=INFO makes torchrun
@@ -153,7 +155,7 @@ def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
                              "world_size 2) at step 40, the rest split over 1 rank; random streams restored on "
                              "rank 0, those of rank 1 dropped)")
         agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 30 on rank 0")
-        agents.start("b_again", other, **ELASTIC_ENV)
+        agents.start("b_again", other_again, **ELASTIC_ENV)
         for name in ("a", "b_again"):
             assert agents.procs[name].wait(timeout=180) == 0, agents.logs()
     finally:

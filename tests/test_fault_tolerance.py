@@ -2,9 +2,10 @@
 corrupt snapshots, crafted files, failing and hanging ranks, uneven data, bad
 input, stop signals. (The rungs' own resume is tested with the rungs.)
 
-Faults are injected with the test hook train_utils.testing.fault_point, switched on by the
-DDP_TEST_FAULT environment variable ("POINT:RANK:N:ACTION"), or made by hand
-(truncated files, crafted pickles, busy paths)."""
+Faults are injected from the test side: FAULTY_TRAIN (tests/train_with_fault.py)
+runs train.py with the fault the DDP_TEST_FAULT environment variable names
+("POINT:RANK:N:ACTION"); or they are made by hand (truncated files, crafted
+pickles, busy paths)."""
 
 import json
 import os
@@ -17,12 +18,18 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import (REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs, error_lines,
-                     held_at_step, parse_test, run, script_env, stdout_lines)
+from helpers import (FAULTY_TRAIN, REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs,
+                     error_lines, held_at_step, parse_test, run, script_env, stdout_lines)
 
 import train_utils
+from common import ConfigError
+from train_utils.devices import torch_version
+from train_utils.snapshots import read_snapshot
+from train_utils.speed import check_amp
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+# The same with a fault injected: FAULTY_TRAIN, for the runs given DDP_TEST_FAULT.
+FAULTY_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN]
 SNAPSHOT = "snapshot_train.pt"  # its default --snapshot_path
 
 
@@ -51,9 +58,9 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
              "--optimizer", "adamw", "--lr", "0.003", "--lr_schedule", "cosine", "--warmup_epochs", "0.5",
              "--clip_grad_norm", "1", "--metrics_path", "m.jsonl"]
     try:
-        train_utils.check_amp("auto", torch.device("cpu"), "cnn")
+        check_amp("auto", torch.device("cpu"), "cnn")
         flags.append("--amp")
-    except train_utils.ConfigError as refused:
+    except ConfigError as refused:
         print(f"--amp refused on this CPU, trained without: {refused}")
     # 5 steps an epoch a rank (540 digits, 3 ranks, batches of 32); the 9th
     # step is epoch 2's 4th, after the epoch's step-3 snapshot.
@@ -62,7 +69,7 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
     check(run(three + flags, tmp_path / "clean"))
-    killed = check(run(three[:-1] + ["--max-restarts=3", REPO / "train.py"] + flags,
+    killed = check(run(three[:-1] + ["--max-restarts=3", FAULTY_TRAIN] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
     assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
     # It resumed inside an epoch, from the last mid-epoch snapshot.
@@ -90,7 +97,7 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
     # Saves: epoch 1 steps 10 and 20, then epoch 2 step 10 (the 3rd), killed
     # after its temporary file is written, before the rename.
     killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                      REPO / "train.py"] + flags,
+                                      FAULTY_TRAIN] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT="save:0:3:kill"))
     assert "DDP_TEST_FAULT: kill at save 3 on rank 0" in killed.stderr
     assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 20" in killed.stdout
@@ -100,26 +107,26 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
 
 def test_a_snapshot_is_written_while_training_goes_on(tmp_path):
     """The first snapshot (epoch 1 step 20) is held in its write, after the
-    temporary file, before the rename (the tests' hook, until a stop signal
+    temporary file, before the rename (the injected fault, until a stop signal
     comes): the rest of epoch 1 trains and is summarised meanwhile; the next
     snapshot, the epoch's end (--save_every 1), waits for it, so the signal
     comes while rank 0 waits there, however fast the machine trains. On
     SIGTERM the held write completes, then the stop's snapshot is written
     before the ranks exit, and the same command resumes from it and finishes."""
-    launch = TORCHRUN_SCRIPT + ["--total_epochs", "2", "--snapshot_every_steps", "20", "--save_every", "1"]
+    flags = ["--total_epochs", "2", "--snapshot_every_steps", "20", "--save_every", "1"]
     held = "DDP_TEST_FAULT: wait_signal at save 1 on rank 0"
-    text = signal_when(launch, tmp_path, (held, "epoch 1/2 | train_loss"), signal.SIGTERM,
+    text = signal_when(FAULTY_SCRIPT + flags, tmp_path, (held, "epoch 1/2 | train_loss"), signal.SIGTERM,
                        DDP_TEST_FAULT="save:0:1:wait_signal")
     # Epoch 1 was summarised before the held write completed, and the epoch's own
-    # snapshot came after it. (Where the hook's line falls among them depends on
-    # when the writer thread reaches the hook: not asserted.)
+    # snapshot came after it. (Where the fault's line falls among them depends on
+    # when the writer thread reaches the fault: not asserted.)
     assert held in text and text.index("epoch 1/2 | train_loss") < \
         text.index("epoch 1 step 20 | snapshot saved at snapshot_train.pt") < \
         text.index("epoch 1 | snapshot saved at snapshot_train.pt"), text
     # The stop's snapshot is the last one written (a write in flight prints its line first).
     after_stop = text.split("stopped by SIGTERM")[1]
     step = re.findall(r"^epoch 2 step (\d+) \| snapshot saved at snapshot_train.pt$", after_stop, re.M)[-1]
-    resumed = check(run(launch, tmp_path))
+    resumed = check(run(TORCHRUN_SCRIPT + flags, tmp_path))
     assert f"resuming from snapshot snapshot_train.pt in epoch 2 after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
 
@@ -170,8 +177,8 @@ def test_crafted_snapshot_is_refused_and_its_code_never_runs(tmp_path, monkeypat
     marker = tmp_path / "payload_ran"
     torch.save({"model": _Payload(f"touch {marker}")}, tmp_path / SNAPSHOT)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(train_utils.ConfigError) as info:
-        train_utils.read_snapshot(SNAPSHOT, {})
+    with pytest.raises(ConfigError) as info:
+        read_snapshot(SNAPSHOT, {})
     message = str(info.value)
     assert message.startswith(f"cannot read snapshot {SNAPSHOT}")
     assert "weights_only" not in message and "\n" not in message and len(message) < 300
@@ -192,7 +199,7 @@ def test_a_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path):
     1,588 left in whole optimizer steps of 2 x 32 (the rest dropped, as a
     partial batch is)."""
     flags = ["--total_epochs", "1", "--global_batch_size", "64", "--metrics_path", "metrics.jsonl"]
-    stopped = run(TORCHRUN_SCRIPT + flags + ["--snapshot_every_steps", "4"], tmp_path,
+    stopped = run(FAULTY_SCRIPT + flags + ["--snapshot_every_steps", "4"], tmp_path,
                   DDP_TEST_FAULT="step:0:6:raise")  # after the snapshot at step 4
     assert stopped.returncode != 0
     result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", *flags], tmp_path))
@@ -215,9 +222,9 @@ def test_one_failing_or_hanging_rank_ends_the_whole_job(action, tmp_path):
     all-reduce: the job must end, non-zero, inside the first epoch, not after
     the start-up time-out (30 min). A hang is caught by the process group
     timeout (--pg_timeout_s), which the error line names."""
-    if action == "hang" and train_utils.torch_version() < (2, 10):
+    if action == "hang" and torch_version() < (2, 10):
         pytest.skip(f"torch {torch.__version__}'s gloo keeps the start-up timeout: --pg_timeout_s needs 2.10")
-    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=300,
+    result = run(FAULTY_SCRIPT + ["--total_epochs", "3", "--pg_timeout_s", "10"], tmp_path, timeout=300,
                  DDP_TEST_FAULT=f"step:1:5:{action}")
     assert result.returncode != 0
     assert f"DDP_TEST_FAULT: {action} at step 5 on rank 1" in result.stderr
@@ -314,7 +321,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     waits for the end of an optimizer step (no half-accumulated gradients lost)."""
     relay = []  # torchrun relays SIGTERM and SIGINT by default; SIGUSR1 only when asked (torch 2.10+)
     if signum == signal.SIGUSR1:
-        if train_utils.torch_version() < (2, 10):
+        if torch_version() < (2, 10):
             pytest.skip(f"torch {torch.__version__}'s torchrun has no --signals-to-handle (2.10)")
         relay = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     args = ["--total_epochs", "3", "--batch_size", "8", "--grad_accum_steps", str(accum),
@@ -325,7 +332,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     interrupted.mkdir()
     reference.mkdir()
     nprocs = f"--nproc_per_node={nproc}"
-    launch = TORCHRUN + ["--standalone", nprocs, *relay, str(REPO / "train.py"), *args]
+    launch = TORCHRUN + ["--standalone", nprocs, *relay, str(FAULTY_TRAIN), *args]  # held by DDP_TEST_FAULT
     text = signal_when(launch, interrupted, held_at_step(hold)[1], signum, **held_at_step(hold)[0])
     name = signal.Signals(signum).name
     stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_train\.pt$", text, re.M)
@@ -354,7 +361,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
 
 
 def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(tmp_path):
-    """SIGTERM to torchrun while the ranks start (the test hook holds every
+    """SIGTERM to torchrun while the ranks start (FAULTY_TRAIN holds every
     rank in start-up, after the process group exists, before the task loads:
     where a download or a large dataset takes its time): each rank ends at
     once with exit status 0 and rank 0 says so in one line, no traceback; the
@@ -363,15 +370,17 @@ def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(
     killed each rank there."""
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
                          "--batch_size", "32"]
+    held = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(FAULTY_TRAIN), "--batch_size", "32"]
     check(run([*launch, "--total_epochs", "2"], tmp_path))
     snapshot = tmp_path / "snapshot_train.pt"
     before = snapshot.read_bytes()
-    text = signal_when([*launch, "--total_epochs", "3"], tmp_path,
+    text = signal_when([*held, "--total_epochs", "3"], tmp_path,
                        ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1"),
                        signal.SIGTERM, DDP_TEST_FAULT="startup:*:1:hang")
     assert text.count("stopped by SIGTERM during start-up, before the first training step") == 1, text
     # torchrun's own SignalException traceback follows (docs/pitfalls.md); none from a rank:
-    assert "train.py\", line" not in text and "epoch 3/3" not in text, text
+    assert "train.py\", line" not in text and "train_with_fault.py\", line" not in text, text
+    assert "epoch 3/3" not in text, text
     assert "exitcode" not in text, text  # torchrun saw no worker fail
     assert snapshot.read_bytes() == before
     resumed = check(run([*launch, "--total_epochs", "3"], tmp_path))
@@ -382,9 +391,9 @@ def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(
 def test_a_second_ctrl_c_quits_at_once_without_a_snapshot(tmp_path):
     """Ctrl-C twice: torchrun sends its workers SIGINT, then SIGTERM; they quit
     at once instead of finishing what the first one asked for. The first stop's
-    save is held up (the test hook hangs rank 0 inside it), as a slow save on a
+    save is held up (FAULTY_TRAIN hangs rank 0 inside it), as a slow save on a
     busy file system would; the second Ctrl-C ends the run without a snapshot."""
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(FAULTY_TRAIN),
                          "--total_epochs", "200", "--save_every", "1000"]
     log = tmp_path / "log.txt"
     with open(log, "w") as out:

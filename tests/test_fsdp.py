@@ -17,28 +17,31 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dataset_files import build_mnist_root
-from helpers import (REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state, held_at_step, parse_test,
-                     plain_task, run, snapshot_folder,
-                     signal_when, stdout_lines)
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state, held_at_step,
+                     parse_test, plain_task, run, snapshot_folder, signal_when, stdout_lines)
 
 import common
 import train_utils
+from train_utils.devices import torch_version
+from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 import vision_tasks
 
 FSDP = REPO / "train.py"
 SNAPSHOT = "snapshot_train_fsdp"  # train.py's default --snapshot_path under --strategy fsdp
 # These tests run on the CPU, where train.py --strategy fsdp refuses gloo before torch 2.10 (it
 # sums in reduce_scatter; tests/test_train_utils.py measures that and tests the refusal).
-pytestmark = pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+pytestmark = pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                                 reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
 MEMORY_LINE = re.compile(r"^state per rank: .* \((?P<bytes>\d+) bytes, rank (?P<rank>\d+) of "
                          r"(?P<world>\d+)\); DDP would hold .* \((?P<ddp>\d+) bytes\), (?P<ratio>\S+)x$",
                          re.M)
 
 
-def fsdp(nproc: int, *flags, restarts: int = 0) -> list:
+def fsdp(nproc: int, *flags, restarts: int = 0, script=FSDP) -> list:
+    """torchrun's command for ``script`` (train.py; FAULTY_TRAIN for a run with
+    DDP_TEST_FAULT) --strategy fsdp ``flags`` on ``nproc`` processes."""
     extra = [f"--max-restarts={restarts}"] if restarts else []
-    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, FSDP, "--strategy", "fsdp",
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, script, "--strategy", "fsdp",
                        *map(str, flags)]
 
 
@@ -128,9 +131,11 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
     assert worst <= 1e-5
     assert all(not torch.allclose(weights[n], start[n], atol=1e-3) for n in start)  # training moved them
 
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # torchrun's 1 for several processes, unless set here
     assert stdout_lines(result.stdout)[0] == (
         f"device cpu | backend gloo | world_size {world_size} | global batch size {global_batch} = "
-        f"batch_size {batch_size} x grad_accum_steps {accum} x world_size {world_size}")
+        f"batch_size {batch_size} x grad_accum_steps {accum} x world_size {world_size} | cpu threads {threads} "
+        f"per process")
     assert len(epochs(result.stdout)) == 1 and parse_test(result.stdout)["loss"] < 0.1
     # Memory: exactly the bytes of rank 0's shards; DDP's, the full tensors.
     mem = memory(result.stdout)
@@ -314,8 +319,11 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     task, optimizer = train.build(args, rank, rank, device)  # seeded and sharded as train.py does
     train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0, task.collate_fn)
     recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
-    trainer = train.Trainer(task.model, train_data, None, recipe, task, device, rank, rank,
-                            train_utils.RunLog(args), args)
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, True, asynchronous=not args.snapshot_sync,
+                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
+                                            timeout_s=args.pg_timeout_s)  # as train.py's main makes it
+    trainer = train.Trainer(task, train_data, None, recipe, checkpointer, train_utils.RunLog(args), device, rank,
+                            args)
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
@@ -378,8 +386,8 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
     A copy of that snapshot resumed by 1 rank: DCP reshards, the rest of epoch
     2's permutation goes on from the 576 samples trained (36 steps of 8 on 2
     ranks), and the epoch's record counts each sample trained once."""
-    launch = fsdp(2, *FAULT_FLAGS)
-    launch.insert(launch.index(FSDP), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    launch = fsdp(2, *FAULT_FLAGS, script=FAULTY_TRAIN)  # held by DDP_TEST_FAULT
+    launch.insert(launch.index(FAULTY_TRAIN), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     hold_env, held = held_at_step(150)  # epoch 2's 35th of 115 steps
     text = signal_when(launch, tmp_path, held, signal.SIGUSR1, start_s=180, stop_s=120, **hold_env)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text

@@ -23,7 +23,7 @@ import recipes
 import gpt
 import text_tasks
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import REPO, TORCHRUN, check, epochs, run, signal_when, snapshot_tensors, task_args
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, run, signal_when, snapshot_tensors, task_args
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
 
@@ -214,6 +214,7 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     flags = ["--dataset", "shakespeare_char", "--data_dir", data, *TINY, "--dropout", "0.1", "--batch_size", "8",
              "--max_steps", "100", "--warmup_steps", "10", "--metrics_path", "metrics.jsonl"]
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", *flags]
+    held = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, *flags]  # held by DDP_TEST_FAULT
     straight_dir, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
     straight_dir.mkdir()
     stopped_dir.mkdir()
@@ -223,7 +224,7 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     assert [(r["epoch"], r["total_epochs"], r["samples"]) for r in records if "epoch" in r] == [(1, 2, 1120), (2, 2, 480)]
     assert records[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
     assert lines[1]["val_loss"] < 3.5 < math.log(65)  # it learns (a uniform guess: ln 65 = 4.17 nats/char)
-    text = signal_when(launch, stopped_dir, "DDP_TEST_FAULT: wait_signal at step 85", signal.SIGTERM,
+    text = signal_when(held, stopped_dir, "DDP_TEST_FAULT: wait_signal at step 85", signal.SIGTERM,
                        DDP_TEST_FAULT="step:*:85:wait_signal")
     assert text.count("stopped by SIGTERM") == 1 and "epoch 2/2 |" not in text, text  # stopped, not finished
     resumed = check(run(launch, stopped_dir))

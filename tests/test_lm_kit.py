@@ -16,11 +16,12 @@ import torch.nn.functional as F
 
 import common
 import train_utils
+from train_utils.text_out import generate
 from common import ConfigError
 from gpt import GPT, GPTConfig
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import (EPOCH_LINE, REPO, TORCHRUN, assert_bitwise, check, free_port, full_state, run, signal_when,
-                     snapshot_folder)
+from helpers import (EPOCH_LINE, FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, free_port, full_state, run,
+                     signal_when, snapshot_folder)
 
 def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     """nanoGPT's CPU recipe model (4 layers, 4 heads, 128 wide, context 64, 65
@@ -38,11 +39,12 @@ def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     assert train_utils.model_flops_per_token(torch.nn.Linear(3, 3)) is None
 
 
-def test_tokens_flops_and_mfu_figures(monkeypatch):
+def test_tokens_flops_and_mfu_figures(monkeypatch, one_process_group):
     """tokens/s = samples/s x tokens per sample; FLOP/s = tokens/s x FLOPs per
     token; MFU against the data-sheet peak of every rank's GPU: bf16 under
     --amp, tf32 without; none on a CPU or an unknown GPU; nothing for a task
-    not counted in tokens. The line shows them and the tests' parser reads them."""
+    not counted in tokens (here every rank is this one, in a group of one). The
+    line shows them and the tests' parser reads them."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert train_utils.throughput_figures(100.0, 0, 1000, cpu, None) == {}
     assert train_utils.throughput_figures(100.0, 64, None, cpu, None) == {"tokens_per_s": 6400.0}
@@ -154,9 +156,9 @@ def test_generate_is_seeded_and_top_k_1_is_greedy():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=16))
     start = torch.zeros(1, 1, dtype=torch.long)
-    draws = [train_utils.generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
+    draws = [generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
     assert draws[0].shape == (1, 21) and torch.equal(draws[0], draws[1])
-    greedy = train_utils.generate(model, start, 12, 1.0, 1, torch.Generator().manual_seed(4))
+    greedy = generate(model, start, 12, 1.0, 1, torch.Generator().manual_seed(4))
     assert model.training  # back in the mode it had
     idx = start
     for _ in range(12):
@@ -176,13 +178,15 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     again, then says nothing to train."""
     data = build_shakespeare_root(tmp_path / "data", 12_000)
     gpt = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--dropout", "0.1"]
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--dataset", "shakespeare_char",
-                      "--data_dir", data, *gpt, "--batch_size", "8", "--max_steps", "6", "--warmup_steps", "2",
-                      "--strategy", "fsdp", "--sample_chars", "80"]
+    flags = ["--dataset", "shakespeare_char", "--data_dir", data, *gpt, "--batch_size", "8", "--max_steps", "6",
+             "--warmup_steps", "2", "--strategy", "fsdp", "--sample_chars", "80"]
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", *flags]
     ac = cmd + ["--activation_checkpointing", "--metrics_path", "ac.jsonl", "--snapshot_path", "ac"]
     plain = cmd + ["--metrics_path", "plain.jsonl", "--snapshot_path", "plain"]
+    held = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, *flags,  # held by DDP_TEST_FAULT
+                       "--metrics_path", "plain.jsonl", "--snapshot_path", "plain"]
     outputs = {"ac": check(run(ac, tmp_path)).stdout}
-    stopped = signal_when(plain, tmp_path, "DDP_TEST_FAULT: wait_signal at step 4", signal.SIGTERM,
+    stopped = signal_when(held, tmp_path, "DDP_TEST_FAULT: wait_signal at step 4", signal.SIGTERM,
                           DDP_TEST_FAULT="step:*:4:wait_signal")
     assert "stopped by SIGTERM" in stopped and "sample |" not in stopped, stopped
     outputs["plain"] = check(run(plain, tmp_path)).stdout

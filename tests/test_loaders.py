@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import train_utils
+from train_utils.stop import STOP_SIGNALS
 from helpers import REPO, TORCHRUN, epochs, error_lines, script_env
 
 # A user's task module, as docs/custom-task.md has one: a dataset class of its
@@ -223,5 +224,5 @@ def test_workers_from_the_fork_server_never_act_on_a_stop_signal():
     del iterator
     assert worker != os.getpid() and os.getppid() != worker
     blocked, ignored = int(status["SigBlk"], 16), int(status["SigIgn"], 16)
-    assert [signum for signum in train_utils.STOP_SIGNALS if not blocked >> (signum - 1) & 1] == []
-    assert [signum for signum in train_utils.STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []
+    assert [signum for signum in STOP_SIGNALS if not blocked >> (signum - 1) & 1] == []
+    assert [signum for signum in STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []

@@ -18,7 +18,10 @@ import torch
 from helpers import REPO, TORCHRUN, check, error_lines, run, task_args
 
 import common
-import train_utils
+from train_utils.devices import torch_version
+from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.sharded_snapshots import ShardedSnapshots
+from train_utils.snapshots import read_snapshot
 
 ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1"]
 # Both with the snapshot path spelled out, so the messages below read the same for DDP and FSDP.
@@ -61,7 +64,7 @@ def test_a_folder_given_as_a_snapshot_file_is_refused_before_training(tmp_path):
                      "file is expected; pass another --snapshot_path")
 
 
-@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+@pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
 def test_a_file_where_the_fsdp_snapshot_folder_goes_is_refused_and_kept(tmp_path):
     (tmp_path / "snapshot.pt").write_bytes(b"a DDP snapshot file")
@@ -151,19 +154,19 @@ def test_a_snapshot_damaged_inside_its_tensors_is_refused_naming_the_entry(finis
     damaged = path.read_bytes()
     monkeypatch.chdir(tmp_path)
     with pytest.raises(common.ConfigError) as info:
-        train_utils.read_snapshot("snapshot.pt", saved["config"])
+        read_snapshot("snapshot.pt", saved["config"])
     assert str(info.value) == (f"cannot read snapshot snapshot.pt (damaged: its entry {entry} fails its CRC-32 "
                                f"check); move it away to start afresh (or put back a good copy), or pass another "
                                f"--snapshot_path")
     assert path.read_bytes() == damaged
 
 
-@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+@pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
 def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(finished_run, tmp_path):
     finished_run(tmp_path, "snapshot.pt", strategy="fsdp")
     (folder,) = os.listdir(tmp_path / "snapshot.pt")
-    meta = tmp_path / "snapshot.pt" / folder / train_utils.SHARDED_SNAPSHOT_META
+    meta = tmp_path / "snapshot.pt" / folder / ShardedSnapshots.META
     entry = zero_inside_largest_tensor_of(meta)
     damaged = meta.read_bytes()
     error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "2"], tmp_path))
@@ -172,7 +175,7 @@ def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(finished_run, tmp_
     assert meta.read_bytes() == damaged
 
 
-@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+@pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
 def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(finished_run, tmp_path):
     """DCP keeps no checksum; each tensor in its .distcp files is a torch.save
@@ -200,7 +203,7 @@ def test_random_bytes_as_a_snapshot_give_one_short_line_without_unsafe_advice(tm
     (tmp_path / "snapshot.pt").write_bytes(os.urandom(36_000))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(common.ConfigError) as info:
-        train_utils.read_snapshot("snapshot.pt", {})
+        read_snapshot("snapshot.pt", {})
     assert str(info.value) == ("cannot read snapshot snapshot.pt (not a zip archive as torch.save writes: "
                                "truncated, or another kind of file); move it away to start afresh (or put back "
                                "a good copy), or pass another --snapshot_path")

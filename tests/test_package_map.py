@@ -1,8 +1,9 @@
 """The kit's shape, read from the source with ast: train_utils is train.py's
 library of modules without import circles (function-level imports
-counted), its face exports with ``__all__`` what train.py and the tests use, the tests' fault
-hook is called from train.py only, W&B is reached only through the run log,
-and the ladder's rungs never import train_utils."""
+counted), its face exports with ``__all__`` exactly what train.py uses,
+neither reads a test variable or holds a test hook (the tests inject faults
+from their side, tests/train_with_fault.py), W&B is reached only through the
+run log, and the ladder's rungs never import train_utils."""
 
 import ast
 import re
@@ -68,9 +69,17 @@ def exported() -> list:
     raise AssertionError("train_utils/__init__.py has no __all__")
 
 
-def test_the_face_exports_what_train_py_and_the_tests_use():
-    """``__all__`` names everything the package imports into its face, each name
-    exists, and each is used by train.py, the tests or the benchmarks."""
+def used_by_train_py() -> set:
+    """Each NAME train.py uses as ``train_utils.NAME`` (read with ast)."""
+    return {node.attr for node in ast.walk(tree(REPO / "train.py"))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "train_utils"}
+
+
+def test_the_face_exports_what_train_py_uses():
+    """``__all__`` is exactly what train.py uses as ``train_utils.NAME``, both
+    ways (the tests and benchmarks import the rest from its module); each name
+    exists, and ``__all__`` names everything the package imports into its face."""
     import train_utils
 
     names = exported()
@@ -79,17 +88,63 @@ def test_the_face_exports_what_train_py_and_the_tests_use():
     face = {alias.asname or alias.name for node in tree(PACKAGE / "__init__.py").body
             if isinstance(node, ast.ImportFrom) for alias in node.names}
     assert sorted(face - set(names)) == []
-    users = [REPO / "train.py", *(REPO / "tests").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]
-    text = "\n".join(path.read_text() for path in users if path.name != "test_package_map.py")
-    assert [name for name in names if not re.search(rf"\btrain_utils\.{name}\b", text)] == []
+    used = used_by_train_py()
+    assert sorted(set(names) - used) == []  # exported, yet train.py does not use it
+    assert sorted(used - set(names)) == []  # train.py uses it, yet the face does not export it
 
 
-def test_the_fault_hook_is_called_from_train_py_only():
-    """No module of train_utils imports the tests' hook, so no collective path
-    of the library holds one; train.py calls it at the points the tests use."""
+KIT = [REPO / "train.py", *sorted(PACKAGE.glob("*.py"))]
+
+
+def environment_names(path) -> set:
+    """The environment variables ``path`` reads by name: the string keys of
+    ``os.environ[...]``, ``os.environ.get(...)``, ``os.getenv(...)`` and
+    ``... in os.environ``."""
+
+    def is_environ(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    names = set()
+    for node in ast.walk(tree(path)):
+        keys = []
+        if isinstance(node, ast.Subscript) and is_environ(node.value):
+            keys = [node.slice]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and (
+                node.func.attr == "getenv" or node.func.attr == "get" and is_environ(node.func.value)):
+            keys = [node.args[0]]
+        elif isinstance(node, ast.Compare) and any(is_environ(other) for other in node.comparators):
+            keys = [node.left]
+        names |= {key.value for key in keys if isinstance(key, ast.Constant) and isinstance(key.value, str)}
+    return names
+
+
+def test_the_kit_reads_no_test_variable_and_has_no_test_hook():
+    """train.py and train_utils neither read a test's environment variable
+    (DDP_TEST_FAULT, or any other TEST one) nor hold a hook for the tests: no
+    ``testing`` module, no ``fault_point``, no "DDP_TEST" anywhere in their
+    text. The tests inject faults from their side (tests/train_with_fault.py
+    patches the kit's functions)."""
+    assert not (PACKAGE / "testing.py").exists()
     assert [module for module in MODULES if "testing" in imported_modules(module)] == []
-    calls = set(re.findall(r"fault_point\(\"(\w+)\"\)", (REPO / "train.py").read_text()))
-    assert calls == {"startup", "step", "save", "finished"}
+    read = {f"{path.name}: {name}" for path in KIT for name in environment_names(path) if "TEST" in name.upper()}
+    assert read == set()
+    hooks = {f"{path.name}: {word}" for path in KIT for word in ("DDP_TEST", "fault_point", "train_with_fault")
+             if word in path.read_text()}
+    assert hooks == set()
+    imports_testing = [path.name for path in KIT for node in ast.walk(tree(path))
+                       if isinstance(node, (ast.Import, ast.ImportFrom))
+                       and any("testing" in name.split(".") for name in
+                               [alias.name for alias in node.names] + [getattr(node, "module", None) or ""])]
+    assert imports_testing == []
+
+
+def test_environment_names_finds_every_way_of_reading_a_variable(tmp_path):
+    """The reader above sees each form a module might read DDP_TEST_FAULT with."""
+    for line in ('os.environ.get("DDP_TEST_FAULT")', 'os.environ["DDP_TEST_FAULT"]',
+                 'os.getenv("DDP_TEST_FAULT", "")', '"DDP_TEST_FAULT" in os.environ'):
+        source = tmp_path / "module.py"
+        source.write_text(f"import os\nvalue = {line}\n")
+        assert environment_names(source) == {"DDP_TEST_FAULT"}, line
 
 
 def test_wandb_is_reached_only_through_the_run_log():

@@ -17,9 +17,12 @@ from torch.utils.data.distributed import DistributedSampler
 import common
 import fast_images
 import train_utils
+from common import ConfigError
+from train_utils.speed import check_amp, peak_memory_mib
+from train_utils.throughput import GPU_PEAKS, gpu_peak
 import vision_tasks
 from dataset_files import build_cifar10_root, build_mnist_root
-from helpers import (load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
+from helpers import (FAULTY_TRAIN, load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
                      kit_trainer, snapshot_tensors)
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
@@ -212,7 +215,7 @@ def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
     check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"] + flags,
               tmp_path / "clean"))
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                   REPO / "train.py"] + flags, tmp_path / "killed",
+                                   FAULTY_TRAIN] + flags, tmp_path / "killed",
                        DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 steps each), step 11
     assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 8" in killed.stdout
     _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot_train.pt")
@@ -307,15 +310,15 @@ def test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused(mon
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     gpu = torch.device("cuda", 0)
-    with pytest.raises(train_utils.ConfigError) as info:
-        train_utils.check_amp("bf16", gpu, "resnet18")
+    with pytest.raises(ConfigError) as info:
+        check_amp("bf16", gpu, "resnet18")
     assert str(info.value) == ("--amp bf16: Tesla T4 (compute capability 7.5) has no native bf16, "
                                "which needs 8.0 (Ampere) or newer; bf16 autocast would be emulated "
                                "and slower. Use --amp (fp16 with a loss scaler on this GPU)")
-    train_utils.check_amp("auto", gpu, "resnet18")
+    check_amp("auto", gpu, "resnet18")
     assert train_utils.amp_dtype(gpu, "auto") == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    train_utils.check_amp("bf16", gpu, "resnet18")  # e.g. an A100: accepted
+    check_amp("bf16", gpu, "resnet18")  # e.g. an A100: accepted
     assert train_utils.amp_dtype(gpu, "auto") == torch.bfloat16
 
 
@@ -340,7 +343,7 @@ def _mixed_gpus_worker(rank, port, out_dir):
     try:
         train_utils.resolve_amp("bf16", gpu)
         result["forced_bf16"] = "accepted"
-    except train_utils.ConfigError as exc:
+    except ConfigError as exc:
         result["forced_bf16"] = str(exc)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -371,7 +374,7 @@ def test_plain_amp_is_one_dtype_for_the_whole_job_on_mixed_gpus(tmp_path):
 def test_the_peak_table_matches_gpu_names_to_their_own_data_sheet():
     """'L4' must not give the L40S the L4's peak (1.5-3x off), nor 'A10' the A100's
     (the table the kit's MFU and the benchmark's fraction of peak use)."""
-    peak, peaks = train_utils.gpu_peak, train_utils.GPU_PEAKS
+    peak, peaks = gpu_peak, GPU_PEAKS
     assert peak("NVIDIA L4") == peaks["L4"]
     assert peak("NVIDIA L40S") is None and peak("NVIDIA L40") is None
     assert peak("NVIDIA A10") == peaks["A10"]
@@ -383,11 +386,11 @@ def test_the_peak_table_gives_h200_nvl_its_own_peak_and_a_mig_slice_none(monkeyp
     """The H200 NVL's dense bf16 peak is 835 TFLOP/s, not the SXM's 989; a MIG
     slice has a fraction of the GPU's units, so no whole-GPU peak (unknown)."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert train_utils.gpu_peak("NVIDIA H200 NVL") == (835e12, 418e12)
-    assert train_utils.gpu_peak("NVIDIA H200") == train_utils.GPU_PEAKS["H200"] == (989e12, 495e12)
-    assert train_utils.gpu_peak("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
+    assert gpu_peak("NVIDIA H200 NVL") == (835e12, 418e12)
+    assert gpu_peak("NVIDIA H200") == GPU_PEAKS["H200"] == (989e12, 495e12)
+    assert gpu_peak("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c2b6a7e-0000-0000-0000-000000000000")
-    assert train_utils.gpu_peak("NVIDIA H100 80GB HBM3") is None
+    assert gpu_peak("NVIDIA H100 80GB HBM3") is None
 
 
 def test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus(monkeypatch, tmp_path):
@@ -417,17 +420,17 @@ def test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus(monke
 
 def test_amp_on_cpu_follows_the_measurement_for_the_cnn(tmp_path):
     cpu = torch.device("cpu")
-    train_utils.check_amp(None, cpu, "resnet18")  # no --amp: nothing to check
-    train_utils.check_amp("fp16", cpu, "resnet18")  # forced: runs anyway
-    with pytest.raises(train_utils.ConfigError, match=r"does not speed up this task's model \(measured: only"):
-        train_utils.check_amp("auto", cpu, None)  # a task of yours that names no --model
-    with pytest.raises(train_utils.ConfigError, match="does not speed up --model resnet18"):
-        train_utils.check_amp("auto", cpu, "resnet18")
+    check_amp(None, cpu, "resnet18")  # no --amp: nothing to check
+    check_amp("fp16", cpu, "resnet18")  # forced: runs anyway
+    with pytest.raises(ConfigError, match=r"does not speed up this task's model \(measured: only"):
+        check_amp("auto", cpu, None)  # a task of yours that names no --model
+    with pytest.raises(ConfigError, match="does not speed up --model resnet18"):
+        check_amp("auto", cpu, "resnet18")
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        with pytest.raises(train_utils.ConfigError, match="no native bf16 instructions"):
-            train_utils.check_amp("auto", cpu, "cnn")
+        with pytest.raises(ConfigError, match="no native bf16 instructions"):
+            check_amp("auto", cpu, "cnn")
         return
-    train_utils.check_amp("auto", cpu, "cnn")  # measured faster on a CPU with native bf16
+    check_amp("auto", cpu, "cnn")  # measured faster on a CPU with native bf16
     # ...and it trains: one epoch of bf16 autocast on 2,250 real digits (0.75 held-out accuracy
     # with torch 2.14 on a CPU; chance is 0.1).
     data = build_mnist_root(tmp_path / "data", n_train=2500, n_test=500)
@@ -445,4 +448,4 @@ def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
     line = capsys.readouterr().out.strip()
     assert line.endswith("| epoch_s 1.00 | peak_mem_mib 1536.2")
     assert EPOCH_LINE.match(line).group("peak_mem_mib") == "1536.2"
-    assert train_utils.peak_memory_mib(torch.device("cpu")) == {}
+    assert peak_memory_mib(torch.device("cpu")) == {}

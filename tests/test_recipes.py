@@ -16,6 +16,11 @@ import torch.nn.functional as F
 import common
 import recipes
 import train_utils
+from common import ConfigError
+from recipes import lr_factor
+from train_utils.devices import torch_version
+from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.snapshots import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
 from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, run, kit_trainer
@@ -45,20 +50,20 @@ def test_schedules_give_the_learning_rates_of_torchs_own_schedulers():
     """lr_factor against torch's CosineAnnealingLR (stepped per step), StepLR (per
     epoch) and LinearLR (the warm-up): the same learning rate at every step."""
     per_epoch, total = 5, 4 * 5
-    factor = train_utils.lr_factor(recipe_args(lr_schedule="cosine"), per_epoch)
+    factor = lr_factor(recipe_args(lr_schedule="cosine"), per_epoch)
     assert [0.1 * factor(k) for k in range(total)] == pytest.approx(
         lrs(torch.optim.lr_scheduler.CosineAnnealingLR, total, T_max=total), abs=1e-12)
-    factor = train_utils.lr_factor(recipe_args(lr_schedule="step", lr_step_epochs=2, lr_gamma=0.7), per_epoch)
+    factor = lr_factor(recipe_args(lr_schedule="step", lr_step_epochs=2, lr_gamma=0.7), per_epoch)
     by_epoch = lrs(torch.optim.lr_scheduler.StepLR, 4, step_size=2, gamma=0.7)
     assert [0.1 * factor(k) for k in range(total)] == pytest.approx(
         [lr for lr in by_epoch for _ in range(per_epoch)], abs=1e-12)
-    factor = train_utils.lr_factor(recipe_args(warmup_epochs=0.8), per_epoch)  # 4 steps of warm-up
+    factor = lr_factor(recipe_args(warmup_epochs=0.8), per_epoch)  # 4 steps of warm-up
     assert [0.1 * factor(k) for k in range(8)] == pytest.approx(
         lrs(torch.optim.lr_scheduler.LinearLR, 8, start_factor=0.25, total_iters=3), abs=1e-12)
-    factor = train_utils.lr_factor(recipe_args(lr_schedule="cosine", warmup_epochs=1), per_epoch)
+    factor = lr_factor(recipe_args(lr_schedule="cosine", warmup_epochs=1), per_epoch)
     assert factor(4) == 1.0 and factor(5) == 1.0 and 0 < factor(total - 1) < 0.02 and factor(total) == 0.0
-    with pytest.raises(train_utils.ConfigError, match="lr_schedule 'linear' .* is not one of"):
-        train_utils.lr_factor(recipe_args(lr_schedule="linear"), per_epoch)
+    with pytest.raises(ConfigError, match="lr_schedule 'linear' .* is not one of"):
+        lr_factor(recipe_args(lr_schedule="linear"), per_epoch)
 
 
 def test_optimizer_and_weight_decay_by_flag():
@@ -68,7 +73,7 @@ def test_optimizer_and_weight_decay_by_flag():
         optimizer = train_utils.build_optimizer(model, recipe_args(optimizer=name, lr=0.3, weight_decay=0.01))
         assert type(optimizer) is cls
         assert optimizer.param_groups[0]["lr"] == 0.3 and optimizer.param_groups[0]["weight_decay"] == 0.01
-    with pytest.raises(train_utils.ConfigError, match="optimizer 'lamb' .* is not one of sgd, adamw, adadelta"):
+    with pytest.raises(ConfigError, match="optimizer 'lamb' .* is not one of sgd, adamw, adadelta"):
         train_utils.build_optimizer(model, recipe_args(optimizer="lamb"))
 
 
@@ -90,7 +95,7 @@ def test_the_task_gives_the_recipe_defaults_and_the_command_line_overrides_them(
     common.load_task(args, download=False)
     assert (args.optimizer, args.lr, args.weight_decay, args.lr_schedule) == ("adamw", 0.01, 0.1, "constant")
     assert vision_tasks.CIFAR10_RECIPE["weight_decay"] == 5e-4  # the CIFAR-10 usual, set by the task
-    with pytest.raises(train_utils.ConfigError, match="Task.recipe sets learning_rate, which is no recipe flag"):
+    with pytest.raises(ConfigError, match="Task.recipe sets learning_rate, which is no recipe flag"):
         common.load_task(argparse.Namespace(**dict(flags, dataset="recipe_task:bad")), download=False)
 
 
@@ -101,9 +106,9 @@ def test_a_snapshot_from_before_the_optimizer_flag_is_sgds(tmp_path):
     config = {"dataset": "synthetic", "model": "mlp", "seed": 0, "input_path": "fast", "world_size": 2,
               "batch_size": 32, "grad_accum_steps": 1}
     torch.save({"config": config, "epochs_run": 1, "steps_run": 0}, path)
-    assert train_utils.read_snapshot(str(path), dict(config, optimizer="sgd", total_epochs=2))["epochs_run"] == 1
-    with pytest.raises(train_utils.ConfigError, match=r"different run \(optimizer sgd -> adamw\)"):
-        train_utils.read_snapshot(str(path), dict(config, optimizer="adamw", total_epochs=2))
+    assert read_snapshot(str(path), dict(config, optimizer="sgd", total_epochs=2))["epochs_run"] == 1
+    with pytest.raises(ConfigError, match=r"different run \(optimizer sgd -> adamw\)"):
+        read_snapshot(str(path), dict(config, optimizer="adamw", total_epochs=2))
 
 
 def test_epoch_line_metrics_and_tensorboard_show_the_learning_rate(tmp_path):
@@ -141,14 +146,14 @@ def test_a_resume_says_what_a_new_horizon_or_lr_changes_and_refuses_another_opti
 
     resumed = check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--lr", "0.02"], tmp_path))
     # 1844 samples, 2 ranks of batch 16: 57 steps per epoch, 28 of warm-up, 171 in all
-    factor = train_utils.lr_factor(recipe_args(lr_schedule="cosine", warmup_epochs=0.5, total_epochs=3), 57)
+    factor = lr_factor(recipe_args(lr_schedule="cosine", warmup_epochs=0.5, total_epochs=3), 57)
     assert ("recipe changed at resume (lr 0.05 -> 0.02, total_epochs 2 -> 3): the cosine schedule now "
             f"runs to epoch 3; the next step's learning rate is {0.02 * factor(114):.6g}") in resumed.stdout
     assert resumed.stdout.count("recipe changed") == 1  # rank 0 says it
     assert epochs(resumed.stdout)[0]["lr"] == pytest.approx(0.02 * factor(170), rel=1e-5)
 
 
-@pytest.mark.skipif(train_utils.torch_version() < train_utils.GLOO_AVG_REDUCE_SCATTER,
+@pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                     reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
 def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):
     """train.py --strategy fsdp: AdamW, cosine with warm-up, clipping of sharded (DTensor)
@@ -158,7 +163,7 @@ def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):
     all, the restart resumes from the previous folder, still complete (epoch 1
     step 40), removes the torn one, resumes the schedule and the scale, and the
     final shards are bitwise the uninterrupted run's."""
-    from helpers import assert_bitwise, full_state, snapshot_folder
+    from helpers import FAULTY_TRAIN, assert_bitwise, full_state, snapshot_folder
     from test_fsdp import fsdp
 
     flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "40",
@@ -167,7 +172,8 @@ def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     uninterrupted = check(run(fsdp(2, *flags), tmp_path / "a"))
-    killed = check(run(fsdp(2, *flags, restarts=1), tmp_path / "b", DDP_TEST_FAULT="save:0:2:kill"))
+    killed = check(run(fsdp(2, *flags, restarts=1, script=FAULTY_TRAIN), tmp_path / "b",
+                       DDP_TEST_FAULT="save:0:2:kill"))
     assert "DDP_TEST_FAULT: kill at save 2 on rank 0" in killed.stderr
     assert "resuming from snapshot snapshot_train_fsdp/epoch-1-step-40 in epoch 1 after step 40" in killed.stdout
     assert sorted(os.listdir(tmp_path / "b" / "snapshot_train_fsdp")) == ["epoch-2"]  # the torn one removed
@@ -291,8 +297,8 @@ def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
 
 def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     """Here: the CPU and gloo. An XPU (faked: none on these machines) gives
-    xpu:LOCAL_RANK; MPS one device for a single process only (no process-group
-    backend: a process group runs on the CPU there)."""
+    xpu:LOCAL_RANK; on MPS the CPU (no process-group backend for MPS, and the
+    kit always runs under a process group)."""
     assert train_utils.device_for(0) == torch.device("cpu")
     assert train_utils.backend_for(torch.device("cpu")) == "gloo"
     if not hasattr(torch, "accelerator"):
@@ -302,10 +308,9 @@ def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("xpu"))
     assert train_utils.device_for(1) == torch.device("xpu", 1)
-    with pytest.raises(train_utils.ConfigError, match="local rank 2 needs xpu device 2"):
+    with pytest.raises(ConfigError, match="local rank 2 needs xpu device 2"):
         train_utils.device_for(2)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("mps"))
-    assert train_utils.device_for(0, one_process=True) == torch.device("mps")
     assert train_utils.device_for(1) == torch.device("cpu")  # no backend for MPS: a Mac's CPU, with gloo
 
 

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import train_utils
-from helpers import REPO, TORCHRUN, check, epochs, load_task, run, snapshot_tensors, stdout_lines
+from common import ConfigError
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, load_task, run, snapshot_tensors, stdout_lines
 
 BATCH = 64
 FLAGS = ["--total_epochs", "3", "--batch_size", str(BATCH), "--lr_schedule", "cosine",
@@ -53,7 +54,7 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(saved, resu
     name = "snapshot_train.pt"
     launch = TORCHRUN + ["--standalone", f"--nproc_per_node={resumed}", REPO / "train.py"] + FLAGS
     steps = {size: steps_per_epoch(size) for size in (saved, resumed)}
-    stopped = run(TORCHRUN + ["--standalone", f"--nproc_per_node={saved}", REPO / "train.py"] + FLAGS,
+    stopped = run(TORCHRUN + ["--standalone", f"--nproc_per_node={saved}", FAULTY_TRAIN] + FLAGS,
                   tmp_path, DDP_TEST_FAULT=f"step:0:{steps[saved] + 1}:raise")  # epoch 2's first step
     assert stopped.returncode != 0
     first = epochs(stopped.stdout)
@@ -126,8 +127,7 @@ def test_an_epoch_resumed_at_another_world_size_trains_each_sample_once(size, ba
     rest = []
     for rank in range(after):
         sampler = train_utils.ResumableDistributedSampler(range(size), after, rank, seed=3)
-        sampler.set_epoch(2)
-        sampler.offset = steps * batch * before
+        sampler.set_epoch(2, start=steps * batch * before)
         rest += _batches(sampler, batch)
         if after == before:
             plain = DistributedSampler(range(size), before, rank, seed=3)
@@ -146,7 +146,7 @@ def test_a_resumed_epoch_repeats_only_its_padding():
     rest = []
     for rank in range(4):
         sampler = train_utils.ResumableDistributedSampler(range(101), 4, rank, seed=0)
-        sampler.offset = 20
+        sampler.set_epoch(0, start=20)
         rest += list(sampler)
         assert len(sampler) == len(list(sampler)) == 21  # ceil(81 / 4)
     counts = Counter(trained + rest)
@@ -179,8 +179,8 @@ def test_global_batch_size_sets_the_accumulation_for_each_world_size():
         args = SimpleNamespace(global_batch_size=96, batch_size=16, grad_accum_steps=1)
         train_utils.accumulate_for_global_batch(args, world_size)
         assert args.grad_accum_steps == accum
-    with pytest.raises(train_utils.ConfigError, match=r"^--global_batch_size 96 is not a multiple of --batch_size "
-                                                      r"16 x world_size 4 = 64; "):
+    with pytest.raises(ConfigError, match=r"^--global_batch_size 96 is not a multiple of --batch_size "
+                                          r"16 x world_size 4 = 64; "):
         train_utils.accumulate_for_global_batch(SimpleNamespace(global_batch_size=96, batch_size=16), 4)
     args = SimpleNamespace(global_batch_size=None, batch_size=16, grad_accum_steps=5)
     train_utils.accumulate_for_global_batch(args, 2)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import REPO, TORCHRUN, epochs, parse_test, script_env, wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, epochs, parse_test, script_env, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 
@@ -217,8 +217,10 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
 # hosts, one worker each: 2,275 digits, 2,048 to train after the validation
 # split, 32 steps of 32 per rank; a snapshot every 20 steps. Rank 1 (on the
 # second host: the rendezvous ranks the hosts by name) waits before step 25
-# (the tests' hook), rank 0 in that step's all-reduce; then the second host
-# dies: its slurmd, the step's slurmstepd, its torchrun agent and worker.
+# (a fault injected from the test side: DDP_TEST_FAULT, with the job's
+# SCRIPT_NAME tests/train_with_fault.py), rank 0 in that step's all-reduce;
+# then the second host dies: its slurmd, the step's slurmstepd, its torchrun
+# agent and worker.
 ELASTIC_DIGITS, ELASTIC_TRAINED = 2275, 2048
 ELASTIC_ARGS = ["--total_epochs", "1", "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
 ELASTIC_HELD_STEP = 25
@@ -247,7 +249,7 @@ def elastic_job_loses_a_host(cluster, folder) -> tuple[int, Path]:
                  sbatch=[*MULTI, "--nodes=2", "--gres=gpu:1", "--no-kill"],
                  env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "ELASTIC_MIN_NODES": "1",
                       "ELASTIC_RDZV_CONF": "last_call_timeout=1",
-                      "DDP_TEST_FAULT": f"step:1:{ELASTIC_HELD_STEP}:wait_signal_once"})
+                      "DDP_TEST_FAULT": f"step:1:{ELASTIC_HELD_STEP}:wait_signal_once", **FAULTY_TRAIN_JOB_ENV})
     log_path = folder / f"multi_node-{job}.out"
     log, deadline = "", time.monotonic() + JOB_TIMEOUT_S
     while held not in log:

@@ -28,9 +28,11 @@ with the others on its own nodes (one module fixture drives them all in
 threads); each test then checks one: the job's end state, that each run
 resumes exactly where the one before saved, that every epoch is summarised
 once, and that the final weights equal those of an uninterrupted run,
-bitwise. The tests' fault hook (DDP_TEST_FAULT) holds a rank where a path
-needs it (in start-up, at step 30 until a stop signal comes, after the last
-epoch, inside a save), so no path depends on when a signal lands.
+bitwise. A fault injected from the test side (DDP_TEST_FAULT, with the job's
+SCRIPT_NAME set to tests/train_with_fault.py: FAULTY_TRAIN_JOB_ENV) holds a
+rank where a path needs it (in start-up, at step 30 until a stop signal
+comes, after the last epoch, inside a save), so no path depends on when a
+signal lands.
 """
 
 from __future__ import annotations
@@ -43,33 +45,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env, wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env, \
+    wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
 from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, \
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
 
 
 # 4 epochs of 128 steps a rank. Every job that a trigger stops waits for it at
-# step 30 (every rank, the tests' hook; once both wait, the trigger comes),
+# step 30 (every rank, the injected fault; once both wait, the trigger comes),
 # so the stop lands mid-training however fast the machine starts and trains.
 EPOCHS = 4
 SHORT = ["--total_epochs", str(EPOCHS), "--batch_size", "8"]
-# The time-limit job's first run waits at step 30 (every rank, the tests'
-# hook) until the warning comes; once both wait, the test brings the time
+# The time-limit job's first run waits at step 30 (every rank, the injected
+# fault) until the warning comes; once both wait, the test brings the time
 # limit near (warn_soon) and Slurm's timer sends the warning within about a
 # minute: it lands mid-training however fast the machine starts and trains,
 # and the requeued run, not held, its limit given back, trains the rest.
-HOLD_AT_STEP_30 = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}
+HOLD_AT_STEP_30 = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once", **FAULTY_TRAIN_JOB_ENV}
 HELD_AT_STEP_30 = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                    "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")
 GPUS_2 = ["--gres=gpu:2"]
 # What every scenario's final snapshot is compared with: train.py, 2 ranks, SHORT, never stopped.
 REFERENCE = ("train.py", 2)
-# The stop's save hangs (the tests' hook, after the temporary file is written,
+# The stop's save hangs (the injected fault, after the temporary file is written,
 # before the rename), as a save too large for KillWait would: Slurm's SIGKILL
 # must leave the snapshot before it whole.
 SAVE_EVERY_EPOCH = [*SHORT, "--save_every", "1"]
-HOLD_AT_STARTUP = {"DDP_TEST_FAULT": "startup:*:1:hang"}
+HOLD_AT_STARTUP = {"DDP_TEST_FAULT": "startup:*:1:hang", **FAULTY_TRAIN_JOB_ENV}
 AT_STARTUP = ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1")
 SCENARIOS = [
     Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", "--gres=gpu:1"], SHORT,
@@ -83,14 +86,14 @@ SCENARIOS = [
              REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("scancel", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scancel, REFERENCE,
              resubmit=True, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
-    # scontrol requeue while every rank is still starting (held there by the tests' hook)
+    # scontrol requeue while every rank is still starting (held there by the injected fault)
     Scenario("startup-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
              REFERENCE, env=HOLD_AT_STARTUP, trigger_when=AT_STARTUP),
     # The time-limit warning after the last epoch: the run holds every epoch
-    # (the hook holds rank 0 there until a stop signal comes, and the limit is
+    # (the injected fault holds rank 0 there until a stop signal comes, and the limit is
     # brought near then): not requeued.
     Scenario("finished-warned", "multi_gpu.sh", "ddp-stop9", GPUS_2, ["--total_epochs", "3"],
-             warn_soon, REFERENCE, env={"DDP_TEST_FAULT": "finished:0:1:wait_signal"},
+             warn_soon, REFERENCE, env={"DDP_TEST_FAULT": "finished:0:1:wait_signal", **FAULTY_TRAIN_JOB_ENV},
              trigger_when=("DDP_TEST_FAULT: wait_signal at finished 1 on rank 0",)),
     # Preemption without GraceTime: SIGTERM to everything at once, SIGKILL
     # after KillWait. Once with a stop that saves in time, once with a save
@@ -98,10 +101,10 @@ SCENARIOS = [
     Scenario("nograce", "multi_gpu.sh", "ddp-stop7", GPUS_2, SHORT, preempt, REFERENCE,
              partition="nograce", env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("nograce-killed-saving", "multi_gpu.sh", "ddp-stop8", GPUS_2, SAVE_EVERY_EPOCH, preempt,
-             REFERENCE, partition="nograce", env={"DDP_TEST_FAULT": "save:0:3:hang"}),
+             REFERENCE, partition="nograce", env={"DDP_TEST_FAULT": "save:0:3:hang", **FAULTY_TRAIN_JOB_ENV}),
     # Clusters that set preempt_send_user_signal send the job's --signal
     # (SIGUSR1 to the batch shell) at preemption instead of the first SIGTERM.
-    # The setting is cluster-wide: the job waits at step 30 (the tests' hook,
+    # The setting is cluster-wide: the job waits at step 30 (the injected fault,
     # until a stop signal comes) for the other preemptions to be over, then it
     # is switched on (the gate) and the job preempted.
     Scenario("preempt-user-signal", "multi_gpu.sh", "ddp-stop1", GPUS_2, SHORT, preempt,
@@ -113,11 +116,11 @@ SCENARIOS = [
 
 # A sweep submitted from one folder, the way people submit one:
 # `for lr in ...; do sbatch slurm/multi_gpu.sh ... --lr $lr; done`; then the
-# first command once more while its job still runs. The tests' hook holds the
+# first command once more while its job still runs. The injected fault holds the
 # first job once it has trained every epoch until a stop signal comes, so
 # that it is still running when the others start, however fast it trains.
 SWEEP_NODE = "ddp-stop9"
-SWEEP_HOLD = {"DDP_TEST_FAULT": "finished:0:1:wait_signal"}
+SWEEP_HOLD = {"DDP_TEST_FAULT": "finished:0:1:wait_signal", **FAULTY_TRAIN_JOB_ENV}
 SWEEP_SHORTER = ["--total_epochs", "6", "--batch_size", "8"]
 SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, REFERENCE,
                   env=SWEEP_HOLD),
@@ -130,7 +133,7 @@ SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, REFE
 def _drive_sweep(cluster, folder: Path) -> None:
     """Submits the sweep's first point, then, once it trains, the second and
     the first again; waits for those two, then ends the first (held by the
-    hook after its last epoch) with scancel."""
+    injected fault after its last epoch) with scancel."""
     first, second, again = SWEEP
     deadline = time.monotonic() + SCENARIO_TIMEOUT_S
     jobs = [submit(cluster, first, folder)]
@@ -306,7 +309,7 @@ def test_scancel_snapshots_and_the_same_command_resumes(stopped):
 
 def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
     """scontrol requeue while every rank is still in start-up (held there, after
-    the process group exists, by the tests' hook): each rank ends at once with
+    the process group exists, by the injected fault): each rank ends at once with
     one line from rank 0, Slurm requeues the job, the next run trains it all."""
     scenarios, folders, references = stopped
     scenario = scenarios["startup-requeue"]
@@ -324,8 +327,8 @@ def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
 
 
 def test_a_warning_after_the_last_epoch_does_not_requeue_a_finished_run(stopped):
-    """The wrapper's time-limit warning lands after the last epoch (the tests'
-    hook holds rank 0 there, once every epoch and the test are done, until a
+    """The wrapper's time-limit warning lands after the last epoch (the injected
+    fault holds rank 0 there, once every epoch and the test are done, until a
     stop signal comes, and the test brings the time limit near then): the
     batch shell learns from the training that the run is finished, and the job
     ends COMPLETED, in one run, instead of being requeued for a run with
@@ -366,7 +369,7 @@ def test_preemption_without_grace_time_snapshots_within_kill_wait(stopped):
 
 
 def test_preemption_without_grace_time_killed_mid_save_resumes_from_the_last_whole_snapshot(stopped):
-    """GraceTime=0 and a save that outlasts KillWait (the tests' hook holds the
+    """GraceTime=0 and a save that outlasts KillWait (the injected fault holds the
     third save after its temporary file is written): Slurm's SIGKILL lands
     mid-save; the snapshot before it is whole (temporary file + rename), the
     requeued run resumes from it, and the end is bitwise that of a run never

@@ -10,6 +10,13 @@ import pytest
 import torch
 
 import train_utils
+from common import ConfigError
+from train_utils.devices import torch_version, unusable_gpu_reason
+from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.launch import first_host
+from train_utils.snapshot_writer import SnapshotClock, SnapshotWriter, cpu_copy
+from train_utils.snapshots import atomic_save
+from train_utils.stop import STOP_SIGNALS, ignore_stop_signal
 from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
 
 
@@ -29,7 +36,7 @@ def test_device_for_refuses_a_local_rank_without_its_own_gpu(monkeypatch):
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     show_gpus(monkeypatch, 2)
     assert train_utils.device_for(1) == torch.device("cuda", 1)
-    with pytest.raises(train_utils.ConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         train_utils.device_for(2)
     message = str(info.value)
     assert "local rank 2 needs GPU 2" in message and "only 2 GPU(s)" in message
@@ -53,7 +60,7 @@ def test_device_for_under_srun_where_every_task_sees_the_node(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     show_gpus(monkeypatch, 4)
     assert train_utils.device_for(3) == torch.device("cuda", 3)
-    with pytest.raises(train_utils.ConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         train_utils.device_for(4)
     message = str(info.value)
     assert message.startswith("srun task with SLURM_LOCALID 4 needs GPU 4, but this node shows only 4 GPU(s)")
@@ -67,7 +74,7 @@ def test_torchrun_under_srun_keeps_local_rank_and_torchruns_words(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1234")
     show_gpus(monkeypatch, 1)
-    with pytest.raises(train_utils.ConfigError, match=r"--nproc_per_node=1\)$"):
+    with pytest.raises(ConfigError, match=r"--nproc_per_node=1\)$"):
         train_utils.device_for(1)
 
 
@@ -76,7 +83,7 @@ def test_a_gpu_the_build_has_no_kernels_for_is_refused_in_one_line(monkeypatch):
     kernel runs, naming the build to install."""
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     show_gpus(monkeypatch, 1, capability=(7, 0), arches="sm_75 sm_80 sm_86 sm_90 sm_100 sm_120")
-    with pytest.raises(train_utils.ConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         train_utils.device_for(0)
     message = str(info.value)
     assert message.startswith("Tesla V100-SXM2-32GB (cuda:0) has compute capability 7.0 (sm_70), but torch ")
@@ -100,7 +107,7 @@ def test_a_newer_major_without_ptx_is_refused(monkeypatch):
     """sm_90's cubins do not run on sm_100 (another major), and no PTX to compile."""
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     show_gpus(monkeypatch, 1, capability=(10, 0), arches="sm_80 sm_90")
-    with pytest.raises(train_utils.ConfigError, match=r"compute capability 10\.0 \(sm_100\)"):
+    with pytest.raises(ConfigError, match=r"compute capability 10\.0 \(sm_100\)"):
         train_utils.device_for(0)
 
 
@@ -116,7 +123,7 @@ def test_the_advice_names_the_build_that_fits_the_gpu(monkeypatch, capability, a
     CUDA line for a GPU older than the build, a newer one for a newer GPU."""
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     show_gpus(monkeypatch, 1, capability=capability, arches=arches)
-    with pytest.raises(train_utils.ConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         train_utils.device_for(0)
     assert advice in str(info.value) and "\n" not in str(info.value)
 
@@ -142,7 +149,7 @@ def test_rocm_gpus_are_checked_by_their_gfx_name(monkeypatch, arches, taken):
     if taken:
         assert train_utils.device_for(0) == torch.device("cuda", 0)
         return
-    with pytest.raises(train_utils.ConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         train_utils.device_for(0)
     message = str(info.value)
     assert "is a gfx90a" in message and "ROCm build with kernels for gfx90a" in message
@@ -156,7 +163,7 @@ def test_device_for_is_the_cpu_without_cuda(monkeypatch):
     assert train_utils.device_for(5) == torch.device("cpu")
 
 
-def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch):
+def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch, one_process_group):
     """GPU device files present, but this torch build cannot use them (here: the
     warning torch gives for a driver too old for its CUDA build)."""
     def unavailable():
@@ -168,14 +175,14 @@ def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
     monkeypatch.setattr(torch.cuda, "is_available", unavailable)
-    reason = train_utils.unusable_gpu_reason()
+    reason = unusable_gpu_reason()
     assert reason.startswith("CUDA initialization: The NVIDIA driver on your system is too old")
     line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=32,
-                                                               grad_accum_steps=1))
+                                                               grad_accum_steps=1, amp=None))
     note, start = line.split("\n")
     assert note.startswith("note: this machine has NVIDIA GPUs, but torch cannot use them (CUDA")
     assert "training on the CPU" in note
-    assert start.startswith("device cpu | backend none | world_size 1 | global batch size 32")
+    assert start.startswith("device cpu | backend gloo | world_size 1 | global batch size 32")
 
 
 def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
@@ -199,8 +206,8 @@ def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
     monkeypatch.setattr(torch.cuda, "is_available", warns_once)
     assert train_utils.device_for(0) == torch.device("cpu")
-    assert train_utils.unusable_gpu_reason() == ("CUDA initialization: The NVIDIA driver on your system is "
-                                                 "too old (found version 11040).")
+    assert unusable_gpu_reason() == ("CUDA initialization: The NVIDIA driver on your system is "
+                                     "too old (found version 11040).")
     assert len(calls) == 2
 
 
@@ -221,16 +228,17 @@ def test_gpus_hidden_on_purpose_get_no_note(monkeypatch, env, noted):
     monkeypatch.setattr(devices, "_CUDA_WARNINGS", [], raising=False)
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert (train_utils.unusable_gpu_reason() is not None) == noted
+    assert (unusable_gpu_reason() is not None) == noted
 
 
-def test_no_gpu_files_means_nothing_to_report(monkeypatch):
+def test_no_gpu_files_means_nothing_to_report(monkeypatch, one_process_group):
     monkeypatch.setattr(glob, "glob", lambda pattern: [])
-    assert train_utils.unusable_gpu_reason() is None
+    assert unusable_gpu_reason() is None
     line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=8,
-                                                               grad_accum_steps=4))
-    assert line == ("device cpu | backend none | world_size 1 | global batch size 32 = "
-                    "batch_size 8 x grad_accum_steps 4 x world_size 1")
+                                                               grad_accum_steps=4, amp=None))
+    assert line == ("device cpu | backend gloo | world_size 1 | global batch size 32 = "
+                    f"batch_size 8 x grad_accum_steps 4 x world_size 1 | cpu threads {torch.get_num_threads()} "
+                    "per process")
 
 
 def test_nccl_diagnostics_keep_torchs_error_handling_and_dump_where_the_job_was_submitted(monkeypatch,
@@ -380,6 +388,7 @@ import atexit, sys
 sys.path.insert(0, sys.argv[1])
 import torch.distributed as dist
 import train_utils
+from common import ConfigError
 
 atexit.register(lambda: print(f"group left at exit: {dist.is_initialized()}", flush=True))
 
@@ -387,7 +396,7 @@ atexit.register(lambda: print(f"group left at exit: {dist.is_initialized()}", fl
 @train_utils.one_line_errors
 def main():
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
-    raise train_utils.ConfigError("a bad flag, found after start-up")
+    raise ConfigError("a bad flag, found after start-up")
 
 
 main()
@@ -493,22 +502,22 @@ def test_a_run_log_prints_the_parsable_line_and_writes_json(tmp_path, capsys, mo
 
 def test_atomic_save_replaces_whole_files_and_leaves_no_temp(tmp_path):
     path = tmp_path / "snap.pt"
-    train_utils.atomic_save({"a": torch.arange(3)}, str(path))
-    train_utils.atomic_save({"a": torch.arange(5)}, str(path))
+    atomic_save({"a": torch.arange(3)}, str(path))
+    atomic_save({"a": torch.arange(5)}, str(path))
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.arange(5))
     assert [p.name for p in tmp_path.iterdir()] == ["snap.pt"]
 
 
 def test_atomic_save_failure_keeps_the_old_file(tmp_path):
     path = tmp_path / "snap.pt"
-    train_utils.atomic_save({"a": torch.arange(3)}, str(path))
+    atomic_save({"a": torch.arange(3)}, str(path))
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        train_utils.atomic_save({"a": Unpicklable()}, str(path))
+        atomic_save({"a": Unpicklable()}, str(path))
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.arange(3))
     assert [p.name for p in tmp_path.iterdir()] == ["snap.pt"]
 
@@ -551,10 +560,10 @@ def test_compile_workers_start_with_the_stop_signals_blocked(tmp_path):
 
 
 def test_first_host_of_a_slurm_hostlist():
-    assert train_utils.first_host("ddp-node[1-2]") == "ddp-node1"
-    assert train_utils.first_host("gpu[07-09,12],cpu1") == "gpu07"
-    assert train_utils.first_host("a,b") == "a"
-    assert train_utils.first_host("rack[2-3]-n[4,6]") == "rack2-n4"
+    assert first_host("ddp-node[1-2]") == "ddp-node1"
+    assert first_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert first_host("a,b") == "a"
+    assert first_host("rack[2-3]-n[4,6]") == "rack2-n4"
 
 
 @pytest.mark.parametrize("backend, device_ids", [("nccl", [3]), ("gloo", None)])
@@ -587,12 +596,12 @@ def test_gloo_averages_in_reduce_scatter_exactly_from_the_release_the_fsdp_refus
     (tmp_path / "avg.py").write_text(GLOO_AVG_SCRIPT)
     result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "avg.py"], tmp_path, timeout=120))
     measured = float(re.search(r"^result (\S+)$", result.stdout, re.M).group(1))
-    averages = train_utils.torch_version() >= train_utils.GLOO_AVG_REDUCE_SCATTER
+    averages = torch_version() >= GLOO_AVG_REDUCE_SCATTER
     assert measured == (1.5 if averages else 3.0), (torch.__version__, measured)
 
 
 def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
-    if train_utils.torch_version() >= train_utils.GLOO_AVG_REDUCE_SCATTER:
+    if torch_version() >= GLOO_AVG_REDUCE_SCATTER:
         pytest.skip(f"torch {torch.__version__}'s gloo averages: FSDP trains on the CPU (tests/test_fsdp.py)")
     result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", "fsdp"], tmp_path,
                  timeout=120)
@@ -604,8 +613,8 @@ def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
     assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
-def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch):
-    args = task_args("synthetic", batch_size=32, grad_accum_steps=1)
+def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch, one_process_group):
+    args = task_args("synthetic", batch_size=32, grad_accum_steps=1, amp=None)
     plain = train_utils.describe_run(torch.device("cpu"), args)
     monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
     assert train_utils.describe_run(torch.device("cpu"), args).splitlines() == [
@@ -627,7 +636,7 @@ def test_loader_workers_ignore_the_stop_signals():
         def __getitem__(self, index):
             return os.getpid()
 
-    loader = torch.utils.data.DataLoader(Pids(), num_workers=1, worker_init_fn=train_utils.ignore_stop_signal,
+    loader = torch.utils.data.DataLoader(Pids(), num_workers=1, worker_init_fn=ignore_stop_signal,
                                          persistent_workers=True)
     iterator = iter(loader)
     worker = int(next(iterator))
@@ -635,20 +644,21 @@ def test_loader_workers_ignore_the_stop_signals():
     ignored = int(status["SigIgn"], 16)
     del iterator
     assert worker != os.getpid()
-    assert [signum for signum in train_utils.STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []
+    assert [signum for signum in STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []
 
 
 def test_the_epoch_record_counts_the_samples_trained():
     """``samples`` is what the epoch trained on, the part carried over a
     mid-epoch resume included: full batches only, so a training split that
-    batches do not divide trains fewer samples than it holds."""
+    batches do not divide trains fewer samples than it holds. (One rank: the
+    totals summed over every rank, which ``summary`` takes, are its own.)"""
     meter = train_utils.EpochMeter(0, 1, torch.device("cpu"))
     for _ in range(3):
         meter.add(torch.tensor(0.5), 32)
-    assert meter.summary()["samples"] == 96
+    assert meter.summary(meter.totals.clone())["samples"] == 96
     resumed = train_utils.EpochMeter(0, 1, torch.device("cpu"), carried=torch.tensor([10.0, 64.0]))
     resumed.add(torch.tensor(0.5), 32)
-    record = resumed.summary()
+    record = resumed.summary(resumed.totals.clone())
     assert record["samples"] == 96 and isinstance(record["samples"], int)
     assert record["train_loss"] == pytest.approx((10 + 16) / 96)
 
@@ -666,7 +676,7 @@ def test_the_cpu_copy_is_the_state_as_it_was_when_copied():
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "steps": [1, (2, "x")]}
-    copy = train_utils.cpu_copy(state)
+    copy = cpu_copy(state)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     momentum = optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
     model(torch.ones(1, 3)).sum().backward()
@@ -690,7 +700,7 @@ def test_the_background_writer_runs_one_write_at_a_time_and_raises_its_error_at_
         release.wait(60)
         events.append("slow done")
 
-    writer = train_utils.SnapshotWriter(asynchronous=True)
+    writer = SnapshotWriter(asynchronous=True)
     assert writer.start(slow, "first") is None
     assert writer.in_flight and events == []  # start returned while the write is held
     events.append("caller went on")
@@ -705,7 +715,7 @@ def test_the_background_writer_runs_one_write_at_a_time_and_raises_its_error_at_
     with pytest.raises(OSError, match="No space left"):
         writer.wait()
     assert writer.wait() is None and not writer.in_flight
-    synchronous = train_utils.SnapshotWriter(asynchronous=False)
+    synchronous = SnapshotWriter(asynchronous=False)
     synchronous.start(lambda: events.append("inline"), "fourth")
     assert events[-1] == "inline" and synchronous.wait() == "fourth"
 
@@ -717,7 +727,7 @@ def test_the_snapshot_clock_asks_once_per_interval_and_once_per_request():
     from the last snapshot, and a request that a snapshot overtook (at an
     epoch's end) is dropped."""
     now = [0.0]
-    clock = train_utils.SnapshotClock(60, clock=lambda: now[0])
+    clock = SnapshotClock(60, clock=lambda: now[0])
     asks = []
     for second in (10, 59, 60, 61, 62):
         now[0] = second
@@ -733,10 +743,10 @@ def test_the_snapshot_clock_asks_once_per_interval_and_once_per_request():
     assert not clock.due(True) and not clock.ask()  # dropped; the interval counts from 122
     assert clock.due(True)  # a request answered with no snapshot between: taken
     ticks = iter(range(100))  # each reading of the clock a step later
-    tiny = train_utils.SnapshotClock(1e-9, clock=lambda: next(ticks))
+    tiny = SnapshotClock(1e-9, clock=lambda: next(ticks))
     asks = [tiny.ask() for _ in range(6)]
     assert asks == [True, False, True, False, True, False]
-    assert not any(train_utils.SnapshotClock(0, clock=lambda: 1e9).ask() for _ in range(3))
+    assert not any(SnapshotClock(0, clock=lambda: 1e9).ask() for _ in range(3))
 
 
 @pytest.mark.parametrize("kind, zero, text, message", [

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, held_at_step, run, signal_when, without_package
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, error_lines, held_at_step, run, signal_when, without_package
 
 ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 
@@ -123,11 +123,12 @@ def test_a_stopped_and_resumed_run_continues_the_same_wandb_run(strategy, snapsh
     for name, value in offline(tmp_path).items():
         monkeypatch.setenv(name, value)  # signal_when runs with this environment
     total = 3
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"), "--strategy", strategy,
-                         "--total_epochs", str(total),
-                         "--batch_size", "8", "--wandb_project", "ladder", "--metrics_path", "m.jsonl"]
+    flags = ["--strategy", strategy, "--total_epochs", str(total),
+             "--batch_size", "8", "--wandb_project", "ladder", "--metrics_path", "m.jsonl"]
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"), *flags]
     hold_env, held = held_at_step(150)  # epoch 2's 35th of 115 steps
-    text = signal_when(launch, tmp_path, held, signal.SIGTERM, **hold_env)
+    text = signal_when(TORCHRUN + ["--standalone", "--nproc_per_node=2", str(FAULTY_TRAIN), *flags], tmp_path,
+                       held, signal.SIGTERM, **hold_env)
     assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
     stopped_after = int(epochs(text)[-1]["epoch"])
     assert stopped_after < total
