@@ -110,6 +110,20 @@ def test_rung_trains_standalone_and_resumes(script, standalone, kit_run, tmp_pat
     assert "resuming from snapshot " in second.stdout and " after epoch 2" in second.stdout
     assert [int(e["epoch"]) for e in epochs(second.stdout)] == [3, 4]
     assert _losses(second.stdout) == _losses(result.stdout)[2:]
+    if script == "multinode.py":  # its snapshot code is multigpu_torchrun.py's, checked below
+        return
+    # The snapshot holds another model than the one asked for: one line from rank 0, before
+    # training (before, load_state_dict's error from both ranks, about 70 lines), the file kept.
+    other = run(cmd + ["--total_epochs", "4", "--model", "linear"], tmp_path / "resumed", **env)
+    assert other.returncode != 0 and error_lines(other.stderr) == [
+        f"error: snapshot {SAVED[script]}{'/epoch-4' if script == 'multinode_fsdp.py' else ''} holds "
+        f"--dataset synthetic --model mlp, not --dataset synthetic --model linear; delete it or pass another "
+        f"--snapshot_path"], other.stderr
+    assert epochs(other.stdout) == []
+    if script == "multigpu_torchrun.py":  # all 4 epochs held already: it says so instead of training none silently
+        again = check(run(cmd + ["--total_epochs", "4"], tmp_path / "resumed", **env))
+        assert (f"snapshot {SAVED[script]} already holds 4 epochs: nothing to train (raise --total_epochs to "
+                f"train on)") in again.stdout and epochs(again.stdout) == []
 
 
 def test_torchrun_rung_refuses_plain_python(tmp_path):

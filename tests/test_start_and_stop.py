@@ -136,6 +136,24 @@ def test_the_open_file_limit_is_raised_to_the_hard_one():
     assert result.stdout.split() == ["True", hard], result.stderr
 
 
+def test_running_out_of_open_files_is_named_as_such_not_as_a_network_fault(one_process_group, monkeypatch):
+    """A gloo group that cannot be made because the process has no file
+    descriptors left (EMFILE, torch's error text stood in) is one line naming
+    the limit and what to do; a network failure keeps its own line."""
+    import common
+    import torch.distributed as dist
+    from train_utils.launch import gloo_group
+
+    def refused(**kwargs):
+        raise RuntimeError("[enforce fail at gloo/transport/tcp/pair.cc] socket: Too many open files")
+
+    monkeypatch.setattr(dist, "new_group", refused)
+    with pytest.raises(common.ConfigError) as info:
+        gloo_group()
+    assert "ran out of open files" in str(info.value) and "ulimit -n" in str(info.value)
+    assert "GLOO_SOCKET_IFNAME" not in str(info.value)
+
+
 def test_abbreviated_flags_are_refused_by_the_kit_and_the_rungs():
     """--total_epoch is not taken for --total_epochs (argparse's prefix
     matching is off): the kit names the flag meant."""

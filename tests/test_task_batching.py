@@ -207,19 +207,3 @@ def test_a_task_function_that_returns_no_task_is_one_line(returned, tmp_path, mo
     message = str(info.value)
     assert "\n" not in message and "--dataset wrong_task:build" in message, message
     assert "not a common.Task" in message and "return common.Task(" in message, message
-
-
-def test_a_dataset_of_many_separate_tensors_is_refused_for_workers_in_one_line():
-    """A fork server sends a worker one file descriptor per tensor storage, at
-    most about 250: a list of 300 separately made tensors would fail in the
-    worker's start ("too many fds"). Refused before any worker starts, in one
-    line; slices of one tensor share its storage and pass."""
-    from train_utils import loaders
-
-    separate = [(torch.zeros(3) + i, i % 2) for i in range(300)]
-    with pytest.raises(common.ConfigError) as info:
-        loaders._check_picklable(separate)
-    message = str(info.value)
-    assert "\n" not in message and "300 separate tensors" in message and "--num_workers 0" in message, message
-    base = torch.arange(900.0)
-    loaders._check_picklable([(base[3 * i:3 * i + 3], i % 2) for i in range(300)])  # one storage
