@@ -315,3 +315,34 @@ def assert_bitwise(a: dict, b: dict) -> None:
     """Two ``full_state`` dicts hold the same names and bitwise equal tensors."""
     assert a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+# A small evaluation problem, for the tests of sharded evaluation (DDP's and FSDP's)
+
+N_EVAL = 97  # divisible by neither 2 nor 3 nor the batch size
+
+
+class BatchNormClassifier(torch.nn.Module):
+    """A linear classifier behind a BatchNorm, whose running statistics a
+    test sets, as they differ per rank after training."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(5)
+        self.fc = torch.nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def eval_problem():
+    """(``N_EVAL`` samples of 5 features in 4 classes, a BatchNormClassifier
+    with set BatchNorm statistics), the same at every call."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N_EVAL, 5, generator=g)
+    y = torch.randint(0, 4, (N_EVAL,), generator=g)
+    torch.manual_seed(3)
+    model = BatchNormClassifier()
+    model.norm.running_mean.copy_(torch.randn(5, generator=g))
+    model.norm.running_var.copy_(torch.rand(5, generator=g) + 0.5)
+    return torch.utils.data.TensorDataset(x, y), model

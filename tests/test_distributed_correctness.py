@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dataset_files import build_mnist_root
-from helpers import REPO, plain_task, TORCHRUN, check, error_lines, free_port, run, snapshot_tensors
+from helpers import N_EVAL, REPO, plain_task, TORCHRUN, check, error_lines, eval_problem, free_port, run, snapshot_tensors
 
 import common
 import multigpu_spawn
@@ -55,37 +55,12 @@ def test_ddp_matches_single_process_with_the_global_batch(tmp_path):
 # 5. Exact evaluation over uneven shards
 # --------------------------------------------------------------------------
 
-N_EVAL = 97  # divisible by neither 2 nor 3 nor the batch size
-
-
-class _Classifier(torch.nn.Module):
-    """A linear classifier behind a BatchNorm, whose running stats we make
-    differ per rank, as they do after DDP training."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = torch.nn.BatchNorm1d(5)
-        self.fc = torch.nn.Linear(5, 4)
-
-    def forward(self, x):
-        return self.fc(self.norm(x))
-
-
-def _eval_problem():
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(N_EVAL, 5, generator=g)
-    y = torch.randint(0, 4, (N_EVAL,), generator=g)
-    torch.manual_seed(3)
-    model = _Classifier()
-    model.norm.running_mean.copy_(torch.randn(5, generator=g))
-    model.norm.running_var.copy_(torch.rand(5, generator=g) + 0.5)
-    return torch.utils.data.TensorDataset(x, y), model
 
 
 def _eval_worker(rank, world_size, port, module_name, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    dataset, model = _eval_problem()
+    dataset, model = eval_problem()
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
     if module_name == "spawn":  # the rungs 2-4 share this code; the kit has its own
@@ -103,7 +78,7 @@ def _eval_worker(rank, world_size, port, module_name, out_dir):
 @pytest.mark.parametrize("module_name", ["spawn", "train"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_path):
-    dataset, model = _eval_problem()
+    dataset, model = eval_problem()
     loader = singlegpu.prepare_dataloader(dataset, 8, False, 0, common.collate)
     expected_loss, expected_accuracy = singlegpu.evaluate(model, loader, plain_task(F.cross_entropy, True),
                                                           torch.device("cpu"))

@@ -17,8 +17,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dataset_files import build_mnist_root
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state, held_at_step,
-                     parse_test, plain_task, run, snapshot_folder, signal_when, stdout_lines)
+from helpers import (FAULTY_TRAIN, N_EVAL, REPO, TORCHRUN, assert_bitwise, check, epochs, eval_problem, free_port,
+                     full_state, held_at_step, parse_test, plain_task, run, snapshot_folder, signal_when,
+                     stdout_lines)
 
 import common
 import train_utils
@@ -59,32 +60,6 @@ def one_process_evaluation(model: torch.nn.Module, dataset, task) -> tuple:
     return loss_sum / samples, correct / samples
 
 
-N_EVAL = 97  # divisible by neither 2 nor 3 nor the batch size
-
-
-class _Classifier(torch.nn.Module):
-    """A linear classifier behind a BatchNorm, whose running stats we make
-    differ per rank, as they do after training."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = torch.nn.BatchNorm1d(5)
-        self.fc = torch.nn.Linear(5, 4)
-
-    def forward(self, x):
-        return self.fc(self.norm(x))
-
-
-def _eval_problem():
-    """(97 samples of 5 features in 4 classes, a _Classifier with set BatchNorm statistics)."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(N_EVAL, 5, generator=g)
-    y = torch.randint(0, 4, (N_EVAL,), generator=g)
-    torch.manual_seed(3)
-    model = _Classifier()
-    model.norm.running_mean.copy_(torch.randn(5, generator=g))
-    model.norm.running_var.copy_(torch.rand(5, generator=g) + 0.5)
-    return torch.utils.data.TensorDataset(x, y), model
 
 
 def memory(stdout: str) -> dict:
@@ -174,7 +149,7 @@ def _fsdp_eval_worker(rank, world_size, port, out_dir):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     import train
 
-    dataset, model = _eval_problem()
+    dataset, model = eval_problem()
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
     model = train.shard_model(model, torch.device("cpu"), dtype=None)
@@ -191,7 +166,7 @@ def _fsdp_eval_worker(rank, world_size, port, out_dir):
 def test_fsdp_evaluation_equals_single_process(world_size, tmp_path):
     """97 samples, batch 8: shards of 49/48 (7 and 6 batches) or 33/32/32 (5, 4, 4):
     the ranks with fewer batches run extra forwards, counted nowhere."""
-    dataset, model = _eval_problem()
+    dataset, model = eval_problem()
     expected = one_process_evaluation(model, dataset, plain_task(F.cross_entropy, True))
     mp.spawn(_fsdp_eval_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world_size)]
