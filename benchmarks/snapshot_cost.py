@@ -2,10 +2,10 @@
 
 Measures, at world size 2 (gloo on a CPU; on CUDA one process per GPU, at most
 2; ``--snapshot_device cpu|cuda``), a 12.6 M-parameter MLP with SGD momentum
-(about 100 MB of training state) saved as train.py's Trainer saves it: DDP as
-one file from rank 0, FSDP as DCP shards from every rank, each synchronous
-and asynchronous (train.py's default: the copy to CPU memory here, the write
-in a background thread). Interleaved blocks of training: without snapshots,
+(about 100 MB of training state) saved by the kit's Checkpointer, as
+train.py saves it: DDP as one file from rank 0, FSDP as DCP shards from every
+rank, each synchronous and asynchronous (train.py's default: the copy to CPU
+memory here, the write in a background thread). Interleaved blocks of training: without snapshots,
 and with one every interval (at least 3 s and 3 writes long, so that a write
 ends before the next is due). Snapshots go to $SNAPSHOT_BENCH_DIR (default a
 temporary folder).
@@ -19,6 +19,7 @@ that cost scaled to one snapshot a minute (the target: <= 2%).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -33,10 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import train
-from train_utils.launch import gloo_group
-from train_utils.sharded_snapshots import dcp_async_save, dcp_result
-from train_utils.snapshot_writer import SnapshotWriter, cpu_copy
-from train_utils.snapshots import atomic_save
+from train_utils import Checkpointer
 from benchmarks.harness import (CPU, ddp, interleaved, process_group, synchronize, table, timed,
                                 train_step)
 from helpers import free_port
@@ -59,46 +57,24 @@ def _snapshot_model(device: torch.device, strategy: str) -> tuple:
     return model, optimizer, train_step(model, optimizer, F.mse_loss, x, torch.zeros_like(x))
 
 
-def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder: str, groups: tuple):
+def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder: str):
     """save(n): the n-th snapshot of ``model`` and ``optimizer`` into ``folder``,
-    as train.py's Trainer._save writes it (rank 0 a file for DDP; every rank its
-    shards, then rank 0 the meta file, for FSDP); asynchronous: the CPU copy or
-    DCP's staging here, the write in a background thread. Returns the saver and
-    its ``SnapshotWriter``."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    import torch.distributed.checkpoint as dcp
-
-    writer, rank, numbers = SnapshotWriter(asynchronous), dist.get_rank(), itertools.count()
+    by the kit's own ``Checkpointer`` (rank 0 a file for DDP; every rank its
+    shards, then rank 0 the meta file, for FSDP), as train.py saves; each
+    write waits for the one before. Returns the saver and the Checkpointer
+    (``wait``: the write in flight done)."""
+    name = f"{strategy}-{'async' if asynchronous else 'sync'}" + (".pt" if strategy == "ddp" else "")
+    checkpointer = Checkpointer(os.path.join(folder, name), strategy == "fsdp", asynchronous=asynchronous)
+    plain = model.module if strategy == "ddp" else model  # DDP's wrapper is not saved
+    positions = itertools.count(1)  # a new position (FSDP: a new folder) each time, as in training
 
     def save(_index: int) -> None:
-        writer.wait()
-        n = next(numbers)  # a new folder each time, as train.py's
-        if strategy == "ddp":
-            if rank == 0:
-                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
-                state = cpu_copy(state) if asynchronous else state
-                writer.start(lambda: atomic_save(state, os.path.join(folder, "snapshot.pt")), str(n))
-            return
-        target = os.path.join(folder, f"save-{n}")
-        parts = list(zip(get_state_dict(model, optimizer), ("model", "optimizer"), groups))
-        pending = ([dcp_async_save(part, os.path.join(target, name), group) for part, name, group in parts]
-                   if asynchronous else [dcp.save(part, checkpoint_id=os.path.join(target, name))
-                                         for part, name, _ in parts])
+        checkpointer.save(plain, optimizer, {"epochs_run": 0, "steps_run": next(positions)})
 
-        def complete() -> None:
-            for one in pending:
-                dcp_result(one)
-            if rank == 0:
-                atomic_save({"n": n}, os.path.join(target, "meta.pt"))
-                if n:
-                    shutil.rmtree(os.path.join(folder, f"save-{n - 1}"), ignore_errors=True)
-
-        writer.start(complete, str(n))
-
-    return save, writer
+    return save, checkpointer
 
 
-def _snapshot_block(step, save, writer, steps: int, every: int, device: torch.device) -> dict:
+def _snapshot_block(step, save, checkpointer, steps: int, every: int, device: torch.device) -> dict:
     """``steps`` training steps, a snapshot before every ``every``-th (none when
     0), the last write waited for: wall seconds, CPU seconds of this process
     (its threads together: the background writer's too), and the seconds each
@@ -116,7 +92,7 @@ def _snapshot_block(step, save, writer, steps: int, every: int, device: torch.de
             blocked.append(time.perf_counter() - began)
         step()
     began = time.perf_counter()
-    writer.wait()
+    checkpointer.wait()
     if blocked:
         blocked[-1] += time.perf_counter() - began
     synchronize(device)
@@ -132,15 +108,16 @@ def _snapshot_cost_worker(rank: int, world_size: int, port: int, device_type: st
     (``_snapshot_block``). Rank 0 saves its results to ``out``, every other
     rank to ``out.<rank>``."""
     device = torch.device(device_type, rank) if device_type == "cuda" else CPU
-    with process_group(rank, world_size, port, device):
-        groups = (gloo_group(), gloo_group())  # the async saves' own CPU groups
+    # The Checkpointer's line per snapshot ("... | snapshot saved at ...") would bury the table.
+    with process_group(rank, world_size, port, device), open(os.devnull, "w") as quiet, \
+            contextlib.redirect_stdout(quiet):
         folder = os.path.join(os.path.dirname(out), "saves")  # one for every rank, as --snapshot_path is
         results = []
         for strategy in ("ddp", "fsdp"):
             os.makedirs(folder, exist_ok=True)
             dist.barrier()
             model, optimizer, step = _snapshot_model(device, strategy)
-            savers = {mode: _snapshot_saver(model, optimizer, strategy, mode == "async", folder, groups)
+            savers = {mode: _snapshot_saver(model, optimizer, strategy, mode == "async", folder)
                       for mode in ("sync", "async")}
             step_s = timed(step, 3, device, barrier=True)  # warm-up, then a step's time
             step_s = timed(step, 5, device, barrier=True)
