@@ -383,6 +383,7 @@ def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(
     assert "epoch 3/3" not in text, text
     assert "exitcode" not in text, text  # torchrun saw no worker fail
     assert snapshot.read_bytes() == before
+    assert not (tmp_path / "snapshot_train.pt.job").exists()  # the claim, taken at start, given back
     resumed = check(run([*launch, "--total_epochs", "3"], tmp_path))
     assert "resuming from snapshot snapshot_train.pt after epoch 2" in resumed.stdout, resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [3]

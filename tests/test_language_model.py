@@ -224,6 +224,9 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     assert [(r["epoch"], r["total_epochs"], r["samples"]) for r in records if "epoch" in r] == [(1, 2, 1120), (2, 2, 480)]
     assert records[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
     assert lines[1]["val_loss"] < 3.5 < math.log(65)  # it learns (a uniform guess: ln 65 = 4.17 nats/char)
+    # The per-rank line gives the steps each epoch runs: epoch 2's 30 of its 70.
+    assert "] epoch 1 | batch_size 8 | steps 70" in straight.stdout
+    assert "] epoch 2 | batch_size 8 | steps 30" in straight.stdout, straight.stdout
     text = signal_when(held, stopped_dir, "DDP_TEST_FAULT: wait_signal at step 85", signal.SIGTERM,
                        DDP_TEST_FAULT="step:*:85:wait_signal")
     assert text.count("stopped by SIGTERM") == 1 and "epoch 2/2 |" not in text, text  # stopped, not finished
