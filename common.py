@@ -259,12 +259,11 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
     The task function reads what it needs from ``args`` (data_dir, seed,
     model, input_path) and sets ``args.model`` to the model it chose; it
     downloads missing files only when ``download`` (see
-    ``train_utils.downloaders_first``). The recipe flags left unset on the
-    command line (None) are then set from the task's ``recipe``, else from
-    ``recipes.RECIPE_DEFAULTS`` (``recipes.set_recipe_flags``). Raises
-    ConfigError (one line) for an unknown task or model, missing data, a
-    task function that returns no ``Task``, or a ``recipe`` key that is no
-    recipe flag.
+    ``train_utils.downloaders_first``). The scripts then set the recipe flags
+    left unset on the command line from the task's ``recipe``
+    (``recipes.set_recipe_flags``). Raises ConfigError (one line) for an
+    unknown task or model, missing data, or a task function that returns no
+    ``Task``.
     """
     try:
         task_fn = task_function(TASKS.get(args.dataset, args.dataset))
@@ -277,9 +276,6 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
                           f"({type(task).__name__}), not a common.Task; end it with "
                           f"`return common.Task(train_set, val_set, test_set, model, loss_fn, "
                           f"classification)` (docs/custom-task.md)")
-    from recipes import set_recipe_flags  # imported here: recipes imports this module's ConfigError
-
-    set_recipe_flags(args, task.recipe)
     return task
 
 

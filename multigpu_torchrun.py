@@ -174,10 +174,11 @@ def main(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if rank == 0:  # rank 0 downloads while the others wait, so no two write the same files
-        task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
+        task = common.load_task(args, download=True)
     dist.barrier()
     if rank != 0:
         task = common.load_task(args, download=False)
+    recipes.set_recipe_flags(args, task.recipe)  # what no flag sets: the task's recipe (optimizer, lr, ...)
     model = task.model.to(device)
     torch.manual_seed(args.seed + rank)  # each rank its own stream, or all draw the same dropout masks
     optimizer = recipes.build_optimizer(model, args)  # the task's optimizer, lr, weight decay

@@ -224,10 +224,11 @@ def main(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if local_rank == 0:  # one download per node (--data_dir is on each node's disk) while the others wait
-        task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
+        task = common.load_task(args, download=True)
     dist.barrier()
     if local_rank != 0:
         task = common.load_task(args, download=False)
+    recipes.set_recipe_flags(args, task.recipe)  # what no flag sets: the task's recipe (optimizer, lr, ...)
     model = shard_model(task.model.to(device), device)  # before the optimizer: it replaces the parameters
     torch.manual_seed(args.seed + rank)  # each rank its own stream, or all draw the same dropout masks
     optimizer = recipes.build_optimizer(model, args)  # the task's optimizer, lr, weight decay

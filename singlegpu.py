@@ -119,7 +119,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, train: bool, seed: int
 def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)  # the initial weights come from the seed
-    task = common.load_task(args, download=True)  # also sets the recipe flags to the task's
+    task = common.load_task(args, download=True)
+    recipes.set_recipe_flags(args, task.recipe)  # what no flag sets: the task's recipe (optimizer, lr, ...)
     model = task.model.to(device)
     optimizer = recipes.build_optimizer(model, args)  # the task's optimizer, lr, weight decay
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)

@@ -374,6 +374,7 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     # stream, or all would draw the same dropout masks.
     torch.manual_seed(args.seed)
     task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
+    train_utils.set_recipe_flags(args, task.recipe)  # what no flag sets: the task's recipe (optimizer, lr, ...)
     train_utils.check_sampling(args, task)  # --sample_chars: only a task with a vocabulary writes text
     task.model = task.model.to(device)
     if args.activation_checkpointing:  # before DDP and FSDP wrap the blocks

@@ -46,6 +46,7 @@ def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     text = require_tinyshakespeare().read_text(encoding="utf-8")
     args = lm_args(build_shakespeare_root(tmp_path))
     task = common.load_task(args, download=False)
+    recipes.set_recipe_flags(args, task.recipe)  # as every script does after loading the task
     assert len(text) == 1115394 and task.decode(range(65)) == "".join(sorted(set(text)))
     split, T = int(len(text) * 0.9), 64  # nanoGPT's prepare.py: data[:int(n*0.9)]
     assert len(task.train_set) == (split - T) // T == 15684 and len(task.val_set) == (len(text) - split - 1) // T

@@ -92,11 +92,12 @@ def test_the_task_gives_the_recipe_defaults_and_the_command_line_overrides_them(
     flags = dict(dataset="recipe_task:task", data_dir="data", input_path="fast", seed=0, model=None,
                  **{name: None for name in recipes.RECIPE_DEFAULTS})
     args = argparse.Namespace(**dict(flags, lr=0.01))
-    common.load_task(args, download=False)
+    recipes.set_recipe_flags(args, common.load_task(args, download=False).recipe)  # as every script does
     assert (args.optimizer, args.lr, args.weight_decay, args.lr_schedule) == ("adamw", 0.01, 0.1, "constant")
     assert vision_tasks.CIFAR10_RECIPE["weight_decay"] == 5e-4  # the CIFAR-10 usual, set by the task
+    bad = argparse.Namespace(**dict(flags, dataset="recipe_task:bad"))
     with pytest.raises(ConfigError, match="Task.recipe sets learning_rate, which is no recipe flag"):
-        common.load_task(argparse.Namespace(**dict(flags, dataset="recipe_task:bad")), download=False)
+        recipes.set_recipe_flags(bad, common.load_task(bad, download=False).recipe)
 
 
 def test_a_snapshot_from_before_the_optimizer_flag_is_sgds(tmp_path):

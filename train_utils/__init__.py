@@ -45,7 +45,7 @@ Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
 
-from recipes import build_optimizer  # the recipe's meaning, which the rungs share
+from recipes import build_optimizer, set_recipe_flags  # the recipe's meaning, which the rungs share
 from .checkpointer import Checkpointer
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args
@@ -89,6 +89,7 @@ __all__ = [
     "ResumableDistributedSampler",
     # the model and the recipe
     "build_optimizer",
+    "set_recipe_flags",
     "Recipe",
     "run_length",
     "accumulate_for_global_batch",
