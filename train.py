@@ -411,14 +411,14 @@ def main(args: argparse.Namespace) -> None:
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     rank, local_rank, device = setup(args.startup_timeout_s)
     fsdp = args.strategy == "fsdp"
+    if fsdp:
+        train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written
     # A file for DDP, a folder of sharded saves for FSDP; written in the background unless --snapshot_sync.
     checkpointer = train_utils.Checkpointer(args.snapshot_path, fsdp, asynchronous=not args.snapshot_sync,
                                             every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
                                             timeout_s=args.pg_timeout_s)
     checkpointer.claim()  # one live run per snapshot: another's is refused here, before any download
     args.amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
-    if fsdp:
-        train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10
     task, optimizer = build(args, rank, local_rank, device)
     train_utils.accumulate_for_global_batch(args, dist.get_world_size())  # --global_batch_size, at this size
     train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed,
