@@ -28,12 +28,15 @@ from common import ConfigError
 # decay_params: "all" parameters decay, or "matrices" only (2-D and up);
 # warmup_steps: a warm-up in optimizer steps (instead of --warmup_epochs);
 # min_lr: where the cosine ends; max_steps: the run's length in optimizer steps
-# (0: --total_epochs); clip_grad_norm: None for no clipping; batch_size per process.
+# (0: --total_epochs); clip_grad_norm: None for no clipping; batch_size per process;
+# log_every_steps: a progress line every N optimizer steps (0: none); eval_every_steps:
+# an evaluation every N optimizer steps instead of one per epoch (0: per epoch);
+# eval_windows: the held-out samples each evaluation scores, a fixed seeded subset (0: all).
 RECIPE_DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0, "lr_schedule": "constant",
                    "warmup_epochs": 0.0, "lr_step_epochs": 1, "lr_gamma": 0.1,
                    "beta1": 0.9, "beta2": 0.999, "decay_params": "all", "warmup_steps": 0, "min_lr": 0.0,
                    "max_steps": 0, "clip_grad_norm": None, "batch_size": 32,
-                   "log_every_steps": 0}
+                   "log_every_steps": 0, "eval_every_steps": 0, "eval_windows": 0}
 
 # --optimizer: name -> (class, keyword arguments besides lr and weight_decay).
 # SGD's momentum 0.9 is the usual one for image classification (He et al. 2016);

@@ -63,9 +63,10 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
 
 class Trainer:
     """Runs the epochs: trains, evaluates and prints one summary line per
-    epoch, and has ``checkpointer`` save snapshots (every --save_every
-    epochs, after the last, inside an epoch when one is due, and at a stop
-    signal) and load the one to resume from.
+    epoch (or, with --eval_every_steps, per evaluation every N optimizer
+    steps: ``train_utils.StepEvaluations``), and has ``checkpointer`` save
+    snapshots (every --save_every epochs, after the last, inside an epoch
+    when one is due, and at a stop signal) and load the one to resume from.
 
     ``task`` gives the model (on ``device``; under FSDP already sharded:
     ``shard_model``), the loss and the batch transforms (``common.Task``);
@@ -95,6 +96,10 @@ class Trainer:
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, args.amp)
         self.progress = train_utils.Progress(device, train_data, self.rank, args.grad_accum_steps)
+        # --eval_every_steps: evaluations every N optimizer steps and after the run's last
+        self.evals = train_utils.StepEvaluations(args.eval_every_steps,
+                                                 args.max_steps or args.total_epochs * recipe.steps_per_epoch,
+                                                 device)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.step_log = train_utils.StepLog(args.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(args.pg_timeout_s, args.grad_accum_steps)  # time-outs, where each rank is
@@ -138,6 +143,7 @@ class Trainer:
         self.progress.load_state_dict(state)  # and this rank's RNG states: the same random draws
         # The schedule and loss scale go on (a new --lr takes over), at the epoch's steps in this run's size.
         self.recipe.resume(state, self.progress.steps_run)
+        self.evals.load_state_dict(state)  # --eval_every_steps: the last evaluation, the best, the interval
         self.log.wandb.load_state_dict(state)  # the resumed run logs to the same W&B run
         # After both loads: the note compares the saved position and world size with this run's.
         note = (train_utils.resharding_note(state["world_size"], self.progress.epoch_note()) if self.fsdp
@@ -180,9 +186,11 @@ class Trainer:
             self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
         return loss.detach()
 
-    def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[tuple]:
-        """One epoch's training steps: (its meter, its record), or None when a
-        stop signal ended it (after a snapshot of that step)."""
+    def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[train_utils.EpochMeter]:
+        """One epoch's training steps, with the evaluations due in it under
+        --eval_every_steps (first the one a resumed snapshot stands at, if it
+        was not done): its meter, or None when a stop signal ended it (after
+        a snapshot of that step)."""
         self.model.train()
         # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
         # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
@@ -190,12 +198,18 @@ class Trainer:
         meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
         limit = train_utils.batches_left(self.args, self.recipe.steps_per_epoch, epoch, self.progress.steps_run)
         batches = meter.batches(self.train_data, self.args.grad_accum_steps, limit)
+        self.evals.epoch = epoch
+        if self.evals.pending(self.recipe.schedule.last_epoch) and not self._evaluate_steps(meter):
+            return None  # a stop during the evaluation the snapshot stood at: saved again
         host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
         train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
                                f"| batch_size {self.train_data.batch_size} | steps {meter.steps}")
         for step, (source, targets) in enumerate(batches, start=self.progress.steps_run):
             self.watch.step(epoch, meter.steps_done)  # where this rank is; until training runs, every rank's batch
-            meter.add(self._run_batch(source, targets, step), len(targets))
+            loss = self._run_batch(source, targets, step)
+            meter.add(loss, len(targets))
+            if self.evals.on:
+                self.evals.add(loss, len(targets))
             self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
             self.progress.steps_run = step + 1
             if self.progress.steps_run % self.args.grad_accum_steps:
@@ -206,19 +220,63 @@ class Trainer:
                 self._save(meter)  # every rank stops after this step, once the snapshot is written
                 self.checkpointer.wait()
                 return None
+            if self.evals.due(self.recipe.schedule.last_epoch) and not self._evaluate_steps(meter):
+                return None  # stopped during the evaluation: this step saved, evaluated on resume
             if self.checkpointer.due(self.progress.steps_run, self.stop.requested) and meter.steps_left:
                 self._save(meter)  # not at the epoch's end: that snapshot comes next
         self.watch.after_steps(epoch)
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
             train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
             self.memory_reported = True
+        return meter
+
+    def _epoch_record(self, meter: train_utils.EpochMeter) -> dict:
+        """Collective: the record of the epoch ``meter`` trained, its
+        validation figures still to come. Raises ConfigError when its loss is
+        not finite."""
         totals = meter.totals.clone()
         dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
         record = meter.summary(totals) | self.recipe.epoch_figures()  # lr; fp16: steps skipped
-        # LM tasks: tokens/s, the model's FLOP/s, and on a GPU its MFU
-        return meter, record | train_utils.throughput_figures(
-            record["samples_per_s"], self.task.tokens_per_sample, self.flops_per_token, self.device,
-            train_utils.amp_dtype(self.device, self.args.amp))
+        return record | self._speed(record["samples_per_s"])
+
+    def _speed(self, samples_per_s: float) -> dict:
+        """LM tasks: tokens/s, the model's FLOP/s, and on a GPU its MFU (``throughput_figures``)."""
+        return train_utils.throughput_figures(samples_per_s, self.task.tokens_per_sample, self.flops_per_token,
+                                              self.device, train_utils.amp_dtype(self.device, self.args.amp))
+
+    def _evaluate(self) -> Optional[tuple]:
+        """``evaluate`` of the held-out data, a stop signal polled after each
+        batch: (loss, accuracy or None), or None when a stop ended it. Then
+        this rank's CPU random state is put back as it was before: the
+        evaluation's DataLoader drew its seed from it, and the resumed run,
+        which evaluates again, draws it again, as the uninterrupted run drew
+        it once (a language model's training windows and dropout draw from
+        the same generator next)."""
+        state = torch.get_rng_state()
+        scores = evaluate(self.plain_model, self.val_data, self.task, self.device, self.fsdp, self.stop)
+        if scores is None:
+            torch.set_rng_state(state)
+        return scores
+
+    def _evaluate_steps(self, meter: train_utils.EpochMeter) -> bool:
+        """Collective, --eval_every_steps: the evaluation due after this
+        optimizer step, and rank 0's summary line and record of it and of the
+        steps since the last (``StepEvaluations.record``: the best validation
+        loss so far too). False when a stop signal ended the evaluation: the
+        snapshot of this step (``meter`` holds its epoch so far) is saved
+        and the resumed run evaluates first."""
+        scores = self._evaluate()
+        if scores is None:
+            self._save(meter)
+            self.checkpointer.wait()
+            return False
+        record = self.evals.record(self.recipe.schedule.last_epoch, self.args.total_epochs, scores)
+        record |= self.recipe.epoch_figures()  # lr; fp16: the steps skipped since the last evaluation
+        if "samples_per_s" in record:
+            record |= self._speed(record["samples_per_s"])
+        if self.rank == 0:  # every rank holds the same numbers; one prints them
+            self.log.log(record)
+        return True
 
     def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
         """Collective: a snapshot of this position (``Checkpointer.save``: in the
@@ -226,12 +284,14 @@ class Trainer:
         epoch so far (its totals are saved too)."""
         state = {**self.progress.state_dict(meter),  # position, the epoch's totals, every rank's RNG states
                  **self.recipe.state_dict(),  # lr_schedule, loss_scaler
+                 **self.evals.state_dict(),  # --eval_every_steps: the last evaluation, the best, the interval
                  **self.log.wandb.state_dict()}  # wandb_run_id: a resumed run logs to the same W&B run
         self.checkpointer.save(self.plain_model, self.optimizer, state)
 
     def train(self, max_epochs: int) -> bool:
         """Collective: train up to ``max_epochs``, evaluating and printing each epoch
-        (rank 0), snapshotting every --save_every epochs and after the last; True when
+        (rank 0; with --eval_every_steps, every N steps instead), snapshotting every
+        --save_every epochs and after the last; True when
         every epoch is done, False when a stop signal ended it (snapshot saved). Raises
         ConfigError when the training loss is not finite, before anything is saved.
         Whatever ends the run, a snapshot write in flight completes first: a
@@ -246,18 +306,19 @@ class Trainer:
     def _train_epochs(self, max_epochs: int) -> bool:
         """``train``'s epochs (see there)."""
         for epoch in range(self.progress.epochs_run, max_epochs):
-            trained = self._run_epoch(epoch, max_epochs)
-            if trained is None:  # stopped by the signal, after a snapshot of this step
+            meter = self._run_epoch(epoch, max_epochs)
+            if meter is None:  # stopped by the signal, after a snapshot of this step
                 return False
-            meter, record = trained
-            scores = evaluate(self.plain_model, self.val_data, self.task, self.device, self.fsdp, self.stop)
-            if scores is None:  # stopped during the evaluation: the epoch's steps saved, evaluated on resume
-                self._save(meter)
-                self.checkpointer.wait()
-                return False
-            record["val_loss"], record["val_accuracy"] = scores
-            if self.rank == 0:  # every rank holds the same numbers; one prints them
-                self.log.log(record)
+            if not self.evals.on:  # evaluated after each epoch (--eval_every_steps: in the epoch)
+                record = self._epoch_record(meter)
+                scores = self._evaluate()
+                if scores is None:  # stopped during the evaluation: the epoch's steps saved, evaluated on resume
+                    self._save(meter)
+                    self.checkpointer.wait()
+                    return False
+                record["val_loss"], record["val_accuracy"] = scores
+                if self.rank == 0:  # every rank holds the same numbers; one prints them
+                    self.log.log(record)
             self.progress.end_epoch(epoch)
             # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
             # saves after the first epoch and can skip the last one.
@@ -421,9 +482,10 @@ def main(args: argparse.Namespace) -> None:
     args.amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
     task, optimizer = build(args, rank, local_rank, device)
     train_utils.accumulate_for_global_batch(args, dist.get_world_size())  # --global_batch_size, at this size
+    val_set = train_utils.eval_subset(task.val_set, args.eval_windows, args.seed)  # --eval_windows: a fixed few
     train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed,
                                                           task.collate_fn)
-                                       for data, train in ((task.train_set, True), (task.val_set, False),
+                                       for data, train in ((task.train_set, True), (val_set, False),
                                                            (task.test_set, False)))
     steps_per_epoch = len(train_data) // args.grad_accum_steps  # optimizer steps
     train_utils.run_length(args, steps_per_epoch)  # --max_steps: the epochs it takes

@@ -33,7 +33,8 @@ launcher's store, the stop signals during start-up, and the one-line errors.
   launch             the store under torchrun or srun, side gloo groups
   rendezvous         a Slurm job's rendezvous port (also run by the Slurm wrappers)
   timeouts           start-up vs training time-out, which ranks did not arrive; the loop's Watch
-  evaluation         rank 0's BatchNorm statistics everywhere; even forwards under FSDP
+  evaluation         rank 0's BatchNorm statistics everywhere; even forwards under FSDP; --eval_windows
+  eval_steps         --eval_every_steps: evaluations by steps, the interval's loss, the best so far
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
   resume             Progress (position, samples trained, RNG states), DDP's buckets
   sampler            the training sampler: an epoch part-way, at any world size
@@ -52,7 +53,8 @@ from .cli import parse_args
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores
 from .epoch import EpochMeter, evaluating
 from .errors import NothingToTrain, one_line_errors
-from .evaluation import batches_for_every_rank, broadcast_buffers, fewest_batches
+from .eval_steps import StepEvaluations
+from .evaluation import batches_for_every_rank, broadcast_buffers, eval_subset, fewest_batches
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
     print_sharded_memory
 from .launch import launcher_store, raise_open_file_limit
@@ -110,6 +112,8 @@ __all__ = [
     "batches_for_every_rank",
     "broadcast_buffers",
     "fewest_batches",
+    "eval_subset",
+    "StepEvaluations",
     "print_sharded_memory",
     "Progress",
     "rebuild_ddp_buckets",

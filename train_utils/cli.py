@@ -170,7 +170,8 @@ def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
-    """Where figures, samples and traces go besides stdout: --metrics_path ... --profile_dir."""
+    """Where figures, samples and traces go besides stdout, and how often the
+    held-out loss is measured: --metrics_path ... --profile_dir."""
     add = parser.add_argument
     add("--metrics_path", default=None,
         help="also write each epoch's summary as one JSON object per line here")
@@ -189,6 +190,15 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
         help="also print a progress line on rank 0 every N optimizer steps, in a log file as on a terminal: "
              "step, epoch, loss, lr, samples/s or tokens/s, ms a step; 0: none "
              f"(default: the task's; shakespeare_char 100, else {RECIPE_DEFAULTS['log_every_steps']})")
+    add("--eval_every_steps", type=non_negative_int, default=None,
+        help="evaluate every N optimizer steps of the run, and after its last, instead of after every epoch "
+             "(nanoGPT's eval_interval), each evaluation one summary line and metrics record with the best "
+             "validation loss so far; 0: after every epoch "
+             f"(default: the task's; tokens 2000, else {RECIPE_DEFAULTS['eval_every_steps']})")
+    add("--eval_windows", type=non_negative_int, default=None,
+        help="held-out samples (a language model's windows) each evaluation scores: a fixed subset drawn "
+             "from --seed, the same in every evaluation and every run (nanoGPT's eval_iters x batch_size); "
+             f"0: all (default: the task's; tokens 2400, else {RECIPE_DEFAULTS['eval_windows']})")
     add("--profile_dir", default=None,
         help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
              "here, for Perfetto or chrome://tracing (default: no profiler)")

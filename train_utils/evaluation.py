@@ -1,5 +1,6 @@
 """Evaluation across ranks: the same BatchNorm statistics on every rank, and
-as many forwards on every rank where the forward is a collective (FSDP).
+as many forwards on every rank where the forward is a collective (FSDP);
+which held-out samples are scored (--eval_windows).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from common import ConfigError
 
@@ -65,3 +66,17 @@ def batches_for_every_rank(loader: DataLoader, device: torch.device) -> Iterator
         else:
             last = batch
             yield (*batch, True)
+
+
+def eval_subset(dataset: Dataset, count: int, seed: int) -> Dataset:
+    """--eval_windows: ``count`` samples of the held-out ``dataset``, drawn
+    from ``seed`` (a private generator) without replacement and kept in the
+    dataset's order, as a Subset: the same samples in every evaluation, on
+    every rank, in every run of the same --seed, so one evaluation's loss
+    compares with the next (nanoGPT's estimate_loss draws new random batches,
+    eval_iters of them, each time). ``dataset`` itself when ``count`` is 0
+    or not below its size."""
+    if not count or count >= len(dataset):
+        return dataset
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:count]
+    return Subset(dataset, chosen.sort().values.tolist())

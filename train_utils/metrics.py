@@ -1,4 +1,4 @@
-"""The epoch line, and the same figures as JSON lines (--metrics_path),
+"""The epoch line (or, evaluating by steps, the evaluation's line), and the same figures as JSON lines (--metrics_path),
 TensorBoard scalars (--tensorboard_dir) and a W&B run (--wandb_project),
 all kept by one ``RunLog`` per training run.
 """
@@ -24,6 +24,7 @@ TENSORBOARD_TAGS = MappingProxyType({"train_loss": "loss/train", "val_loss": "lo
                     "skipped_steps": "loss_scaler/skipped_steps",
                     "samples_per_s": "speed/samples_per_s", "tokens_per_s": "speed/tokens_per_s",
                     "flops_per_s": "speed/flops_per_s", "mfu": "speed/mfu", "epoch_seconds": "speed/epoch_seconds",
+                    "best_val_loss": "loss/best_val", "interval_seconds": "speed/interval_seconds",
                     "peak_gpu_memory_mib": "memory/peak_gpu_mib"})
 
 
@@ -44,6 +45,13 @@ EPOCH_LINE_PARTS = (("train_loss", "train_loss", ".6f"), ("val_loss", "val_loss"
                     ("tokens_per_s", "tokens/s", ".1f"), ("flops_per_s", "flop/s", ".3g"), ("mfu", "mfu", ".4f"),
                     ("epoch_seconds", "epoch_s", ".2f"), ("lr", "lr", ".6g"), ("skipped_steps", "skipped_steps", ""),
                     ("peak_gpu_memory_mib", "peak_mem_mib", ".1f"))
+# The evaluation's line under --eval_every_steps after "step S/T | epoch E/N", likewise.
+STEP_LINE_PARTS = (("train_loss", "train_loss", ".6f"), ("val_loss", "val_loss", ".6f"),
+                   ("val_accuracy", "val_acc", ".4f"), ("best_val_loss", "best_val_loss", ".6f"),
+                   ("best_step", "best_step", ""), ("samples_per_s", "samples/s", ".1f"),
+                   ("tokens_per_s", "tokens/s", ".1f"), ("flops_per_s", "flop/s", ".3g"), ("mfu", "mfu", ".4f"),
+                   ("interval_seconds", "interval_s", ".2f"), ("lr", "lr", ".6g"),
+                   ("skipped_steps", "skipped_steps", ""), ("peak_gpu_memory_mib", "peak_mem_mib", ".1f"))
 
 
 def metrics_line(record: dict) -> str:
@@ -56,7 +64,14 @@ def metrics_line(record: dict) -> str:
       (val_acc only for classification; tokens/s only for a task whose
       samples count tokens, flop/s where the model's FLOPs per token are
       known, mfu on a GPU of known peak: ``throughput_figures``; skipped_steps
-      only under fp16, peak_mem_mib only on CUDA); the final test record:
+      only under fp16, peak_mem_mib only on CUDA); under --eval_every_steps
+    one line per evaluation instead (``StepEvaluations.record``):
+      ``step 2000/600000 | epoch 1/33 | train_loss 3.123456 | val_loss
+      3.234567 | best_val_loss 3.234567 | best_step 2000 | samples/s 950.1 |
+      tokens/s 972902.4 | flop/s 7.23e+14 | mfu 0.2896 | interval_s 1052.31 |
+      lr 0.0006`` (the same parts, over the steps since the last evaluation,
+      and the lowest validation loss so far with its step; no speed parts on
+      an evaluation a resumed run redoes before training); the final test record:
     ``test | loss 0.012345 | acc 0.9600``.
     Units: samples/s is global training samples per second over the training
     part of the epoch; tokens/s the same in tokens; flop/s the model FLOPs
@@ -71,6 +86,11 @@ def metrics_line(record: dict) -> str:
         if record.get("test_accuracy") is not None:
             parts.append(f"acc {record['test_accuracy']:.4f}")
         return " | ".join(parts)
+    if "step" in record:
+        return " | ".join([f"step {record['step']}/{record['total_steps']}",
+                           f"epoch {record['epoch']}/{record['total_epochs']}"]
+                          + [f"{label} {record[key]:{spec}}" for key, label, spec in STEP_LINE_PARTS
+                             if record.get(key) is not None])
     return " | ".join([f"epoch {record['epoch']}/{record['total_epochs']}"]
                       + [f"{label} {record[key]:{spec}}" for key, label, spec in EPOCH_LINE_PARTS
                          if record.get(key) is not None])
@@ -93,7 +113,7 @@ class RunLog:
         self.run = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(self.started_at))}-{os.getpid()}"
         self.resumed_from: Optional[str] = None
         self.wandb = WandbRun(args.wandb_project)
-        self._last_epoch = 0  # the last epoch logged: TensorBoard's step for the test figures
+        self._last_epoch = 0  # the last epoch (or evaluation step) logged: TensorBoard's step for the test figures
         self._wrote_start = False  # the start record is in --metrics_path
         self._writer = None  # TensorBoard's SummaryWriter, made at the first record
 
@@ -150,7 +170,8 @@ class RunLog:
                 f.write(json.dumps({**record, **stamp}) + "\n")
 
     def _tensorboard(self, record: dict) -> None:
-        """Write ``record``'s figures as TensorBoard scalars, step = epoch.
+        """Write ``record``'s figures as TensorBoard scalars, step = epoch (an
+        evaluation's record under --eval_every_steps: step = its optimizer step).
 
         The writer is made at this run's first record, with ``purge_step`` =
         that record's epoch: TensorBoard then hides points an earlier run wrote
@@ -160,8 +181,8 @@ class RunLog:
         """
         from torch.utils.tensorboard import SummaryWriter  # optional: checked before training
 
-        step = record["epoch"] if "epoch" in record else self._last_epoch  # test: at the end
-        self._last_epoch = record.get("epoch", self._last_epoch)
+        step = record.get("step", record.get("epoch", self._last_epoch))  # test: at the end
+        self._last_epoch = step
         if self._writer is None:
             self._writer = SummaryWriter(self.args.tensorboard_dir, purge_step=step)
         for key, tag in TENSORBOARD_TAGS.items():

@@ -214,6 +214,8 @@ class Recipe:
             self.scaler.load_state_dict(scaler)
         self.schedule.base_lrs = [self.args.lr for _ in self.optimizer.param_groups]
         factor, step = self.schedule.lr_lambdas[0], self.schedule.last_epoch
+        if step:  # the learning rate the last step took, as an unstopped run reports it
+            self.last_lr = self.args.lr * factor(step - 1)
         for group in self.optimizer.param_groups:  # loading the optimizer set the saved values
             group["lr"] = self.args.lr * factor(step)
             if group.get("decays", True):  # --decay_params matrices: biases and norms stay at 0

@@ -92,7 +92,8 @@ class WandbRun:
     def log(self, record: dict) -> None:
         """Send a metrics record to the run, if one was started here.
 
-        An epoch record becomes one history row at W&B step = its epoch,
+        An epoch record becomes one history row at W&B step = its epoch (an
+        evaluation's record under --eval_every_steps: its optimizer step),
         committed at once (wandb otherwise holds a row back until the next
         step, which a stopped run never logs). A resumed run starts after its
         snapshot, so it logs no epoch twice, except after a crash past the last
@@ -104,8 +105,8 @@ class WandbRun:
         if self.run is None:
             return
         figures = {key: value for key, value in record.items() if value is not None}
-        if "epoch" in record:
-            self.run.log(figures, step=record["epoch"], commit=True)
+        if "epoch" in record:  # an evaluation by steps (--eval_every_steps): at its optimizer step
+            self.run.log(figures, step=record.get("step", record["epoch"]), commit=True)
         else:
             self.run.summary.update(figures)
 
