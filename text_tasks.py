@@ -1,18 +1,28 @@
-"""The built-in language-model task, shakespeare_char: a character-level GPT on Tiny Shakespeare.
+"""The built-in language-model tasks: a character-level GPT on Tiny
+Shakespeare, and a GPT on any corpus tokenized the way nanoGPT tokenizes one.
 
 A task module like yours (docs/custom-task.md): ``common.TASKS`` names its
-function as ``"text_tasks:shakespeare_char_task"``, and ``common.load_task``
-imports it the way it imports ``--dataset my_module:my_task``.
+functions as ``"text_tasks:shakespeare_char_task"`` and
+``"text_tasks:token_file_task"``, and ``common.load_task`` imports them the
+way it imports ``--dataset my_module:my_task``.
 
   shakespeare_char  the 1,115,394 characters of Tiny Shakespeare (karpathy/char-rnn),
                     each character a token (65 of them); the first 90% to train,
                     the last 10% held out to validate, nanoGPT's split (no test
                     set); a ``gpt.GPT``; the cross-entropy in nats per character;
-                    nanoGPT's CPU recipe.
+                    nanoGPT's CPU recipe. Reads ``shakespeare_char/input.txt``
+                    under ``--data_dir``; with ``download`` (local rank 0 first,
+                    ``train_utils.downloaders_first``) it fetches a missing file
+                    from karpathy/char-rnn and checks its md5.
+  tokens            nanoGPT's token files in the folder ``--data_dir``:
+                    ``train.bin`` and ``val.bin`` (uint16 ids, memory-mapped,
+                    never read whole) and optionally ``meta.pkl`` (the
+                    vocabulary; else GPT-2's, padded to 50,304); a ``gpt.GPT``
+                    (GPT-2 small unless the size flags say otherwise); nanoGPT's
+                    GPT-2 recipe. Nothing is downloaded.
 
-Reads ``shakespeare_char/input.txt`` under ``--data_dir``; with ``download``
-(local rank 0 first, ``train_utils.downloaders_first``) it fetches a missing
-file from karpathy/char-rnn and checks its md5. See docs/language-model.md.
+Both cut the same windows (``TokenWindows``) from their tokens: a tensor in
+memory, or a ``TokenFile``. See docs/language-model.md.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import argparse
 import dataclasses
 import hashlib
 import os
+import pickle
 import socket
 import urllib.request
 from typing import Sequence
@@ -37,7 +48,7 @@ SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 SHAKESPEARE_BYTES = 1115394
 TRAIN_FRACTION = 0.9  # the first 90% of the text trains, the last 10% is held out (nanoGPT's split)
 # --model: the models this module's task function accepts (common.task_models).
-MODELS = {"shakespeare_char_task": ("gpt",)}
+MODELS = {"shakespeare_char_task": ("gpt",), "token_file_task": ("gpt",)}
 
 # The model's sizes (the --n_layer ... --dropout flags) and the recipe where no flag
 # says otherwise: nanoGPT's CPU recipe for this corpus (its README, "I only have a
@@ -51,6 +62,28 @@ SHAKESPEARE_RECIPE = {"optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0
                       "decay_params": "matrices", "lr_schedule": "cosine", "min_lr": 1e-4,
                       "warmup_steps": 100, "max_steps": 2000, "clip_grad_norm": 1.0, "batch_size": 12,
                       "log_every_steps": 100}
+
+
+# --dataset tokens: nanoGPT's token files (train.bin, val.bin, optionally meta.pkl) under --data_dir.
+TOKEN_FILES_HINT = ("make train.bin and val.bin (and meta.pkl for a vocabulary of your own) with nanoGPT's "
+                    "data/<name>/prepare.py and pass their folder as --data_dir (docs/language-model.md)")
+GPT2_VOCAB = 50257  # GPT-2's BPE tokens (tiktoken's "gpt2"): ids 0..50256, the last one <|endoftext|>
+GPT2_PADDED_VOCAB = 50304  # padded up to a multiple of 64, as nanoGPT pads it: faster matrix products
+UINT16_IDS = 1 << 16  # ids a uint16 file can hold
+# The model and recipe where no flag says otherwise: nanoGPT's train.py defaults,
+# its GPT-2 (124M) on OpenWebText recipe for one process: GPT-2 small's shape,
+# a 1,024-token context, batch 12, no dropout; AdamW lr 6e-4, betas (0.9,
+# 0.95), weight decay 0.1 on matrices only, 2,000 warm-up steps, cosine to
+# 6e-5 at step 600,000, gradients clipped to norm 1; an evaluation every
+# 2,000 steps over 2,400 held-out windows (its eval_interval, and eval_iters
+# 200 of batch 12). Its global batch of ~0.5M tokens (12 x 1,024 x 40
+# micro-batches) is --global_batch_size 480: docs/language-model.md.
+TOKEN_MODEL = GPTConfig(block_size=1024, vocab_size=GPT2_PADDED_VOCAB, n_layer=12, n_head=12, n_embd=768,
+                        dropout=0.0)
+TOKEN_RECIPE = {"optimizer": "adamw", "lr": 6e-4, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1,
+                "decay_params": "matrices", "lr_schedule": "cosine", "min_lr": 6e-5, "warmup_steps": 2000,
+                "max_steps": 600000, "clip_grad_norm": 1.0, "batch_size": 12, "log_every_steps": 10,
+                "eval_every_steps": 2000, "eval_windows": 2400}
 
 
 class CharVocabulary:
@@ -78,30 +111,38 @@ class CharVocabulary:
         return "".join(self.chars[int(i)] for i in ids)
 
 
-class CharWindows(Dataset):
-    """(context, next characters) windows of a token sequence: item i is
-    (x, y), both int64 (block_size,), x = tokens[s : s + block_size] and y =
-    tokens[s + 1 : s + block_size + 1] (y[t] is the character after x[t]).
+class TokenWindows(Dataset):
+    """(context, next tokens) windows of a token sequence: item i is (x, y),
+    both int64 (block_size,), x = tokens[s : s + block_size] and y =
+    tokens[s + 1 : s + block_size + 1] (y[t] is the token after x[t]).
+
+    ``tokens``: the sequence, an int64 (N,) tensor in memory
+    (--dataset shakespeare_char) or a ``TokenFile`` read where the windows
+    are (--dataset tokens, a file of any size): one window sampler, two
+    sources, the same windows of the same ids either way.
 
     Held out (``shift=False``): s = i x block_size, so the windows tile the
-    sequence without overlap and every character but the last few is a
-    target exactly once. Training (``shift=True``): s = i x block_size + r,
-    r drawn uniformly from [0, block_size) for each item at each fetch, from
-    torch's default generator (as torchvision's RandomCrop draws its crops;
-    the kit's snapshots save that generator's state, so a resumed run draws
-    the same): an epoch still covers the text once on average, but a window
-    starts at any character, as nanoGPT's random offsets do, instead of the
-    same len() windows every epoch, which a model of some millions of
-    parameters learns by heart within a few epochs. ``__getitems__`` cuts a
-    whole batch in one indexing op, returning ``common.Batch((x, y))``,
-    int64 (B, block_size) each. Raises ConfigError when ``tokens`` (int64
-    (N,)) is too short for one window.
+    sequence without overlap and every token but the last few is a target
+    exactly once. Training (``shift=True``): s = i x block_size + r, r drawn
+    uniformly from [0, block_size) for each item at each fetch, from torch's
+    default generator (as torchvision's RandomCrop draws its crops; the kit's
+    snapshots save that generator's state, so a resumed run draws the same):
+    an epoch still covers the sequence once on average, but a window starts
+    at any token, as nanoGPT's random offsets do, instead of the same len()
+    windows every epoch, which a model of some millions of parameters learns
+    by heart within a few epochs. ``__getitems__`` cuts a whole batch at
+    once, returning ``common.Batch((x, y))``, int64 (B, block_size) each.
+    Raises ConfigError when the sequence is too short for one window
+    (``name``: what it is, for the message).
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, shift: bool = False) -> None:
+    def __init__(self, tokens, block_size: int, shift: bool = False, name: str = "a text") -> None:
         if len(tokens) < block_size + 1 + (block_size - 1 if shift else 0):
-            raise ConfigError(f"a text of {len(tokens)} characters is too short for one window of "
-                              f"--block_size {block_size} (+1 for the targets); pass a smaller --block_size")
+            unit = "characters" if isinstance(tokens, torch.Tensor) else "tokens"
+            raise ConfigError(f"{name} of {len(tokens)} {unit} is too short for one window of "
+                              f"--block_size {block_size} (+1 for the targets"
+                              f"{', + up to block_size - 1 for the random offset' if shift else ''}); "
+                              f"pass a smaller --block_size")
         self.tokens, self.block_size, self.shift = tokens, block_size, shift
         self._offsets = torch.arange(block_size + 1)
 
@@ -118,8 +159,78 @@ class CharWindows(Dataset):
         starts = torch.tensor(indices, dtype=torch.int64) % len(self) * self.block_size
         if self.shift:
             starts += torch.randint(self.block_size, starts.shape)
-        rows = self.tokens[starts[:, None] + self._offsets]  # (B, block_size + 1)
+        if isinstance(self.tokens, torch.Tensor):
+            rows = self.tokens[starts[:, None] + self._offsets]  # (B, block_size + 1)
+        else:
+            rows = self.tokens.rows(starts, self.block_size + 1)
         return Batch((rows[:, :-1], rows[:, 1:]))
+
+
+class TokenFile:
+    """A file of token ids, uint16, back to back (nanoGPT's ``train.bin`` and
+    ``val.bin``, as its ``data/<name>/prepare.py`` scripts write them with
+    numpy's ``tofile``: native byte order, little-endian on x86 and ARM),
+    read where the windows are, never whole.
+
+    ``len()``: its tokens (bytes / 2). ``rows(starts, width)``: int64 (B,
+    width), row b the ``width`` tokens from token ``starts[b]`` on (``starts``
+    int64 (B,)). The file is memory-mapped (``torch.from_file``, private and
+    read-only: nothing is written back) at the first ``rows`` in each
+    process, so only the pages a window touches are read and held, and the
+    operating system shares them between the processes of a node. Pickling
+    it (a DataLoader worker started by a fork server gets a pickled dataset)
+    sends the path, not the map: a mapped tensor sent to a worker would be
+    copied whole into shared memory. The ids are mapped as int16 (what every
+    supported torch indexes) and read back as uint16 (0..65535).
+
+    Raises ConfigError (one line) for a missing file or an odd number of bytes.
+    """
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--dataset tokens: no {path}; {TOKEN_FILES_HINT}")
+        size = os.path.getsize(path)
+        if size % 2:
+            raise ConfigError(f"--dataset tokens: {path} has {size:,} bytes, an odd number: not uint16 token "
+                              f"ids (2 bytes each, as nanoGPT's prepare.py writes them); {TOKEN_FILES_HINT}")
+        self.path, self.length = path, size // 2
+        self._tokens = None  # the map, made in each process at its first read
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "length": self.length}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.length, self._tokens = state["path"], state["length"], None
+
+    def rows(self, starts: torch.Tensor, width: int) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = torch.from_file(self.path, shared=False, size=self.length, dtype=torch.int16)
+        rows = self._tokens[starts[:, None] + torch.arange(width)]
+        return rows.to(torch.int64) & 0xFFFF
+
+    def sample(self, chunks: int = 32, chunk_tokens: int = 1 << 16) -> tuple[int, int]:
+        """(the largest id, its token index) in ``chunks`` stretches of
+        ``chunk_tokens`` tokens spread evenly over the file, its first and
+        its last included: read with plain file reads (no map, so none of it
+        stays in this process's memory), at most 2 x chunks x chunk_tokens
+        bytes whatever the file's size; (-1, -1) for an empty file."""
+        if not self.length:
+            return -1, -1
+        step = max(1, (self.length - chunk_tokens) // max(1, chunks - 1))
+        firsts = sorted({min(i * step, max(0, self.length - chunk_tokens)) for i in range(chunks)})
+        largest, where = -1, -1
+        with open(self.path, "rb") as f:
+            for first in firsts:
+                f.seek(2 * first)
+                data = f.read(2 * min(chunk_tokens, self.length - first))
+                ids = torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int64) & 0xFFFF
+                top = int(ids.argmax())
+                if int(ids[top]) > largest:
+                    largest, where = int(ids[top]), first + top
+        return largest, where
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -183,14 +294,14 @@ def read_corpus(data_dir: str, download: bool) -> str:
         raise ConfigError(f"shakespeare_char: cannot read {path} as UTF-8 text ({exc})") from None
 
 
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    """The GPT's sizes: ``SHAKESPEARE_MODEL`` with each of ``SIZE_FLAGS`` that
-    ``args`` sets (the flags) in its place; the rungs, which have no such
-    flags, get the defaults. Checked by ``GPTConfig``: raises ConfigError
-    (one line) for n_embd not a multiple of n_head, a size < 1 or a dropout
-    outside [0, 1)."""
+def model_config(args: argparse.Namespace, defaults: GPTConfig = SHAKESPEARE_MODEL) -> GPTConfig:
+    """The GPT's sizes: ``defaults`` (the task's) with each of ``SIZE_FLAGS``
+    that ``args`` sets (the flags) in its place; the rungs, which have no
+    such flags, get the defaults. Checked by ``GPTConfig``: raises
+    ConfigError (one line) for n_embd not a multiple of n_head, a size < 1 or
+    a dropout outside [0, 1)."""
     given = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name, None) is not None}
-    return dataclasses.replace(SHAKESPEARE_MODEL, **given)
+    return dataclasses.replace(defaults, **given)
 
 
 def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
@@ -202,7 +313,7 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     losses compare); the held-out part is the validation set, and there is no
     test set (``Task.test_set`` None: no test line), as nanoGPT's split has
     none: a test line over the same text would repeat the last validation
-    loss. Samples: ``CharWindows`` of --block_size characters (training: each
+    loss. Samples: ``TokenWindows`` of --block_size characters (training: each
     shifted by a random 0..block_size-1 characters; held out: tiling the text);
     int64 (B, block_size) contexts and next characters. Model: ``gpt.GPT``
     of the --n_layer --n_head --n_embd --block_size --dropout flags
@@ -222,8 +333,133 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     tokens = torch.tensor(vocabulary.encode(text), dtype=torch.int64)
     split = int(len(tokens) * TRAIN_FRACTION)
     block_size = config.block_size
-    train, held_out = CharWindows(tokens[:split], block_size, shift=True), CharWindows(tokens[split:], block_size)
+    train = TokenWindows(tokens[:split], block_size, shift=True, name="the training text")
+    held_out = TokenWindows(tokens[split:], block_size, name="the held-out text")
     model = GPT(dataclasses.replace(config, vocab_size=len(vocabulary)))
     return Task(train, held_out, None, model, lm_loss, classification=False,
                 recipe=dict(SHAKESPEARE_RECIPE), tokens_per_sample=block_size,
                 decode=vocabulary.decode, encode=vocabulary.encode)
+
+
+# --------------------------------------------------------------------------
+# tokens: nanoGPT's token files, memory-mapped
+# --------------------------------------------------------------------------
+
+class _PlainValues(pickle.Unpickler):
+    """An unpickler of plain values only (dicts, lists, strings, numbers: what
+    nanoGPT's meta.pkl holds): it imports nothing, so a meta.pkl made to run
+    code when loaded is refused instead."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain values are read")
+
+
+def read_meta(path: str) -> dict:
+    """nanoGPT's ``meta.pkl`` at ``path`` (``prepare.py`` of a character-level
+    corpus writes it): a dict with ``vocab_size`` (an int, 1..65,536: the
+    ids a uint16 file holds) and, for a vocabulary that can be written out,
+    ``itos`` {id: string} and ``stoi`` {string: id}. Read without running
+    code (``_PlainValues``). Raises ConfigError (one line) for a file that is
+    not such a dict."""
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainValues(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
+        raise ConfigError(f"--dataset tokens: cannot read {path} as nanoGPT's meta.pkl ({exc}); "
+                          f"{TOKEN_FILES_HINT}") from None
+    vocab_size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if type(vocab_size) is not int or not 1 <= vocab_size <= UINT16_IDS:
+        raise ConfigError(f"--dataset tokens: {path} gives no vocab_size from 1 to {UINT16_IDS:,} (it holds "
+                          f"{vocab_size!r}); nanoGPT's meta.pkl is a dict with the vocabulary's size as "
+                          f"'vocab_size', and uint16 files hold ids below {UINT16_IDS:,}")
+    return meta
+
+
+def check_token_ids(files: Sequence[TokenFile], vocab_size: int, vocabulary: str) -> None:
+    """Raise ConfigError (one line) when a sample of each file's ids
+    (``TokenFile.sample``: its first and last tokens and 30 stretches
+    between, 128 KB a stretch) holds one outside 0..vocab_size - 1
+    (``vocabulary``: where that size comes from, for the message): a file of
+    another tokenizer, or not token ids at all. A sample, not the whole file:
+    a corpus of billions of tokens is checked in milliseconds."""
+    for tokens in files:
+        largest, where = tokens.sample()
+        if largest >= vocab_size:
+            raise ConfigError(f"--dataset tokens: {tokens.path} holds token id {largest} (token {where:,}), "
+                              f"outside the vocabulary of {vocab_size:,} ({vocabulary}); a file of another "
+                              f"tokenizer? Put the meta.pkl of its prepare.py beside it, or {TOKEN_FILES_HINT}")
+
+
+def token_file_task(args: argparse.Namespace, download: bool) -> Task:
+    """``--dataset tokens``: a corpus tokenized the way nanoGPT's
+    ``data/<name>/prepare.py`` scripts write it, in the folder --data_dir:
+    ``train.bin`` and ``val.bin``, uint16 token ids back to back, each
+    memory-mapped (``TokenFile``: a file of any size, read where the windows
+    are), and optionally ``meta.pkl``.
+
+    Vocabulary: ``meta.pkl``'s ``vocab_size`` when it is there (its
+    ``itos``/``stoi`` give ``decode``/``encode``, so --sample_chars writes
+    text), else GPT-2's 50,257 tokens, the model's embedding padded to
+    50,304 (nanoGPT's choice; no ``decode``: GPT-2's BPE is not part of the
+    kit). The ids are checked against it on a sample of each file
+    (``check_token_ids``). Samples: ``TokenWindows`` of --block_size tokens,
+    the training ones at a random offset (the character task's windows, so
+    an epoch visits ``train.bin`` once), the held-out ones tiling ``val.bin``
+    (the validation set; no test set). Model: ``gpt.GPT`` of the
+    --n_layer --n_head --n_embd --block_size --dropout flags
+    (``TOKEN_MODEL``'s where unset: GPT-2 small); loss ``lm_loss`` (nats per
+    token); recipe ``TOKEN_RECIPE`` (nanoGPT's train.py defaults, with an
+    evaluation every 2,000 steps over 2,400 held-out windows). Nothing is
+    downloaded (``download`` is unused). Raises ConfigError (one line) for
+    a missing file or folder, a file of an odd number of bytes or too short
+    for one window, a bad meta.pkl, an id outside the vocabulary, a model
+    other than ``gpt`` and bad sizes.
+    """
+    choose_model(args, MODELS["token_file_task"])
+    config = model_config(args, TOKEN_MODEL)
+    for name in SIZE_FLAGS:  # the sizes used, in the run's config (and its snapshots)
+        setattr(args, name, getattr(config, name))
+    if not os.path.isdir(args.data_dir):
+        raise ConfigError(f"--dataset tokens: --data_dir {args.data_dir} is not a folder; {TOKEN_FILES_HINT}")
+    train_file, val_file = (TokenFile(os.path.join(args.data_dir, name)) for name in ("train.bin", "val.bin"))
+    meta_path = os.path.join(args.data_dir, "meta.pkl")
+    decode = encode = None
+    if os.path.isfile(meta_path):
+        meta = read_meta(meta_path)
+        vocab_size = model_vocab = meta["vocab_size"]
+        vocabulary = f"vocab_size of {meta_path}"
+        itos, stoi = meta.get("itos"), meta.get("stoi")
+        if isinstance(itos, dict) and isinstance(stoi, dict):
+            words = MetaVocabulary(itos, stoi)
+            decode, encode = words.decode, words.encode
+    else:
+        vocab_size, model_vocab = GPT2_VOCAB, GPT2_PADDED_VOCAB
+        vocabulary = f"GPT-2's, as no {meta_path} gives another"
+    check_token_ids((train_file, val_file), vocab_size, vocabulary)
+    block_size = config.block_size
+    train = TokenWindows(train_file, block_size, shift=True, name=f"--dataset tokens: {train_file.path}")
+    held_out = TokenWindows(val_file, block_size, name=f"--dataset tokens: {val_file.path}")
+    model = GPT(dataclasses.replace(config, vocab_size=model_vocab))
+    return Task(train, held_out, None, model, lm_loss, classification=False, recipe=dict(TOKEN_RECIPE),
+                tokens_per_sample=block_size, decode=decode, encode=encode)
+
+
+class MetaVocabulary:
+    """A meta.pkl's vocabulary: ``itos`` {id: string}, ``stoi`` {string: id}
+    (nanoGPT's character-level prepare.py: one character per id)."""
+
+    def __init__(self, itos: dict, stoi: dict) -> None:
+        self.itos, self.stoi = itos, stoi
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids ``ids`` (ints, or a 1-D integer tensor); an id
+        meta.pkl does not name is left out."""
+        return "".join(self.itos.get(int(i), "") for i in ids)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, one per character. Raises ConfigError (one
+        line) for a character meta.pkl's ``stoi`` does not hold."""
+        try:
+            return [self.stoi[char] for char in text]
+        except KeyError as exc:
+            raise ConfigError(f"the character {exc.args[0]!r} is not in meta.pkl's vocabulary") from None

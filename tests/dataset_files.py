@@ -77,6 +77,32 @@ def build_shakespeare_root(root: Path, chars: int = 0) -> Path:
     return root
 
 
+def build_token_files(folder: Path, chars: int = 0) -> Path:
+    """``folder`` holding Tiny Shakespeare (its first ``chars`` characters, or
+    all) as nanoGPT's ``data/shakespeare_char/prepare.py`` writes it, for
+    --dataset tokens: the sorted set of the text's characters numbered from
+    0 (``stoi``/``itos``), the first 90% of the text as ``train.bin`` and the
+    rest as ``val.bin`` (each part encoded alone, as prepare.py does), uint16
+    ids in native byte order (numpy's ``tofile``; Python's array "H" writes
+    the same bytes), and ``meta.pkl`` = {"vocab_size", "itos", "stoi"}."""
+    import array
+    import pickle
+
+    text = require_tinyshakespeare().read_text(encoding="utf-8")
+    data = text[:chars] if chars else text
+    chars_sorted = sorted(set(data))
+    stoi = {ch: i for i, ch in enumerate(chars_sorted)}
+    itos = {i: ch for i, ch in enumerate(chars_sorted)}
+    n = len(data)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train.bin", data[:int(n * 0.9)]), ("val.bin", data[int(n * 0.9):])):
+        with open(folder / name, "wb") as f:
+            array.array("H", [stoi[c] for c in part]).tofile(f)
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars_sorted), "itos": itos, "stoi": stoi}, f)
+    return folder
+
+
 # --------------------------------------------------------------------------
 # CIFAR-10 in its real python-pickle format
 # --------------------------------------------------------------------------

@@ -92,7 +92,8 @@ def test_built_in_tasks_are_found_the_way_a_users_task_is(tmp_path, monkeypatch)
     a built-in name at another module's function makes --dataset mnist build that."""
     assert common.TASKS == {"synthetic": "common:synthetic_task", "mnist": "vision_tasks:mnist_task",
                             "cifar10": "vision_tasks:cifar10_task",
-                            "shakespeare_char": "text_tasks:shakespeare_char_task"}
+                            "shakespeare_char": "text_tasks:shakespeare_char_task",
+                            "tokens": "text_tasks:token_file_task"}
     assert list(common.TASKS)[0] == "synthetic"  # the default of --dataset
     assert common.task_function(common.TASKS["mnist"]) is vision_tasks.mnist_task
     assert common.task_function(common.TASKS["cifar10"]) is vision_tasks.cifar10_task
@@ -112,7 +113,8 @@ def test_each_task_module_says_its_models_and_the_help_reads_them(tmp_path, monk
     its module's MODELS, keyed by the task function; a task whose module
     lists none, or is not there, is left out rather than stopping the command line."""
     assert common.task_models() == {"synthetic": ("mlp", "linear"), "mnist": ("cnn",),
-                                    "cifar10": vision_tasks.CIFAR10_MODELS, "shakespeare_char": ("gpt",)}
+                                    "cifar10": vision_tasks.CIFAR10_MODELS, "shakespeare_char": ("gpt",),
+                                    "tokens": ("gpt",)}
     (tmp_path / "listed_task.py").write_text("MODELS = {'build': ('small', 'large')}\ndef build(args, download): pass\n"
                                              "def other(args, download): pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))

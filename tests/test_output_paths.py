@@ -229,7 +229,8 @@ def test_help_sends_your_task_to_its_own_file_and_lists_each_tasks_models(tmp_pa
     text = " ".join(check(run([sys.executable, REPO / "train.py", "--help"], tmp_path)).stdout.split())
     assert "common.py" not in text and "docs/custom-task.md" in text
     assert ("model for the task: synthetic mlp, linear; mnist cnn; cifar10 resnet18, resnet50, "
-            "resnet18_imagenet, resnet50_imagenet; shakespeare_char gpt; your own task: what its task function "
+            "resnet18_imagenet, resnet50_imagenet; shakespeare_char gpt; tokens gpt; your own task: what its "
+            "task function "
             "accepts") in text
 
 
