@@ -1,0 +1,380 @@
+"""--dataset tokens: nanoGPT's token files (train.bin, val.bin, meta.pkl),
+memory-mapped and cut into the character task's windows; evaluation every N
+steps over a fixed set of held-out windows (--eval_every_steps,
+--eval_windows) with the best validation loss kept; GPT-2's sizes.
+
+In process: the task against --dataset shakespeare_char on the same text
+(the same windows, vocabulary and model), its one-line errors, GPT-2 small
+with the padded vocabulary, the held-out subset and the step evaluations'
+bookkeeping. End to end (2 ranks, a tiny GPT): the same epoch lines and
+weights as the character task; a run stopped mid-interval and during an
+evaluation resumes bitwise (DDP), and mid-interval under FSDP; a token file
+of gigabytes trains in a small fraction of its size in memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import re
+import signal
+
+import pytest
+import torch
+
+import common
+import recipes
+import text_tasks
+from dataset_files import build_shakespeare_root, build_token_files
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, full_state, run, signal_when,
+                     snapshot_folder, snapshot_tensors, task_args)
+
+TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
+# The character task's CPU recipe, every flag given, so that both tasks train by the same flags.
+RECIPE = ["--batch_size", "8", "--lr", "1e-3", "--beta2", "0.99", "--min_lr", "1e-4", "--warmup_steps", "10",
+          "--dropout", "0.1", "--log_every_steps", "0"]
+KIT = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
+CHARS = 20000  # the corpus's first 20,000 characters: 1,124 training windows of 16, 70 steps an epoch at 2 x 8
+
+
+def lm_args(dataset: str, data_dir, **flags) -> argparse.Namespace:
+    """What train.py passes common.load_task, no recipe flag given."""
+    return task_args(dataset, data_dir, **{**{name: None for name in recipes.RECIPE_DEFAULTS}, **flags})
+
+
+def tiny(**flags) -> dict:
+    return dict(n_layer=1, n_head=2, n_embd=32, block_size=16, **flags)
+
+
+# --------------------------------------------------------------------------
+# The task, in process
+# --------------------------------------------------------------------------
+
+def test_token_files_are_the_character_tasks_text_read_where_the_windows_are(tmp_path):
+    """Tiny Shakespeare as nanoGPT's shakespeare_char/prepare.py writes it:
+    the token task has the character task's vocabulary (meta.pkl), split,
+    windows (the same random offsets from the same seed), held-out windows
+    and initial weights. A pickled TokenFile (what a DataLoader worker gets)
+    is its path, not its tokens, and reads the same. The defaults are
+    nanoGPT's train.py (its GPT-2 recipe)."""
+    chars = build_shakespeare_root(tmp_path / "chars")
+    tokens = build_token_files(tmp_path / "tokens")
+    torch.manual_seed(0)
+    char_task = common.load_task(lm_args("shakespeare_char", chars, **tiny()), download=False)
+    torch.manual_seed(0)
+    args = lm_args("tokens", tokens, **tiny())
+    token_task = common.load_task(args, download=False)
+    assert token_task.decode(range(65)) == char_task.decode(range(65))
+    assert token_task.encode("ROMEO:\n") == char_task.encode("ROMEO:\n")
+    assert (len(token_task.train_set), len(token_task.val_set)) == (len(char_task.train_set), len(char_task.val_set))
+    last = len(token_task.train_set) - 1
+    windows = []
+    for task in (char_task, token_task):
+        torch.manual_seed(1)
+        windows.append([*task.train_set.__getitems__([0, 7, 4000, last]),
+                        *task.val_set.__getitems__([0, 1, len(task.val_set) - 1])])
+    for a, b in zip(*windows):
+        assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(char_task.model.state_dict().values(),
+                                                 token_task.model.state_dict().values()))
+    train_file = token_task.train_set.tokens
+    assert isinstance(train_file, text_tasks.TokenFile) and len(train_file) == int(1115394 * 0.9)
+    sent = pickle.dumps(train_file)
+    assert len(sent) < 500 and str(tokens / "train.bin").encode() in sent
+    again = pickle.loads(sent)
+    assert again._tokens is None  # mapped where it is read
+    starts = torch.tensor([0, 5, len(train_file) - 3])
+    assert torch.equal(again.rows(starts, 3), train_file.rows(starts, 3))
+    assert token_task.test_set is None and token_task.tokens_per_sample == 16
+    assert {name: getattr(args, name) for name in text_tasks.TOKEN_RECIPE} == text_tasks.TOKEN_RECIPE
+
+
+def _write(path, ids) -> None:
+    import array
+
+    with open(path, "wb") as f:
+        array.array("H", ids).tofile(f)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch ran.txt",))
+
+
+def test_bad_token_files_are_one_line_each_and_left_as_they_are(tmp_path, monkeypatch):
+    """A missing folder or file, an odd number of bytes, a meta.pkl that is no
+    vocabulary (or is made to run code: refused, the code not run), an id
+    outside the vocabulary (meta.pkl's, or GPT-2's 50,257 without one), a
+    file too short for one window: one ConfigError line each, naming the
+    file; no file written or changed."""
+    monkeypatch.chdir(tmp_path)
+    good = build_token_files(tmp_path / "good", chars=4000)
+    cases = []
+
+    def case(name, error, **flags):
+        folder = tmp_path / name
+        folder.mkdir()
+        for part in ("train.bin", "val.bin", "meta.pkl"):
+            (folder / part).write_bytes((good / part).read_bytes())
+        cases.append((folder, error, flags))
+        return folder
+
+    (case("no_val", r"no .*no_val/val.bin; make train.bin and val.bin .* nanoGPT's data/<name>/prepare.py")
+     / "val.bin").unlink()
+    with open(case("odd", r"odd/train.bin has 7,201 bytes, an odd number: not uint16 token ids") / "train.bin",
+              "ab") as f:
+        f.write(b"\0")
+    with open(case("unsafe", r"cannot read .*unsafe/meta.pkl as nanoGPT's meta.pkl \(it names posix.system")
+              / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": _Boom()}, f)
+    with open(case("no_size", r"no_size/meta.pkl gives no vocab_size from 1 to 65,536 \(it holds None\)")
+              / "meta.pkl", "wb") as f:
+        pickle.dump({"itos": {}}, f)
+    with open(case("small_vocab", r"small_vocab/train.bin holds token id \d+ \(token [\d,]+\), outside the "
+                   r"vocabulary of 20 \(vocab_size of .*meta.pkl\)") / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 20}, f)
+    gpt2 = case("gpt2", r"gpt2/val.bin holds token id 50257 \(token 3\), outside the vocabulary of 50,257 "
+                r"\(GPT-2's, as no .*meta.pkl gives another\)")
+    (gpt2 / "meta.pkl").unlink()
+    _write(gpt2 / "val.bin", [1, 2, 3, 50257] + [5] * 200)
+    _write(case("short", r"short/val.bin of 16 tokens is too short for one window of --block_size 16 "
+                r"\(\+1 for the targets\); pass a smaller --block_size") / "val.bin", [1] * 16)
+    cases.append((tmp_path / "absent", r"--data_dir .*absent is not a folder", {}))
+    for folder, error, flags in cases:
+        before = {p.name: p.read_bytes() for p in folder.iterdir()} if folder.is_dir() else None
+        with pytest.raises(common.ConfigError, match=error) as info:
+            common.load_task(lm_args("tokens", folder, **tiny(**flags)), download=False)
+        assert "\n" not in str(info.value) and str(info.value).startswith("--dataset tokens: ")
+        assert before is None or {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert not (tmp_path / "ran.txt").exists()
+
+
+def test_gpt2_small_with_the_padded_vocabulary_takes_a_step(tmp_path):
+    """Without meta.pkl, GPT-2's vocabulary: the default sizes are GPT-2
+    small's (12 layers, 12 heads, 768 wide, a 1,024-token context), the
+    embedding padded to 50,304 rows (nanoGPT's choice), 123.6M parameters
+    besides the position embedding; its loss on GPT-2 ids starts near a
+    uniform guess's, ln 50,304, and a backward pass gives every parameter
+    a gradient."""
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for name in ("train.bin", "val.bin"):
+        _write(folder / name, torch.randint(0, 50257, (3000,), generator=g).tolist())
+    torch.manual_seed(0)
+    task = common.load_task(lm_args("tokens", folder), download=False)
+    config = task.model.config
+    assert (config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size) == \
+        (12, 12, 768, 1024, 50304)
+    per_block = 2 * 768 + 768 * 3 * 768 + 768 * 768 + 2 * 768 * 4 * 768
+    assert task.model.num_parameters(embeddings=False) == 50304 * 768 + 12 * per_block + 768 == 123_587_328  # nanoGPT prints "123.59M"
+    assert task.decode is None and task.encode is None  # GPT-2's BPE is not part of the kit
+    x, y = task.train_set.__getitems__([0])
+    loss = task.loss_fn(task.model(x[:, :32]), y[:, :32])
+    assert abs(loss.item() - math.log(50304)) < 0.5
+    loss.backward()
+    assert all(p.grad is not None for p in task.model.parameters())
+
+
+def test_eval_windows_are_a_fixed_subset_and_step_evaluations_keep_the_best(one_process_group):
+    """--eval_windows: the same sorted subset from the same seed, another from
+    another seed, the whole set for 0 or more than it holds. Evaluations by
+    steps: due every N steps and at the last, once each; the record's
+    training loss is the interval's (carried over a snapshot), the best
+    validation loss and its step are kept, and a snapshot's state gives them
+    back."""
+    import train_utils
+
+    data = list(range(1000))
+    subset = train_utils.eval_subset(data, 40, seed=3)
+    assert list(subset.indices) == sorted(subset.indices) and len(set(subset.indices)) == 40
+    assert train_utils.eval_subset(data, 40, seed=3).indices == subset.indices
+    assert train_utils.eval_subset(data, 40, seed=4).indices != subset.indices
+    assert train_utils.eval_subset(data, 0, 3) is data and train_utils.eval_subset(data, 1000, 3) is data
+    evals = train_utils.StepEvaluations(25, 60, torch.device("cpu"))
+    assert [step for step in range(1, 61) if evals.due(step)] == [25, 50, 60]
+    assert not train_utils.StepEvaluations(0, 60, torch.device("cpu")).due(25)
+    evals.add(torch.tensor(2.0), 8)
+    evals.add(torch.tensor(4.0), 8)
+    first = evals.record(25, 2, (3.5, None))
+    assert (first["train_loss"], first["best_val_loss"], first["best_step"], first["samples"]) == (3.0, 3.5, 25, 16)
+    assert first["samples_per_s"] > 0 and not evals.due(25) and evals.due(50)
+    evals.add(torch.tensor(1.0), 8)
+    state = evals.state_dict()
+    resumed = train_utils.StepEvaluations(25, 60, torch.device("cpu"))
+    resumed.load_state_dict(state)
+    resumed.add(torch.tensor(3.0), 8)
+    second = resumed.record(50, 2, (3.7, None))
+    assert (second["train_loss"], second["best_val_loss"], second["best_step"]) == (2.0, 3.5, 25)
+    assert resumed.record(60, 2, (3.1, None))["best_step"] == 60
+    assert second["samples"] == 16 and second["samples_per_s"] > 0
+
+
+# --------------------------------------------------------------------------
+# End to end: parity with the character task, exact resume, memory
+# --------------------------------------------------------------------------
+
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| epoch (\d+)/(\d+) \| train_loss (\S+) \| val_loss (\S+) \| "
+                       r"best_val_loss (\S+) \| best_step (\d+)(?: \| samples/s \S+ \| tokens/s \S+ \| flop/s \S+)? \| "
+                       r"interval_s \S+ \| lr (\S+)$", re.M)
+
+
+def evaluations(text: str) -> list:
+    """(step, total, epoch, total epochs, train_loss, val_loss, best, best step, lr) of each evaluation line."""
+    return STEP_LINE.findall(text)
+
+
+def step_flags(data, dataset: str = "tokens", strategy: str = "ddp") -> list:
+    """A run of the first 20,000 characters evaluated every 25 steps over 40 held-out windows: 80 steps, 70 in
+    epoch 1; evaluations after steps 25, 50, 75 and 80 (the last)."""
+    return ["--dataset", dataset, "--data_dir", data, *TINY, *RECIPE, "--max_steps", "80",
+            "--eval_every_steps", "25", "--eval_windows", "40", "--strategy", strategy,
+            "--metrics_path", "metrics.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The data and the uninterrupted runs the tests below compare with: the
+    token files and the text of the corpus's first 20,000 characters, and
+    train.py (2 ranks) on each with ``step_flags``, DDP, and on the token
+    files under FSDP: {name: (folder, stdout)}, names "shakespeare_char",
+    "tokens", "tokens-fsdp"; and the two data folders."""
+    root = tmp_path_factory.mktemp("token_runs")
+    data = {"shakespeare_char": build_shakespeare_root(root / "chars", chars=CHARS),
+            "tokens": build_token_files(root / "tokens", chars=CHARS)}
+    runs = {}
+    for name, dataset, strategy in (("shakespeare_char", "shakespeare_char", "ddp"), ("tokens", "tokens", "ddp"),
+                                    ("tokens-fsdp", "tokens", "fsdp")):
+        folder = root / f"run_{name}"
+        folder.mkdir()
+        result = check(run(KIT + [REPO / "train.py", *step_flags(data[dataset], dataset, strategy)], folder))
+        runs[name] = (folder, result.stdout)
+    return runs, data
+
+
+def test_token_files_train_as_the_character_task_does(uninterrupted):
+    """train.py, 2 ranks, a tiny GPT with dropout: --dataset tokens on the
+    shakespeare_char layout of the corpus's first 20,000 characters and
+    --dataset shakespeare_char on the same text, with the same flags (80
+    steps, 70 of them in epoch 1, evaluated every 25 steps), print the same
+    summary lines, one an evaluation, and end with bitwise the same weights,
+    AdamW state, schedule and RNG states. The evaluation lines carry the
+    interval's training loss, the best validation loss and its step, and the
+    metrics records too; no epoch line."""
+    runs, _ = uninterrupted
+    lines = {name: [e[:9] for e in evaluations(runs[name][1])] for name in ("shakespeare_char", "tokens")}
+    assert [(e[0], e[1], e[2]) for e in lines["tokens"]] == [("25", "80", "1"), ("50", "80", "1"),
+                                                             ("75", "80", "2"), ("80", "80", "2")], runs["tokens"][1]
+    assert lines["tokens"] == lines["shakespeare_char"]
+    assert not epochs(runs["tokens"][1])  # an evaluation's line each, no epoch line
+    losses = [float(e[5]) for e in lines["tokens"]]
+    best = min(range(4), key=lambda i: losses[i])
+    assert float(lines["tokens"][-1][6]) == losses[best] and lines["tokens"][-1][7] == lines["tokens"][best][0]
+    records = [json.loads(line) for line in (runs["tokens"][0] / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in records] == [25, 50, 75, 80] and records[-1]["best_step"] == int(lines["tokens"][best][0])
+    assert [r["samples"] for r in records] == [400, 400, 400, 80]  # 25 steps x 16 windows; the last 5
+    (steps_a, a), (steps_b, b) = (snapshot_tensors(runs[name][0] / "snapshot_train.pt", rng=True)
+                                  for name in ("tokens", "shakespeare_char"))
+    assert steps_a == steps_b == 2 and a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwise(uninterrupted, tmp_path):
+    """DDP, 2 ranks, the run above. SIGTERM at step 37 (mid-interval; the
+    ranks stop after step 37 or 38), then, resumed, at step 50's evaluation
+    (every rank stops after one evaluation batch; the snapshot of step 50 is
+    saved): the third run evaluates step 50 first and trains on. Every
+    evaluation line is the uninterrupted run's but for speed (the training
+    loss over each interval too, carried through both stops; the best
+    validation loss and its step), each printed once, and the end is bitwise
+    the same: weights, AdamW's moments, the schedule, every rank's RNG state."""
+    runs, data = uninterrupted
+    straight, reference = runs["tokens"]
+    expected = [e[:9] for e in evaluations(reference)]
+    flags = step_flags(data["tokens"])
+    held = KIT + [FAULTY_TRAIN, *flags]
+    first = signal_when(held, tmp_path, "DDP_TEST_FAULT: wait_signal_once at step 37", signal.SIGTERM,
+                        DDP_TEST_FAULT="step:0:37:wait_signal_once")
+    # The stop comes after step 37 or 38: the ranks learn of it one poll later (an all-reduce in flight).
+    assert re.search(r"^epoch 1 step 3[78] \| snapshot saved", first, re.M), first
+    second = signal_when(held, tmp_path, "DDP_TEST_FAULT: wait_signal at evaluate 1", signal.SIGTERM,
+                         DDP_TEST_FAULT="evaluate:0:1:wait_signal")
+    assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 1 after step 3[78]\n", second), second
+    assert "epoch 1 step 50 | snapshot saved" in second and evaluations(second) == [], second
+    third = check(run(KIT + [REPO / "train.py", *flags], tmp_path)).stdout
+    assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 50" in third
+    assert [e[:9] for e in evaluations(first) + evaluations(third)] == expected
+    steps_a, a = snapshot_tensors(straight / "snapshot_train.pt", rng=True)
+    steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
+    assert steps_a == steps_b == 2 and a["lr_schedule.step"].item() == 80 and a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_an_fsdp_token_run_stopped_mid_interval_resumes_bitwise(uninterrupted, tmp_path):
+    """FSDP, 2 ranks, the run above stopped by SIGTERM at step 62 or 63
+    (between the evaluations of steps 50 and 75) and resumed: the same
+    evaluation lines, the interval's training loss carried through the
+    sharded snapshot, and bitwise the same end state."""
+    runs, data = uninterrupted
+    straight, reference = runs["tokens-fsdp"]
+    expected = [e[:9] for e in evaluations(reference)]
+    assert [e[0] for e in expected] == ["25", "50", "75", "80"]
+    flags = step_flags(data["tokens"], strategy="fsdp")
+    first = signal_when(KIT + [FAULTY_TRAIN, *flags], tmp_path, "DDP_TEST_FAULT: wait_signal_once at step 62",
+                        signal.SIGTERM, DDP_TEST_FAULT="step:0:62:wait_signal_once")
+    assert re.search(r"^epoch 1 step 6[23] \| snapshot saved", first, re.M), first
+    second = check(run(KIT + [REPO / "train.py", *flags], tmp_path)).stdout
+    assert "resuming from snapshot snapshot_train_fsdp/" in second
+    assert [e[:9] for e in evaluations(first) + evaluations(second)] == expected
+    assert_bitwise(*(full_state(snapshot_folder(folder / "snapshot_train_fsdp"), tmp_path / f"{name}-full")[1]
+                     for name, folder in (("straight", straight), ("stopped", tmp_path))))
+
+
+# The memory test's rank reports its peak resident memory (VmHWM: every page it
+# held at once, the file's mapped pages included) as it exits.
+PEAK_MEMORY_WRAPPER = '''import atexit, os, runpy, sys
+def report():
+    with open("/proc/self/status") as f:
+        peak = next(line for line in f if line.startswith("VmHWM:")).split()[1]
+    print(f"rank {os.environ['RANK']} peak_rss_kib {peak}", flush=True)
+atexit.register(report)
+sys.path[0] = REPO  # the project's modules, as when train.py runs itself
+sys.argv[0] = os.path.join(REPO, "train.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_a_token_file_of_gigabytes_trains_in_a_small_fraction_of_its_size(tmp_path):
+    import array
+
+    """An 8 GiB train.bin (a sparse file: a few real token ids, zeros between)
+    and 2 ranks of a tiny GPT with a 512-token context, 5 steps, a DataLoader
+    worker each: every rank's peak resident memory stays under a quarter of
+    the file, as the file is mapped, never read whole, and the worker maps
+    it itself (a map sent to it would be copied whole)."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    size = 8 << 30
+    with open(folder / "train.bin", "wb") as f:
+        f.truncate(size)
+        g = torch.Generator().manual_seed(0)
+        for where in (0, size // 3, size - 4096):
+            f.seek(where)
+            f.write(array.array("H", torch.randint(0, 65, (2048,), generator=g).tolist()).tobytes())
+    _write(folder / "val.bin", torch.randint(0, 65, (8192,)).tolist())
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65}, f)
+    (tmp_path / "peak_memory.py").write_text(PEAK_MEMORY_WRAPPER.replace("REPO", repr(str(REPO))))
+    result = check(run(KIT + [tmp_path / "peak_memory.py", "--dataset", "tokens", "--data_dir", folder,
+                              "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "512",
+                              "--batch_size", "4", "--max_steps", "5", "--eval_windows", "4", "--num_workers", "1",
+                              "--log_every_steps", "0"], tmp_path))
+    peaks = {int(rank): int(kib) * 1024 for rank, kib in re.findall(r"^rank (\d) peak_rss_kib (\d+)$",
+                                                                         result.stdout, re.M)}
+    print(f"train.bin {size / 2**30:.0f} GiB; peak resident memory per rank: "
+          f"{', '.join(f'rank {r} {p / 2**20:.0f} MiB' for r, p in sorted(peaks.items()))}")
+    assert sorted(peaks) == [0, 1], result.stdout
+    assert all(peak < size / 4 for peak in peaks.values()), peaks
+    assert (folder / "train.bin").stat().st_blocks * 512 < 1 << 20  # still sparse: nothing was written to it
