@@ -4,6 +4,7 @@ can start part-way, at the world size that stopped or another.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -46,19 +47,21 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self):
         # A tensor, not DistributedSampler's list: 8 bytes a sample, where a list of
-        # Python ints takes 36 and its slices copy it (a corpus of billions of tokens
-        # is millions of windows); the same order, its ints made as they are taken.
+        # Python ints takes 36 and its slices and padding copy it (a corpus of billions
+        # of tokens is millions of windows); the same order, its ints made as taken.
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             order = torch.randperm(len(self.dataset), generator=g)
         else:
             order = torch.arange(len(self.dataset))
-        rest, size = order[self.offset:], self._rest_size()
-        if size > len(rest):  # padded with the epoch's first samples, as DistributedSampler pads
-            padding = size - len(rest)
-            rest = torch.cat([rest, order.repeat(math.ceil(padding / len(order)))[:padding]])
-        return _ints(rest[:size][self.rank::self.num_replicas])
+        rest, size, ranks = order[self.offset:], self._rest_size(), self.num_replicas
+        if size <= len(rest):
+            return _ints(rest[:size][self.rank::ranks])
+        # Padded with the epoch's first samples, as DistributedSampler pads, without a
+        # copy of the order: this rank's positions of rest, then of the padding after it.
+        padding = order[torch.arange(size - len(rest)) % len(order)]
+        return itertools.chain(_ints(rest[self.rank::ranks]), _ints(padding[(self.rank - len(rest)) % ranks::ranks]))
 
     def __len__(self) -> int:
         return self._rest_size() // self.num_replicas
