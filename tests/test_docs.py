@@ -67,6 +67,9 @@ def covered_elsewhere(block: str):
     if "--dataset cifar10" in block:
         return ("tests/test_recipes.py runs docs/recipes.md's --dataset cifar10 commands as written on "
                 "CIFAR-10-shaped files (CIFAR-10 cannot be downloaded here)")
+    if "--dataset tokens" in block and not block.lstrip().startswith("sbatch"):
+        return ("--dataset tokens needs nanoGPT's token files and trains for minutes to days; "
+                "tests/test_token_files.py trains it on Tiny Shakespeare's shakespeare_char files")
     if "--dataset shakespeare_char" in block:
         return ("the language-model recipes train for minutes to hours; tests/test_language_model.py trains "
                 "the GPT with the task's recipe in train.py and in a rung on a slice of the corpus")

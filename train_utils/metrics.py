@@ -66,10 +66,10 @@ def metrics_line(record: dict) -> str:
       known, mfu on a GPU of known peak: ``throughput_figures``; skipped_steps
       only under fp16, peak_mem_mib only on CUDA); under --eval_every_steps
     one line per evaluation instead (``StepEvaluations.record``):
-      ``step 2000/600000 | epoch 1/33 | train_loss 3.123456 | val_loss
-      3.234567 | best_val_loss 3.234567 | best_step 2000 | samples/s 950.1 |
-      tokens/s 972902.4 | flop/s 7.23e+14 | mfu 0.2896 | interval_s 1052.31 |
-      lr 0.0006`` (the same parts, over the steps since the last evaluation,
+      ``step 25/80 | epoch 1/2 | train_loss 3.856027 | val_loss 3.663554 |
+      best_val_loss 3.663554 | best_step 25 | samples/s 1161.2 | tokens/s
+      18579.5 | flop/s 1.7e+09 | interval_s 0.34 | lr 0.000914058`` (the
+      same parts, val_acc and mfu included, over the steps since the last evaluation,
       and the lowest validation loss so far with its step; no speed parts on
       an evaluation a resumed run redoes before training); the final test record:
     ``test | loss 0.012345 | acc 0.9600``.
