@@ -135,6 +135,8 @@ QUICK = [
     "test_language_model.py::test_gpt_shapes_tying_initialisation_and_causality",
     "test_language_model.py::test_gpt_sizes_are_one_config_checked_where_it_is_made",
     "test_language_model.py::test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule",
+    "test_token_files.py::test_token_files_are_the_character_tasks_text_read_where_the_windows_are",  # nanoGPT's
+    "test_token_files.py::test_bad_token_files_are_one_line_each_and_left_as_they_are",  # token files, in process
     "test_lm_kit.py::test_flops_per_token_is_6n_plus_attention_with_nanogpts_n",  # the kit's LM parts, in-process
     "test_lm_kit.py::test_tokens_flops_and_mfu_figures",
     "test_lm_kit.py::test_fsdp_units_are_the_transformer_blocks_and_a_tied_weight_stays_in_the_root",
@@ -212,9 +214,9 @@ CLUSTER_FILES = ("test_container.py", "test_slurm.py", "test_stop_paths.py")
 # Longest first ends the two test processes within a short file of each other.
 LONGEST_FIRST = (
     "test_fault_tolerance.py", "test_fsdp.py", "test_docs.py", "test_performance.py", "test_recipes.py",
-    "test_reruns_and_errors.py", "test_ladder.py", "test_output_paths.py", "test_parity.py", "test_wandb.py",
-    "test_distributed_correctness.py", "test_start_and_stop.py", "test_resize.py", "test_token_files.py", "test_language_model.py",
-    "test_lm_kit.py",
+    "test_reruns_and_errors.py", "test_ladder.py", "test_output_paths.py", "test_token_files.py",
+    "test_parity.py", "test_wandb.py",
+    "test_distributed_correctness.py", "test_start_and_stop.py", "test_resize.py", "test_language_model.py", "test_lm_kit.py",
     "test_loaders.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py",
     "test_elastic.py", "test_train_utils.py", "test_metrics.py", "test_real_data.py", "test_common.py",
     "test_claims.py", "test_slurm_wrappers.py", "test_package_map.py", "test_task_batching.py",

@@ -43,6 +43,14 @@ EPOCH_LINE = re.compile(
     r"(?: \| lr (?P<lr>\S+))?(?: \| skipped_steps (?P<skipped_steps>\d+))?"  # skipped: fp16 only
     r"(?: \| peak_mem_mib (?P<peak_mem_mib>\S+))?$", re.M)  # peak memory: CUDA only
 TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)
+# An evaluation's line under --eval_every_steps (train_utils.metrics.STEP_LINE_PARTS), as
+# the tiny GPTs of the tests print it on a CPU: no val_acc, no mfu; no speed figures on an
+# evaluation a resumed run redoes before training.
+STEP_LINE = re.compile(
+    r"^step (?P<step>\d+)/(?P<total_steps>\d+) \| epoch (?P<epoch>\d+)/(?P<total>\d+) \| "
+    r"train_loss (?P<train_loss>\S+) \| val_loss (?P<val_loss>\S+) \| best_val_loss (?P<best_val_loss>\S+) \| "
+    r"best_step (?P<best_step>\d+)(?: \| samples/s \S+ \| tokens/s \S+ \| flop/s \S+)? \| interval_s \S+ \| "
+    r"lr (?P<lr>\S+)$", re.M)
 
 
 def free_port() -> int:
@@ -93,6 +101,12 @@ def epochs(stdout: str) -> list[dict]:
     """The epoch summary lines of a run, as dicts of floats."""
     return [{k: float(v) for k, v in m.groupdict().items() if v is not None}
             for m in EPOCH_LINE.finditer(stdout)]
+
+
+def evaluations(stdout: str) -> list[dict]:
+    """The evaluation lines of a run under --eval_every_steps, as dicts of their
+    figures but for speed (strings as printed: equal lines, equal dicts)."""
+    return [m.groupdict() for m in STEP_LINE.finditer(stdout)]
 
 
 def parse_test(stdout: str) -> dict:

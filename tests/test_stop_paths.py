@@ -19,7 +19,10 @@ No signal is sent by hand:
   task (requeued as ``<id>_7``), and once with the warning after the last
   epoch;
 - ``scontrol requeue`` (once while the ranks start), and ``scancel``;
-- a sweep submitted from one folder, and the same command twice.
+- a sweep submitted from one folder, and the same command twice;
+- a language model on nanoGPT's token files (``--dataset tokens``),
+  evaluated every 20 steps, whose time-limit warning lands between two
+  evaluations (``multi_node.sh`` on the two hosts of partition ``multi``).
 
 Every job runs train.py with 2 ranks, so one uninterrupted run of it is the
 reference for all. ``--snapshot_every_steps`` is left unset, so only the
@@ -45,10 +48,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, assert_same_snapshot, epochs, parse_test, script_env, \
-    wrapper_snapshot
+from dataset_files import build_token_files
+from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, assert_same_snapshot, epochs, evaluations, parse_test, \
+    script_env, wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
-from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, \
+from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_resumes_exactly, drive, \
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
 
 
@@ -74,6 +78,13 @@ REFERENCE = ("train.py", 2)
 SAVE_EVERY_EPOCH = [*SHORT, "--save_every", "1"]
 HOLD_AT_STARTUP = {"DDP_TEST_FAULT": "startup:*:1:hang", **FAULTY_TRAIN_JOB_ENV}
 AT_STARTUP = ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1")
+# A GPT on nanoGPT's token files (the first 20,000 characters of Tiny Shakespeare as
+# shakespeare_char/prepare.py writes them, in each job's folder): 60 steps, evaluated
+# after steps 20, 40 and 60; held at step 30, mid-interval, for the time-limit warning.
+TOKEN_DATA = "tokens_data"
+TOKENS = ["--dataset", "tokens", "--data_dir", TOKEN_DATA, "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
+          "--block_size", "16", "--dropout", "0.1", "--batch_size", "8", "--max_steps", "60", "--warmup_steps", "10",
+          "--eval_every_steps", "20", "--eval_windows", "40", "--total_epochs", "1"]
 SCENARIOS = [
     Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", "--gres=gpu:1"], SHORT,
              preempt, REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
@@ -111,6 +122,9 @@ SCENARIOS = [
              REFERENCE, user_signal=True, env=dict(HOLD_AT_STEP_30), gate=threading.Event(),
              trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                            "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
+    # nanoGPT's token files, 2 hosts (partition multi: no preemption there), the time limit mid-interval
+    Scenario("tokens-time-limit", "multi_node.sh", "ddp-node[1-2]", ["--nodes=2", "--gres=gpu:1"], TOKENS,
+             warn_soon, REFERENCE, partition="multi", env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
 ]
 
 
@@ -153,10 +167,13 @@ def _drive_sweep(cluster, folder: Path) -> None:
 
 
 def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
-    folder.mkdir(parents=True)
+    """The snapshot of ``script`` run uninterrupted in ``folder`` (made, if
+    missing) with ``args``; its stdout in folder/stdout.txt."""
+    folder.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(REPO / script), *args],
                             cwd=folder, env=script_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    (folder / "stdout.txt").write_text(result.stdout)
     return folder / f"snapshot_{script[:-3]}.pt"  # the script's default --snapshot_path
 
 
@@ -178,6 +195,8 @@ def stopped(slurm_cluster, tmp_path_factory):
     for scenario in SCENARIOS:
         folders[scenario.name] = folder = root / scenario.name
         folder.mkdir()
+        if TOKEN_DATA in scenario.args:
+            build_token_files(folder / TOKEN_DATA, chars=20000)
 
         def target(scenario=scenario, folder=folder):
             try:
@@ -223,6 +242,10 @@ def stopped(slurm_cluster, tmp_path_factory):
     finally:
         slurm_cluster.conf.write_text(config)
         subprocess.run(["scontrol", "reconfigure"], env=slurm_cluster.env, check=True)
+    # The token files' uninterrupted run, while the last scenarios end: made above, it
+    # would hold back the user-signal job's gate, which this thread opens after them.
+    build_token_files(root / "reference-tokens" / TOKEN_DATA, chars=20000)
+    references[(*REFERENCE, tuple(TOKENS))] = _reference(*REFERENCE, TOKENS, root / "reference-tokens")
     for thread in [*threads, sweep_thread]:
         thread.join(SCENARIO_TIMEOUT_S + 60)
     print(f"\nstop paths: every scenario ended after {time.monotonic() - started:.0f} s")
@@ -427,3 +450,35 @@ def test_a_sweep_from_one_folder_gives_each_point_its_own_snapshot(stopped):
     assert_same_snapshot(folder / first_name, references[(*first.reference, tuple(SHORT))])
     lr = torch.load(folder / second_name, weights_only=True)["config"]["lr"]
     assert lr == 0.02
+
+
+def test_a_token_file_run_stopped_by_its_time_limit_between_evaluations_resumes_bitwise(stopped):
+    """``sbatch slurm/multi_node.sh --dataset tokens ...`` on two hosts, a
+    GPT on nanoGPT's token files evaluated every 20 steps: the wrapper's
+    time-limit warning (Slurm's timer, the limit brought near while every
+    rank waits at step 30) stops it between the evaluations of steps 20 and
+    40; the wrapper requeues it, the next run resumes at that step, and the
+    job ends with each evaluation printed once, the same lines as an
+    uninterrupted run (the training loss of the interval the stop cut, and
+    the best validation loss, carried over), and bitwise the same weights,
+    AdamW state and schedule."""
+    scenarios, folders, references = stopped
+    scenario = scenarios["tokens-time-limit"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
+    texts = runs(log)
+    assert "batch shell got SIGUSR1" in texts[0] and f"requeueing job {info['JobId']}" in texts[0], texts[0]
+    assert "stopped by SIGUSR1 after this step" in texts[0], texts[0]
+    stops = [(int(epoch), int(step)) for epoch, step, _ in STOP.findall(texts[0])]
+    assert len(stops) == 1 and stops[0][0] == 1 and 20 < stops[0][1] < 40, texts[0]  # between two evaluations
+    resumed = RESUME.search(texts[1])
+    assert resumed and (int(resumed.group(2)), int(resumed.group(3))) == stops[0], texts[1]
+    assert "| 2 nodes (ddp-node[1-2]) x 1 processes |" in texts[0], texts[0]
+    reference = (folders["tokens-time-limit"].parent / "reference-tokens" / "stdout.txt").read_text()
+    assert [e["step"] for e in evaluations(reference)] == ["20", "40", "60"], reference
+    assert [evaluations(text) for text in texts] == [evaluations(reference)[:1], evaluations(reference)[1:]], texts
+    print(f"tokens-time-limit: stopped at {stops[0]}, {len(texts)} runs, {scenario.signal_to_exit_s:.1f} s from "
+          f"the limit brought near to leaving RUNNING")
+    assert_same_snapshot(folders["tokens-time-limit"] / wrapper_snapshot("tokens-time-limit", scenario.args),
+                         references[(*scenario.reference, tuple(scenario.args))])

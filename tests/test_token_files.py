@@ -28,8 +28,8 @@ import common
 import recipes
 import text_tasks
 from dataset_files import build_shakespeare_root, build_token_files
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, full_state, run, signal_when,
-                     snapshot_folder, snapshot_tensors, task_args)
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, evaluations, full_state, run,
+                     signal_when, snapshot_folder, snapshot_tensors, task_args)
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
 # The character task's CPU recipe, every flag given, so that both tasks train by the same flags.
@@ -216,16 +216,6 @@ def test_eval_windows_are_a_fixed_subset_and_step_evaluations_keep_the_best(one_
 # End to end: parity with the character task, exact resume, memory
 # --------------------------------------------------------------------------
 
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| epoch (\d+)/(\d+) \| train_loss (\S+) \| val_loss (\S+) \| "
-                       r"best_val_loss (\S+) \| best_step (\d+)(?: \| samples/s \S+ \| tokens/s \S+ \| flop/s \S+)? \| "
-                       r"interval_s \S+ \| lr (\S+)$", re.M)
-
-
-def evaluations(text: str) -> list:
-    """(step, total, epoch, total epochs, train_loss, val_loss, best, best step, lr) of each evaluation line."""
-    return STEP_LINE.findall(text)
-
-
 def step_flags(data, dataset: str = "tokens", strategy: str = "ddp") -> list:
     """A run of the first 20,000 characters evaluated every 25 steps over 40 held-out windows: 80 steps, 70 in
     epoch 1; evaluations after steps 25, 50, 75 and 80 (the last)."""
@@ -264,16 +254,15 @@ def test_token_files_train_as_the_character_task_does(uninterrupted):
     interval's training loss, the best validation loss and its step, and the
     metrics records too; no epoch line."""
     runs, _ = uninterrupted
-    lines = {name: [e[:9] for e in evaluations(runs[name][1])] for name in ("shakespeare_char", "tokens")}
-    assert [(e[0], e[1], e[2]) for e in lines["tokens"]] == [("25", "80", "1"), ("50", "80", "1"),
-                                                             ("75", "80", "2"), ("80", "80", "2")], runs["tokens"][1]
+    lines = {name: evaluations(runs[name][1]) for name in ("shakespeare_char", "tokens")}
+    assert [(e["step"], e["total_steps"], e["epoch"]) for e in lines["tokens"]] == [
+        ("25", "80", "1"), ("50", "80", "1"), ("75", "80", "2"), ("80", "80", "2")], runs["tokens"][1]
     assert lines["tokens"] == lines["shakespeare_char"]
     assert not epochs(runs["tokens"][1])  # an evaluation's line each, no epoch line
-    losses = [float(e[5]) for e in lines["tokens"]]
-    best = min(range(4), key=lambda i: losses[i])
-    assert float(lines["tokens"][-1][6]) == losses[best] and lines["tokens"][-1][7] == lines["tokens"][best][0]
+    best = min(lines["tokens"], key=lambda e: float(e["val_loss"]))
+    assert (lines["tokens"][-1]["best_val_loss"], lines["tokens"][-1]["best_step"]) == (best["val_loss"], best["step"])
     records = [json.loads(line) for line in (runs["tokens"][0] / "metrics.jsonl").read_text().splitlines()][1:]
-    assert [r["step"] for r in records] == [25, 50, 75, 80] and records[-1]["best_step"] == int(lines["tokens"][best][0])
+    assert [r["step"] for r in records] == [25, 50, 75, 80] and records[-1]["best_step"] == int(best["step"])
     assert [r["samples"] for r in records] == [400, 400, 400, 80]  # 25 steps x 16 windows; the last 5
     (steps_a, a), (steps_b, b) = (snapshot_tensors(runs[name][0] / "snapshot_train.pt", rng=True)
                                   for name in ("tokens", "shakespeare_char"))
@@ -292,7 +281,7 @@ def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwi
     the same: weights, AdamW's moments, the schedule, every rank's RNG state."""
     runs, data = uninterrupted
     straight, reference = runs["tokens"]
-    expected = [e[:9] for e in evaluations(reference)]
+    expected = evaluations(reference)
     flags = step_flags(data["tokens"])
     held = KIT + [FAULTY_TRAIN, *flags]
     first = signal_when(held, tmp_path, "DDP_TEST_FAULT: wait_signal_once at step 37", signal.SIGTERM,
@@ -305,7 +294,7 @@ def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwi
     assert "epoch 1 step 50 | snapshot saved" in second and evaluations(second) == [], second
     third = check(run(KIT + [REPO / "train.py", *flags], tmp_path)).stdout
     assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 50" in third
-    assert [e[:9] for e in evaluations(first) + evaluations(third)] == expected
+    assert evaluations(first) + evaluations(third) == expected
     steps_a, a = snapshot_tensors(straight / "snapshot_train.pt", rng=True)
     steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
     assert steps_a == steps_b == 2 and a["lr_schedule.step"].item() == 80 and a.keys() == b.keys()
@@ -319,15 +308,15 @@ def test_an_fsdp_token_run_stopped_mid_interval_resumes_bitwise(uninterrupted, t
     sharded snapshot, and bitwise the same end state."""
     runs, data = uninterrupted
     straight, reference = runs["tokens-fsdp"]
-    expected = [e[:9] for e in evaluations(reference)]
-    assert [e[0] for e in expected] == ["25", "50", "75", "80"]
+    expected = evaluations(reference)
+    assert [e["step"] for e in expected] == ["25", "50", "75", "80"]
     flags = step_flags(data["tokens"], strategy="fsdp")
     first = signal_when(KIT + [FAULTY_TRAIN, *flags], tmp_path, "DDP_TEST_FAULT: wait_signal_once at step 62",
                         signal.SIGTERM, DDP_TEST_FAULT="step:0:62:wait_signal_once")
     assert re.search(r"^epoch 1 step 6[23] \| snapshot saved", first, re.M), first
     second = check(run(KIT + [REPO / "train.py", *flags], tmp_path)).stdout
     assert "resuming from snapshot snapshot_train_fsdp/" in second
-    assert [e[:9] for e in evaluations(first) + evaluations(second)] == expected
+    assert evaluations(first) + evaluations(second) == expected
     assert_bitwise(*(full_state(snapshot_folder(folder / "snapshot_train_fsdp"), tmp_path / f"{name}-full")[1]
                      for name, folder in (("straight", straight), ("stopped", tmp_path))))
 
