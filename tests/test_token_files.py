@@ -6,8 +6,10 @@ steps over a fixed set of held-out windows (--eval_every_steps,
 In process: the task against --dataset shakespeare_char on the same text
 (the same windows, vocabulary and model), its one-line errors, GPT-2 small
 with the padded vocabulary, the held-out subset and the step evaluations'
-bookkeeping. End to end (2 ranks, a tiny GPT): the same epoch lines and
-weights as the character task; a run stopped mid-interval and during an
+bookkeeping. End to end (2 ranks, a tiny GPT evaluated every 25 steps): the
+same evaluation lines and weights as the character task (its epoch lines
+over nanoGPT's whole CPU recipe: docs/language-model.md's results table);
+a run stopped mid-interval and during an
 evaluation resumes bitwise (DDP), and mid-interval under FSDP; a token file
 of gigabytes trains in a small fraction of its size in memory."""
 
