@@ -90,6 +90,7 @@ def test_token_files_are_the_character_tasks_text_read_where_the_windows_are(tmp
     starts = torch.tensor([0, 5, len(train_file) - 3])
     assert torch.equal(again.rows(starts, 3), train_file.rows(starts, 3))
     assert token_task.test_set is None and token_task.tokens_per_sample == 16
+    recipes.set_recipe_flags(args, token_task.recipe)  # as every script does after loading the task
     assert {name: getattr(args, name) for name in text_tasks.TOKEN_RECIPE} == text_tasks.TOKEN_RECIPE
 
 
