@@ -69,8 +69,8 @@ def check_sampling(args: argparse.Namespace, task) -> None:
     one without ``decode`` and ``encode`` (a language-model task's vocabulary)."""
     if args.sample_chars and not (callable(task.decode) and callable(task.encode)):
         raise ConfigError(f"--sample_chars: --dataset {args.dataset} writes no text (its task has no "
-                          f"vocabulary to decode); use a language-model task (--dataset shakespeare_char), "
-                          f"or leave the flag out")
+                          f"vocabulary to decode); use a language-model task with one (--dataset shakespeare_char, "
+                          f"or --dataset tokens with a meta.pkl holding itos and stoi), or leave the flag out")
 
 
 def print_sample(model: torch.nn.Module, task, args: argparse.Namespace, device: torch.device,
