@@ -244,18 +244,21 @@ class Trainer:
         return train_utils.throughput_figures(samples_per_s, self.task.tokens_per_sample, self.flops_per_token,
                                               self.device, train_utils.amp_dtype(self.device, self.args.amp))
 
-    def _evaluate(self) -> Optional[tuple]:
-        """``evaluate`` of the held-out data, a stop signal polled after each
-        batch: (loss, accuracy or None), or None when a stop ended it. Then
-        this rank's CPU random state is put back as it was before: the
-        evaluation's DataLoader drew its seed from it, and the resumed run,
+    def _evaluate(self, meter: train_utils.EpochMeter) -> Optional[tuple]:
+        """Collective: ``evaluate`` of the held-out data, a stop signal polled
+        after each batch: (loss, accuracy or None), or None when a stop ended
+        it. Then this rank's CPU random state is put back as it was before
+        (the evaluation's DataLoader drew its seed from it; the resumed run,
         which evaluates again, draws it again, as the uninterrupted run drew
-        it once (a language model's training windows and dropout draw from
-        the same generator next)."""
+        it once: a language model's windows and dropout draw from it next),
+        and the snapshot of this step is saved (``meter`` holds its epoch so
+        far): the resumed run evaluates first."""
         state = torch.get_rng_state()
         scores = evaluate(self.plain_model, self.val_data, self.task, self.device, self.fsdp, self.stop)
         if scores is None:
             torch.set_rng_state(state)
+            self._save(meter)
+            self.checkpointer.wait()
         return scores
 
     def _evaluate_steps(self, meter: train_utils.EpochMeter) -> bool:
@@ -265,10 +268,8 @@ class Trainer:
         loss so far too). False when a stop signal ended the evaluation: the
         snapshot of this step (``meter`` holds its epoch so far) is saved
         and the resumed run evaluates first."""
-        scores = self._evaluate()
-        if scores is None:
-            self._save(meter)
-            self.checkpointer.wait()
+        scores = self._evaluate(meter)
+        if scores is None:  # stopped, this step saved
             return False
         record = self.evals.record(self.recipe.schedule.last_epoch, self.args.total_epochs, scores)
         record |= self.recipe.epoch_figures()  # lr; fp16: the steps skipped since the last evaluation
@@ -311,10 +312,8 @@ class Trainer:
                 return False
             if not self.evals.on:  # evaluated after each epoch (--eval_every_steps: in the epoch)
                 record = self._epoch_record(meter)
-                scores = self._evaluate()
+                scores = self._evaluate(meter)
                 if scores is None:  # stopped during the evaluation: the epoch's steps saved, evaluated on resume
-                    self._save(meter)
-                    self.checkpointer.wait()
                     return False
                 record["val_loss"], record["val_accuracy"] = scores
                 if self.rank == 0:  # every rank holds the same numbers; one prints them
