@@ -24,7 +24,7 @@ from .claims import process_lives
 from .errors import NothingToTrain
 from .output import print_line
 from .resume import position_tag
-from .snapshot_writer import cpu_copy
+from .snapshot_writer import CpuStaging
 
 
 # A snapshot made with other values of these trained something else, or on
@@ -225,6 +225,7 @@ class SnapshotFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.staging = CpuStaging()  # the background write's CPU buffers, reused by every snapshot
 
     def latest(self) -> Optional[str]:
         """Collective: ``path`` when every rank sees it, None when none does
@@ -250,14 +251,17 @@ class SnapshotFile:
         with the model's and the optimizer's state dicts to ``path``
         (``atomic_save``) and prints the save line; None on the other ranks.
         ``asynchronous``: the write runs in another thread while training
-        changes the originals, so it writes a CPU copy taken now (``cpu_copy``)."""
+        changes the originals, so it writes a CPU copy taken now (``CpuStaging``:
+        from GPUs into pinned buffers, queued behind the step; the write waits
+        for it). A tied weight is written once either way."""
         if dist.get_rank() != 0:
             return None, self.path
         state = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict())
-        state = cpu_copy(state) if asynchronous else state
+        state = self.staging.copy(state) if asynchronous else state
         line = f"{position_tag(state['epochs_run'], state['steps_run'])} | snapshot saved at {self.path}"
 
         def write() -> None:
+            self.staging.wait()  # the copies from GPUs are in CPU memory
             atomic_save(state, self.path)
             print_line(line)
 
