@@ -23,8 +23,10 @@ class EpochMeter:
     and its peak GPU memory.
 
     ``totals`` is a float64 (2,) tensor on the device, (loss sum, samples) of
-    this rank: it stays there, since a ``.item()`` per step would make the CPU
-    wait for the GPU at every step. The kit passes ``summary`` its sum over
+    this rank: the loss sum stays there, since a ``.item()`` per step would
+    make the CPU wait for the GPU at every step, and the samples, which the
+    host knows, are counted on the host (a step adds two small kernels to
+    the GPU's queue, not five). The kit passes ``summary`` its sum over
     the ranks (a copy, all-reduced), so that the meter keeps this rank's own. ``carried`` is the global totals of
     the steps trained before a mid-epoch resume (None: none), so a resumed
     epoch's summary still covers the whole epoch. Making one starts the
@@ -34,7 +36,8 @@ class EpochMeter:
     def __init__(self, epoch: int, max_epochs: int, device: torch.device,
                  carried: Optional[torch.Tensor] = None) -> None:
         self.epoch, self.max_epochs, self.device = epoch, max_epochs, device
-        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._samples = 0
         self.carried = carried
         self.steps = self.steps_left = 0  # this start's training steps in the epoch; those still to come
         self._bar, self._bar_loss_at = None, 0.0
@@ -68,16 +71,24 @@ class EpochMeter:
         """The batches ``batches`` has given so far (1 while the first is trained)."""
         return self.steps - self.steps_left
 
+    @property
+    def totals(self) -> torch.Tensor:
+        """(loss sum, samples) of this rank so far: a new float64 (2,) tensor
+        on the device, made there without waiting for it."""
+        samples = torch.full((), self._samples, dtype=torch.float64, device=self.device)
+        return torch.stack((self._loss_sum, samples))
+
     def add(self, loss: torch.Tensor, samples: int) -> None:
-        """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``.
-        Where the progress bar shows, it also shows this rank's running mean
-        loss, read from the device at most every ``BAR_LOSS_EVERY_S`` seconds."""
-        self.totals[0] += loss * samples
-        self.totals[1] += samples
+        """Count one batch: its mean ``loss`` (0-dim tensor) over ``samples``
+        (the product in the loss's dtype, summed in float64). Where the
+        progress bar shows, it also shows this rank's running mean loss, read
+        from the device at most every ``BAR_LOSS_EVERY_S`` seconds."""
+        self._loss_sum.add_(loss * samples)
+        self._samples += samples
         bar = self._bar
         if bar is not None and not bar.disable and time.perf_counter() - self._bar_loss_at > BAR_LOSS_EVERY_S:
             self._bar_loss_at = time.perf_counter()
-            bar.set_postfix_str(f"rank 0 loss {(self.totals[0] / self.totals[1]).item():.4f}")
+            bar.set_postfix_str(f"rank 0 loss {(self._loss_sum / self._samples).item():.4f}")
 
     def global_totals(self) -> torch.Tensor:
         """Collective: (loss sum, samples) over all ranks so far, carried part

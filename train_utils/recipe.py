@@ -122,8 +122,16 @@ class Recipe:
         self.optimizer, self.args, self.steps_per_epoch = optimizer, args, steps_per_epoch
         self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args, steps_per_epoch))
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, args.amp) == torch.float16)
-        self.skipped_steps = 0  # this epoch's steps the scaler skipped (inf/nan gradients)
+        # This epoch's steps the scaler skipped (inf/nan gradients): an int, or a tensor on the device
+        # counting them there (read at the epoch's end and in snapshots, not at every step).
+        self._skipped = 0
         self.last_lr = self.lr  # the learning rate of the last optimizer step
+
+    @property
+    def skipped_steps(self) -> int:
+        """This epoch's optimizer steps the fp16 loss scaler skipped so far (a
+        read from the device, where they are counted)."""
+        return int(self._skipped)
 
     @property
     def lr(self) -> float:
@@ -143,7 +151,9 @@ class Recipe:
         every rank calls it."""
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)  # before clipping: clip the true gradients
-            scale = self.scaler.get_scale()
+            # The scale as a device tensor: get_scale() would read it to the host, a wait for the
+            # GPU at every step (torch has no public call for the tensor; GradScaler.step uses this one).
+            scale = self.scaler._get_scale_async().clone()
         if self.args.clip_grad_norm:
             clip_grad_norm([p for group in self.optimizer.param_groups for p in group["params"]],
                            self.args.clip_grad_norm)
@@ -152,9 +162,8 @@ class Recipe:
         if not self.scaler.is_enabled():
             self.schedule.step()
             return
-        self.scaler.update()
-        skipped = self.scaler.get_scale() < scale  # the scale drops only on a skip
-        self.skipped_steps += skipped
+        self.scaler.update()  # in place
+        self._skipped = self._skipped + (self.scaler._get_scale_async() < scale)  # it drops only on a skip
         with warnings.catch_warnings():  # a skipped step is still a step of the schedule
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
             self.schedule.step()
@@ -165,7 +174,7 @@ class Recipe:
         inf/nan gradients) under fp16, whose count then starts again at zero."""
         figures = {"lr": self.last_lr}
         if self.scaler.is_enabled():
-            figures["skipped_steps"], self.skipped_steps = self.skipped_steps, 0
+            figures["skipped_steps"], self._skipped = self.skipped_steps, 0
         return figures
 
     def state_dict(self) -> dict:
@@ -210,7 +219,7 @@ class Recipe:
             snapshot["steps_run"] if steps_run is None else steps_run) // self.args.grad_accum_steps)
         if snapshot.get("loss_scaler") and self.scaler.is_enabled():
             scaler = dict(snapshot["loss_scaler"])
-            self.skipped_steps = scaler.pop("skipped_steps")
+            self._skipped = scaler.pop("skipped_steps")
             self.scaler.load_state_dict(scaler)
         self.schedule.base_lrs = [self.args.lr for _ in self.optimizer.param_groups]
         factor, step = self.schedule.lr_lambdas[0], self.schedule.last_epoch
