@@ -108,6 +108,11 @@ class Task:
     sample trains on, its context length; 0: not counted in tokens) and
     ``decode`` (token ids, a sequence of ints -> text) and ``encode`` (text ->
     token ids) for its vocabulary; None where the task has no text.
+    ``flops_per_sample``: the model's training FLOPs (forward and backward)
+    of one sample, for the epoch line's flop/s and MFU; None (the default):
+    train.py takes the model's own count (a ``flops_per_token()`` method, as
+    ``gpt.GPT`` has) or counts them once at start (``torch.utils.flop_counter``,
+    ``train_utils.throughput.flops_per_sample``).
     """
 
     train_set: Dataset
@@ -123,6 +128,7 @@ class Task:
     tokens_per_sample: int = 0
     decode: Optional[Callable[[Sequence[int]], str]] = None
     encode: Optional[Callable[[str], list]] = None
+    flops_per_sample: Optional[float] = None
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

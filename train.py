@@ -104,7 +104,8 @@ class Trainer:
         self.step_log = train_utils.StepLog(args.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(args.pg_timeout_s, args.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
-        self.flops_per_token = train_utils.model_flops_per_token(self.model)  # None: not a transformer LM
+        # What MFU divides by: the peak of the precision the matrix products run in (bf16, fp16, tf32, fp32).
+        self.precision = train_utils.compute_precision(device, train_utils.amp_dtype(device, args.amp))
         self.finished = None  # --sample_chars on a finished run: its NothingToTrain, the weights loaded
         try:
             state = checkpointer.load(self.model, self.optimizer, vars(args))  # None: nothing to resume
@@ -119,8 +120,8 @@ class Trainer:
             self._wrap_in_ddp()
         # The compiled module shares the model's weights and runs the training
         # forward; saving and evaluation use the plain model, so what is saved
-        # loads without torch.compile.
-        self.compiled = train_utils.compile_model(self.model, args.compile)
+        # loads without torch.compile. FSDP: its blocks were compiled before sharding (shard_model).
+        self.compiled = train_utils.compile_model(self.model, args.compile and not self.fsdp)
         self.profiler = train_utils.StepProfiler(args.profile_dir, device)  # --profile_dir: a few steps traced
 
     def _wrap_in_ddp(self) -> None:
@@ -240,9 +241,9 @@ class Trainer:
         return record | self._speed(record["samples_per_s"])
 
     def _speed(self, samples_per_s: float) -> dict:
-        """LM tasks: tokens/s, the model's FLOP/s, and on a GPU its MFU (``throughput_figures``)."""
-        return train_utils.throughput_figures(samples_per_s, self.task.tokens_per_sample, self.flops_per_token,
-                                              self.device, train_utils.amp_dtype(self.device, self.args.amp))
+        """LM tasks: tokens/s; every task: the model's FLOP/s, and on a GPU its MFU (``throughput_figures``)."""
+        return train_utils.throughput_figures(samples_per_s, self.task.tokens_per_sample, self.task.flops_per_sample,
+                                              self.device, self.precision)
 
     def _evaluate(self, meter: train_utils.EpochMeter) -> Optional[tuple]:
         """Collective: ``evaluate`` of the held-out data, a stop signal polled
@@ -370,13 +371,16 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype],
+                compile_blocks: bool = False) -> torch.nn.Module:
     """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
 
     Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
     parameters left; a unit's are all-gathered just before its forward and backward.
     ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
-    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU)."""
+    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU).
+    ``compile_blocks`` (--compile): each unit compiled first, then sharded (torchtitan's
+    order, ``train_utils.compile_blocks``), so FSDP's hooks run between compiled blocks."""
     # FSDP and DCP are imported where --strategy fsdp uses them (here and the sharded
     # snapshots): with DTensor and sympy they cost every DDP process 0.5 s of start-up.
     from torch.distributed.device_mesh import init_device_mesh
@@ -389,7 +393,10 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
         norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         for norm in norms:
             fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
-    for block in common.fsdp_units(model):
+    units = common.fsdp_units(model)
+    if compile_blocks:
+        train_utils.compile_blocks(units)
+    for block in units:
         if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
             fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32, torch.float32))
@@ -437,10 +444,14 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     train_utils.set_recipe_flags(args, task.recipe)  # what no flag sets: the task's recipe (optimizer, lr, ...)
     train_utils.check_sampling(args, task)  # --sample_chars: only a task with a vocabulary writes text
     task.model = task.model.to(device)
+    # The model's FLOPs per sample, counted on the plain model (before checkpointing and sharding wrap it),
+    # by rank 0 alone: it logs the figures, and torch's FLOP counter costs 0.2 s of start-up (it imports triton).
+    if task.flops_per_sample is None and rank == 0:
+        task.flops_per_sample = train_utils.flops_per_sample(task, device)
     if args.activation_checkpointing:  # before DDP and FSDP wrap the blocks
         train_utils.checkpoint_activations(task.model)
     if args.strategy == "fsdp":  # before the optimizer: fully_shard replaces the parameters
-        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, args.amp))
+        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, args.amp), args.compile)
     torch.manual_seed(args.seed + rank)
     optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
     return task, optimizer
@@ -469,7 +480,9 @@ def main(args: argparse.Namespace) -> None:
     with one line naming the ranks that did not arrive, exit status 1."""
     log = train_utils.RunLog(args)  # its start time: the metrics file's start record
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
+    train_utils.set_deterministic(args)  # --deterministic: before the process group, which reads it (NCCL)
     rank, local_rank, device = setup(args.startup_timeout_s)
+    train_utils.set_fp32_precision(device, args.no_tf32)  # on GPUs TF32 unless --no_tf32, before the first matmul
     fsdp = args.strategy == "fsdp"
     if fsdp:
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written

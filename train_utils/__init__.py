@@ -16,6 +16,7 @@ launcher's store, the stop signals during start-up, and the one-line errors.
   devices            device choice, CPU threads, the start-up line
   kernels            does this torch build run this GPU (CUDA arch list, ROCm gfx); what to install
   speed              --amp, --compile, peak GPU memory
+  numerics           TF32 for fp32 matmuls on GPUs (--no_tf32), --deterministic, the precision MFU divides by
   epoch              the epoch's loss sums, time, progress bars (no collectives inside)
   loaders            DataLoader workers from a fork server, not forked
   checks             downloads first, checks before training
@@ -39,7 +40,7 @@ launcher's store, the stop signals during start-up, and the one-line errors.
   resume             Progress (position, samples trained, RNG states), DDP's buckets
   sampler            the training sampler: an epoch part-way, at any world size
   fsdp               activation checkpointing, backend check, state per rank, the exit
-  throughput         tokens/s, achieved FLOP/s (the model's FLOPs per token), MFU
+  throughput         tokens/s, achieved FLOP/s (the model's FLOPs per sample, counted at start), MFU
   text_out           what a language model writes (--sample_chars)
 
 Your task (datasets, model, loss) goes in its own file: see common.py and
@@ -66,10 +67,11 @@ from .recipe import Recipe, accumulate_for_global_batch, batches_left, run_lengt
 from .resume import Progress, rebuild_ddp_buckets
 from .sampler import ResumableDistributedSampler
 from .sharded_snapshots import resharding_note
-from .speed import amp_dtype, autocast, compile_model, resolve_amp
+from .speed import amp_dtype, autocast, compile_blocks, compile_model, resolve_amp
 from .stop import StopSignal, catch_stop_signals, report_run_finished
 from .text_out import check_sampling, print_sample
-from .throughput import model_flops_per_token, throughput_figures
+from .numerics import compute_precision, set_deterministic, set_fp32_precision
+from .throughput import flops_per_sample, throughput_figures
 from .timeouts import Watch, watch_collectives
 
 __all__ = [
@@ -100,6 +102,11 @@ __all__ = [
     "amp_dtype",
     "autocast",
     "compile_model",
+    "compile_blocks",
+    "set_deterministic",
+    "set_fp32_precision",
+    "compute_precision",
+    "flops_per_sample",
     "check_fsdp_backend",
     "checkpoint_activations",
     "contiguous_parameters",
@@ -125,7 +132,6 @@ __all__ = [
     "print_line",
     "report_run_finished",
     "exit_skipping_teardown",
-    "model_flops_per_token",
     "throughput_figures",
     "check_sampling",
     "print_sample",

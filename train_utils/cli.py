@@ -216,7 +216,15 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
              "with a loss scaler; 'bf16' or 'fp16' forces one, also on a CPU (plain --amp on "
              "a CPU only where it was measured to help, see docs/performance.md)")
     add("--compile", action="store_true",
-        help="torch.compile the training model (saved weights stay loadable without it)")
+        help="torch.compile the training model, under FSDP each transformer block (saved weights stay "
+             "loadable without it)")
+    add("--no_tf32", action="store_true",
+        help="on GPUs, fp32 matmuls and convolutions in full fp32 instead of on TF32 tensor cores "
+             "(default: TF32 on Ampere or newer, torch.set_float32_matmul_precision('high'))")
+    add("--deterministic", action="store_true",
+        help="bitwise-repeatable GPU kernels (deterministic algorithms, cuBLAS workspace, cuDNN): a GPU run "
+             "stopped and resumed ends bitwise equal to one that never stopped; slower (default: off; "
+             "CPU runs are repeatable without it)")
     add("--grad_accum_steps", type=positive(int), default=1,
         help="micro-batches of --batch_size per optimizer step (default: 1)")
     add("--global_batch_size", type=positive(int), default=None,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from common import ConfigError
 from .kernels import check_gpu_has_kernels
+from .numerics import numerics_description
 from .speed import amp_dtype
 
 
@@ -192,7 +193,9 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     batch_size 32 x grad_accum_steps 1 x world_size 2 | cpu threads 1 per
     process``: on a CPU, the intra-op threads each process computes with
     (``share_cpu_cores``; OMP_NUM_THREADS sets them); then ``| amp bf16`` or
-    ``| amp fp16 with a loss scaler`` under --amp. Preceded by a ``note:``
+    ``| amp fp16 with a loss scaler`` under --amp; on CUDA how fp32 matmuls
+    run (``| fp32 matmuls on TF32 (--no_tf32: full fp32)``), and ``|
+    deterministic`` under --deterministic (``numerics_description``). Preceded by a ``note:``
     line when GPUs are present but unusable (``unusable_gpu_reason``), one
     when torch is older than ``OLDEST_TORCH``, and one for a multi-node
     torchrun with restarts that shares its rendezvous store with the
@@ -209,6 +212,7 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     dtype = amp_dtype(device, args.amp)
     if dtype is not None:  # what plain --amp chose on this device
         line += " | amp bf16" if dtype == torch.bfloat16 else " | amp fp16 with a loss scaler"
+    line += numerics_description(device, args)
     reason = unusable_gpu_reason() if device.type == "cpu" else None
     if reason:
         line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "

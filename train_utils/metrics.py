@@ -62,8 +62,10 @@ def metrics_line(record: dict) -> str:
       samples/s 12345.6 | tokens/s 790118.4 | flop/s 2.91e+11 | mfu 0.4123 |
       epoch_s 0.52 | lr 0.05 | skipped_steps 0 | peak_mem_mib 1234.5``
       (val_acc only for classification; tokens/s only for a task whose
-      samples count tokens, flop/s where the model's FLOPs per token are
-      known, mfu on a GPU of known peak: ``throughput_figures``; skipped_steps
+      samples count tokens, flop/s where the model's FLOPs per sample are
+      known (every built-in task: counted at start), mfu on a GPU of known
+      peak, the record's mfu_precision naming the peak's precision:
+      ``throughput_figures``; skipped_steps
       only under fp16, peak_mem_mib only on CUDA); under --eval_every_steps
     one line per evaluation instead (``StepEvaluations.record``):
       ``step 25/80 | epoch 1/2 | train_loss 3.856027 | val_loss 3.663554 |

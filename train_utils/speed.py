@@ -141,27 +141,52 @@ def compile_model(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     ``.module``), so saved state_dicts have no ``_orig_mod.`` prefix and load
     without compile. For DDP, pass the DDP-wrapped model: compiling after
     wrapping lets TorchDynamo's DDP optimizer split the graph at the gradient
-    buckets, so all-reduce still overlaps with backward.
+    buckets, so all-reduce still overlaps with backward. (An FSDP model's
+    blocks are compiled one by one instead, before sharding: ``compile_blocks``.)
     """
     if not enabled:
         return model
-    # torchrun signals a rank's whole process group, and Slurm every process of
-    # a job step: inductor's compile workers would die of a stop signal meant
-    # for the rank ("SubprocPool unclean exit"). They start with the stop
-    # signals blocked, a mask they inherit; the rank's own mask is restored.
-    # Some releases start the pool when torch.compile imports inductor, others
-    # on first use: it is started here, under the mask, either way. (Windows
-    # has no signal masks, nor Slurm: compile plainly there.)
-    if not hasattr(signal, "pthread_sigmask"):
+    with _compile_workers_spared():
         return torch.compile(model)
+
+
+def compile_blocks(blocks: list) -> None:
+    """Compile each module of ``blocks`` in place, before FSDP shards it
+    (``train.shard_model``, --strategy fsdp --compile): its ``forward``
+    becomes ``torch.compile(forward)``, so FSDP's hooks, which gather a
+    block's parameters before its forward and free them after, run eagerly
+    around the compiled forward, and the model's graph has no break at them.
+    torchtitan's order (``apply_compile`` before ``apply_fsdp``: each
+    transformer block compiled, then sharded); blocks of one class share
+    one compiled graph. A whole FSDP model compiled at once breaks its graph at
+    every unit's hooks instead (counted in tests/test_fsdp.py). Parameters and
+    state_dict keys stay as they are: snapshots load with or without it. The
+    root's own layers (embeddings, the last norm and output layer) run eagerly."""
+    with _compile_workers_spared():
+        for block in blocks:
+            block.forward = torch.compile(block.forward)  # the block's own (or checkpointed) forward, bound
+
+
+@contextlib.contextmanager
+def _compile_workers_spared():
+    """Around ``torch.compile``: inductor's compile workers start with the
+    stop signals blocked, so that a stop meant for the rank does not kill
+    them. torchrun signals a rank's whole process group, and Slurm every
+    process of a job step: the workers would die of it ("SubprocPool unclean
+    exit"). They inherit the mask; the rank's own mask is restored after.
+    Some releases start the pool when torch.compile imports inductor, others
+    on first use: it is started here, under the mask, either way. (Windows
+    has no signal masks, nor Slurm: nothing is masked there.)"""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        compiled = torch.compile(model)
+        yield
         from torch._inductor.async_compile import AsyncCompile
         AsyncCompile.warm_pool()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return compiled
 
 
 def peak_memory_mib(device: torch.device) -> dict:
