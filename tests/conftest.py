@@ -217,7 +217,7 @@ LONGEST_FIRST = (
     "test_reruns_and_errors.py", "test_ladder.py", "test_output_paths.py", "test_token_files.py",
     "test_parity.py", "test_wandb.py",
     "test_distributed_correctness.py", "test_start_and_stop.py", "test_resize.py", "test_language_model.py", "test_lm_kit.py",
-    "test_loaders.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py",
+    "test_loaders.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py", "test_gpu_speed.py",
     "test_elastic.py", "test_train_utils.py", "test_metrics.py", "test_real_data.py", "test_common.py",
     "test_claims.py", "test_slurm_wrappers.py", "test_package_map.py", "test_task_batching.py",
     "test_ladder_diffs.py", "test_readme.py",

@@ -254,9 +254,12 @@ def plain_task(loss_fn, classification: bool, model=None):
 
 
 def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, local_rank: int = 0,
-                grad_accum_steps: int = 1, **recipe):
-    """train.py's Trainer (DDP) around ``model`` on the CPU, with no data and no
-    snapshot to resume: for calling its ``_run_batch`` directly. Needs a process
+                grad_accum_steps: int = 1, device: torch.device = torch.device("cpu"), amp=None,
+                train_data=None, **recipe):
+    """train.py's Trainer (DDP) around ``model`` on ``device`` (the CPU unless
+    given), under --amp ``amp``, with no data (or ``train_data``, a loader of
+    ``train.prepare_dataloader``'s making) and no snapshot to resume: for calling
+    its ``_run_batch`` (or ``_run_epoch``) directly. Needs a process
     group (DDP wraps the model; the rank is the group's), ``local_rank`` this
     process's index on its node. ``optimizer``'s type and lr, ``grad_accum_steps``
     and ``recipe`` (recipe flags, e.g. ``clip_grad_norm=0.05``) are the run's flags.
@@ -268,17 +271,16 @@ def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, local_
     import train_utils
 
     args = argparse.Namespace(
-        strategy="ddp", grad_accum_steps=grad_accum_steps, amp=None, compile=False, save_every=1,
+        strategy="ddp", grad_accum_steps=grad_accum_steps, amp=amp, compile=False, save_every=1,
         total_epochs=1, metrics_path=None, tensorboard_dir=None, wandb_project=None, profile_dir=None,
         snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, snapshot_every_s=0,
         snapshot_sync=False, pg_timeout_s=600,
         **{**recipes.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
            "optimizer": type(optimizer).__name__.lower(), **recipe})
-    device = torch.device("cpu")
     checkpointer = train_utils.Checkpointer(args.snapshot_path, False, asynchronous=not args.snapshot_sync,
                                             every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
                                             timeout_s=args.pg_timeout_s)
-    available = dict(task=plain_task(loss_fn, False, model), train_data=None, val_data=None,
+    available = dict(task=plain_task(loss_fn, False, model), train_data=train_data, val_data=None,
                      recipe=train_utils.Recipe(optimizer, args, steps_per_epoch=1, device=device),
                      checkpointer=checkpointer, log=train_utils.RunLog(args), device=device,
                      local_rank=local_rank, args=args)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import common
 import train_utils
 from train_utils.text_out import generate
+from train_utils.throughput import model_flops_per_token
 from common import ConfigError
 from gpt import GPT, GPTConfig
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
@@ -33,30 +34,33 @@ def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
     n = sum(p.numel() for p in model.parameters()) - 64 * 128  # the tied output layer counted once
     assert n == 795_904
-    assert train_utils.model_flops_per_token(model) == 6 * n + 12 * 4 * 128 * 64 == 5_168_640
+    assert model_flops_per_token(model) == 6 * n + 12 * 4 * 128 * 64 == 5_168_640
     small = GPT(GPTConfig(vocab_size=10, block_size=4, n_layer=2, n_head=3, n_embd=3))
     assert small.flops_per_token() == 6 * small.num_parameters(embeddings=False) + 12 * 2 * 3 * 4
-    assert train_utils.model_flops_per_token(torch.nn.Linear(3, 3)) is None
+    assert model_flops_per_token(torch.nn.Linear(3, 3)) is None
 
 
 def test_tokens_flops_and_mfu_figures(monkeypatch, one_process_group):
-    """tokens/s = samples/s x tokens per sample; FLOP/s = tokens/s x FLOPs per
-    token; MFU against the data-sheet peak of every rank's GPU: bf16 under
-    --amp, tf32 without; none on a CPU or an unknown GPU; nothing for a task
-    not counted in tokens (here every rank is this one, in a group of one). The
-    line shows them and the tests' parser reads them."""
+    """tokens/s = samples/s x tokens per sample; FLOP/s = samples/s x FLOPs per
+    sample (a task not counted in tokens too); MFU against the data-sheet peak
+    of every rank's GPU in the step's precision: bf16 under --amp, tf32 or
+    fp32 without; none on a CPU or an unknown GPU (here every rank is this
+    one, in a group of one). The line shows them and the tests' parser reads them."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert train_utils.throughput_figures(100.0, 0, 1000, cpu, None) == {}
-    assert train_utils.throughput_figures(100.0, 64, None, cpu, None) == {"tokens_per_s": 6400.0}
-    assert train_utils.throughput_figures(100.0, 64, 1000, cpu, None) == {"tokens_per_s": 6400.0,
-                                                                          "flops_per_s": 6.4e6}
+    assert train_utils.throughput_figures(100.0, 0, None, cpu, "fp32") == {}
+    assert train_utils.throughput_figures(100.0, 0, 1000, cpu, "fp32") == {"flops_per_s": 1e5}
+    assert train_utils.throughput_figures(100.0, 64, None, cpu, "fp32") == {"tokens_per_s": 6400.0}
+    assert train_utils.throughput_figures(100.0, 64, 64000, cpu, "fp32") == {"tokens_per_s": 6400.0,
+                                                                             "flops_per_s": 6.4e6}
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    bf16 = train_utils.throughput_figures(1e6, 256, 10**7, gpu, torch.bfloat16)
-    assert bf16["mfu"] == pytest.approx(2.56e15 / 312e12)
-    assert train_utils.throughput_figures(1e6, 256, 10**7, gpu, None)["mfu"] == pytest.approx(2.56e15 / 156e12)
+    bf16 = train_utils.throughput_figures(1e6, 256, 256 * 10**7, gpu, "bf16")
+    assert bf16["mfu"] == pytest.approx(2.56e15 / 312e12) and bf16["mfu_precision"] == "bf16"
+    for precision, peak in (("tf32", 156e12), ("fp32", 19.5e12)):
+        mfu = train_utils.throughput_figures(1e6, 256, 256 * 10**7, gpu, precision)["mfu"]
+        assert mfu == pytest.approx(2.56e15 / peak)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
-    assert "mfu" not in train_utils.throughput_figures(1e6, 256, 10**7, gpu, torch.bfloat16)
+    assert "mfu" not in train_utils.throughput_figures(1e6, 256, 256 * 10**7, gpu, "bf16")
 
     record = {"epoch": 1, "total_epochs": 2, "train_loss": 2.5, "val_loss": 2.6, "samples_per_s": 100.0,
               "epoch_seconds": 3.0, "lr": 1e-3, **bf16}
@@ -207,7 +211,7 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     assert len(text) == 80 and set(text) <= set(characters)
     assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 32)  # x --block_size
     model = GPT(GPTConfig(vocab_size=len(characters), block_size=32, n_layer=2, n_head=2, n_embd=32))
-    flops_per_token = train_utils.model_flops_per_token(model)
+    flops_per_token = model_flops_per_token(model)
     assert record["flops_per_s"] == pytest.approx(record["tokens_per_s"] * flops_per_token)
     assert "mfu" not in record  # a CPU
     again = check(run(cmd + ["--snapshot_path", "ac"], tmp_path))

@@ -386,8 +386,9 @@ def test_the_peak_table_gives_h200_nvl_its_own_peak_and_a_mig_slice_none(monkeyp
     """The H200 NVL's dense bf16 peak is 835 TFLOP/s, not the SXM's 989; a MIG
     slice has a fraction of the GPU's units, so no whole-GPU peak (unknown)."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert gpu_peak("NVIDIA H200 NVL") == (835e12, 418e12)
-    assert gpu_peak("NVIDIA H200") == GPU_PEAKS["H200"] == (989e12, 495e12)
+    assert gpu_peak("NVIDIA H200 NVL") == {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}
+    assert gpu_peak("NVIDIA H200") == GPU_PEAKS["H200"] == {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12,
+                                                             "fp32": 67e12}
     assert gpu_peak("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c2b6a7e-0000-0000-0000-000000000000")
     assert gpu_peak("NVIDIA H100 80GB HBM3") is None

@@ -43,9 +43,9 @@ def _blocks(text: str, kind: str) -> list:
 
 
 def _timing_free(line: str) -> str:
-    """A summary line with its timing figures (samples/s, epoch_s) blanked
-    out; every other number stays."""
-    return re.sub(r"\b(samples/s|epoch_s) [0-9.]+", r"\1 ?", line.rstrip())
+    """A summary line with its timing figures (samples/s, flop/s, epoch_s)
+    blanked out; every other number stays."""
+    return re.sub(r"\b(samples/s|flop/s|epoch_s) [0-9.e+-]+", r"\1 ?", line.rstrip())
 
 
 def _assert_shown_in(shown: str, printed: str) -> None:
