@@ -89,7 +89,7 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(saved, resu
     assert a.keys() == b.keys() and f"rng.{resumed - 1}" in a and f"rng.{resumed}" not in a
     assert [key for key in a if not torch.equal(a[key], b[key])] == []
     later = epochs(resized.stdout)
-    assert later == [dict(e, samples_per_s=r["samples_per_s"], epoch_s=r["epoch_s"])
+    assert later == [dict(e, samples_per_s=r["samples_per_s"], flop_per_s=r["flop_per_s"], epoch_s=r["epoch_s"])
                      for e, r in zip(epochs(reference.stdout), later)]
 
     # The schedule, counted in each part's own steps per epoch, ends at epoch 3.
