@@ -21,6 +21,7 @@ printed, FSDP's and DDP's.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -34,7 +35,7 @@ import torch
 from benchmarks.harness import REPO, interleaved, table, timed
 from helpers import TORCHRUN, script_env
 
-CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+CORPUS = Path(os.environ.get("TINYSHAKESPEARE_FILE", REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"))
 # nanoGPT's CPU recipe (its README), which --dataset shakespeare_char trains by default.
 NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32",
                       "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
@@ -119,11 +120,11 @@ def _kit_lm_run(data: Path, nproc: int, strategy: str, checkpointing: bool, step
             "ddp_state_bytes": int(state["ddp"]) if state else None}
 
 
-def _nanogpt_folder(nanogpt: Path) -> Path:
+def _nanogpt_folder(nanogpt: Path, corpus: Path = CORPUS) -> Path:
     """A temporary copy of nanoGPT's train.py, model.py, configurator.py and its
-    shakespeare_char config, with the shared corpus in its data format (what its
-    data/shakespeare_char/prepare.py writes: the sorted characters as ids, uint16,
-    the first 90% train.bin, the rest val.bin, meta.pkl)."""
+    shakespeare_char config, with ``corpus`` (the shared one by default) in its
+    data format (what its data/shakespeare_char/prepare.py writes: the sorted
+    characters as ids, uint16, the first 90% train.bin, the rest val.bin, meta.pkl)."""
     import pickle
 
     import numpy as np
@@ -132,7 +133,7 @@ def _nanogpt_folder(nanogpt: Path) -> Path:
     for name in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(nanogpt / name, folder / name)
-    text = CORPUS.read_text(encoding="utf-8")
+    text = Path(corpus).read_text(encoding="utf-8")
     chars = sorted(set(text))
     ids = {char: i for i, char in enumerate(chars)}
     data = folder / "data" / "shakespeare_char"
@@ -224,3 +225,112 @@ def section_lm(nanogpt: str = None, steps: int = 200, reps: int = 2, threads: in
                   "FSDP state bytes per rank", "DDP state bytes per rank"], rows)
     report.update(results=results, matmul_flops_per_s=matmul, table=versus + "\n\n" + text)
     return report
+
+
+# A GPT so small that a step's time is the loop's and the framework's, not arithmetic.
+TINY_GPT = {"n_layer": 1, "n_head": 1, "n_embd": 16, "block_size": 16, "batch_size": 4, "dropout": 0.0}
+
+
+# A bare step of TINY_GPT, in a fresh process of its own as the programs run: forward, loss,
+# backward, clipping at 1.0, AdamW, zero_grad; prints the CPU seconds a step (the median of 5
+# blocks of 500 steps, after 50). argv: "kit" or "nanoGPT", the nanoGPT folder, the sizes (JSON).
+BARE_STEP = """
+import importlib.util, json, statistics, sys, time
+import torch
+which, folder, sizes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+torch.manual_seed(0)
+x = torch.randint(0, 65, (sizes.pop("batch_size"), sizes["block_size"]))
+y = torch.randint(0, 65, x.shape)
+if which == "kit":
+    from gpt import GPT, GPTConfig
+    from text_tasks import lm_loss
+    model = GPT(GPTConfig(vocab_size=65, **sizes))
+    loss_of = lambda: lm_loss(model(x), y)
+else:
+    spec = importlib.util.spec_from_file_location("nanogpt_model", folder + "/model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.GPT(module.GPTConfig(vocab_size=65, bias=False, **sizes))
+    loss_of = lambda: model(x, y)[1]
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def step():
+    loss_of().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+for _ in range(50):
+    step()
+blocks = []
+for _ in range(5):
+    start = time.process_time()
+    for _ in range(500):
+        step()
+    blocks.append((time.process_time() - start) / 500)
+print(statistics.median(blocks))
+"""
+
+
+def _bare_step(which: str, nanogpt_folder: Path, threads: int) -> float:
+    """CPU seconds of a bare step of ``TINY_GPT`` (``BARE_STEP``, in a process
+    of its own with ``threads`` threads): ``which`` "kit" is gpt.GPT with the
+    loss as text_tasks.lm_loss computes it, "nanoGPT" nanoGPT's model.GPT,
+    whose forward computes the loss."""
+    sizes = json.dumps({key: TINY_GPT[key] for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                                                       "dropout")})
+    stdout, _ = _timed_run([sys.executable, "-c", BARE_STEP, which, nanogpt_folder, sizes], REPO, threads)
+    return float(stdout.split()[-1])
+
+
+def section_lm_loop(nanogpt: str = None, steps: int = 12000, reps: int = 3, threads: int = 1) -> dict:
+    """Section 8c: the host time of the training loop around the model,
+    train.py against nanoGPT's own train.py, on ``TINY_GPT`` (1 block, 16
+    wide, a context of 16, batch 4), so small that a step's time is the
+    loop's and the framework's. Each program's CPU seconds a step
+    (``_per_step_cpu``: a run of ``steps`` steps minus one of a fifth of them;
+    both print a progress line every 10 steps), ``reps`` interleaved pairs,
+    ``threads`` threads; right after each program, a bare step of its model
+    in a process of its own (``_bare_step``), whose difference from the
+    program's step is the loop around the model: the batch, the bookkeeping,
+    the stop poll, the snapshot clock, the schedule, the progress line. On a
+    GPU that host time is what keeps the GPU's queue fed; a CPU measures it
+    without a GPU."""
+    if not CORPUS.exists():
+        return {"skipped": f"no corpus at {CORPUS}"}
+    if not nanogpt:
+        return {"skipped": "pass --nanogpt PATH, a checkout of karpathy/nanoGPT"}
+    data = _corpus_dir(Path(tempfile.mkdtemp()))
+    folder = _nanogpt_folder(Path(nanogpt))
+    tiny_kit = [f"--{key}={value}" for key, value in TINY_GPT.items()]  # both programs' flags take --name=value
+
+    def kit_for(n: int) -> tuple:
+        cwd = Path(tempfile.mkdtemp())
+        cmd = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--dataset", "shakespeare_char",
+                          "--data_dir", data, "--max_steps", str(n), "--log_every_steps", "10", *tiny_kit]
+        stdout, cpu = _timed_run(cmd, cwd, threads)
+        shutil.rmtree(cwd, ignore_errors=True)
+        return stdout, cpu
+
+    def nanogpt_for(n: int) -> tuple:
+        return _timed_run([sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu",
+                           "--compile=False", "--dtype=float32", "--eval_interval=100000", "--eval_iters=1",
+                           "--log_interval=10", f"--max_iters={n}", *tiny_kit], folder, threads)
+
+    def measured(side: str, run_for) -> dict:
+        return {"program": _per_step_cpu(run_for, steps)[1], "bare": _bare_step(side, folder, threads)}
+
+    pairs = interleaved({"kit": lambda: measured("kit", kit_for), "nanoGPT": lambda: measured("nanoGPT", nanogpt_for)},
+                        reps)
+    shutil.rmtree(folder, ignore_errors=True)
+    program = {side: statistics.median(m["program"] for m in runs) for side, runs in pairs.items()}
+    bare = {side: statistics.median(m["bare"] for m in runs) for side, runs in pairs.items()}
+    # The loop around the model: each repetition's program step less its bare step, measured one after the other.
+    around = {side: statistics.median(m["program"] - m["bare"] for m in runs) for side, runs in pairs.items()}
+    rows = [[side, 1e3 * program[side], 1e3 * bare[side], 1e3 * around[side],
+             ", ".join(f"{1e3 * (m['program'] - m['bare']):.3f}" for m in pairs[side])] for side in ("kit", "nanoGPT")]
+    text = table(f"8c. The loop's host time: train.py vs nanoGPT's train.py on a GPT of 1 block, 16 wide, context 16, "
+                 f"batch 4 ({steps} steps, {reps} interleaved pairs, {threads} thread(s), CPU ms a step)",
+                 ["program", "the program's step (median)", "a bare step of its model (median)",
+                  "the loop around the model (median)", "the loop around the model, each repetition"], rows)
+    return {"steps": steps, "reps": reps, "pairs_cpu_s_per_step": pairs, "bare_cpu_s_per_step": bare,
+            "around_model_cpu_s_per_step": around, "program_cpu_s_per_step": program,
+            "kit_over_nanogpt_program": program["kit"] / program["nanoGPT"], "table": text}

@@ -44,6 +44,9 @@ Sections:
      --activation_checkpointing, the training state per rank; on a CPU the
      share of its measured fp32 matmul FLOP/s, on a GPU the MFU. Needs the
      corpus in ../shared/data/tinyshakespeare.
+  8c the loop's host time (with --nanogpt): CPU seconds a step of train.py and
+     of nanoGPT's train.py on a GPT so small that the loop dominates, and of a
+     bare step of each one's model: the difference is the loop around the model.
   9  snapshots that do not stop training: blocking seconds per snapshot,
      synchronous vs asynchronous (train.py's default), DDP file and FSDP
      shards, ~100 MB of training state, world size 2 (CUDA: one process per
@@ -82,7 +85,7 @@ from benchmarks.fsdp_vs_ddp import section_fsdp  # noqa: E402
 from benchmarks.gpu import section_gpu  # noqa: E402
 from benchmarks.harness import machine  # noqa: E402
 from benchmarks.input_pipeline import section_input  # noqa: E402
-from benchmarks.language_model import section_lm  # noqa: E402
+from benchmarks.language_model import section_lm, section_lm_loop  # noqa: E402
 from benchmarks.overhead import section_overhead  # noqa: E402
 from benchmarks.scaling import section_scaling  # noqa: E402
 from benchmarks.snapshot_cost import section_snapshot_cost  # noqa: E402
@@ -143,7 +146,7 @@ def main() -> None:
     """The command line: run the sections asked for (``--only``; all by default),
     print each one's table and write every number to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7 8 9")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7 8 8c 9")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
@@ -159,7 +162,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7", "8", "9"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7", "8", "8c", "9"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -179,6 +182,7 @@ def main() -> None:
                 ("5", "gpu", section_gpu, 1), ("6", "fsdp_vs_ddp", section_fsdp, 2),
                 ("7", "snapshot_save", lambda: section_snapshot_save(args.save_dir), 1),
                 ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps, threads=args.lm_threads), 1),
+                ("8c", "lm_loop", lambda: section_lm_loop(args.nanogpt, threads=args.lm_threads), 1),
                 ("9", "snapshot_cost", lambda: section_snapshot_cost(args.snapshot_device), 1)]
     run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")
