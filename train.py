@@ -445,7 +445,7 @@ def build(args: argparse.Namespace, rank: int, local_rank: int,
     train_utils.check_sampling(args, task)  # --sample_chars: only a task with a vocabulary writes text
     task.model = task.model.to(device)
     # The model's FLOPs per sample, counted on the plain model (before checkpointing and sharding wrap it),
-    # by rank 0 alone: it logs the figures, and torch's FLOP counter costs 0.2 s of start-up (it imports triton).
+    # by rank 0 alone: it logs the figures, and torch's FLOP counter costs 0.1 s of start-up.
     if task.flops_per_sample is None and rank == 0:
         task.flops_per_sample = train_utils.flops_per_sample(task, device)
     if args.activation_checkpointing:  # before DDP and FSDP wrap the blocks
