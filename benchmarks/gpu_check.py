@@ -727,7 +727,8 @@ def main() -> None:
         if data is None:
             report.add("kit_runs", {"skipped": no_corpus})
         else:
-            plans = [("FSDP, bf16, --compile", ["--strategy", "fsdp", *amp_flags(sizes), "--compile"])]
+            plans = [(f"FSDP, {'bf16' if amp_flags(sizes) else 'fp32'}, --compile",
+                      ["--strategy", "fsdp", *amp_flags(sizes), "--compile"])]
             if cuda:
                 plans += [("fp32 on TF32 (the default)", []), ("fp32, --no_tf32", ["--no_tf32"])]
             for label, extra in plans:
