@@ -235,10 +235,9 @@ def _gpt_epoch(tmp_path, device: torch.device, amp, on, off, steps: int = 8) -> 
                           train_data=SteadyState(data, on, off), clip_grad_norm=1.0, lr_schedule="cosine",
                           log_every_steps=0)
     try:
-        meter, record = trainer._run_epoch(0, 1)
+        return trainer._epoch_record(trainer._run_epoch(0, 1))
     finally:
         trainer.stop.close()
-    return record
 
 
 def test_the_steady_state_step_reads_no_value_from_the_device(tmp_path, one_process_group):
