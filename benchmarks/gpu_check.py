@@ -68,6 +68,7 @@ from helpers import TORCHRUN, free_port, script_env, snapshot_tensors  # noqa: E
 
 CHECK_FOLDER = REPO / ".gpu_check"  # ignored (.gitignore): what the check needs that is not the project's
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py")
+GPT2_VOCAB = 50257  # GPT-2's BPE tokens: the random ids of the token-file part are below it
 WARMUP_STEPS = 50  # steps left out of a program's ms a step: compilation, the first evaluation
 KIT_STEP = re.compile(r"^step (\d+) \| epoch", re.M)
 RUNGS = ("singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py")
@@ -86,12 +87,17 @@ class Sizes:
             self.warmup, self.rung_epochs = 30, 1
             self.snapshot_gpt = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512)
             self.resnet_batch, self.resnet_steps, self.resnet_reps = 8, 2, 2
+            self.gpt2 = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=4)
+            self.gpt2_steps, self.gpt2_tokens = 60, 200_000
         else:  # docs/language-model.md's GPU recipe: nanoGPT's config/train_shakespeare_char.py
             self.gpt = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2)
             self.pair_steps, self.pairs, self.short_steps, self.resume_steps, self.stop_at = 300, 3, 200, 150, 70
             self.warmup, self.rung_epochs = WARMUP_STEPS, 2
             self.snapshot_gpt = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
             self.resnet_batch, self.resnet_steps, self.resnet_reps = 256, 20, 6
+            # GPT-2 small on nanoGPT's train.py defaults (its batch of 12 windows of 1,024 tokens), one micro-batch a step
+            self.gpt2 = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12)
+            self.gpt2_steps, self.gpt2_tokens = 150, 50_000_000
 
     @property
     def tokens_per_step(self) -> int:
@@ -321,16 +327,11 @@ def nanogpt_speed(sizes: Sizes, folder: Path, compiled: bool, timeout: float) ->
             "seconds": seconds}
 
 
-def versus_nanogpt(sizes: Sizes, data: Path, nanogpt: Path, corpus: Path, work: Path, compiled: bool,
-                   deadline: float) -> dict:
+def alternating_pairs(sizes: Sizes, kit_run, nanogpt_run, compiled: bool, deadline: float) -> list:
     """``sizes.pairs`` alternating pairs (the kit first, then nanoGPT, then
-    nanoGPT first...) of the GPU recipe, eager or compiled; a pair starts only
-    where the last one's time still fits before ``deadline`` (the first
-    always runs)."""
-    from benchmarks.language_model import _nanogpt_folder
-
-    folder = _nanogpt_folder(nanogpt, corpus)
-    extra = [*amp_flags(sizes), *(["--compile"] if compiled else [])]
+    nanoGPT first...): ``kit_run(timeout)`` and ``nanogpt_run(timeout)``, each
+    a dict with ``ms_per_step`` or ``error``. A pair starts only where the last
+    one's time still fits before ``deadline`` (the first always runs)."""
     pairs, last_s = [], 0.0
     for index in range(sizes.pairs):
         # The next pair's time, guessed from the last one's; compiled, the first pair compiles,
@@ -342,15 +343,96 @@ def versus_nanogpt(sizes: Sizes, data: Path, nanogpt: Path, corpus: Path, work: 
         pair = {}
         for side in order:
             left = max(30, deadline - time.monotonic() + 60)
-            pair[side] = (kit_speed(sizes, data, work, f"kit {'compiled' if compiled else 'eager'}", extra, left)
-                          if side == "kit" else nanogpt_speed(sizes, folder, compiled, left))
+            pair[side] = kit_run(left) if side == "kit" else nanogpt_run(left)
         pairs.append(pair)
         last_s = time.monotonic() - started
-    shutil.rmtree(folder, ignore_errors=True)
+    return pairs
+
+
+def pair_summary(pairs: list) -> dict:
+    """nanoGPT's ms a step over the kit's, for each pair where both ran, and their median."""
     ratios = [p["nanoGPT"]["ms_per_step"] / p["kit"]["ms_per_step"] for p in pairs
               if p["kit"].get("ms_per_step") and p["nanoGPT"].get("ms_per_step")]
-    return {"compiled": compiled, "pairs": pairs, "kit_speed_over_nanogpt": ratios,
-            "median": statistics.median(ratios) if ratios else None}
+    return {"pairs": pairs, "kit_speed_over_nanogpt": ratios, "median": statistics.median(ratios) if ratios else None}
+
+
+def versus_nanogpt(sizes: Sizes, data: Path, nanogpt: Path, corpus: Path, work: Path, compiled: bool,
+                   deadline: float) -> dict:
+    """The GPU recipe, eager or compiled: train.py against nanoGPT's
+    ``config/train_shakespeare_char.py`` in ``alternating_pairs``."""
+    from benchmarks.language_model import _nanogpt_folder
+
+    folder = _nanogpt_folder(nanogpt, corpus)
+    extra = [*amp_flags(sizes), *(["--compile"] if compiled else [])]
+    pairs = alternating_pairs(
+        sizes, lambda left: kit_speed(sizes, data, work, f"kit {'compiled' if compiled else 'eager'}", extra, left),
+        lambda left: nanogpt_speed(sizes, folder, compiled, left), compiled, deadline)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"compiled": compiled, **pair_summary(pairs)}
+
+
+def write_random_tokens(folder: Path, tokens: int, seed: int = 0) -> None:
+    """``folder``/train.bin (``tokens`` ids) and val.bin (a tenth of it):
+    uint16 ids drawn uniformly below GPT-2's vocabulary, nanoGPT's format
+    (``data/openwebtext/prepare.py`` writes such files; no meta.pkl: GPT-2's
+    vocabulary, padded to 50,304)."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name, count in (("train.bin", tokens), ("val.bin", max(tokens // 10, 50_000))):
+        rng.integers(0, GPT2_VOCAB, size=count, dtype=np.uint16).tofile(folder / name)
+
+
+def gpt2_on_token_files(sizes: Sizes, nanogpt: Path, work: Path, deadline: float) -> dict:
+    """GPT-2 small (``sizes.gpt2``) on a token file of random ids, bf16 and
+    compiled on a GPU (fp32, eager in the dry run): train.py's ``--dataset
+    tokens`` against nanoGPT's own train.py (its defaults, which are this
+    model and batch, on ``data/gpt2rand/``; one micro-batch a step,
+    ``--gradient_accumulation_steps=1``), in ``alternating_pairs``. The
+    kit's MFU is its epoch record's (the GPU's bf16 peak); nanoGPT's is its
+    ``estimate_mfu`` (an A100's bf16 peak, 312 TFLOP/s), so the table gives
+    both the kit's and nanoGPT's tokens/s and the kit's MFU only."""
+    folder = Path(tempfile.mkdtemp(prefix="nanogpt-gpt2-", dir=work))
+    for name in ("train.py", "model.py", "configurator.py"):
+        shutil.copyfile(nanogpt / name, folder / name)
+    data = folder / "data" / "gpt2rand"
+    write_random_tokens(data, sizes.gpt2_tokens)
+    compiled = not sizes.dry_run
+    steps, tokens_per_step = sizes.gpt2_steps, sizes.gpt2["batch_size"] * sizes.gpt2["block_size"]
+    warmup = sizes.warmup if not sizes.dry_run else steps // 3
+    kit_flags = ["--dataset", "tokens", "--data_dir", data, "--max_steps", steps, "--log_every_steps", 10,
+                 "--eval_windows", 24, "--dropout", 0, *amp_flags(sizes), *(["--compile"] if compiled else [])]
+    for name, value in sizes.gpt2.items():
+        kit_flags += [f"--{name}", value]
+    nano_flags = ["--dataset=gpt2rand", "--gradient_accumulation_steps=1", f"--max_iters={steps}",
+                  "--eval_iters=2", "--log_interval=10", f"--compile={compiled}", "--dropout=0.0",
+                  *(f"--{key}={value}" for key, value in sizes.gpt2.items())]
+    if sizes.dry_run:
+        nano_flags += ["--device=cpu", "--dtype=float32"]
+
+    def kit_run(timeout: float) -> dict:
+        run = Path(tempfile.mkdtemp(prefix="kit-gpt2-", dir=work))
+        status, lines, seconds = run_stamped(kit_command() + kit_flags + ["--metrics_path", "m.jsonl"], run, timeout)
+        ms, intervals = ms_per_step(lines, KIT_STEP, warmup)
+        if status != 0 or ms is None:
+            return {"error": tail(lines), "seconds": seconds}
+        last = (_records(run / "m.jsonl") or [{}])[-1]
+        return {"ms_per_step": ms, "intervals": intervals, "tokens_per_s": tokens_per_step / ms * 1e3,
+                "mfu": last.get("mfu"), "mfu_precision": last.get("mfu_precision"), "seconds": seconds}
+
+    def nanogpt_run(timeout: float) -> dict:
+        shutil.rmtree(folder / "out", ignore_errors=True)
+        status, lines, seconds = run_stamped([sys.executable, "train.py", *nano_flags], folder, timeout)
+        ms, intervals = ms_per_step(lines, NANOGPT_ITER, warmup)
+        if status != 0 or ms is None:
+            return {"error": tail(lines), "seconds": seconds}
+        return {"ms_per_step": ms, "intervals": intervals, "tokens_per_s": tokens_per_step / ms * 1e3,
+                "seconds": seconds}
+
+    pairs = alternating_pairs(sizes, kit_run, nanogpt_run, compiled, deadline)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"compiled": compiled, "sizes": sizes.gpt2, "train_tokens": sizes.gpt2_tokens, **pair_summary(pairs)}
 
 
 def snapshot_cost(sizes: Sizes, work: Path, device: torch.device, reps: int = 2) -> dict:
@@ -582,6 +664,9 @@ def tables(data: dict) -> str:
         if "skipped" in part:
             out.append(f"\n**{name}**: skipped: {part['skipped']}")
             continue
+        if set(part) == {"error"}:  # the part raised (``_part``)
+            out.append(f"\n**{name}**: failed: {part['error']}")
+            continue
         if name == "rungs":
             out.append(table("rungs 1-5 at one GPU, synthetic task (rungs 3-5 resumed once)",
                              ["rung", "ok", "resumed", "seconds", "error"],
@@ -599,6 +684,21 @@ def tables(data: dict) -> str:
                              _fmt(kit.get("mfu"), 3)])
             rows.append(["median", "", "", "", "", _fmt(part["median"], 3), ""])
             out.append(table(f"GPU recipe, {name}: train.py vs nanoGPT's train.py, alternating pairs",
+                             ["pair", "kit ms a step", "nanoGPT ms a step", "kit tokens/s", "nanoGPT tokens/s",
+                              "kit speed / nanoGPT's", "kit MFU"], rows))
+        elif name == "gpt2_tokens":
+            rows = [[index + 1, _fmt(p["kit"].get("ms_per_step"), 2), _fmt(p["nanoGPT"].get("ms_per_step"), 2),
+                     _fmt(p["kit"].get("tokens_per_s"), 0), _fmt(p["nanoGPT"].get("tokens_per_s"), 0),
+                     _fmt(p["nanoGPT"]["ms_per_step"] / p["kit"]["ms_per_step"], 3)
+                     if p["kit"].get("ms_per_step") and p["nanoGPT"].get("ms_per_step") else
+                     (p["kit"].get("error") or p["nanoGPT"].get("error") or "")[:200],
+                     _fmt(p["kit"].get("mfu"), 3)] for index, p in enumerate(part["pairs"])]
+            rows.append(["median", "", "", "", "", _fmt(part["median"], 3), ""])
+            sizes = part["sizes"]
+            out.append(table(f"GPT-2 sizes ({sizes['n_layer']} layers, n_embd {sizes['n_embd']}, block "
+                             f"{sizes['block_size']}, batch {sizes['batch_size']}) on a token file of random ids, "
+                             f"{'compiled' if part['compiled'] else 'eager'}: train.py --dataset tokens vs "
+                             f"nanoGPT's train.py, alternating pairs",
                              ["pair", "kit ms a step", "nanoGPT ms a step", "kit tokens/s", "nanoGPT tokens/s",
                               "kit speed / nanoGPT's", "kit MFU"], rows))
         elif name == "kit_runs":
@@ -652,7 +752,9 @@ def main() -> None:
                         help="seconds for the whole check; a part that would end past it is skipped (default: 450; "
                              "with --dry_run none: every part runs)")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="parts to run: rungs fp16 resume tests eager compiled kit_runs snapshot resnet")
+                        help="parts to run: rungs fp16 resume tests eager compiled kit_runs snapshot resnet "
+                             "(the default), gpt2_tokens (GPT-2 small on a token file against nanoGPT: its own "
+                             "command, --only gpt2_tokens, minutes of compilation)")
     parser.add_argument("--out", default=None, help="the JSON (default: benchmarks/results/gpu_check.json, "
                                                     "gpu_check_dry_run.json with --dry_run)")
     args = parser.parse_args()
@@ -740,6 +842,11 @@ def main() -> None:
             if not cuda:
                 runs.append({"label": "fp32 with and without TF32", "error": "skipped: TF32 is a CUDA GPU's"})
             report.add("kit_runs", {"results": runs})
+    if "gpt2_tokens" in wanted:  # not in the default set: its compilations alone take minutes
+        if nanogpt is None:
+            report.add("gpt2_tokens", {"skipped": nanogpt_missing})
+        else:
+            report.add("gpt2_tokens", _part(gpt2_on_token_files, sizes, nanogpt, work, deadline - 30))
     for name, fn, needs_s in (("snapshot", snapshot_cost, 25), ("resnet", resnet_versus_bare, 15)):
         if name in wanted:
             report.add(name, _part(fn, sizes, work, device) if time.monotonic() < deadline - needs_s
