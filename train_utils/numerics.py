@@ -129,7 +129,7 @@ def numerics_description(device: torch.device, args: argparse.Namespace) -> str:
             parts.append("fp32 matmuls in full fp32 (no TF32 before Ampere)")
         else:
             parts.append("fp32 matmuls in full fp32 (--no_tf32)")
-    if getattr(args, "deterministic", False):
+    if args.deterministic:
         parts.append("deterministic" if device.type != "cpu" else
                      "deterministic (CPU runs are bitwise repeatable without it too)")
     return "".join(f" | {part}" for part in parts)
