@@ -95,7 +95,8 @@ class Sizes:
             self.warmup, self.rung_epochs = WARMUP_STEPS, 2
             self.snapshot_gpt = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
             self.resnet_batch, self.resnet_steps, self.resnet_reps = 256, 20, 6
-            # GPT-2 small on nanoGPT's train.py defaults (its batch of 12 windows of 1,024 tokens), one micro-batch a step
+            # GPT-2 small on nanoGPT's train.py defaults (a batch of 12 windows of 1,024 tokens),
+            # one micro-batch a step
             self.gpt2 = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12)
             self.gpt2_steps, self.gpt2_tokens = 150, 50_000_000
 
