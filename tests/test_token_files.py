@@ -330,7 +330,9 @@ PEAK_MEMORY_WRAPPER = '''import atexit, os, runpy, sys
 def report():
     with open("/proc/self/status") as f:
         peak = next(line for line in f if line.startswith("VmHWM:")).split()[1]
-    print(f"rank {os.environ['RANK']} peak_rss_kib {peak}", flush=True)
+    # One write of the whole line (print writes the text and its newline apart,
+    # so the two ranks' lines could interleave on their shared output).
+    os.write(1, f"rank {os.environ['RANK']} peak_rss_kib {peak}\\n".encode())
 atexit.register(report)
 sys.path[0] = REPO  # the project's modules, as when train.py runs itself
 sys.argv[0] = os.path.join(REPO, "train.py")
