@@ -67,29 +67,42 @@ def test_rung_trains_standalone_and_resumes(script, standalone, kit_run, tmp_pat
     """4 epochs saving every 3rd: the loss falls, one summary line per epoch, what
     was saved loads into a plain model; rungs 2-5 print, digit for digit, the
     losses train.py prints for the same flags (DDP, or FSDP for the FSDP rung).
-    Rungs 3-5: 2 epochs, then a restart asking for 4 resumes after epoch 2 and
-    prints epochs 3-4 as the uninterrupted run did."""
+    Rungs 3-5 run the 4 epochs as a newcomer does (the README's two commands):
+    2 epochs, then the same command asking for 4 resumes after epoch 2, and
+    the two runs' epochs are, digit for digit, the kit's uninterrupted run's."""
     cmd, env = launch(script, standalone)
     env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for 2 processes (mp.spawn sets nothing), as for the kit
-    (tmp_path / "straight").mkdir()
+    folder = tmp_path / "run"
+    folder.mkdir()
     if script == "multinode_fsdp.py" and FSDP_REFUSED:
-        result = run(cmd, tmp_path / "straight", **env)
+        result = run(cmd, folder, **env)
         assert result.returncode != 0 and error_lines(result.stderr), result.stderr
         assert all(line.startswith("error: FSDP on the CPU (gloo) needs torch 2.10 or newer")
                    for line in error_lines(result.stderr)), result.stderr
         return
-    result = check(run(cmd + ["--total_epochs", "4", "--save_every", "3"], tmp_path / "straight", **env))
+    resumes = script not in ("singlegpu.py", "multigpu_spawn.py")
+    if resumes:
+        first = check(run(cmd + ["--total_epochs", "2", "--save_every", "3"], folder, **env))
+        assert "resuming" not in first.stdout and first.stdout.count("test | loss") == 1
+        runs = [first.stdout]
+    else:
+        runs = []
+    result = check(run(cmd + ["--total_epochs", "4", "--save_every", "3"], folder, **env))
+    runs.append(result.stdout)
+    if resumes:
+        assert "resuming from snapshot " in result.stdout and " after epoch 2" in result.stdout
+    lines = [line for stdout in runs for line in epochs(stdout)]
     if script != "singlegpu.py":  # the kit never trains differently from the ladder
         strategy = "fsdp" if script == "multinode_fsdp.py" else "ddp"
-        assert _losses(result.stdout) == _losses(kit_run(strategy, "--total_epochs", 4)[1])
-    lines = epochs(result.stdout)
-    assert [int(e["epoch"]) for e in lines] == [1, 2, 3, 4], result.stdout
+        assert [loss for stdout in runs for loss in _losses(stdout)] == \
+            _losses(kit_run(strategy, "--total_epochs", 4)[1])
+    assert [int(e["epoch"]) for e in lines] == [1, 2, 3, 4], runs
     assert lines[-1]["train_loss"] < 0.2 * lines[0]["train_loss"]  # Var(y) ~ 1, noise floor 0.01
     assert lines[-1]["val_loss"] < 0.05 and parse_test(result.stdout)["loss"] < 0.05
     assert all(e["samples_per_s"] > 0 and e["epoch_s"] > 0 and e["lr"] == 0.05 for e in lines)
     assert result.stdout.count("test | loss") == 1  # rank 0 alone prints
     assert "epoch 3 | " in result.stdout and "epoch 4 | " in result.stdout  # saved every 3rd and after the last
-    saved = tmp_path / "straight" / SAVED[script]
+    saved = folder / SAVED[script]
     if script == "multinode_fsdp.py":  # a folder per save; the older ones removed
         assert [p.name for p in saved.iterdir()] == ["epoch-4"]
         assert (saved / "epoch-4" / "meta.pt").exists()
@@ -99,29 +112,20 @@ def test_rung_trains_standalone_and_resumes(script, standalone, kit_run, tmp_pat
         common.synthetic_model("mlp").load_state_dict(state.get("model", state))  # no DDP prefix
     if script == "multinode.py":  # every rank says where it runs, once per epoch
         for rank in (0, 1):
-            assert result.stdout.count(f"[rank {rank} | local_rank {rank} | host ") == 4
-        assert "] epoch 1 | batch_size 32 | steps 28" in result.stdout  # 1844 samples / 2 ranks / 32
-    if script in ("singlegpu.py", "multigpu_spawn.py"):
-        return
-    (tmp_path / "resumed").mkdir()
-    first = check(run(cmd + ["--total_epochs", "2"], tmp_path / "resumed", **env))
-    assert "resuming" not in first.stdout
-    second = check(run(cmd + ["--total_epochs", "4"], tmp_path / "resumed", **env))
-    assert "resuming from snapshot " in second.stdout and " after epoch 2" in second.stdout
-    assert [int(e["epoch"]) for e in epochs(second.stdout)] == [3, 4]
-    assert _losses(second.stdout) == _losses(result.stdout)[2:]
-    if script == "multinode.py":  # its snapshot code is multigpu_torchrun.py's, checked below
-        return
+            assert [stdout.count(f"[rank {rank} | local_rank {rank} | host ") for stdout in runs] == [2, 2]
+        assert "] epoch 1 | batch_size 32 | steps 28" in runs[0]  # 1844 samples / 2 ranks / 32
+    if script in ("singlegpu.py", "multigpu_spawn.py", "multinode.py"):
+        return  # multinode.py's snapshot code is multigpu_torchrun.py's, checked below
     # The snapshot holds another model than the one asked for: one line from rank 0, before
     # training (before, load_state_dict's error from both ranks, about 70 lines), the file kept.
-    other = run(cmd + ["--total_epochs", "4", "--model", "linear"], tmp_path / "resumed", **env)
+    other = run(cmd + ["--total_epochs", "4", "--model", "linear"], folder, **env)
     assert other.returncode != 0 and error_lines(other.stderr) == [
         f"error: snapshot {SAVED[script]}{'/epoch-4' if script == 'multinode_fsdp.py' else ''} holds "
         f"--dataset synthetic --model mlp, not --dataset synthetic --model linear; delete it or pass another "
         f"--snapshot_path"], other.stderr
     assert epochs(other.stdout) == []
     if script == "multigpu_torchrun.py":  # all 4 epochs held already: it says so instead of training none silently
-        again = check(run(cmd + ["--total_epochs", "4"], tmp_path / "resumed", **env))
+        again = check(run(cmd + ["--total_epochs", "4"], folder, **env))
         assert (f"snapshot {SAVED[script]} already holds 4 epochs: nothing to train (raise --total_epochs to "
                 f"train on)") in again.stdout and epochs(again.stdout) == []
 
