@@ -291,41 +291,53 @@ def check_tests(corpus: Path, timeout: float) -> dict:
 # Phase 2: timed, one at a time
 # --------------------------------------------------------------------------
 
-def kit_speed(sizes: Sizes, data: Path, work: Path, label: str, extra: list, timeout: float,
-              steps: int = None) -> dict:
-    """One run of train.py's GPT recipe: ms a step (``ms_per_step``), tokens/s,
-    and the last epoch record's flop/s, MFU and its precision."""
+def timed_kit_run(flags: list, work: Path, label: str, timeout: float, tokens_per_step: int,
+                  warmup: int) -> dict:
+    """One run of ``train.py FLAGS`` in a folder of its own under ``work``: ms
+    a step (``ms_per_step`` from step ``warmup`` on), tokens/s, and the last
+    metrics record's MFU and its precision; or the output's tail as
+    ``error``."""
     folder = Path(tempfile.mkdtemp(prefix=label.replace(" ", "_") + "-", dir=work))
-    steps = steps or sizes.pair_steps
-    status, lines, seconds = run_stamped(kit_command() + kit_gpt_flags(sizes, data, steps, *extra,
-                                                                       "--metrics_path", "m.jsonl"),
-                                         folder, timeout)
-    records = _records(folder / "m.jsonl")
-    ms, intervals = ms_per_step(lines, KIT_STEP, sizes.warmup)
+    status, lines, seconds = run_stamped(kit_command() + [*flags, "--metrics_path", "m.jsonl"], folder, timeout)
+    ms, intervals = ms_per_step(lines, KIT_STEP, warmup)
     if status != 0 or ms is None:
         return {"label": label, "error": tail(lines), "seconds": seconds}
-    last = records[-1] if records else {}
-    return {"label": label, "ms_per_step": ms, "intervals": intervals, "tokens_per_s": sizes.tokens_per_step / ms * 1e3,
+    last = (_records(folder / "m.jsonl") or [{}])[-1]
+    return {"label": label, "ms_per_step": ms, "intervals": intervals, "tokens_per_s": tokens_per_step / ms * 1e3,
             "mfu": last.get("mfu"), "mfu_precision": last.get("mfu_precision"),
             "epoch_tokens_per_s": last.get("tokens_per_s"), "seconds": seconds}
+
+
+def timed_nanogpt_run(args: list, folder: Path, timeout: float, tokens_per_step: int, warmup: int) -> dict:
+    """One run of nanoGPT's ``train.py ARGS`` in ``folder`` (its checkout): ms a
+    step (``ms_per_step`` from iteration ``warmup`` on) and tokens/s; or the
+    output's tail as ``error``."""
+    status, lines, seconds = run_stamped([sys.executable, "train.py", *args], folder, timeout)
+    ms, intervals = ms_per_step(lines, NANOGPT_ITER, warmup)
+    if status != 0 or ms is None:
+        return {"error": tail(lines), "seconds": seconds}
+    return {"ms_per_step": ms, "intervals": intervals, "tokens_per_s": tokens_per_step / ms * 1e3,
+            "seconds": seconds}
+
+
+def kit_speed(sizes: Sizes, data: Path, work: Path, label: str, extra: list, timeout: float,
+              steps: int = None) -> dict:
+    """One run of train.py's GPT recipe (``timed_kit_run``), ``steps`` steps
+    (default ``sizes.pair_steps``)."""
+    return timed_kit_run(kit_gpt_flags(sizes, data, steps or sizes.pair_steps, *extra), work, label, timeout,
+                         sizes.tokens_per_step, sizes.warmup)
 
 
 def nanogpt_speed(sizes: Sizes, folder: Path, compiled: bool, timeout: float) -> dict:
     """One run of nanoGPT's ``train.py config/train_shakespeare_char.py`` (the
     config file as it is; ``--max_iters`` shortens the run, ``--compile``
-    chooses; on a CPU the dry run's sizes): ms a step, tokens/s."""
-    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", f"--max_iters={sizes.pair_steps}",
-           f"--compile={compiled}"]
+    chooses; on a CPU the dry run's sizes): ``timed_nanogpt_run``."""
+    args = ["config/train_shakespeare_char.py", f"--max_iters={sizes.pair_steps}", f"--compile={compiled}"]
     if sizes.dry_run:  # nanoGPT's own CPU switches, and the dry run's sizes
-        cmd += ["--device=cpu", "--dtype=float32", "--eval_iters=2", "--log_interval=10",
-                *(f"--{key}={value}" for key, value in sizes.gpt.items())]
+        args += ["--device=cpu", "--dtype=float32", "--eval_iters=2", "--log_interval=10",
+                 *(f"--{key}={value}" for key, value in sizes.gpt.items())]
     shutil.rmtree(folder / "out-shakespeare-char", ignore_errors=True)
-    status, lines, seconds = run_stamped(cmd, folder, timeout)
-    ms, intervals = ms_per_step(lines, NANOGPT_ITER, sizes.warmup)
-    if status != 0 or ms is None:
-        return {"error": tail(lines), "seconds": seconds}
-    return {"ms_per_step": ms, "intervals": intervals, "tokens_per_s": sizes.tokens_per_step / ms * 1e3,
-            "seconds": seconds}
+    return timed_nanogpt_run(args, folder, timeout, sizes.tokens_per_step, sizes.warmup)
 
 
 def alternating_pairs(sizes: Sizes, kit_run, nanogpt_run, compiled: bool, deadline: float) -> list:
@@ -412,26 +424,13 @@ def gpt2_on_token_files(sizes: Sizes, nanogpt: Path, work: Path, deadline: float
     if sizes.dry_run:
         nano_flags += ["--device=cpu", "--dtype=float32"]
 
-    def kit_run(timeout: float) -> dict:
-        run = Path(tempfile.mkdtemp(prefix="kit-gpt2-", dir=work))
-        status, lines, seconds = run_stamped(kit_command() + kit_flags + ["--metrics_path", "m.jsonl"], run, timeout)
-        ms, intervals = ms_per_step(lines, KIT_STEP, warmup)
-        if status != 0 or ms is None:
-            return {"error": tail(lines), "seconds": seconds}
-        last = (_records(run / "m.jsonl") or [{}])[-1]
-        return {"ms_per_step": ms, "intervals": intervals, "tokens_per_s": tokens_per_step / ms * 1e3,
-                "mfu": last.get("mfu"), "mfu_precision": last.get("mfu_precision"), "seconds": seconds}
-
     def nanogpt_run(timeout: float) -> dict:
         shutil.rmtree(folder / "out", ignore_errors=True)
-        status, lines, seconds = run_stamped([sys.executable, "train.py", *nano_flags], folder, timeout)
-        ms, intervals = ms_per_step(lines, NANOGPT_ITER, warmup)
-        if status != 0 or ms is None:
-            return {"error": tail(lines), "seconds": seconds}
-        return {"ms_per_step": ms, "intervals": intervals, "tokens_per_s": tokens_per_step / ms * 1e3,
-                "seconds": seconds}
+        return timed_nanogpt_run(nano_flags, folder, timeout, tokens_per_step, warmup)
 
-    pairs = alternating_pairs(sizes, kit_run, nanogpt_run, compiled, deadline)
+    pairs = alternating_pairs(sizes, lambda timeout: timed_kit_run(kit_flags, work, "kit gpt2", timeout,
+                                                                   tokens_per_step, warmup),
+                              nanogpt_run, compiled, deadline)
     shutil.rmtree(folder, ignore_errors=True)
     return {"compiled": compiled, "sizes": sizes.gpt2, "train_tokens": sizes.gpt2_tokens, **pair_summary(pairs)}
 
@@ -655,6 +654,23 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+def _pair_table(title: str, part: dict) -> str:
+    """The table of ``alternating_pairs``' results (``pair_summary``): each
+    pair's ms a step and tokens/s, the kit's speed over nanoGPT's, its MFU."""
+    rows = []
+    for index, pair in enumerate(part["pairs"]):
+        kit, nano = pair["kit"], pair["nanoGPT"]
+        rows.append([index + 1, _fmt(kit.get("ms_per_step"), 2), _fmt(nano.get("ms_per_step"), 2),
+                     _fmt(kit.get("tokens_per_s"), 0), _fmt(nano.get("tokens_per_s"), 0),
+                     _fmt(nano["ms_per_step"] / kit["ms_per_step"], 3)
+                     if kit.get("ms_per_step") and nano.get("ms_per_step") else
+                     (kit.get("error") or nano.get("error") or "")[:200],
+                     _fmt(kit.get("mfu"), 3)])
+    rows.append(["median", "", "", "", "", _fmt(part["median"], 3), ""])
+    return table(title, ["pair", "kit ms a step", "nanoGPT ms a step", "kit tokens/s", "nanoGPT tokens/s",
+                         "kit speed / nanoGPT's", "kit MFU"], rows)
+
+
 def tables(data: dict) -> str:
     """Every part's table, from the report's data."""
     parts, out = data["parts"], []
@@ -674,34 +690,13 @@ def tables(data: dict) -> str:
                              [[r["rung"], r["ok"], r.get("resumed", "-"), r["seconds"], r.get("error", "")]
                               for r in part["results"]]))
         elif name in ("eager", "compiled"):
-            rows = []
-            for index, pair in enumerate(part["pairs"]):
-                kit, nano = pair["kit"], pair["nanoGPT"]
-                rows.append([index + 1, _fmt(kit.get("ms_per_step"), 2), _fmt(nano.get("ms_per_step"), 2),
-                             _fmt(kit.get("tokens_per_s"), 0), _fmt(nano.get("tokens_per_s"), 0),
-                             _fmt(nano["ms_per_step"] / kit["ms_per_step"], 3)
-                             if kit.get("ms_per_step") and nano.get("ms_per_step") else
-                             (kit.get("error") or nano.get("error") or "")[:200],
-                             _fmt(kit.get("mfu"), 3)])
-            rows.append(["median", "", "", "", "", _fmt(part["median"], 3), ""])
-            out.append(table(f"GPU recipe, {name}: train.py vs nanoGPT's train.py, alternating pairs",
-                             ["pair", "kit ms a step", "nanoGPT ms a step", "kit tokens/s", "nanoGPT tokens/s",
-                              "kit speed / nanoGPT's", "kit MFU"], rows))
+            out.append(_pair_table(f"GPU recipe, {name}: train.py vs nanoGPT's train.py, alternating pairs", part))
         elif name == "gpt2_tokens":
-            rows = [[index + 1, _fmt(p["kit"].get("ms_per_step"), 2), _fmt(p["nanoGPT"].get("ms_per_step"), 2),
-                     _fmt(p["kit"].get("tokens_per_s"), 0), _fmt(p["nanoGPT"].get("tokens_per_s"), 0),
-                     _fmt(p["nanoGPT"]["ms_per_step"] / p["kit"]["ms_per_step"], 3)
-                     if p["kit"].get("ms_per_step") and p["nanoGPT"].get("ms_per_step") else
-                     (p["kit"].get("error") or p["nanoGPT"].get("error") or "")[:200],
-                     _fmt(p["kit"].get("mfu"), 3)] for index, p in enumerate(part["pairs"])]
-            rows.append(["median", "", "", "", "", _fmt(part["median"], 3), ""])
             sizes = part["sizes"]
-            out.append(table(f"GPT-2 sizes ({sizes['n_layer']} layers, n_embd {sizes['n_embd']}, block "
-                             f"{sizes['block_size']}, batch {sizes['batch_size']}) on a token file of random ids, "
-                             f"{'compiled' if part['compiled'] else 'eager'}: train.py --dataset tokens vs "
-                             f"nanoGPT's train.py, alternating pairs",
-                             ["pair", "kit ms a step", "nanoGPT ms a step", "kit tokens/s", "nanoGPT tokens/s",
-                              "kit speed / nanoGPT's", "kit MFU"], rows))
+            out.append(_pair_table(f"GPT-2 sizes ({sizes['n_layer']} layers, n_embd {sizes['n_embd']}, block "
+                                   f"{sizes['block_size']}, batch {sizes['batch_size']}) on a token file of random "
+                                   f"ids, {'compiled' if part['compiled'] else 'eager'}: train.py --dataset tokens "
+                                   f"vs nanoGPT's train.py, alternating pairs", part))
         elif name == "kit_runs":
             out.append(table("train.py, the GPU recipe: FSDP with --compile; fp32 with and without TF32",
                              ["run", "ms a step", "tokens/s", "MFU", "MFU's precision", "error"],
