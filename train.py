@@ -200,7 +200,8 @@ class Trainer:
         limit = train_utils.batches_left(self.args, self.recipe.steps_per_epoch, epoch, self.progress.steps_run)
         batches = meter.batches(self.train_data, self.args.grad_accum_steps, limit)
         self.evals.epoch = epoch
-        if self.evals.pending(self.recipe.schedule.last_epoch) and not self._evaluate_steps(meter):
+        # The evaluation of the step a resumed snapshot stands at, when a stop came before or during it.
+        if self.evals.due(self.recipe.schedule.last_epoch) and not self._evaluate_steps(meter):
             return None  # a stop during the evaluation the snapshot stood at: saved again
         host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
         train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
@@ -209,8 +210,7 @@ class Trainer:
             self.watch.step(epoch, meter.steps_done)  # where this rank is; until training runs, every rank's batch
             loss = self._run_batch(source, targets, step)
             meter.add(loss, len(targets))
-            if self.evals.on:
-                self.evals.add(loss, len(targets))
+            self.evals.add(loss, len(targets))  # --eval_every_steps: the interval's training loss
             self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
             self.progress.steps_run = step + 1
             if self.progress.steps_run % self.args.grad_accum_steps:

@@ -34,8 +34,8 @@ class StepEvaluations:
     step it was measured at (None before the first). ``state_dict`` /
     ``load_state_dict`` carry these and the interval's global totals through
     a snapshot: an evaluation that a stop cut short (or never started) is
-    done by the resumed run before its first step (``pending``), with the
-    same training loss as the uninterrupted run's.
+    done by the resumed run before its first step (``due``, asked then),
+    with the same training loss as the uninterrupted run's.
     """
 
     def __init__(self, every: int, last_step: int, device: torch.device) -> None:
@@ -62,7 +62,9 @@ class StepEvaluations:
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """Count one micro-batch of the interval: its mean ``loss`` (0-dim, on
-        the device) over ``samples`` samples."""
+        the device) over ``samples`` samples. Nothing when not ``on``."""
+        if not self.on:
+            return
         self._loss.add_(loss, alpha=samples)
         self._samples += samples
 
@@ -70,12 +72,6 @@ class StepEvaluations:
         """Whether an evaluation is due after optimizer step ``step`` (of the run):
         every ``every`` steps and at the last, once each."""
         return self.on and step > self.evaluated and (step % self.every == 0 or step >= self.last_step)
-
-    def pending(self, step: int) -> bool:
-        """Whether the snapshot resumed from stands at a step whose evaluation
-        was not done (a stop came before or during it): ``due(step)``, asked
-        before the first training step of a start."""
-        return self.due(step)
 
     def _reduced(self) -> torch.Tensor:
         """Collective: this start's (loss sum, samples) of the interval over all
