@@ -6,10 +6,8 @@ model FLOPs utilization (MFU) against the peak of the precision it computes in.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import sys
 from types import MappingProxyType
 from typing import Optional
 
@@ -112,7 +110,7 @@ def counted_flops_per_sample(task, device: torch.device, samples: int = 2) -> fl
     count = min(samples, len(data))
     was_training = model.training
     had_grad = {id(p) for p in model.parameters() if p.grad is not None}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _dynamo_left_unimported():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         source, targets = task.collate_fn([data[i] for i in range(count)])
         model.eval()
         try:
@@ -125,30 +123,6 @@ def counted_flops_per_sample(task, device: torch.device, samples: int = 2) -> fl
                 if id(parameter) not in had_grad:
                     parameter.grad = None
     return counter.get_total_flops() / count
-
-
-@contextlib.contextmanager
-def _dynamo_left_unimported():
-    """For the count: torch wraps every dispatch mode's ``__torch_dispatch__``
-    in ``torch._disable_dynamo``, whose first call imports torch._dynamo (over
-    a second of CPU time, at every train.py start) so that a compiled region
-    cannot trace into the mode. Nothing is compiled during the count: where
-    torch._dynamo is not imported yet, the wrapper's cache (the attribute
-    ``__dynamo_disable`` of the wrapped function) holds the plain function for
-    the count and is emptied after. Where torch's internals differ, nothing is
-    done here and the count is the same, only slower."""
-    from torch.utils import flop_counter
-
-    dispatch = getattr(getattr(flop_counter, "_FlopCounterMode", None), "__torch_dispatch__", None)
-    raw = getattr(dispatch, "__wrapped__", None)
-    if raw is None or "torch._dynamo" in sys.modules or hasattr(raw, "__dynamo_disable"):
-        yield
-        return
-    setattr(raw, "__dynamo_disable", raw)
-    try:
-        yield
-    finally:
-        delattr(raw, "__dynamo_disable")
 
 
 def throughput_figures(samples_per_s: float, tokens_per_sample: Optional[int],
