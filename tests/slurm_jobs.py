@@ -127,7 +127,8 @@ def release_when_requeued(cluster, job: int, info: dict, nodes: str, released: s
     its nodes clean up; a test need not wait that long, only until the job's
     nodes no longer complete the last run, plus 2 s: slurmd refuses a launch
     credential issued in the same second as the revocation of the previous one.
-    The run it releases has TIME_LIMIT_MIN again (``warn_soon`` shortened it)."""
+    The run it releases has TIME_LIMIT_MIN again (``warn_soon`` shortened it),
+    as has a run Slurm started itself meanwhile."""
     restarts = int(info.get("Restarts", 0))
     if info.get("Reason") != "BeginTime" or restarts in released:
         return
@@ -136,8 +137,16 @@ def release_when_requeued(cluster, job: int, info: dict, nodes: str, released: s
     if "comp" in states:
         return
     time.sleep(2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now", f"TimeLimit={TIME_LIMIT_MIN}"],
-                   env=cluster.env, check=True)
+    update = subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now", f"TimeLimit={TIME_LIMIT_MIN}"],
+                            env=cluster.env, capture_output=True, text=True)
+    if update.returncode != 0:
+        # Slurm's own BeginTime came first (the nodes took that long to clean
+        # up): the job runs already, and StartTime is refused for a job no
+        # longer pending. Only the time limit is given back then.
+        if cluster.job(job)["JobState"] == "PENDING":
+            raise RuntimeError(f"scontrol update of pending job {job} failed: {update.stderr.strip()}")
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={TIME_LIMIT_MIN}"],
+                       env=cluster.env, check=True)
     released.add(restarts)
 
 
