@@ -40,21 +40,35 @@ def kit_run(tmp_path_factory):
     """Runs ``torchrun --standalone --nproc_per_node=2 train.py --strategy
     STRATEGY FLAGS...`` (OMP_NUM_THREADS=1, what torchrun sets for 2
     processes, set here whatever the environment holds) once per strategy
-    and flags in this test process, each in a folder of its own; returns
-    (that folder, the run's stdout). For tests that compare with a finished
-    run, or start from its snapshot."""
+    and flags in the whole test session, each in a folder of its own: under
+    ``-n 2`` both test processes share the runs (a file lock, in the folder
+    of the session that holds theirs; a run is made in a temporary folder and
+    renamed once it has succeeded). Returns (that folder, the run's stdout).
+    For tests that compare with a finished run, or start from its snapshot;
+    they read the folder and never write in it."""
+    import hashlib
+    import os
+    import tempfile
+
+    from filelock import FileLock
+
     from helpers import REPO, TORCHRUN, check, run
 
-    made: dict = {}
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # each test process's folder lies in the session's
 
     def kit(strategy: str = "ddp", *flags) -> tuple[Path, str]:
-        key = (strategy, *map(str, flags))
-        if key not in made:
-            folder = tmp_path_factory.mktemp(f"kit_{strategy}_run")
-            result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
-                                           "--strategy", strategy, *flags], folder, OMP_NUM_THREADS="1"))
-            made[key] = (folder, result.stdout)
-        return made[key]
+        key = "\0".join((strategy, *map(str, flags)))
+        folder = shared / f"kit_{strategy}_run_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        with FileLock(f"{folder}.lock"):
+            if not folder.exists():
+                making = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=shared))
+                result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
+                                               "--strategy", strategy, *flags], making, OMP_NUM_THREADS="1"))
+                (making / "stdout.txt").write_text(result.stdout)
+                making.rename(folder)
+        return folder, (folder / "stdout.txt").read_text()
     return kit
 
 
@@ -124,7 +138,7 @@ QUICK = [
     "test_readme.py",
     "test_task_batching.py",  # a task of one's own: its batching, named by its file, wrong returns
     "test_multinode.py::test_two_nodes_train_together",
-    "test_fsdp.py::test_resume_equals_uninterrupted_run",  # train.py --strategy fsdp, stopped and resumed
+    "test_fsdp.py::test_sigusr1_stops_every_rank_and_the_run_resumes_exactly",  # train.py --strategy fsdp, stopped and resumed
     "test_distributed_correctness.py::test_resume_equals_uninterrupted_run",
     "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",  # the kit, train.py:
     "test_reruns_and_errors.py::test_fewer_epochs_than_the_snapshot_holds_is_refused",

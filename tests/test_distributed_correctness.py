@@ -12,7 +12,6 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from dataset_files import build_mnist_root
 from helpers import N_EVAL, REPO, plain_task, TORCHRUN, check, error_lines, eval_problem, free_port, run, snapshot_tensors
 
 import common
@@ -101,28 +100,21 @@ def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_p
 # 6. The kit's resume from a snapshot == an uninterrupted run, bitwise
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("script,dataset", [("train.py", "synthetic")])
-def test_resume_equals_uninterrupted_run(script, dataset, tmp_path):
-    """Stop after epoch 2, start again asking for 4: the result is bitwise the
-    4-epoch run (weights, optimizer, every rank's RNG state). A model with
-    dropout, which needs those RNG states, resumes bitwise in
+def test_resume_equals_uninterrupted_run(kit_run, tmp_path):
+    """train.py stopped after epoch 2, started again asking for 4: the result
+    is bitwise the 4-epoch run's (weights, optimizer, every rank's RNG state).
+    A model with dropout, which needs those RNG states, resumes bitwise in
     test_fault_tolerance.py's killed-worker test (MNIST's CNN, mid-epoch)."""
-    flags = ["--dataset", dataset, "--batch_size", "32"]
-    if dataset == "mnist":
-        flags += ["--data_dir", build_mnist_root(tmp_path / "data", n_train=1000, n_test=200)]
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / script]
-    (tmp_path / "straight").mkdir()
-    (tmp_path / "resumed").mkdir()
-    check(run(launch + flags + ["--total_epochs", "4"], tmp_path / "straight"))
-    first = check(run(launch + flags + ["--total_epochs", "2"], tmp_path / "resumed"))
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+    first = check(run(launch + ["--total_epochs", "2"], tmp_path))
     assert "resuming" not in first.stdout
-    second = check(run(launch + flags + ["--total_epochs", "4"], tmp_path / "resumed"))
-    snapshot = f"snapshot_{script[:-3]}.pt"  # named after the script
-    assert f"resuming from snapshot {snapshot} after epoch 2" in second.stdout
+    second = check(run(launch + ["--total_epochs", "4"], tmp_path))
+    assert "resuming from snapshot snapshot_train.pt after epoch 2" in second.stdout
     assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
 
-    epochs_a, straight = snapshot_tensors(tmp_path / "straight" / snapshot, rng=True)
-    epochs_b, resumed = snapshot_tensors(tmp_path / "resumed" / snapshot, rng=True)
+    straight_folder, _ = kit_run("ddp", "--total_epochs", 4)  # the same run, never stopped
+    epochs_a, straight = snapshot_tensors(straight_folder / "snapshot_train.pt", rng=True)
+    epochs_b, resumed = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
     assert epochs_a == epochs_b == 4
     assert straight.keys() == resumed.keys()
     unequal = [name for name in straight if not torch.equal(straight[name], resumed[name])]

@@ -16,9 +16,8 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from dataset_files import build_mnist_root
 from helpers import (FAULTY_TRAIN, N_EVAL, REPO, TORCHRUN, assert_bitwise, check, epochs, eval_problem, free_port,
-                     full_state, held_at_step, parse_test, plain_task, run, snapshot_folder, signal_when,
+                     full_state, held_at_step, load_task, parse_test, plain_task, run, snapshot_folder, signal_when,
                      stdout_lines)
 
 import common
@@ -126,7 +125,9 @@ def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, 
 def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_path):
     """7,200 real digits, 2 epochs, 2 ranks; 2,000 held-out digits (0.976
     with torch 2.14). The CNN's 1.2 M parameters all have an even first
-    dimension: exactly half of DDP's state."""
+    dimension: exactly half of DDP's state. The sharded snapshot, gathered,
+    is the task's plain model. (Stopped FSDP runs resume bitwise: below,
+    test_recipes.py and test_token_files.py.)"""
     result = check(run(fsdp(2, "--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", 2),
                        tmp_path))
     lines = epochs(result.stdout)
@@ -138,6 +139,14 @@ def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_pa
     assert accuracy >= 0.95
     assert mem["bytes"] * 2 == mem["ddp"] == expected_state_bytes(vision_tasks.MnistCNN(), 2)[1]
     assert mem["ratio"] == 2.0
+
+    # The gathered weights are a checkpoint of the task's plain model: loaded as they are
+    # (strict) and scored in one process, they give the test loss the run printed.
+    weights, _ = full_state(snapshot_folder(tmp_path / SNAPSHOT), tmp_path / "gathered")
+    task = load_task("mnist", mnist_root, "fast")
+    task.model.load_state_dict(weights)
+    loss, _ = one_process_evaluation(task.model, task.test_set, task)
+    assert abs(loss - parse_test(result.stdout)["loss"]) <= 1e-6
 
 
 # --------------------------------------------------------------------------
@@ -248,39 +257,6 @@ def test_shard_model_takes_a_channels_last_resnet(tmp_path):
 # --------------------------------------------------------------------------
 # Resume
 # --------------------------------------------------------------------------
-
-def test_resume_equals_uninterrupted_run(tmp_path):
-    """Stop after epoch 2, start again asking for 4: model, momentum buffers and every
-    rank's RNG state are bitwise those of the 4-epoch run. Bitwise is right here: the
-    same world size runs the same all-gathers and reduce-scatters in the same order
-    on CPU. The MNIST CNN's dropout needs every rank's RNG state restored too (the
-    synthetic task's resume is bitwise in the fault tests below). The gathered
-    weights load into the task's plain model as they are."""
-    data_dir = build_mnist_root(tmp_path / "data", n_train=500, n_test=200)
-    flags = ["--dataset", "mnist", "--data_dir", data_dir, "--batch_size", "32"]
-    (tmp_path / "straight").mkdir()
-    (tmp_path / "resumed").mkdir()
-    check(run(fsdp(2, *flags, "--total_epochs", 4), tmp_path / "straight"))
-    first = check(run(fsdp(2, *flags, "--total_epochs", 2), tmp_path / "resumed"))
-    assert "resuming" not in first.stdout
-    second = check(run(fsdp(2, *flags, "--total_epochs", 4), tmp_path / "resumed"))
-    assert "resuming from snapshot snapshot_train_fsdp/epoch-2 after epoch 2\n" in second.stdout
-    assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
-
-    weights, straight = full_state(snapshot_folder(tmp_path / "straight" / "snapshot_train_fsdp"), tmp_path / "a")
-    _, resumed = full_state(snapshot_folder(tmp_path / "resumed" / "snapshot_train_fsdp"), tmp_path / "b")
-    assert straight["position"].tolist() == [4, 0]
-    assert_bitwise(straight, resumed)
-
-    # The gathered weights are a checkpoint of the task's plain model: loaded as they are
-    # (strict) and scored in one process, they give the test loss the run printed.
-    from helpers import load_task
-
-    task = load_task("mnist", data_dir, "fast")
-    task.model.load_state_dict(weights)
-    loss, _ = one_process_evaluation(task.model, task.test_set, task)
-    assert abs(loss - parse_test(second.stdout)["loss"]) <= 1e-6
-
 
 def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

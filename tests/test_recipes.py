@@ -6,6 +6,8 @@ stopped run that resumes all of it bitwise."""
 import argparse
 import json
 import os
+import re
+import signal
 import sys
 
 import pytest
@@ -23,7 +25,8 @@ from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, run, kit_trainer
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, error_lines, free_port, held_at_step, kit_trainer,
+                     run, signal_when, snapshot_tensors)
 
 TORCHRUN_1 = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
@@ -274,23 +277,39 @@ def test_cifar_resnets_have_the_cifar_stem_and_the_published_parameter_counts():
     assert seen["shape"] == (2, 64, 8, 8)
 
 
-def test_cifar10_default_recipe_trains_and_resumes(tmp_path):
-    """The cifar10 defaults (ResNet-18 with the CIFAR stem, SGD 0.1, weight decay
-    5e-4, cosine) on CIFAR-shaped synthetic images in the real file format: the
-    training loss falls, the run resumes from its snapshot and continues."""
-    data = build_cifar10_root(tmp_path / "data", per_batch=32, n_test=20)
-    launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py", REPO / "train.py"]
-    flags = ["--dataset", "cifar10", "--data_dir", data, "--batch_size", "16", "--lr", "0.02"]
-    first = check(run(launch + flags + ["--total_epochs", "2"], tmp_path))
-    assert "device cpu" in first.stdout
-    lines = epochs(first.stdout)
+def test_cifar10_default_recipe_trains_and_a_stop_inside_an_epoch_resumes_bitwise(tmp_path):
+    """The cifar10 defaults (ResNet-18 with the CIFAR stem, SGD 0.1, weight
+    decay 5e-4, cosine) on CIFAR-shaped synthetic images in the real file
+    format, 2 ranks, 2 epochs: the training loss falls. The same command
+    stopped by SIGTERM inside epoch 2 (rank 0 held at its 7th step until the
+    signal) and started again ends with bitwise the weights, momentum,
+    schedule and random states of the straight run: the fast input path's
+    augmentation draws from the device's generator, whose state the snapshot
+    holds, and the rest of the epoch gets the crops and flips it would have."""
+    data = build_cifar10_root(tmp_path / "data", per_batch=32, n_test=20)  # 144 to train: 5 steps of 16 a rank
+    bypass = [REPO / "tests" / "md5_bypass.py"]  # the synthetic files' checksums are not the official ones
+    flags = ["--dataset", "cifar10", "--data_dir", data, "--batch_size", "16", "--lr", "0.02", "--total_epochs", "2"]
+    straight_dir, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
+    straight_dir.mkdir()
+    stopped_dir.mkdir()
+    straight = check(run(TORCHRUN_2[:-1] + bypass + [REPO / "train.py"] + flags, straight_dir))
+    assert "device cpu" in straight.stdout
+    lines = epochs(straight.stdout)
     assert lines[1]["train_loss"] < lines[0]["train_loss"]
-    config = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["config"]
+    config = torch.load(straight_dir / "snapshot_train.pt", weights_only=True)["config"]
     assert (config["model"], config["optimizer"], config["weight_decay"], config["lr_schedule"]) == \
         ("resnet18", "sgd", 5e-4, "cosine")
-    second = check(run(launch + flags + ["--total_epochs", "3"], tmp_path))
-    assert "resuming from snapshot snapshot_train.pt after epoch 2" in second.stdout
-    assert "recipe changed at resume (total_epochs 2 -> 3)" in second.stdout
+
+    hold_env, held = held_at_step(7)  # epoch 2's 2nd step
+    text = signal_when(TORCHRUN_2[:-1] + bypass + [FAULTY_TRAIN] + flags, stopped_dir, held, signal.SIGTERM,
+                       **hold_env)
+    assert text.count("stopped by SIGTERM") == 1 and "epoch 2/2 |" not in text, text
+    resumed = check(run(TORCHRUN_2[:-1] + bypass + [REPO / "train.py"] + flags, stopped_dir))
+    assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 2 after step \d", resumed.stdout)
+    assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
+    _, a = snapshot_tensors(straight_dir / "snapshot_train.pt", rng=True)
+    _, b = snapshot_tensors(stopped_dir / "snapshot_train.pt", rng=True)
+    assert a.keys() == b.keys() and [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
 # --------------------------------------------------------------------------
