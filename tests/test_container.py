@@ -214,7 +214,7 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
 # wrappers' default `apptainer exec` line
 # --------------------------------------------------------------------------
 
-CONTAINER_SHORT = ["--total_epochs", "4", "--batch_size", "8"]
+CONTAINER_SHORT = ["--total_epochs", "4", "--batch_size", "16"]
 # Each job's ranks wait at their 30th step (in epoch 1) until a stop signal
 # comes (a fault injected from the test side, first attempt only: the job's
 # SCRIPT_NAME is tests/train_with_fault.py, which the container sees in the

@@ -56,11 +56,11 @@ from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
 
 
-# 4 epochs of 128 steps a rank. Every job that a trigger stops waits for it at
+# 4 epochs of 64 steps a rank. Every job that a trigger stops waits for it at
 # step 30 (every rank, the injected fault; once both wait, the trigger comes),
 # so the stop lands mid-training however fast the machine starts and trains.
 EPOCHS = 4
-SHORT = ["--total_epochs", str(EPOCHS), "--batch_size", "8"]
+SHORT = ["--total_epochs", str(EPOCHS), "--batch_size", "16"]
 # The time-limit job's first run waits at step 30 (every rank, the injected
 # fault) until the warning comes; once both wait, the test brings the time
 # limit near (warn_soon) and Slurm's timer sends the warning within about a
@@ -135,7 +135,7 @@ SCENARIOS = [
 # that it is still running when the others start, however fast it trains.
 SWEEP_NODE = "ddp-stop9"
 SWEEP_HOLD = {"DDP_TEST_FAULT": "finished:0:1:wait_signal", **FAULTY_TRAIN_JOB_ENV}
-SWEEP_SHORTER = ["--total_epochs", "6", "--batch_size", "8"]
+SWEEP_SHORTER = ["--total_epochs", "6", "--batch_size", "16"]
 SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, REFERENCE,
                   env=SWEEP_HOLD),
          Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, [*SWEEP_SHORTER, "--lr", "0.02"], None,
