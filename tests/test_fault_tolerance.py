@@ -89,20 +89,20 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
 # 2. Killed while writing a snapshot: the previous one is intact and used
 # --------------------------------------------------------------------------
 
-def test_kill_while_writing_a_snapshot_keeps_the_previous_one(tmp_path):
-    flags = ["--total_epochs", "2", "--snapshot_every_steps", "10"]
-    (tmp_path / "clean").mkdir()
-    (tmp_path / "killed").mkdir()
-    check(run(TORCHRUN_SCRIPT + flags, tmp_path / "clean"))
-    # Saves: epoch 1 steps 10 and 20, then epoch 2 step 10 (the 3rd), killed
-    # after its temporary file is written, before the rename.
-    killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                                      FAULTY_TRAIN] + flags,
-                       tmp_path / "killed", DDP_TEST_FAULT="save:0:3:kill"))
+def test_kill_while_writing_a_snapshot_keeps_the_previous_one(kit_run, tmp_path):
+    """Saves: epoch 1 steps 10 and 20, then epoch 2 step 10 (the 3rd), killed
+    after its temporary file is written, before the rename. torchrun's
+    restart resumes from the one before, and the run ends bitwise as one
+    never killed (the same flags but the snapshot cadence, which changes no
+    tensor)."""
+    killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1", FAULTY_TRAIN,
+                                      "--total_epochs", "2", "--snapshot_every_steps", "10"],
+                       tmp_path, DDP_TEST_FAULT="save:0:3:kill"))
     assert "DDP_TEST_FAULT: kill at save 3 on rank 0" in killed.stderr
     assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 20" in killed.stdout
-    assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)
-    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["snapshot_train.pt"]  # no stale temp
+    clean, _ = kit_run("ddp", "--total_epochs", 2)
+    assert_same_snapshot(clean / SNAPSHOT, tmp_path / SNAPSHOT)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_train.pt"]  # no stale temp
 
 
 def test_a_snapshot_is_written_while_training_goes_on(tmp_path):
@@ -360,7 +360,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
         assert torch.load(interrupted / "snapshot_train.pt", weights_only=True)["loss_scaler"]["scale"] < 65536.0
 
 
-def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(tmp_path):
+def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(finished_run, tmp_path):
     """SIGTERM to torchrun while the ranks start (FAULTY_TRAIN holds every
     rank in start-up, after the process group exists, before the task loads:
     where a download or a large dataset takes its time): each rank ends at
@@ -371,8 +371,7 @@ def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
                          "--batch_size", "32"]
     held = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(FAULTY_TRAIN), "--batch_size", "32"]
-    check(run([*launch, "--total_epochs", "2"], tmp_path))
-    snapshot = tmp_path / "snapshot_train.pt"
+    snapshot = finished_run(tmp_path, total_epochs=2)  # train.py --total_epochs 2 (--batch_size 32 is the default)
     before = snapshot.read_bytes()
     text = signal_when([*held, "--total_epochs", "3"], tmp_path,
                        ("DDP_TEST_FAULT: hang at startup 1 on rank 0", "DDP_TEST_FAULT: hang at startup 1 on rank 1"),
