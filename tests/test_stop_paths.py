@@ -56,10 +56,10 @@ from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
 
 
-# 4 epochs of 64 steps a rank. Every job that a trigger stops waits for it at
+# 3 epochs of 64 steps a rank. Every job that a trigger stops waits for it at
 # step 30 (every rank, the injected fault; once both wait, the trigger comes),
 # so the stop lands mid-training however fast the machine starts and trains.
-EPOCHS = 4
+EPOCHS = 3
 SHORT = ["--total_epochs", str(EPOCHS), "--batch_size", "16"]
 # The time-limit job's first run waits at step 30 (every rank, the injected
 # fault) until the warning comes; once both wait, the test brings the time
@@ -135,7 +135,7 @@ SCENARIOS = [
 # that it is still running when the others start, however fast it trains.
 SWEEP_NODE = "ddp-stop9"
 SWEEP_HOLD = {"DDP_TEST_FAULT": "finished:0:1:wait_signal", **FAULTY_TRAIN_JOB_ENV}
-SWEEP_SHORTER = ["--total_epochs", "6", "--batch_size", "16"]
+SWEEP_SHORTER = ["--total_epochs", "2", "--batch_size", "16"]
 SWEEP = [Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, SHORT, None, REFERENCE,
                   env=SWEEP_HOLD),
          Scenario("sweep", "multi_gpu.sh", SWEEP_NODE, GPUS_2, [*SWEEP_SHORTER, "--lr", "0.02"], None,
@@ -436,7 +436,7 @@ def test_a_sweep_from_one_folder_gives_each_point_its_own_snapshot(stopped):
     # the first job was ended by scancel once it held every epoch, the second ran to its end
     assert first_info["JobState"] == "CANCELLED" and "test | loss" in first_log, f"{first_info}\n{first_log}"
     assert second_info["JobState"] == "COMPLETED", f"{second_info}\n{second_log}"
-    for log, total in ((first_log, EPOCHS), (second_log, 6)):
+    for log, total in ((first_log, EPOCHS), (second_log, 2)):
         assert "resuming from snapshot" not in log and len(runs(log)) == 1, log
         assert [e["epoch"] for e in epochs(log)] == list(range(1, total + 1)), log
     first_name, second_name = wrapper_snapshot("sweep", first.args), wrapper_snapshot("sweep", second.args)
