@@ -95,8 +95,8 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(kit_run, tmp_path)
     restart resumes from the one before, and the run ends bitwise as one
     never killed (the same flags but the snapshot cadence, which changes no
     tensor)."""
-    killed = check(run(TORCHRUN[:] + ["--standalone", "--nproc_per_node=2", "--max-restarts=1", FAULTY_TRAIN,
-                                      "--total_epochs", "2", "--snapshot_every_steps", "10"],
+    killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1", FAULTY_TRAIN,
+                                   "--total_epochs", "2", "--snapshot_every_steps", "10"],
                        tmp_path, DDP_TEST_FAULT="save:0:3:kill"))
     assert "DDP_TEST_FAULT: kill at save 3 on rank 0" in killed.stderr
     assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 20" in killed.stdout

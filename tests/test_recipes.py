@@ -287,12 +287,13 @@ def test_cifar10_default_recipe_trains_and_a_stop_inside_an_epoch_resumes_bitwis
     augmentation draws from the device's generator, whose state the snapshot
     holds, and the rest of the epoch gets the crops and flips it would have."""
     data = build_cifar10_root(tmp_path / "data", per_batch=32, n_test=20)  # 144 to train: 5 steps of 16 a rank
-    bypass = [REPO / "tests" / "md5_bypass.py"]  # the synthetic files' checksums are not the official ones
+    # 2 ranks through tests/md5_bypass.py: the synthetic files' checksums are not the official ones.
+    launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py"]
     flags = ["--dataset", "cifar10", "--data_dir", data, "--batch_size", "16", "--lr", "0.02", "--total_epochs", "2"]
     straight_dir, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
     straight_dir.mkdir()
     stopped_dir.mkdir()
-    straight = check(run(TORCHRUN_2[:-1] + bypass + [REPO / "train.py"] + flags, straight_dir))
+    straight = check(run(launch + [REPO / "train.py"] + flags, straight_dir))
     assert "device cpu" in straight.stdout
     lines = epochs(straight.stdout)
     assert lines[1]["train_loss"] < lines[0]["train_loss"]
@@ -301,10 +302,9 @@ def test_cifar10_default_recipe_trains_and_a_stop_inside_an_epoch_resumes_bitwis
         ("resnet18", "sgd", 5e-4, "cosine")
 
     hold_env, held = held_at_step(7)  # epoch 2's 2nd step
-    text = signal_when(TORCHRUN_2[:-1] + bypass + [FAULTY_TRAIN] + flags, stopped_dir, held, signal.SIGTERM,
-                       **hold_env)
+    text = signal_when(launch + [FAULTY_TRAIN] + flags, stopped_dir, held, signal.SIGTERM, **hold_env)
     assert text.count("stopped by SIGTERM") == 1 and "epoch 2/2 |" not in text, text
-    resumed = check(run(TORCHRUN_2[:-1] + bypass + [REPO / "train.py"] + flags, stopped_dir))
+    resumed = check(run(launch + [REPO / "train.py"] + flags, stopped_dir))
     assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 2 after step \d", resumed.stdout)
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
     _, a = snapshot_tensors(straight_dir / "snapshot_train.pt", rng=True)
