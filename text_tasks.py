@@ -131,7 +131,8 @@ class TokenWindows(Dataset):
     at any token, as nanoGPT's random offsets do, instead of the same len()
     windows every epoch, which a model of some millions of parameters learns
     by heart within a few epochs. ``__getitems__`` cuts a whole batch at
-    once, returning ``common.Batch((x, y))``, int64 (B, block_size) each.
+    once, returning ``common.Batch((x, y))``, int64 (B, block_size) each,
+    both contiguous.
     Raises ConfigError when the sequence is too short for one window
     (``name``: what it is, for the message).
     """
@@ -163,7 +164,10 @@ class TokenWindows(Dataset):
             rows = self.tokens[starts[:, None] + self._offsets]  # (B, block_size + 1)
         else:
             rows = self.tokens.rows(starts, self.block_size + 1)
-        return Batch((rows[:, :-1], rows[:, 1:]))
+        # Two dense tensors, not two views of rows: a view keeps rows' strides, and a
+        # strided batch is not what the loader pins, so its copy to a GPU would go
+        # through a pageable temporary and wait for the GPU (docs/performance.md).
+        return Batch((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
 
 
 class TokenFile:

@@ -122,6 +122,9 @@ class Trainer:
         # forward; saving and evaluation use the plain model, so what is saved
         # loads without torch.compile. FSDP: its blocks were compiled before sharding (shard_model).
         self.compiled = train_utils.compile_model(self.model, args.compile and not self.fsdp)
+        # The loss in fp32, compiled as a graph of its own under --compile (DDP and FSDP alike).
+        self.loss_fn = train_utils.training_loss(task.loss_fn, args.compile)
+        self.to_device = train_utils.HostToDevice(device, train_data.pin_memory, self.rank)  # queued, not waited for
         self.profiler = train_utils.StepProfiler(args.profile_dir, device)  # --profile_dir: a few steps traced
 
     def _wrap_in_ddp(self) -> None:
@@ -171,14 +174,14 @@ class Trainer:
         """Forward and backward of one micro-batch as the loader gives it
         (``step`` counts them from 0 in the epoch); the optimizer steps after
         every --grad_accum_steps-th. Returns its mean loss (0-dim, on the device)."""
-        source = self.task.train_transform(source.to(self.device, non_blocking=True))
-        targets = targets.to(self.device, non_blocking=True)
+        source, targets = self.to_device(source, targets)
+        source = self.task.train_transform(source)
         accum = self.args.grad_accum_steps
         last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
         if step % accum == 0:
             self.optimizer.zero_grad(set_to_none=True)
         with self._gradient_sync(last), self.autocast:
-            loss = self.task.loss_fn(self.compiled(source), targets)
+            loss = self.loss_fn(self.compiled(source), targets)
         # Summed over the micro-batches, the gradients of loss / accum are those
         # of the mean loss over the whole accumulated batch. (No division without
         # accumulation: an extra autograd op costs a small model ~10%.)
@@ -352,7 +355,7 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
     for index, (source, targets, counted) in enumerate(train_utils.evaluating(batches)):
         source = task.eval_transform(source.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
-        output = model(source)
+        output = train_utils.fp32(model(source))  # FSDP's mixed precision gives bf16 or fp16
         if counted:  # else this shard is done: the forward only joined the others' all-gathers
             totals[0] += task.loss_fn(output, targets, reduction="sum")
             if task.classification:
@@ -377,7 +380,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
 
     Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
     parameters left; a unit's are all-gathered just before its forward and backward.
-    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32;
+    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32, the
+    root's output left in it (the loss casts it: ``train_utils.training_loss``);
     BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU).
     ``compile_blocks`` (--compile): each unit compiled first, then sharded (torchtitan's
     order, ``train_utils.compile_blocks``), so FSDP's hooks run between compiled blocks."""
@@ -399,7 +403,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
     for block in units:
         if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
             fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32, torch.float32))
+    # The root's output stays in the compute dtype: the loss casts it (train_utils.fp32), inside its
+    # compiled graph under --compile, not as a separate copy of the whole (B x T, vocab) logits.
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
     return model
 
 
@@ -426,7 +432,9 @@ def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers:
         drop_last=train,
         **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
         pin_memory=torch.cuda.is_available(),
-        collate_fn=collate_fn,  # the task's batching; common.collate passes InMemoryImages' whole batches
+        # The task's batching (common.collate passes InMemoryImages' whole batches), each tensor made
+        # dense: the loader pins what it returns, and only a dense pinned tensor copies without a wait.
+        collate_fn=train_utils.DenseBatches(collate_fn),
     )
 
 

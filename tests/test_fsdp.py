@@ -200,7 +200,7 @@ def _bf16_worker(rank, world_size, port, out_dir):
         g = torch.Generator().manual_seed(rank)
         x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
         output = model(x)
-        loss = F.cross_entropy(output, y)
+        loss = train_utils.training_loss(F.cross_entropy, compiled=False)(output, y)  # as train.py's step
         loss.backward()
         optimizer.step()
         losses[bf16] = (loss.item(), output.dtype, {p.dtype for p in model.parameters()},
@@ -212,14 +212,16 @@ def _bf16_worker(rank, world_size, port, out_dir):
 
 def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path):
     """--amp's MixedPrecisionPolicy on ResNet-18 (20 BatchNorm layers) on a CPU: an SGD
-    step runs, the output and the sharded weights and gradients stay fp32, and the
-    loss is fp32's to bf16 precision (1-2% apart here, through 18 bf16 layers)."""
+    step runs, the output stays in the compute dtype (bf16: the loss casts it,
+    inside its compiled graph under --compile), the sharded weights and
+    gradients stay fp32, and the loss, computed in fp32, is fp32's to bf16
+    precision (1-2% apart here, through 18 bf16 layers)."""
     mp.spawn(_bf16_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         losses = torch.load(tmp_path / f"{rank}.pt")
         (fp32_loss, *_), (bf16_loss, dtype, params, grads) = losses[False], losses[True]
         print(f"rank {rank}: loss fp32 {fp32_loss:.5f}, bf16 {bf16_loss:.5f}")
-        assert dtype == torch.float32 and params == grads == {torch.float32}
+        assert dtype == torch.bfloat16 and params == grads == {torch.float32}
         assert abs(bf16_loss - fp32_loss) <= 0.03 * fp32_loss
 
 

@@ -202,7 +202,7 @@ class SteadyState:
 
     def __init__(self, loader, on, off, first: int = 2) -> None:
         self.loader, self.on, self.off, self.first = loader, on, off, first
-        self.batch_size, self.sampler = loader.batch_size, loader.sampler
+        self.batch_size, self.sampler, self.pin_memory = loader.batch_size, loader.sampler, loader.pin_memory
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -289,60 +289,119 @@ def test_the_steady_state_step_never_waits_for_the_gpu(tmp_path, one_process_gro
 
 
 # --------------------------------------------------------------------------
-# FSDP with --compile: each block compiled, then sharded
+# --compile: the loss in a graph; FSDP's blocks compiled, then sharded
 # --------------------------------------------------------------------------
 
-def _graph_breaks_worker(rank, port, out_dir, data_dir):
-    """One process: train.py's build and Trainer for --strategy fsdp --compile on
-    a small GPT (dynamo's eager backend: graph breaks are dynamo's, inductor
-    adds none), three training steps; the graph breaks dynamo counted, and
-    how many frames it compiled."""
+def _compiled_run_worker(rank, port, out_dir, data_dir, strategy):
+    """One process: train.py's build, loaders and Trainer for --strategy
+    ``strategy`` --compile on a GPT of 12 blocks, two epochs with their
+    evaluations, dynamo recording each graph it compiles (a backend that
+    runs it as it was traced: graph breaks and recompiles are dynamo's, and
+    inductor adds none). Counted: the graph breaks; the frames compiled;
+    the graphs after the first epoch and its evaluation, and after the
+    second; the cross-entropies run eagerly (outside every compiled graph),
+    in training and in evaluation; the warnings dynamo logged."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=1)
     import functools
+    import logging
 
+    import torch.nn.functional as F
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
-    inductor_config.compile_threads = 1  # no compile workers: the eager backend needs none
-    compile_ = torch.compile
-    torch.compile = functools.partial(compile_, backend="eager")
-    args = flags("--dataset", "shakespeare_char", "--data_dir", data_dir, "--strategy", "fsdp", "--compile",
-                 "--n_layer", "3", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--batch_size", "4",
-                 "--snapshot_path", os.path.join(out_dir, "snapshot"))
+    inductor_config.compile_threads = 1  # no compile workers: this backend needs none
+    graphs, running = [], [0]
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+
+        def run(*inputs):
+            running[0] += 1
+            try:
+                return graph_module.forward(*inputs)
+            finally:
+                running[0] -= 1
+
+        return run
+
+    torch.compile = functools.partial(torch.compile, backend=recording)
+    cross_entropy, eager = F.cross_entropy, {"training": 0, "evaluating": 0}
+    phase = ["training"]
+
+    def counted_cross_entropy(*args, **kwargs):
+        if not torch.compiler.is_compiling() and not running[0]:
+            eager[phase[0]] += 1
+        return cross_entropy(*args, **kwargs)
+
+    F.cross_entropy = counted_cross_entropy
+    evaluate = train.evaluate
+
+    def evaluating(*args, **kwargs):
+        phase[0] = "evaluating"
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            phase[0] = "training"
+
+    train.evaluate = evaluating
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    args = flags("--dataset", "shakespeare_char", "--data_dir", data_dir, "--strategy", strategy, "--compile",
+                 "--n_layer", "12", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--batch_size", "4",
+                 "--snapshot_path", os.path.join(out_dir, "snapshot"), "--total_epochs", "2")
     task, optimizer = train.build(args, rank, rank, torch.device("cpu"))
-    data = train.prepare_dataloader(task.train_set, 4, 0, True, 0, task.collate_fn)
+    data, val_data = (train.prepare_dataloader(dataset, 4, 0, training, 0, task.collate_fn)
+                      for dataset, training in ((task.train_set, True), (task.val_set, False)))
     recipe = train_utils.Recipe(optimizer, args, len(data), torch.device("cpu"))
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, True, timeout_s=60)
-    trainer = train.Trainer(task, data, None, recipe, checkpointer, train_utils.RunLog(args), torch.device("cpu"),
-                            rank, args)
+    checkpointer = train_utils.Checkpointer(args.snapshot_path, strategy == "fsdp", timeout_s=60)
+    trainer = train.Trainer(task, data, val_data, recipe, checkpointer, train_utils.RunLog(args),
+                            torch.device("cpu"), rank, args)
     counters.clear()
-    for step, (source, targets) in zip(range(3), data):
-        trainer._run_batch(source, targets, step)
+    trainer.train(1)
+    after_first = len(graphs)
+    trainer.train(2)
     # A graph break's reason lands in "graph_break" or, from torch 2.9 on, in "unimplemented".
     breaks = {**counters["graph_break"], **counters["unimplemented"]}
     torch.save({"graph_breaks": {reason.splitlines()[0]: count for reason, count in breaks.items()},
-                "frames": dict(counters["frames"]), "graphs": dict(counters["stats"])},
-               os.path.join(out_dir, "counts.pt"))
+                "frames": dict(counters["frames"]), "graphs": (after_first, len(graphs)), "eager": eager,
+                "loss_graphs": sum(any("cross_entropy" in str(node.target) for node in graph.graph.nodes)
+                                   for graph in graphs),
+                "warnings": warnings}, os.path.join(out_dir, "counts.pt"))
     trainer.stop.close()
     torch.distributed.destroy_process_group()
     train_utils.exit_skipping_teardown()
 
 
-def test_fsdp_compile_compiles_each_block_without_graph_breaks(tmp_path):
-    """--strategy fsdp --compile compiles each transformer block, then shards it
-    (torchtitan's order): FSDP's hooks run eagerly between the compiled
-    blocks, and dynamo breaks no graph. Compiling the whole sharded model
-    instead breaks its graph at the first unit's hooks (FSDP disables dynamo
-    in them), inside the loop over the blocks, where dynamo gives up on the
-    model's forward and runs it eagerly."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compile_runs_the_loss_in_a_graph_without_breaks_or_recompiles(strategy, tmp_path):
+    """--compile over two epochs with their evaluations, on a GPT of 12 blocks:
+    the training loss (its fp32 cast, log-softmax and likelihood) runs in a
+    compiled graph, never eagerly (at GPT-2's vocabulary an eager loss reads
+    and writes the whole logits several times a step); evaluation computes
+    its own, eagerly, with its own reduction. Dynamo breaks no graph and
+    compiles nothing after the first epoch and its evaluation, and no
+    recompile limit is hit: under FSDP each block is compiled, then sharded
+    (torchtitan's order), the twelve blocks sharing one graph, and FSDP's
+    hooks run eagerly between them; compiling the whole sharded model would
+    break its graph at the first unit's hooks instead (FSDP disables dynamo
+    in them), where dynamo gives up on the model's forward and runs it eagerly."""
     from dataset_files import build_shakespeare_root
 
-    data_dir = build_shakespeare_root(tmp_path / "data")
-    mp.spawn(_graph_breaks_worker, args=(free_port(), str(tmp_path), str(data_dir)), nprocs=1)
+    data_dir = build_shakespeare_root(tmp_path / "data", chars=600)
+    mp.spawn(_compiled_run_worker, args=(free_port(), str(tmp_path), str(data_dir), strategy), nprocs=1)
     counts = torch.load(tmp_path / "counts.pt")
+    print({key: counts[key] for key in ("frames", "graphs", "eager", "loss_graphs")})
     assert counts["graph_breaks"] == {}, counts
-    assert counts["frames"]["ok"] == counts["frames"]["total"] >= 1, counts  # no frame skipped
+    assert counts["frames"]["ok"] == counts["frames"]["total"] >= 2, counts  # no frame skipped
+    assert counts["eager"]["training"] == 0 and counts["eager"]["evaluating"] > 0, counts
+    assert counts["loss_graphs"] == 1, counts
+    after_first, after_second = counts["graphs"]
+    assert after_first == after_second, counts  # nothing compiled after the first epoch and its evaluation
+    assert not [w for w in counts["warnings"] if "recompile" in w or "cache_size" in w], counts
 
 
 # --------------------------------------------------------------------------

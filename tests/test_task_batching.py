@@ -91,6 +91,60 @@ def test_a_tasks_collate_fn_batches_its_items_in_the_rungs_and_the_kit():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("dataset,input_path", [("synthetic", "fast"), ("mnist", "fast"), ("mnist", "torchvision"),
+                                                ("cifar10", "fast"), ("cifar10", "torchvision"),
+                                                ("shakespeare_char", "fast"), ("tokens", "fast")])
+def test_every_built_in_tasks_training_batches_are_dense(dataset, input_path, tmp_path, monkeypatch):
+    """Each built-in task's training batches, as its own collate_fn makes them
+    (the rungs' loaders, and the kit's before it makes them dense), hold
+    contiguous tensors. The loader pins what the collate function returns,
+    and pinning keeps strides: a strided view (the (x, y) windows cut as two
+    slices of one (B, T + 1) gather) would be copied to a GPU through a
+    pageable temporary, which waits for the GPU at every step."""
+    import torchvision.datasets.cifar as cifar
+
+    from dataset_files import build_cifar10_root, build_mnist_root, build_shakespeare_root, build_token_files
+
+    monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))  # files of ours
+
+    data_dir = {"mnist": lambda: build_mnist_root(tmp_path, n_train=64, n_test=16),
+                "cifar10": lambda: build_cifar10_root(tmp_path),
+                "shakespeare_char": lambda: build_shakespeare_root(tmp_path, chars=20000),
+                "tokens": lambda: build_token_files(tmp_path, chars=20000)}.get(dataset, lambda: tmp_path)()
+    task = common.load_task(task_args(dataset, data_dir, input_path, n_layer=None, n_head=None, n_embd=None,
+                                      block_size=16, dropout=None), download=False)
+    loader = torch.utils.data.DataLoader(task.train_set, batch_size=4, shuffle=True, collate_fn=task.collate_fn)
+    for _, batch in zip(range(3), loader):
+        assert all(part.is_contiguous() for part in batch), [part.stride() for part in batch]
+
+
+def test_the_kits_loader_makes_a_strided_batch_dense_and_a_gpu_copy_would_name_one():
+    """A task whose collate_fn returns views with gaps: the kit's loader makes
+    each tensor dense once (channels-last images, dense already, stay as
+    they are); what the first batch's check on a GPU would say of a strided
+    or an unpinned batch."""
+    import train
+    from train_utils.loaders import host_batch_problem
+
+    rows = torch.arange(4 * 9).reshape(4, 9)
+    images = torch.zeros(4, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+
+    def strided_views(items):
+        return rows[:, :-1], rows[:, 1:], images
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x, y, pictures = next(iter(train.prepare_dataloader(list(range(8)), 4, 0, True, 0, strided_views)))
+    finally:
+        dist.destroy_process_group()
+    assert x.is_contiguous() and y.is_contiguous() and torch.equal(y, rows[:, 1:])
+    assert pictures.is_contiguous(memory_format=torch.channels_last) and not pictures.is_contiguous()
+    assert host_batch_problem({"inputs": rows[:, :-1]}, pinned=False) == \
+        "inputs are a strided view (strides (9, 1), shape (4, 8))"
+    assert host_batch_problem({"inputs": x, "targets": y}, pinned=True) == "inputs are not pinned"
+    assert host_batch_problem({"inputs": x, "images": pictures}, pinned=False) == ""
+
+
 def test_each_rung_passes_the_tasks_collate_fn_to_its_loaders():
     for rung in RUNGS:
         source = (REPO / rung).read_text()

@@ -59,7 +59,7 @@ from .evaluation import batches_for_every_rank, broadcast_buffers, eval_subset, 
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
     print_sharded_memory
 from .launch import launcher_store, raise_open_file_limit
-from .loaders import loader_workers
+from .loaders import DenseBatches, HostToDevice, loader_workers
 from .metrics import RunLog, StepLog
 from .output import print_line
 from .profiling import StepProfiler
@@ -67,7 +67,7 @@ from .recipe import Recipe, accumulate_for_global_batch, batches_left, run_lengt
 from .resume import Progress, rebuild_ddp_buckets
 from .sampler import ResumableDistributedSampler
 from .sharded_snapshots import resharding_note
-from .speed import amp_dtype, autocast, compile_blocks, compile_model, resolve_amp
+from .speed import amp_dtype, autocast, compile_blocks, compile_model, fp32, resolve_amp, training_loss
 from .stop import StopSignal, catch_stop_signals, report_run_finished
 from .text_out import check_sampling, print_sample
 from .numerics import compute_precision, set_deterministic, set_fp32_precision
@@ -90,6 +90,8 @@ __all__ = [
     "downloaders_first",
     "check_before_training",
     "loader_workers",
+    "DenseBatches",
+    "HostToDevice",
     "ResumableDistributedSampler",
     # the model and the recipe
     "build_optimizer",
@@ -103,6 +105,8 @@ __all__ = [
     "autocast",
     "compile_model",
     "compile_blocks",
+    "training_loss",
+    "fp32",
     "set_deterministic",
     "set_fp32_precision",
     "compute_precision",

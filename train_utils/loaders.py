@@ -1,4 +1,5 @@
-"""DataLoader workers started by a fork server, never forked from a rank.
+"""DataLoader workers started by a fork server, never forked from a rank; dense
+batches, and their copy to the device.
 
 A DataLoader without persistent workers starts new worker processes at every
 epoch and every evaluation. Forked from a rank, which runs other threads by
@@ -22,12 +23,13 @@ import pickle
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from common import TASK_FILE_FOLDERS, ConfigError
+from .output import print_line
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
 
@@ -193,3 +195,70 @@ def _storages(dataset: Dataset) -> int:
                           f"pickled ({exc}): define its classes and functions at the top level of a "
                           f"module (no lambdas or local functions), or use --num_workers 0") from None
     return len(probe.storages)
+
+
+# --------------------------------------------------------------------------
+# Dense batches, copied to the device without waiting for it
+# --------------------------------------------------------------------------
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its memory in one of the layouts a
+    pinned copy to a GPU keeps (contiguous, or channels-last for a 4-D image
+    batch): a view with gaps (``rows[:, 1:]`` of a (B, T + 1) tensor) is not."""
+    return tensor.is_contiguous() or (tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last))
+
+
+class DenseBatches:
+    """A DataLoader's ``collate_fn``: the batch ``collate_fn`` makes (the
+    task's, ``common.Task.collate_fn``), each of its tensors made dense
+    (``is_dense``; a copy only where one is not). The loader pins what the
+    collate function returns, and pinning keeps a tensor's strides: a
+    strided view pinned is still copied to a GPU through a pageable
+    temporary, a copy that waits for the GPU (ATen's copy makes a contiguous
+    temporary when source and destination strides differ; CUDA's pageable
+    copies are synchronous), so the host can no longer run ahead of it. A
+    top-level class, so that loader workers can be sent it."""
+
+    def __init__(self, collate_fn: Callable[[list], tuple]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items) -> tuple:
+        return tuple(part if not isinstance(part, torch.Tensor) or is_dense(part) else part.contiguous()
+                     for part in self.collate_fn(items))
+
+
+class HostToDevice:
+    """The training batch's copy to ``device``: ``(source, targets) ->`` the
+    same on the device, queued (``non_blocking``: from pinned memory the host
+    goes on at once). On CUDA the first batch is looked at once: a tensor
+    that is not pinned while the loader pins (``pin_memory``), or not dense,
+    is named in one warning line (rank 0), since its copy makes the host wait
+    for the GPU at every step."""
+
+    def __init__(self, device: torch.device, pin_memory: bool, rank: int) -> None:
+        self.device, self.pin_memory, self.rank = device, pin_memory, rank
+        self.looked = device.type != "cuda"
+
+    def __call__(self, source: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.looked:
+            self.looked = True
+            problem = host_batch_problem({"inputs": source, "targets": targets}, self.pin_memory)
+            if problem and self.rank == 0:
+                print_line(f"warning: the training batch's {problem}: its copy to the GPU waits for the GPU "
+                           f"at every step; make the task's collate_fn return dense tensors that the loader "
+                           f"can pin (docs/performance.md)")
+        return source.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+
+
+def host_batch_problem(tensors: dict, pinned: bool) -> str:
+    """'' when each of ``tensors`` ({name: tensor} of one batch on the host)
+    is dense (``is_dense``) and, where ``pinned`` (the loader pins), pinned;
+    else what is not, in a few words ("targets are not pinned")."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            continue
+        if not is_dense(tensor):
+            return f"{name} are a strided view (strides {tuple(tensor.stride())}, shape {tuple(tensor.shape)})"
+        if pinned and not tensor.is_pinned():
+            return f"{name} are not pinned"
+    return ""

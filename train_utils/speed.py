@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -148,6 +148,33 @@ def compile_model(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
         return model
     with _compile_workers_spared():
         return torch.compile(model)
+
+
+def fp32(output):
+    """``output`` in fp32 where it is a floating tensor of another dtype (the
+    bf16 or fp16 logits of autocast, or of FSDP's mixed precision), else as
+    it is (an fp32 tensor is returned itself, not copied; a model's output
+    that is no tensor passes unchanged)."""
+    return output.float() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+
+def training_loss(loss_fn: Callable[..., torch.Tensor], compiled: bool) -> Callable[..., torch.Tensor]:
+    """The training step's loss: ``loss_fn(output, targets)`` with the output
+    in fp32 (``fp32``), as autocast computes a cross-entropy or an MSE; with
+    ``compiled`` (--compile), compiled as a graph of its own, as torchtitan
+    compiles its loss: the cast, the log-softmax and the likelihood fuse
+    into a pass or two over the logits, and their backward likewise, where
+    eagerly each reads and writes the whole (B x T, vocab) tensor (at GPT-2's
+    50,304 tokens, gigabytes a step). The model's graph is compiled apart
+    (``compile_model``, ``compile_blocks``); evaluation calls ``loss_fn``
+    itself, with its own reduction."""
+    def loss(output, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(fp32(output), targets)
+
+    if not compiled:
+        return loss
+    with _compile_workers_spared():
+        return torch.compile(loss)
 
 
 def compile_blocks(blocks: list) -> None:
