@@ -443,6 +443,42 @@ def test_a_tied_weight_is_stored_once_and_tied_again_at_load(tmp_path, one_proce
     assert {key: buffer.data_ptr() for key, buffer in store.staging._buffers.items()} == buffers
 
 
+def test_fsdp_background_snapshots_stage_into_buffers_kept_from_one_save_to_the_next(tmp_path, one_process_group):
+    """FSDP's background saves (DCP's async_save) stage the shards through one
+    stager kept for the run: the second save's CPU copies are the first's
+    buffers, refilled (on a GPU pinned, the copies non-blocking); each save
+    holds its own values, training having changed them in between; close
+    frees the buffers."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from train_utils.sharded_snapshots import ShardedSnapshots
+
+    torch.manual_seed(0)
+    model = train.shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+                              torch.device("cpu"), dtype=None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    store = ShardedSnapshots(str(tmp_path / "snapshots"), asynchronous=True)
+    staged_memory, saved = [], []
+    for steps_run in (1, 2):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        saved.append({key: value.full_tensor().clone() for key, value in model.state_dict().items()})
+        complete, folder = store.save(model, optimizer, {"epochs_run": 0, "steps_run": steps_run}, True)
+        if store.staging.stager is not None:  # torch 2.9 and newer: DCP's DefaultStager
+            cached = store.staging.stager._state_dict_stager._cached_storage_mapping
+            staged_memory.append(sorted(storage.data_ptr() for storage in cached.values()))
+        complete()
+        dcp_to_torch_save(os.path.join(folder, "model"), tmp_path / f"model-{steps_run}.pt")
+    for steps_run, weights in zip((1, 2), saved):
+        read = torch.load(tmp_path / f"model-{steps_run}.pt", weights_only=True)
+        assert all(torch.equal(read[key], value) for key, value in weights.items())
+    assert not torch.equal(saved[0]["0.weight"], saved[1]["0.weight"])
+    if staged_memory:
+        assert staged_memory[0] and staged_memory[0] == staged_memory[1]
+    store.close()
+    assert store.staging is None
+
+
 def test_the_staged_copy_keeps_views_of_one_storage_as_views():
     """Tensors that share memory share it in the copy; the copy's values are
     the originals' when copied, whatever training does after."""

@@ -165,8 +165,10 @@ class Checkpointer:
     def close(self) -> None:
         """The run's end: the last write waited for (``wait``), then the claim
         given back (``claims.release_claim``; outside Slurm the next run may
-        take the snapshot, on any host)."""
+        take the snapshot, on any host), and what the format kept between
+        saves freed."""
         self.wait()
+        self.store.close()
         release_claim()
 
     def _fail(self, exc: BaseException) -> None:

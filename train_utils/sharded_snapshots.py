@@ -38,8 +38,10 @@ class ShardedSnapshots:
     ``async_save``), their collectives on two CPU (gloo) groups of their own
     (model, optimizer), made here (collective), not the training's: a rank
     gone mid-save fails them after ``timeout_s`` seconds (--pg_timeout_s),
-    not gloo's 30 minutes. ``latest``, ``load``, ``load_model`` and ``save``
-    are the calls ``checkpointer.Checkpointer`` makes of either format.
+    not gloo's 30 minutes; the shards are staged in CPU buffers kept from
+    one save to the next (``DcpStaging``). ``latest``, ``load``,
+    ``load_model``, ``save`` and ``close`` are the calls
+    ``checkpointer.Checkpointer`` makes of either format.
     """
 
     META = "meta.pt"
@@ -48,6 +50,7 @@ class ShardedSnapshots:
         self.root = root
         timeout = timedelta(seconds=timeout_s)
         self.groups = (gloo_group(timeout), gloo_group(timeout)) if asynchronous else (None, None)
+        self.staging: Optional[DcpStaging] = None  # made at the first background save, by the state's device
 
     def folder(self, tag: str) -> str:
         """The folder of a new snapshot at position ``tag`` ("epoch 3 step 40")."""
@@ -150,7 +153,9 @@ class ShardedSnapshots:
         folder = self.folder(tag)
         parts = zip(get_state_dict(model, optimizer), ("model", "optimizer"), self.groups)
         if asynchronous:
-            pending = [dcp_async_save(part, os.path.join(folder, name), group) for part, name, group in parts]
+            if self.staging is None:
+                self.staging = DcpStaging(next(model.parameters()).device)
+            pending = [self.staging.save(part, os.path.join(folder, name), group) for part, name, group in parts]
         else:  # plain state_dict keys
             pending = [dcp.save(part, checkpoint_id=os.path.join(folder, name)) for part, name, _ in parts]
         meta = dict(state, world_size=dist.get_world_size())
@@ -164,6 +169,12 @@ class ShardedSnapshots:
                 print_line(f"{tag} | snapshot saved at {folder}")
 
         return complete, folder
+
+    def close(self) -> None:
+        """The run's end, its last save written: the staging buffers freed."""
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
     def commit(self, meta: dict, folder: str) -> None:
         """On rank 0, once every rank's shards are in ``folder``: write ``meta``
@@ -183,23 +194,70 @@ class ShardedSnapshots:
                 yield name, folder, position
 
 
-def dcp_async_save(state: dict, folder: str, group: dist.ProcessGroup) -> Future:
-    """Collective: ``torch.distributed.checkpoint.async_save`` of ``state`` (a
-    state dict, DTensor shards included) into ``folder``. Before it returns,
-    every tensor is copied to CPU memory (DCP's staging), so training may go
-    on changing the originals; the files are then written by a thread of
-    DCP's, whose collectives run on ``group``, a CPU (gloo) group that nothing
-    else uses while the save is in flight. Returns the write's future
-    (``dcp_result`` waits for it; it raises DCP's CheckpointException on
-    every rank when one rank's write failed)."""
-    import torch.distributed.checkpoint as dcp  # only FSDP needs DCP
+class DcpStaging:
+    """Background saves of sharded state (DCP's ``async_save``) staged in CPU
+    buffers kept from one save to the next, for shards on ``device``.
 
-    response = dcp.async_save(state, checkpoint_id=folder, process_group=group)
-    return getattr(response, "upload_completion", response)  # an AsyncSaveResponse when staging is async
+    DCP copies every tensor to CPU memory before ``async_save`` returns, so
+    that training may go on changing the originals. By default it makes new
+    CPU tensors each time, pageable, each GPU copy waiting for the GPU. Here
+    one stager serves every save of the run (DCP's ``DefaultStager``, torch
+    2.9 and newer): its buffers are made at the first save and reused (each
+    kept per storage of the original tensors, which FSDP keeps from step to
+    step), on a GPU page-locked (pinned), the copies queued ``non_blocking``
+    and waited for once, together, before ``save`` returns; on a CPU the
+    same buffers, plain. An older torch keeps them in the file writer
+    instead (``FileSystemWriter(cache_staged_state_dict=True)``: pinned, one
+    writer per part, pointed at each save's folder in turn), on a GPU only
+    (it pins unconditionally). The kit's own file snapshots stage the same
+    way (``snapshot_writer.CpuStaging``).
+
+    At most one save may use the buffers at a time: the Checkpointer waits
+    for the previous write before it stages the next. ``close`` frees them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:  # torch before 2.9
+            DefaultStager = None
+        gpu = device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=gpu)) \
+            if DefaultStager is not None else None
+        self.writers: Optional[dict] = {} if DefaultStager is None and gpu else None
+
+    def save(self, state: dict, folder: str, group: dist.ProcessGroup) -> Future:
+        """Collective: ``torch.distributed.checkpoint.async_save`` of ``state`` (a
+        state dict, DTensor shards included) into ``folder``, staged (see the
+        class) before it returns; the files are then written by a thread of
+        DCP's, whose collectives run on ``group``, a CPU (gloo) group that
+        nothing else uses while the save is in flight. Returns the write's
+        future (``dcp_result`` waits for it; it raises DCP's
+        CheckpointException on every rank when one rank's write failed)."""
+        import torch.distributed.checkpoint as dcp  # only FSDP needs DCP
+
+        if self.stager is not None:
+            response = dcp.async_save(state, checkpoint_id=folder, process_group=group, async_stager=self.stager)
+        elif self.writers is not None:  # torch before 2.9 on a GPU: the writer's own kept buffers
+            part = os.path.basename(folder)
+            if part not in self.writers:
+                self.writers[part] = dcp.FileSystemWriter(folder, cache_staged_state_dict=True)
+            response = dcp.async_save(state, checkpoint_id=folder, process_group=group,
+                                      storage_writer=self.writers[part])
+        else:
+            response = dcp.async_save(state, checkpoint_id=folder, process_group=group)
+        return getattr(response, "upload_completion", response)  # an AsyncSaveResponse when staging is async
+
+    def close(self) -> None:
+        """Free the buffers (after the last save's write)."""
+        if self.stager is not None:
+            self.stager.close()
+        self.stager, self.writers = None, None
 
 
 def dcp_result(save: object) -> object:
-    """What a DCP save gave: ``dcp_async_save``'s future, waited for (its
+    """What a DCP save gave: ``DcpStaging.save``'s future, waited for (its
     exception raised), or ``dcp.save``'s result as it is."""
     return save.result() if isinstance(save, Future) else save
 

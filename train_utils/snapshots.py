@@ -220,8 +220,8 @@ def remove_stale_temporary_files(path: str) -> list:
 class SnapshotFile:
     """The Checkpointer's file format (DDP): the whole state in one file at
     ``path``, written by rank 0 (every rank holds the same weights), read by
-    every rank. ``latest``, ``load``, ``load_model`` and ``save`` are the
-    calls ``checkpointer.Checkpointer`` makes of either format."""
+    every rank. ``latest``, ``load``, ``load_model``, ``save`` and ``close``
+    are the calls ``checkpointer.Checkpointer`` makes of either format."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -266,3 +266,7 @@ class SnapshotFile:
             print_line(line)
 
         return write, self.path
+
+    def close(self) -> None:
+        """The run's end, its last save written: the staging buffers freed."""
+        self.staging = CpuStaging()
