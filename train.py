@@ -124,7 +124,7 @@ class Trainer:
         self.compiled = train_utils.compile_model(self.model, args.compile and not self.fsdp)
         # The loss in fp32, compiled as a graph of its own under --compile (DDP and FSDP alike).
         self.loss_fn = train_utils.training_loss(task.loss_fn, args.compile)
-        self.to_device = train_utils.HostToDevice(device, train_data.pin_memory, self.rank)  # queued, not waited for
+        self.to_device = train_utils.HostToDevice(device, self.rank)  # queued, not waited for
         self.profiler = train_utils.StepProfiler(args.profile_dir, device)  # --profile_dir: a few steps traced
 
     def _wrap_in_ddp(self) -> None:
@@ -134,7 +134,10 @@ class Trainer:
         them into its buckets and all-reduce them with itself, a fifth of a
         small GPT's GPU step, docs/language-model.md, for the same numbers.)"""
         device = self.device
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradient_as_bucket_view: each gradient is a view into DDP's all-reduce buckets, not a
+        # tensor of its own copied out of them after every all-reduce (the same values, less memory).
+        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                         gradient_as_bucket_view=True)
         if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
             train_utils.rebuild_ddp_buckets(self.model, self.train_data, self.task.loss_fn,
                                             self.task.eval_transform, device, self.autocast)

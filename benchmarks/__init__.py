@@ -12,6 +12,7 @@ results/latest.json):
     6  fsdp_vs_ddp.py       FSDP against DDP: step time and state per rank
     7  snapshot_save.py     the rate a snapshot reaches the disk
     8  language_model.py    shakespeare_char: tokens/s, FLOP/s, nanoGPT's own train.py
+    8d versus_nanogpt.py    the compiled and the eager step against nanoGPT's, same token files
     9  snapshot_cost.py     what a snapshot costs the training, sync against async
 
 What the sections share (the machine, the table, the process group, a bare

@@ -46,7 +46,6 @@ import contextlib
 import copy
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -62,15 +61,14 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import machine, table  # noqa: E402  (puts tests/ on sys.path too)
-from benchmarks.language_model import NANOGPT_ITER  # noqa: E402
+from benchmarks import harness  # noqa: E402  (puts tests/ on sys.path too)
+from benchmarks.harness import KIT_STEP, NANOGPT_ITER, machine, table, tail, text_of  # noqa: E402
 from helpers import TORCHRUN, free_port, script_env, snapshot_tensors  # noqa: E402
 
 CHECK_FOLDER = REPO / ".gpu_check"  # ignored (.gitignore): what the check needs that is not the project's
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py")
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens: the random ids of the token-file part are below it
 WARMUP_STEPS = 50  # steps left out of a program's ms a step: compilation, the first evaluation
-KIT_STEP = re.compile(r"^step (\d+) \| epoch", re.M)
 RUNGS = ("singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py")
 RESUMING_RUNGS = ("multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py")
 
@@ -115,40 +113,13 @@ def _env(**extra: str) -> dict:
 
 
 def run_stamped(cmd: list, cwd: Path, timeout: float, **env: str) -> tuple[int, list, float]:
-    """Run ``cmd`` in ``cwd``: (exit status, [(seconds since start, line)] as
-    each line of stdout and stderr arrived, wall seconds)."""
-    start = time.monotonic()
-    lines = []
-    with subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=_env(**env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
-        try:
-            for line in process.stdout:
-                lines.append((time.monotonic() - start, line.rstrip("\n")))
-                if time.monotonic() - start > timeout:
-                    process.kill()
-            process.wait(timeout=max(1, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode, lines, time.monotonic() - start
+    """``harness.run_stamped`` in the scripts' environment, plus ``env``."""
+    return harness.run_stamped(cmd, cwd, timeout, _env(**env))
 
 
-def text_of(lines: list) -> str:
-    return "\n".join(line for _, line in lines)
-
-
-def tail(lines: list, count: int = 6) -> str:
-    return " / ".join(line for _, line in lines[-count:])[-600:]
-
-
-def ms_per_step(lines: list, pattern: re.Pattern, warmup: int = WARMUP_STEPS) -> tuple:
-    """(median ms a step, intervals) over the progress lines ``pattern`` finds
-    (group 1: the step), from step ``warmup`` on: each interval's arrival
-    time over its steps."""
-    stamps = [(t, int(m.group(1))) for t, line in lines for m in [pattern.match(line)] if m]
-    intervals = [1000 * (t2 - t1) / (s2 - s1) for (t1, s1), (t2, s2) in zip(stamps, stamps[1:])
-                 if s1 >= warmup and s2 > s1]
-    return (statistics.median(intervals) if intervals else None), len(intervals)
+def ms_per_step(lines: list, pattern, warmup: int = WARMUP_STEPS) -> tuple:
+    """``harness.ms_per_step``, from step ``warmup`` (default ``WARMUP_STEPS``) on."""
+    return harness.ms_per_step(lines, pattern, warmup)
 
 
 def kit_command(nproc: int = 1) -> list:

@@ -1,7 +1,8 @@
 """What the benchmark's sections share: the machine the numbers were measured
 on, the markdown table each section prints, a process group set up as the
 scripts' ``ddp_setup`` does, a bare training step, and the timing (seconds per
-step, interleaved repetitions).
+step, interleaved repetitions; a whole program's milliseconds a step from its
+progress lines).
 
 Timing conventions of every section: ``timed`` returns seconds per call
 (wall time by default, CPU time where a section passes
@@ -16,6 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
+import statistics
+import subprocess
 import time
 from datetime import datetime, timezone
 
@@ -151,3 +155,55 @@ def interleaved(blocks: dict, reps: int) -> dict:
         for name in (list(blocks) if rep % 2 == 0 else list(reversed(blocks))):
             results[name].append(blocks[name]())
     return results
+
+
+# --------------------------------------------------------------------------
+# A whole program's milliseconds a step, from its progress lines
+# --------------------------------------------------------------------------
+
+# train.py's progress line (--log_every_steps) and nanoGPT's (its log_interval): group 1 is the step.
+KIT_STEP = re.compile(r"^step (\d+) \| epoch", re.M)
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss \S+, time (\S+)ms", re.M)
+
+
+def run_stamped(cmd: list, cwd, timeout: float, env: dict) -> tuple[int, list, float]:
+    """Run ``cmd`` in ``cwd`` with environment ``env``: (exit status, [(seconds
+    since start, line)] of stdout and stderr as each line arrived, wall
+    seconds). Killed at ``timeout`` seconds."""
+    start = time.monotonic()
+    lines = []
+    with subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+        try:
+            for line in process.stdout:
+                lines.append((time.monotonic() - start, line.rstrip("\n")))
+                if time.monotonic() - start > timeout:
+                    process.kill()
+            process.wait(timeout=max(1, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode, lines, time.monotonic() - start
+
+
+def ms_per_step(lines: list, pattern: re.Pattern, warmup: int) -> tuple:
+    """(median ms a step, number of intervals) over the progress lines
+    ``pattern`` finds in ``run_stamped``'s ``lines`` (group 1: the step),
+    from step ``warmup`` on: each interval's arrival time over its steps. One
+    clock for every program, whatever each prints of its own time; the
+    median leaves out the few intervals that hold an evaluation or a
+    snapshot, and ``warmup`` the compilation."""
+    stamps = [(t, int(m.group(1))) for t, line in lines for m in [pattern.match(line)] if m]
+    intervals = [1000 * (t2 - t1) / (s2 - s1) for (t1, s1), (t2, s2) in zip(stamps, stamps[1:])
+                 if s1 >= warmup and s2 > s1]
+    return (statistics.median(intervals) if intervals else None), len(intervals)
+
+
+def text_of(lines: list) -> str:
+    """``run_stamped``'s lines as one text."""
+    return "\n".join(line for _, line in lines)
+
+
+def tail(lines: list, count: int = 6) -> str:
+    """The last ``count`` of ``run_stamped``'s lines, on one line (at most 600 characters): what a failure shows."""
+    return " / ".join(line for _, line in lines[-count:])[-600:]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import REPO, interleaved, table, timed
+from benchmarks.harness import NANOGPT_ITER, REPO, interleaved, table, timed
 from helpers import TORCHRUN, script_env
 
 CORPUS = Path(os.environ.get("TINYSHAKESPEARE_FILE", REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"))
@@ -41,7 +41,6 @@ NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--com
                       "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
                       "--lr_decay_iters=2000", "--dropout=0.0", "--log_interval=1", "--eval_iters=20",
                       "--eval_interval=100000", "--always_save_checkpoint=False"]
-NANOGPT_ITER = re.compile(r"^iter (\d+): loss \S+, time (\S+)ms", re.M)
 STATE_LINE = re.compile(r"state per rank: .* \((?P<fsdp>\d+) bytes, rank \d+ of \d+\); DDP would hold .* "
                         r"\((?P<ddp>\d+) bytes\)")
 

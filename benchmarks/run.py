@@ -47,6 +47,10 @@ Sections:
   8c the loop's host time (with --nanogpt): CPU seconds a step of train.py and
      of nanoGPT's train.py on a GPT so small that the loop dominates, and of a
      bare step of each one's model: the difference is the loop around the model.
+  8d the compiled step (with --nanogpt): train.py against nanoGPT's own
+     train.py on the same token files, eager and compiled, 1 and 2 threads,
+     and a GPT so small that the loop dominates; ms a step from their
+     progress lines, --versus_pairs alternating pairs per case.
   9  snapshots that do not stop training: blocking seconds per snapshot,
      synchronous vs asynchronous (train.py's default), DDP file and FSDP
      shards, ~100 MB of training state, world size 2 (CUDA: one process per
@@ -56,7 +60,7 @@ Sections:
 
 Each section is a module of benchmarks/ (overhead.py, amp_cpu.py,
 input_pipeline.py, scaling.py, time_to_accuracy.py, gpu.py, fsdp_vs_ddp.py,
-snapshot_save.py, language_model.py, snapshot_cost.py; what they share is
+snapshot_save.py, language_model.py, versus_nanogpt.py, snapshot_cost.py; what they share is
 harness.py); this file runs the ones asked for.
 """
 
@@ -91,6 +95,7 @@ from benchmarks.scaling import section_scaling  # noqa: E402
 from benchmarks.snapshot_cost import section_snapshot_cost  # noqa: E402
 from benchmarks.snapshot_save import section_snapshot_save  # noqa: E402
 from benchmarks.time_to_accuracy import section_time_to_accuracy  # noqa: E402
+from benchmarks.versus_nanogpt import section_versus_nanogpt  # noqa: E402
 from dataset_files import build_mnist_root  # noqa: E402
 
 
@@ -146,7 +151,7 @@ def main() -> None:
     """The command line: run the sections asked for (``--only``; all by default),
     print each one's table and write every number to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7 8 8c 9")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7 8 8c 8d 9")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
@@ -156,13 +161,15 @@ def main() -> None:
     parser.add_argument("--lm_steps", type=int, default=200, help="section 8: optimizer steps per run")
     parser.add_argument("--lm_threads", type=int, default=1,
                         help="section 8: threads per process (the kit's and nanoGPT's)")
+    parser.add_argument("--versus_pairs", type=int, default=3,
+                        help="section 8d: alternating pairs of the kit and nanoGPT per case")
     parser.add_argument("--snapshot_device", choices=("cpu", "cuda"), default=None,
                         help="section 9: where the model trains (default: cuda where there is a GPU, else cpu); "
                              "its snapshots go to $SNAPSHOT_BENCH_DIR (default: a temporary folder)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7", "8", "8c", "9"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7", "8", "8c", "8d", "9"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -183,6 +190,7 @@ def main() -> None:
                 ("7", "snapshot_save", lambda: section_snapshot_save(args.save_dir), 1),
                 ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps, threads=args.lm_threads), 1),
                 ("8c", "lm_loop", lambda: section_lm_loop(args.nanogpt, threads=args.lm_threads), 1),
+                ("8d", "versus_nanogpt", lambda: section_versus_nanogpt(args.nanogpt, args.versus_pairs), 1),
                 ("9", "snapshot_cost", lambda: section_snapshot_cost(args.snapshot_device), 1)]
     run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")

@@ -202,7 +202,7 @@ class SteadyState:
 
     def __init__(self, loader, on, off, first: int = 2) -> None:
         self.loader, self.on, self.off, self.first = loader, on, off, first
-        self.batch_size, self.sampler, self.pin_memory = loader.batch_size, loader.sampler, loader.pin_memory
+        self.batch_size, self.sampler = loader.batch_size, loader.sampler
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -286,6 +286,27 @@ def test_the_steady_state_step_never_waits_for_the_gpu(tmp_path, one_process_gro
     for amp in (None, "bf16", "fp16"):
         _gpt_epoch(tmp_path / str(amp), GPU, amp, lambda: torch.cuda.set_sync_debug_mode("error"),
                    lambda: torch.cuda.set_sync_debug_mode("default"))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs in benchmarks/gpu_check.py)")
+@pytest.mark.parametrize("dataset", ["shakespeare_char", "tokens"])
+def test_on_a_gpu_the_kits_loader_gives_pinned_dense_batches(dataset, tmp_path, one_process_group):
+    """On CUDA the kit's training loader (``train.prepare_dataloader``: the
+    task's batches made dense, pinned by the loader) gives batches whose
+    copy to the GPU starts from pinned memory: every tensor pinned and
+    contiguous, with and without loader workers, for the language-model
+    tasks, whose windows are cut from one gather."""
+    from dataset_files import build_shakespeare_root, build_token_files
+
+    data_dir = (build_shakespeare_root(tmp_path, chars=20000) if dataset == "shakespeare_char"
+                else build_token_files(tmp_path, chars=20000))
+    args = flags("--dataset", dataset, "--data_dir", str(data_dir), "--block_size", "32")
+    task = common.load_task(args, download=False)
+    for workers in (0, 2):
+        loader = train.prepare_dataloader(task.train_set, 8, workers, True, 0, task.collate_fn)
+        for _, batch in zip(range(3), loader):
+            assert all(part.is_pinned() and part.is_contiguous() for part in batch), \
+                [(part.is_pinned(), part.stride()) for part in batch]
 
 
 # --------------------------------------------------------------------------

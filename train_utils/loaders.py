@@ -230,19 +230,20 @@ class DenseBatches:
 class HostToDevice:
     """The training batch's copy to ``device``: ``(source, targets) ->`` the
     same on the device, queued (``non_blocking``: from pinned memory the host
-    goes on at once). On CUDA the first batch is looked at once: a tensor
-    that is not pinned while the loader pins (``pin_memory``), or not dense,
-    is named in one warning line (rank 0), since its copy makes the host wait
-    for the GPU at every step."""
+    goes on at once). On CUDA, where the kit's loaders pin their batches
+    (``train.prepare_dataloader``), the first batch is looked at once: a
+    tensor that is not pinned, or not dense, is named in one warning line
+    (rank ``rank`` 0), since its copy makes the host wait for the GPU at
+    every step."""
 
-    def __init__(self, device: torch.device, pin_memory: bool, rank: int) -> None:
-        self.device, self.pin_memory, self.rank = device, pin_memory, rank
+    def __init__(self, device: torch.device, rank: int) -> None:
+        self.device, self.rank = device, rank
         self.looked = device.type != "cuda"
 
     def __call__(self, source: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.looked:
             self.looked = True
-            problem = host_batch_problem({"inputs": source, "targets": targets}, self.pin_memory)
+            problem = host_batch_problem({"inputs": source, "targets": targets}, pinned=True)
             if problem and self.rank == 0:
                 print_line(f"warning: the training batch's {problem}: its copy to the GPU waits for the GPU "
                            f"at every step; make the task's collate_fn return dense tensors that the loader "
