@@ -15,9 +15,10 @@ from .output import print_line
 
 # The profiler's schedule, in training steps (micro-batches) of this start:
 # the first is skipped (one-time set-up: lazy allocations, DDP's first
-# buckets, torch.compile), the second warms the profiler up, the next three
-# are recorded. A start with fewer than 5 steps writes no trace.
-WAIT, WARMUP, ACTIVE = 1, 1, 3
+# buckets, torch.compile), the second warms the profiler up, the next five
+# are recorded (four step boundaries: where a GPU waits between steps shows).
+# A start with fewer than 7 steps writes no trace.
+WAIT, WARMUP, ACTIVE = 1, 1, 5
 
 
 class StepProfiler:
