@@ -113,6 +113,11 @@ class Task:
     train.py takes the model's own count (a ``flops_per_token()`` method, as
     ``gpt.GPT`` has) or counts them once at start (``torch.utils.flop_counter``,
     ``train_utils.throughput.flops_per_sample``).
+    ``identity``: what else makes two runs of this task the same run, beside
+    --dataset, --model and --seed (the GPT's sizes, say): train.py refuses a
+    snapshot saved with another. ``sample_text``: (the trained model, its
+    device) -> what it writes, printed after training (a language model's
+    sample, as the task's own flags ask); None: nothing.
     """
 
     train_set: Dataset
@@ -129,6 +134,8 @@ class Task:
     decode: Optional[Callable[[Sequence[int]], str]] = None
     encode: Optional[Callable[[str], list]] = None
     flops_per_sample: Optional[float] = None
+    identity: dict = field(default_factory=dict)
+    sample_text: Optional[Callable[[nn.Module, torch.device], str]] = None
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -164,7 +165,7 @@ class GPT(nn.Module):
     @property
     def block_size(self) -> int:
         """The longest context it reads, in tokens (``config.block_size``): a
-        sampler crops its context to it (``train_utils.generate``)."""
+        sampler crops its context to it (``generate``)."""
         return self.config.block_size
 
     @staticmethod
@@ -185,6 +186,33 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float, top_k: Optional[int],
+                 generator: torch.Generator) -> torch.Tensor:
+        """Extend the token ids ``idx`` (int64 (B, T) on the model's device) by
+        ``new_tokens`` tokens drawn one at a time, each seeing at most
+        ``block_size`` tokens (the last ones), from softmax(logits /
+        ``temperature``) over the ``top_k`` likeliest tokens (None: all), as
+        in Radford et al. 2019's samples and nanoGPT's ``generate``. The draw
+        uses ``generator`` (a CPU torch.Generator), so every rank that holds
+        the same logits and the same generator state draws the same tokens:
+        under FSDP, whose forward is a collective, every rank runs this
+        together. Runs in eval mode (no dropout), then puts back the mode the
+        model had. Returns int64 (B, T + new_tokens) on ``idx``'s device."""
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(new_tokens):
+                logits = self(idx[:, -self.block_size:])[:, -1, :].float() / temperature  # (B, vocab_size)
+                if top_k is not None and top_k < logits.size(-1):
+                    kth = torch.topk(logits, top_k).values[:, -1:]  # (B, 1): the k-th largest
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1).cpu()  # drawn on the CPU: one generator for every device
+                idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator).to(idx.device)], dim=1)
+        finally:
+            self.train(was_training)
+        return idx
 
     def num_parameters(self, embeddings: bool = True) -> int:
         """Parameters, each counted once (the tied output layer is the token

@@ -50,18 +50,25 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 DECAY_PARAMS = ("all", "matrices")
 
 
-def set_recipe_flags(args: argparse.Namespace, recipe: dict) -> None:
-    """Set each recipe flag (a key of ``RECIPE_DEFAULTS``) that ``args`` leaves
-    unset (None, or absent: the rungs have no such flags) to the task's value in
-    ``recipe`` (``Task.recipe``), else to ``RECIPE_DEFAULTS``'; the command line
-    wins. Raises ConfigError (one line) for a key of ``recipe`` that is no recipe flag."""
+def recipe_values(args: argparse.Namespace, recipe: dict) -> dict:
+    """{recipe flag (a key of ``RECIPE_DEFAULTS``): its value}: the command
+    line's (``args``; None or absent: unset, the rungs have no such flags),
+    else the task's (``recipe``, ``Task.recipe``), else ``RECIPE_DEFAULTS``'.
+    Raises ConfigError (one line) for a key of ``recipe`` that is no recipe flag."""
     unknown = sorted(set(recipe) - set(RECIPE_DEFAULTS))
     if unknown:
         raise ConfigError(f"--dataset {args.dataset}: Task.recipe sets {', '.join(unknown)}, which "
                           f"is no recipe flag; use keys of {', '.join(RECIPE_DEFAULTS)}")
-    for name, default in RECIPE_DEFAULTS.items():  # the command line first, then the task
-        if getattr(args, name, None) is None:
-            setattr(args, name, recipe.get(name, default))
+    given = {name: getattr(args, name, None) for name in RECIPE_DEFAULTS}
+    return {name: recipe.get(name, default) if given[name] is None else given[name]
+            for name, default in RECIPE_DEFAULTS.items()}
+
+
+def set_recipe_flags(args: argparse.Namespace, recipe: dict) -> None:
+    """Set each recipe flag of ``args`` to its value (``recipe_values``): the
+    command line wins, then the task's ``recipe``, then ``RECIPE_DEFAULTS``."""
+    for name, value in recipe_values(args, recipe).items():
+        setattr(args, name, value)
 
 
 def _recipe(args: argparse.Namespace, name: str):

@@ -49,6 +49,19 @@ SHAKESPEARE_BYTES = 1115394
 TRAIN_FRACTION = 0.9  # the first 90% of the text trains, the last 10% is held out (nanoGPT's split)
 # --model: the models this module's task function accepts (common.task_models).
 MODELS = {"shakespeare_char_task": ("gpt",), "token_file_task": ("gpt",)}
+# The flags this module's tasks read, as argparse's add_argument takes them (train.py adds them to its
+# own; the rungs have none, and train with the defaults). Unset (None), a flag is the task's default.
+FLAGS = {
+    "n_layer": {"type": int, "help": "GPT tasks: transformer blocks (default: the task's)"},
+    "n_head": {"type": int, "help": "GPT tasks: heads (default: the task's)"},
+    "n_embd": {"type": int, "help": "GPT tasks: width (default: the task's)"},
+    "block_size": {"type": int, "help": "GPT tasks: context, tokens (default: the task's)"},
+    "dropout": {"type": float, "help": "GPT tasks: dropout probability (default: the task's)"},
+    "sample_chars": {"type": int, "default": 0, "help": "characters the model writes, printed after training "
+                     "and on a rerun of a finished run; 0: none (default: 0)"},
+    "temperature": {"type": float, "default": 0.8, "help": "--sample_chars: logits / this (default: 0.8)"},
+    "top_k": {"type": int, "default": 200, "help": "--sample_chars: from the k likeliest (default: 200)"},
+}
 
 # The model's sizes (the --n_layer ... --dropout flags) and the recipe where no flag
 # says otherwise: nanoGPT's CPU recipe for this corpus (its README, "I only have a
@@ -57,7 +70,7 @@ MODELS = {"shakespeare_char_task": ("gpt",), "token_file_task": ("gpt",)}
 # 100 warm-up steps, cosine to 1e-4 at step 2,000, gradients clipped to norm 1.
 # vocab_size: the corpus's 65 characters; the task sets that of the text it reads.
 SHAKESPEARE_MODEL = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
-SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")  # the GPTConfig fields train.py's flags set
+SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")  # the GPTConfig fields of FLAGS
 SHAKESPEARE_RECIPE = {"optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1,
                       "decay_params": "matrices", "lr_schedule": "cosine", "min_lr": 1e-4,
                       "warmup_steps": 100, "max_steps": 2000, "clip_grad_norm": 1.0, "batch_size": 12,
@@ -70,6 +83,7 @@ TOKEN_FILES_HINT = ("make train.bin and val.bin (and meta.pkl for a vocabulary o
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens (tiktoken's "gpt2"): ids 0..50256, the last one <|endoftext|>
 GPT2_PADDED_VOCAB = 50304  # padded up to a multiple of 64, as nanoGPT pads it: faster matrix products
 UINT16_IDS = 1 << 16  # ids a uint16 file can hold
+SAMPLE_START = "\n"  # --sample_chars: the sample's first token, as nanoGPT's sample.py starts
 # The model and recipe where no flag says otherwise: nanoGPT's train.py defaults,
 # its GPT-2 (124M) on OpenWebText recipe for one process: GPT-2 small's shape,
 # a 1,024-token context, batch 12, no dropout; AdamW lr 6e-4, betas (0.9,
@@ -298,6 +312,43 @@ def read_corpus(data_dir: str, download: bool) -> str:
         raise ConfigError(f"shakespeare_char: cannot read {path} as UTF-8 text ({exc})") from None
 
 
+def gpt_identity(config: GPTConfig) -> dict:
+    """The GPT's shape as a task's identity (``Task.identity``): its sizes and
+    vocabulary, which a snapshot's weights must have (dropout may change)."""
+    return {name: getattr(config, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+
+
+def text_sampler(args: argparse.Namespace, decode, encode):
+    """``Task.sample_text`` for --sample_chars N (``FLAGS``; None for 0, and
+    for the rungs, which have no such flag): (model, device) -> a header line
+    and the N tokens the model writes after a newline (``SAMPLE_START``),
+    decoded, drawn from softmax(logits / --temperature) over the --top_k
+    likeliest (``gpt.GPT.generate``) with a generator seeded by --seed: the
+    same text on every rank, and again for the same weights and flags.
+    Raises ConfigError (one line) for a --temperature or --top_k that is
+    not above 0, or a negative --sample_chars."""
+    chars, temperature, top_k = (getattr(args, name, FLAGS[name]["default"])
+                                 for name in ("sample_chars", "temperature", "top_k"))
+    bad = [f"--{name} {value}" for name, value in (("sample_chars", chars), ("temperature", temperature),
+                                                   ("top_k", top_k)) if value < (0 if name == "sample_chars" else 1e-12)]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)}: --sample_chars is 0 or more, --temperature and --top_k above 0")
+    if not chars:
+        return None
+
+    def sample_text(model: torch.nn.Module, device: torch.device) -> str:
+        try:
+            start = encode(SAMPLE_START)
+        except (KeyError, ValueError, ConfigError):  # no newline in the vocabulary
+            start = [0]
+        idx = torch.tensor([start], dtype=torch.long, device=device)
+        out = model.generate(idx, chars, temperature, top_k, torch.Generator().manual_seed(args.seed))
+        return (f"sample | {chars} characters | temperature {temperature:g} | top_k {top_k}\n"
+                f"{decode(out[0, len(start):].tolist())}")
+
+    return sample_text
+
+
 def model_config(args: argparse.Namespace, defaults: GPTConfig = SHAKESPEARE_MODEL) -> GPTConfig:
     """The GPT's sizes: ``defaults`` (the task's) with each of ``SIZE_FLAGS``
     that ``args`` sets (the flags) in its place; the rungs, which have no
@@ -321,17 +372,17 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     shifted by a random 0..block_size-1 characters; held out: tiling the text);
     int64 (B, block_size) contexts and next characters. Model: ``gpt.GPT``
     of the --n_layer --n_head --n_embd --block_size --dropout flags
-    (``SHAKESPEARE_MODEL``'s where unset, then set in ``args``; checked before the
+    (``SHAKESPEARE_MODEL``'s where unset; checked before the
     corpus is read) and the vocabulary's size; loss ``lm_loss`` (nats per
     character); recipe ``SHAKESPEARE_RECIPE``. The Task's ``tokens_per_sample``
-    is block_size, its ``decode``/``encode`` the vocabulary's. Raises
+    is block_size, its ``decode``/``encode`` the vocabulary's, its identity
+    the GPT's shape (``gpt_identity``), and under --sample_chars its
+    ``sample_text`` writes (``text_sampler``). Raises
     ConfigError (one line) for a missing corpus that cannot be downloaded,
     a model other than ``gpt`` and bad sizes.
     """
     choose_model(args, MODELS["shakespeare_char_task"])
     config = model_config(args)
-    for name in SIZE_FLAGS:  # the sizes used, in the run's config (and its snapshots)
-        setattr(args, name, getattr(config, name))
     text = read_corpus(args.data_dir, download)
     vocabulary = CharVocabulary(text)
     tokens = torch.tensor(vocabulary.encode(text), dtype=torch.int64)
@@ -342,7 +393,8 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     model = GPT(dataclasses.replace(config, vocab_size=len(vocabulary)))
     return Task(train, held_out, None, model, lm_loss, classification=False,
                 recipe=dict(SHAKESPEARE_RECIPE), tokens_per_sample=block_size,
-                decode=vocabulary.decode, encode=vocabulary.encode)
+                decode=vocabulary.decode, encode=vocabulary.encode, identity=gpt_identity(model.config),
+                sample_text=text_sampler(args, vocabulary.decode, vocabulary.encode))
 
 
 # --------------------------------------------------------------------------
@@ -421,8 +473,6 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     """
     choose_model(args, MODELS["token_file_task"])
     config = model_config(args, TOKEN_MODEL)
-    for name in SIZE_FLAGS:  # the sizes used, in the run's config (and its snapshots)
-        setattr(args, name, getattr(config, name))
     if not os.path.isdir(args.data_dir):
         raise ConfigError(f"--dataset tokens: --data_dir {args.data_dir} is not a folder; {TOKEN_FILES_HINT}")
     train_file, val_file = (TokenFile(os.path.join(args.data_dir, name)) for name in ("train.bin", "val.bin"))
@@ -444,8 +494,13 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     train = TokenWindows(train_file, block_size, shift=True, name=f"--dataset tokens: {train_file.path}")
     held_out = TokenWindows(val_file, block_size, name=f"--dataset tokens: {val_file.path}")
     model = GPT(dataclasses.replace(config, vocab_size=model_vocab))
+    if getattr(args, "sample_chars", 0) and decode is None:
+        raise ConfigError(f"--sample_chars: --dataset tokens writes text only with a vocabulary to decode, a "
+                          f"meta.pkl holding itos and stoi beside the token files (GPT-2's BPE is not part of "
+                          f"the kit); leave the flag out, or {TOKEN_FILES_HINT}")
     return Task(train, held_out, None, model, lm_loss, classification=False, recipe=dict(TOKEN_RECIPE),
-                tokens_per_sample=block_size, decode=decode, encode=encode)
+                tokens_per_sample=block_size, decode=decode, encode=encode, identity=gpt_identity(model.config),
+                sample_text=text_sampler(args, decode, encode) if decode else None)
 
 
 class MetaVocabulary:

@@ -62,101 +62,69 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
 
 
 class Trainer:
-    """Runs the epochs: trains, evaluates and prints one summary line per
-    epoch (or, with --eval_every_steps, per evaluation every N optimizer
-    steps: ``train_utils.StepEvaluations``), and has ``checkpointer`` save
+    """Runs the epochs: trains, evaluates and prints a summary line per
+    evaluation (after every epoch, or every --eval_every_steps optimizer
+    steps: ``train_utils.Evaluations``), and has its ``checkpointer`` save
     snapshots (every --save_every epochs, after the last, inside an epoch
     when one is due, and at a stop signal) and load the one to resume from.
 
     ``task`` gives the model (on ``device``; under FSDP already sharded:
     ``shard_model``), the loss and the batch transforms (``common.Task``);
-    ``recipe`` the optimizer (built on the model's parameters or shards),
-    its lr schedule, the loss scaler and clipping; ``checkpointer`` the
-    snapshots (``train_utils.Checkpointer``, claimed already); ``log``
+    ``optimizer`` is built on the model's parameters or shards; ``log``
     (``train_utils.RunLog``) prints and records the figures, and its W&B run
     id goes into every snapshot; ``local_rank`` this process's index on its
-    node; ``args`` the run's flags. Collective: every rank makes one (the
-    stop signal's gloo group, loading the snapshot, DDP's first broadcast)
-    and calls ``train``. Raises ConfigError (one line) for a snapshot of
-    another run or a damaged one; NothingToTrain when the snapshot already
-    holds every epoch, except under --sample_chars: then its weights are
-    loaded and ``finished`` holds that NothingToTrain (None for a run with
-    epochs left).
+    node; ``config`` the run's (``train_utils.RunConfig``). The Trainer makes
+    the run's stateful parts (the position ``progress``, the ``recipe``, the
+    ``evaluations``) and the ``checkpointer`` given them. The run's one step
+    counter is ``progress.step``, its optimizer steps. Collective: every
+    rank makes one (the stop signal's gloo group, DDP's first broadcast)
+    and calls ``train``; ``train_step`` and ``run_epoch`` are its parts,
+    public for those who drive them.
     """
 
-    def __init__(self, task: common.Task, train_data: DataLoader, val_data: DataLoader,
-                 recipe: train_utils.Recipe, checkpointer: train_utils.Checkpointer, log: train_utils.RunLog,
-                 device: torch.device, local_rank: int, args: argparse.Namespace) -> None:
-        self.task, self.model, self.args = task, task.model, args
+    def __init__(self, task: common.Task, optimizer: torch.optim.Optimizer, train_data: DataLoader,
+                 val_data: DataLoader, log: train_utils.RunLog, device: torch.device, local_rank: int,
+                 config: train_utils.RunConfig) -> None:
+        self.task, self.model, self.optimizer, self.config = task, task.model, optimizer, config
         self.device, self.rank, self.local_rank = device, dist.get_rank(), local_rank
-        self.fsdp = args.strategy == "fsdp"
-        self.train_data, self.val_data = train_data, val_data
-        self.recipe, self.optimizer = recipe, recipe.optimizer
-        self.checkpointer, self.log = checkpointer, log
+        self.fsdp = config.strategy == "fsdp"
+        self.train_data, self.val_data, self.log = train_data, val_data, log
+        self.progress = train_utils.Progress(device, train_data, self.rank, config.grad_accum_steps)
+        self.recipe = train_utils.Recipe(optimizer, config, self.progress.steps_per_epoch,
+                                         lambda: self.progress.step, device)
+        self.evaluations = train_utils.Evaluations(
+            config.eval_every_steps, config.max_steps or config.total_epochs * self.progress.steps_per_epoch,
+            config.total_epochs, device)
+        parts = {"progress": self.progress, "recipe": self.recipe, "evaluations": self.evaluations,
+                 "trackers": log.wandb}  # what a snapshot holds besides the weights, loaded in this order
+        self.checkpointer = train_utils.Checkpointer(
+            config.snapshot_path, self.fsdp, task.model, optimizer, config.as_dict(), parts,
+            asynchronous=not config.snapshot_sync, every_s=config.snapshot_every_s,
+            every_steps=config.snapshot_every_steps, timeout_s=config.pg_timeout_s)
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
-        self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, args.amp)
-        self.progress = train_utils.Progress(device, train_data, self.rank, args.grad_accum_steps)
-        # --eval_every_steps: evaluations every N optimizer steps and after the run's last
-        self.evals = train_utils.StepEvaluations(args.eval_every_steps,
-                                                 args.max_steps or args.total_epochs * recipe.steps_per_epoch,
-                                                 device)
+        self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.amp)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
-        self.step_log = train_utils.StepLog(args.log_every_steps, task.tokens_per_sample)  # rank 0's progress
-        self.watch = train_utils.Watch(args.pg_timeout_s, args.grad_accum_steps)  # time-outs, where each rank is
+        self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
+        self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
         # What MFU divides by: the peak of the precision the matrix products run in (bf16, fp16, tf32, fp32).
-        self.precision = train_utils.compute_precision(device, train_utils.amp_dtype(device, args.amp))
-        self.finished = None  # --sample_chars on a finished run: its NothingToTrain, the weights loaded
-        try:
-            state = checkpointer.load(self.model, self.optimizer, vars(args))  # None: nothing to resume
-        except train_utils.NothingToTrain as done:
-            if not args.sample_chars:
-                raise
-            self.finished, state = done, None
-            checkpointer.load_model(self.model)  # to sample from, then nothing to train
-        if state is not None:
-            self._resume(state)
+        self.precision = train_utils.compute_precision(device, train_utils.amp_dtype(device, config.amp))
         if not self.fsdp and dist.get_world_size() > 1:
-            self._wrap_in_ddp()
+            # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward()
+            # (one process has none to average: the wrapper would only copy them into its buckets and
+            # all-reduce them with itself, a fifth of a small GPT's GPU step, for the same numbers).
+            # gradient_as_bucket_view: each gradient is a view into DDP's all-reduce buckets, not a
+            # tensor of its own copied out of them after every all-reduce (the same values, less memory).
+            self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                             gradient_as_bucket_view=True)
         # The compiled module shares the model's weights and runs the training
         # forward; saving and evaluation use the plain model, so what is saved
         # loads without torch.compile. FSDP: its blocks were compiled before sharding (shard_model).
-        self.compiled = train_utils.compile_model(self.model, args.compile and not self.fsdp)
+        self.compiled = train_utils.compile_model(self.model, config.compile and not self.fsdp)
         # The loss in fp32, compiled as a graph of its own under --compile (DDP and FSDP alike).
-        self.loss_fn = train_utils.training_loss(task.loss_fn, args.compile)
+        self.loss_fn = train_utils.training_loss(task.loss_fn, config.compile)
         self.to_device = train_utils.HostToDevice(device, self.rank)  # queued, not waited for
-        self.profiler = train_utils.StepProfiler(args.profile_dir, device)  # --profile_dir: a few steps traced
-
-    def _wrap_in_ddp(self) -> None:
-        """DDP around the model, with more than one process: it copies rank 0's
-        weights to all ranks here, then averages gradients in every backward().
-        (One process has no gradients to average: the wrapper would only copy
-        them into its buckets and all-reduce them with itself, a fifth of a
-        small GPT's GPU step, docs/language-model.md, for the same numbers.)"""
-        device = self.device
-        # gradient_as_bucket_view: each gradient is a view into DDP's all-reduce buckets, not a
-        # tensor of its own copied out of them after every all-reduce (the same values, less memory).
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
-                         gradient_as_bucket_view=True)
-        if self.progress.resumed:  # DDP's gradient buckets as if it had never stopped
-            train_utils.rebuild_ddp_buckets(self.model, self.train_data, self.task.loss_fn,
-                                            self.task.eval_transform, device, self.autocast)
-
-    def _resume(self, state: dict) -> None:
-        """What a loaded snapshot means besides its weights: the position and
-        RNG states, the recipe's schedule and loss scale, the W&B run; then the
-        resume line (rank 0), which says what changed when the snapshot came
-        from another world size."""
-        self.progress.load_state_dict(state)  # and this rank's RNG states: the same random draws
-        # The schedule and loss scale go on (a new --lr takes over), at the epoch's steps in this run's size.
-        self.recipe.resume(state, self.progress.steps_run)
-        self.evals.load_state_dict(state)  # --eval_every_steps: the last evaluation, the best, the interval
-        self.log.wandb.load_state_dict(state)  # the resumed run logs to the same W&B run
-        # After both loads: the note compares the saved position and world size with this run's.
-        note = (train_utils.resharding_note(state["world_size"], self.progress.epoch_note()) if self.fsdp
-                else self.progress.resize_note(self.recipe))
-        if self.rank == 0:
-            self.log.resumed(self.checkpointer.found, self.progress.position(), note)
+        self.profiler = train_utils.StepProfiler(config.profile_dir, device)  # --profile_dir: a few steps traced
 
     @property
     def plain_model(self) -> torch.nn.Module:
@@ -164,24 +132,98 @@ class Trainer:
         process trains the model itself)."""
         return self.model.module if isinstance(self.model, DDP) else self.model
 
-    def _gradient_sync(self, last: bool):
-        """The gradients' all-reduce (DDP) or reduce-scatter (FSDP) only on the
-        micro-batch that ends an optimizer step; before it they are summed locally."""
-        if self.fsdp:
-            if self.args.grad_accum_steps > 1:
-                self.model.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-        return self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
+    def train(self) -> train_utils.Found:
+        """Collective: load the snapshot to resume from, if any, then train up
+        to --total_epochs, evaluating and printing as ``run_epoch`` does,
+        snapshotting every --save_every epochs and after the last. Returns
+        what the checkpointer found (``train_utils.Found``); for a snapshot
+        that already holds every epoch nothing is trained (``finished``).
+        Raises ``train_utils.Stopped`` when a stop signal ended it, its
+        snapshot written; ConfigError (one line) for a snapshot of another run
+        or a damaged one, and when the training loss is not finite, before
+        anything is saved. Whatever ends the run, a snapshot write in flight
+        completes first: a rank that fails because a peer was lost keeps its
+        last snapshot."""
+        found = self.checkpointer.load()
+        if found.finished:
+            return found
+        if found.path and self.rank == 0:
+            self.log.resumed(found.path, found.position, found.note)
+        if isinstance(self.model, DDP) and self.progress.resumed:  # DDP's gradient buckets as if it never stopped
+            train_utils.rebuild_ddp_buckets(self.model, self.train_data, self.task.loss_fn,
+                                            self.task.eval_transform, self.device, self.autocast)
+        self.log.start(self.config.as_dict())  # the metrics file's start record; the W&B run (the snapshot's)
+        try:
+            for epoch in range(self.progress.epochs_run, self.config.total_epochs):
+                self.run_epoch(epoch)
+                # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
+                # saves after the first epoch and can skip the last one.
+                if (epoch + 1) % self.config.save_every == 0 or epoch + 1 == self.config.total_epochs:
+                    self.checkpointer.save()
+            self.checkpointer.wait()  # the last snapshot written before the run reports its end
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the run's own error is the one to report
+                self.checkpointer.wait()
+            raise
+        return found
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch as the loader gives it
-        (``step`` counts them from 0 in the epoch); the optimizer steps after
-        every --grad_accum_steps-th. Returns its mean loss (0-dim, on the device)."""
+    def run_epoch(self, epoch: int) -> list:
+        """Collective: epoch ``epoch``'s (0-based) training steps from where the
+        run stands (``progress``), with the evaluations due in it (first the
+        one a resumed snapshot stands at, if a stop came before or during
+        it), a snapshot where one is due, and at its end the epoch's
+        evaluation (by epochs). Returns the records of its evaluations
+        (rank 0 printed and logged them). Raises ``train_utils.Stopped``
+        after the snapshot of the step a stop signal ended it at."""
+        self.model.train()
+        # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
+        # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
+        self.train_data.sampler.set_epoch(epoch, start=self.progress.start_samples)
+        self.evaluations.start_epoch(epoch)
+        limit = train_utils.batches_left(self.config, self.progress.steps_per_epoch, epoch, self.progress.steps_run)
+        batches = train_utils.EpochBatches(self.train_data, epoch, self.config.total_epochs,
+                                           self.config.grad_accum_steps, limit,
+                                           self.evaluations.running_loss if self.rank == 0 else None)
+        records = []
+        if self.evaluations.due(self.progress.step, epoch_end=False):  # a stop came before or during it
+            records.append(self._evaluate())
+        host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
+        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
+                               f"| batch_size {self.train_data.batch_size} | steps {batches.total}")
+        for source, targets in batches:
+            self.watch.step(epoch, batches.done)  # where this rank is; until training runs, every rank's batch
+            loss = self.train_step(source, targets)
+            self.evaluations.add(loss, len(targets))
+            self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
+            if self.progress.steps_run % self.config.grad_accum_steps:
+                continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
+            self.step_log.step(self.progress.step, epoch, self.evaluations, self.recipe.last_lr)
+            # Every rank learns of a stop signal, and of rank 0's snapshot clock, at the same step.
+            if self.stop.poll(request=self.checkpointer.request()):
+                self._stop()
+            if self.evaluations.due(self.progress.step, epoch_end=False):
+                records.append(self._evaluate())
+            if self.checkpointer.due(self.progress.steps_run, self.stop.requested) and batches.left:
+                self.checkpointer.save()  # not at the epoch's end: that snapshot comes next
+        self.watch.after_steps(epoch)
+        if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
+            train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
+            self.memory_reported = True
+        if self.evaluations.due(self.progress.step, epoch_end=True):
+            records.append(self._evaluate())
+        self.progress.end_epoch(epoch)
+        return records
+
+    def train_step(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch as the loader gives it (on the host), at the run's
+        position: forward and backward, and after every --grad_accum_steps-th
+        micro-batch of the epoch the optimizer step (``progress.step`` then
+        counts it). Returns its mean loss (0-dim, on the device)."""
         source, targets = self.to_device(source, targets)
         source = self.task.train_transform(source)
-        accum = self.args.grad_accum_steps
-        last = (step + 1) % accum == 0  # this micro-batch ends an optimizer step
-        if step % accum == 0:
+        accum = self.config.grad_accum_steps
+        first, last = self.progress.steps_run % accum == 0, (self.progress.steps_run + 1) % accum == 0
+        if first:
             self.optimizer.zero_grad(set_to_none=True)
         with self._gradient_sync(last), self.autocast:
             loss = self.loss_fn(self.compiled(source), targets)
@@ -189,149 +231,53 @@ class Trainer:
         # of the mean loss over the whole accumulated batch. (No division without
         # accumulation: an extra autograd op costs a small model ~10%.)
         self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
+        self.progress.steps_run += 1
         if last:
             self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr
+            self.progress.step += 1
         return loss.detach()
 
-    def _run_epoch(self, epoch: int, max_epochs: int) -> Optional[train_utils.EpochMeter]:
-        """One epoch's training steps, with the evaluations due in it under
-        --eval_every_steps (first the one a resumed snapshot stands at, if it
-        was not done): its meter, or None when a stop signal ended it (after
-        a snapshot of that step)."""
-        self.model.train()
-        # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
-        # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
-        self.train_data.sampler.set_epoch(epoch, start=self.progress.start_samples)
-        meter = train_utils.EpochMeter(epoch, max_epochs, self.device, self.progress.epoch_totals)
-        limit = train_utils.batches_left(self.args, self.recipe.steps_per_epoch, epoch, self.progress.steps_run)
-        batches = meter.batches(self.train_data, self.args.grad_accum_steps, limit)
-        self.evals.epoch = epoch
-        # The evaluation of the step a resumed snapshot stands at, when a stop came before or during it.
-        if self.evals.due(self.recipe.schedule.last_epoch) and not self._evaluate_steps(meter):
-            return None  # a stop during the evaluation the snapshot stood at: saved again
-        host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
-        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
-                               f"| batch_size {self.train_data.batch_size} | steps {meter.steps}")
-        for step, (source, targets) in enumerate(batches, start=self.progress.steps_run):
-            self.watch.step(epoch, meter.steps_done)  # where this rank is; until training runs, every rank's batch
-            loss = self._run_batch(source, targets, step)
-            meter.add(loss, len(targets))
-            self.evals.add(loss, len(targets))  # --eval_every_steps: the interval's training loss
-            self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
-            self.progress.steps_run = step + 1
-            if self.progress.steps_run % self.args.grad_accum_steps:
-                continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
-            self.step_log.step(self.recipe.schedule.last_epoch, meter, self.recipe.last_lr)  # --log_every_steps
-            # Every rank learns of a stop signal, and of rank 0's snapshot clock, at the same step.
-            if self.stop.poll(request=self.checkpointer.request()):
-                self._save(meter)  # every rank stops after this step, once the snapshot is written
-                self.checkpointer.wait()
-                return None
-            if self.evals.due(self.recipe.schedule.last_epoch) and not self._evaluate_steps(meter):
-                return None  # stopped during the evaluation: this step saved, evaluated on resume
-            if self.checkpointer.due(self.progress.steps_run, self.stop.requested) and meter.steps_left:
-                self._save(meter)  # not at the epoch's end: that snapshot comes next
-        self.watch.after_steps(epoch)
-        if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
-            train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
-            self.memory_reported = True
-        return meter
+    def _gradient_sync(self, last: bool):
+        """The gradients' all-reduce (DDP) or reduce-scatter (FSDP) only on the
+        micro-batch that ends an optimizer step; before it they are summed locally."""
+        if self.fsdp:
+            if self.config.grad_accum_steps > 1:
+                self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
 
-    def _epoch_record(self, meter: train_utils.EpochMeter) -> dict:
-        """Collective: the record of the epoch ``meter`` trained, its
-        validation figures still to come. Raises ConfigError when its loss is
-        not finite."""
-        totals = meter.totals.clone()
-        dist.all_reduce(totals)  # sum over ranks: the global mean loss and sample count
-        record = meter.summary(totals) | self.recipe.epoch_figures()  # lr; fp16: steps skipped
-        return record | self._speed(record["samples_per_s"])
-
-    def _speed(self, samples_per_s: float) -> dict:
-        """LM tasks: tokens/s; every task: the model's FLOP/s, and on a GPU its MFU (``throughput_figures``)."""
-        return train_utils.throughput_figures(samples_per_s, self.task.tokens_per_sample, self.task.flops_per_sample,
-                                              self.device, self.precision)
-
-    def _evaluate(self, meter: train_utils.EpochMeter) -> Optional[tuple]:
-        """Collective: ``evaluate`` of the held-out data, a stop signal polled
-        after each batch: (loss, accuracy or None), or None when a stop ended
-        it. Then this rank's CPU random state is put back as it was before
-        (the evaluation's DataLoader drew its seed from it; the resumed run,
-        which evaluates again, draws it again, as the uninterrupted run drew
-        it once: a language model's windows and dropout draw from it next),
-        and the snapshot of this step is saved (``meter`` holds its epoch so
-        far): the resumed run evaluates first."""
+    def _evaluate(self) -> dict:
+        """Collective: the evaluation due now, of the held-out data (``evaluate``,
+        a stop signal polled after each batch), and its record (rank 0 prints
+        and logs it): the training figures of the interval since the last
+        (``Evaluations.summary``, taken before evaluating), the validation
+        scores, the recipe's and the speed figures. A stop during it: this
+        rank's CPU random state put back as it was before (the evaluation's
+        DataLoader drew its seed from it; the resumed run, which evaluates
+        again, draws it again, as the uninterrupted run drew it once: a
+        language model's windows and dropout draw from it next), then
+        ``_stop``: the resumed run evaluates first."""
+        summary = self.evaluations.summary()
         state = torch.get_rng_state()
         scores = evaluate(self.plain_model, self.val_data, self.task, self.device, self.fsdp, self.stop)
         if scores is None:
             torch.set_rng_state(state)
-            self._save(meter)
-            self.checkpointer.wait()
-        return scores
-
-    def _evaluate_steps(self, meter: train_utils.EpochMeter) -> bool:
-        """Collective, --eval_every_steps: the evaluation due after this
-        optimizer step, and rank 0's summary line and record of it and of the
-        steps since the last (``StepEvaluations.record``: the best validation
-        loss so far too). False when a stop signal ended the evaluation: the
-        snapshot of this step (``meter`` holds its epoch so far) is saved
-        and the resumed run evaluates first."""
-        scores = self._evaluate(meter)
-        if scores is None:  # stopped, this step saved
-            return False
-        record = self.evals.record(self.recipe.schedule.last_epoch, self.args.total_epochs, scores)
+            self._stop()
+        record = self.evaluations.record(self.progress.step, summary, scores)
         record |= self.recipe.epoch_figures()  # lr; fp16: the steps skipped since the last evaluation
-        if "samples_per_s" in record:
-            record |= self._speed(record["samples_per_s"])
+        if "samples_per_s" in record:  # LM tasks: tokens/s; every task: FLOP/s, on a GPU MFU
+            record |= train_utils.throughput_figures(record["samples_per_s"], self.task.tokens_per_sample,
+                                                     self.task.flops_per_sample, self.device, self.precision)
         if self.rank == 0:  # every rank holds the same numbers; one prints them
             self.log.log(record)
-        return True
+        return record
 
-    def _save(self, meter: Optional[train_utils.EpochMeter] = None) -> None:
-        """Collective: a snapshot of this position (``Checkpointer.save``: in the
-        background unless --snapshot_sync). Mid-epoch, ``meter`` holds the
-        epoch so far (its totals are saved too)."""
-        state = {**self.progress.state_dict(meter),  # position, the epoch's totals, every rank's RNG states
-                 **self.recipe.state_dict(),  # lr_schedule, loss_scaler
-                 **self.evals.state_dict(),  # --eval_every_steps: the last evaluation, the best, the interval
-                 **self.log.wandb.state_dict()}  # wandb_run_id: a resumed run logs to the same W&B run
-        self.checkpointer.save(self.plain_model, self.optimizer, state)
-
-    def train(self, max_epochs: int) -> bool:
-        """Collective: train up to ``max_epochs``, evaluating and printing each epoch
-        (rank 0; with --eval_every_steps, every N steps instead), snapshotting every
-        --save_every epochs and after the last; True when
-        every epoch is done, False when a stop signal ended it (snapshot saved). Raises
-        ConfigError when the training loss is not finite, before anything is saved.
-        Whatever ends the run, a snapshot write in flight completes first: a
-        rank that fails because a peer was lost keeps its last snapshot."""
-        try:
-            return self._train_epochs(max_epochs)
-        except BaseException:
-            with contextlib.suppress(BaseException):  # the run's own error is the one to report
-                self.checkpointer.wait()
-            raise
-
-    def _train_epochs(self, max_epochs: int) -> bool:
-        """``train``'s epochs (see there)."""
-        for epoch in range(self.progress.epochs_run, max_epochs):
-            meter = self._run_epoch(epoch, max_epochs)
-            if meter is None:  # stopped by the signal, after a snapshot of this step
-                return False
-            if not self.evals.on:  # evaluated after each epoch (--eval_every_steps: in the epoch)
-                record = self._epoch_record(meter)
-                scores = self._evaluate(meter)
-                if scores is None:  # stopped during the evaluation: the epoch's steps saved, evaluated on resume
-                    return False
-                record["val_loss"], record["val_accuracy"] = scores
-                if self.rank == 0:  # every rank holds the same numbers; one prints them
-                    self.log.log(record)
-            self.progress.end_epoch(epoch)
-            # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
-            # saves after the first epoch and can skip the last one.
-            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == max_epochs:
-                self._save()
-        self.checkpointer.wait()  # the last snapshot written before the run reports its end
-        return True
+    def _stop(self) -> None:
+        """Collective, a stop signal reaching every rank at this step: the
+        snapshot of it written, then ``train_utils.Stopped`` raised."""
+        self.checkpointer.save()
+        self.checkpointer.wait()
+        raise train_utils.Stopped()
 
 
 @torch.no_grad()
@@ -441,43 +387,51 @@ def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers:
     )
 
 
-def build(args: argparse.Namespace, rank: int, local_rank: int,
-          device: torch.device) -> tuple[common.Task, torch.optim.Optimizer]:
+def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) -> tuple[common.Task,
+                                                                                     train_utils.RunConfig]:
     """Collective: the task (one download per node: local rank 0 first, the
-    others after), its model on ``device`` (sharded under FSDP), and the
-    optimizer over it (--optimizer, --lr, --weight_decay). Raises ConfigError
-    (one line, on every rank) when the task cannot load."""
+    others after) and the run's configuration, resolved from ``args`` and
+    the task (``train_utils.resolve_config``; ``amp``: --amp as the job runs
+    it). The model comes from --seed, the same on every rank. Raises
+    ConfigError (one line, on every rank) when the task cannot load, or for
+    a task flag the task does not read."""
     # One seed for the initial weights on every rank (DDP copies rank 0's to all anyway;
-    # FSDP keeps each rank's slice of its own copy), then each rank its own random
-    # stream, or all would draw the same dropout masks.
+    # FSDP keeps each rank's slice of its own copy).
     torch.manual_seed(args.seed)
     task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
-    train_utils.set_recipe_flags(args, task.recipe)  # what no flag sets: the task's recipe (optimizer, lr, ...)
-    train_utils.check_sampling(args, task)  # --sample_chars: only a task with a vocabulary writes text
+    return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args))
+
+
+def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
+                device: torch.device) -> torch.optim.Optimizer:
+    """The task's model on ``device`` (``task.model``; checkpointed, and sharded
+    under FSDP), and the optimizer over it (--optimizer, --lr,
+    --weight_decay). After it each rank draws from its own random stream
+    (--seed + rank), or all would draw the same dropout masks."""
     task.model = task.model.to(device)
     # The model's FLOPs per sample, counted on the plain model (before checkpointing and sharding wrap it),
     # by rank 0 alone: it logs the figures, and torch's FLOP counter costs 0.1 s of start-up.
     if task.flops_per_sample is None and rank == 0:
         task.flops_per_sample = train_utils.flops_per_sample(task, device)
-    if args.activation_checkpointing:  # before DDP and FSDP wrap the blocks
+    if config.activation_checkpointing:  # before DDP and FSDP wrap the blocks
         train_utils.checkpoint_activations(task.model)
-    if args.strategy == "fsdp":  # before the optimizer: fully_shard replaces the parameters
-        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, args.amp), args.compile)
-    torch.manual_seed(args.seed + rank)
-    optimizer = train_utils.build_optimizer(task.model, args)  # --optimizer, --lr, --weight_decay
-    return task, optimizer
+    if config.strategy == "fsdp":  # before the optimizer: fully_shard replaces the parameters
+        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, config.amp), config.compile)
+    torch.manual_seed(config.seed + rank)
+    return train_utils.build_optimizer(task.model, config)  # --optimizer, --lr, --weight_decay
 
 
 def finish(trainer: Trainer, test_data: Optional[DataLoader]) -> None:
     """The run holds every epoch: the test figures (none for a task without a
-    test split: ``test_data`` None), then (rank 0) tell a Slurm wrapper that
-    nothing is left to train, so a late stop signal does not requeue it."""
+    test split: ``test_data`` None), what the model writes (a language
+    model's sample: ``Task.sample_text``), then (rank 0) tell a Slurm wrapper
+    that nothing is left to train, so a late stop signal does not requeue it."""
     if test_data is not None:
         test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
         if trainer.rank == 0:
             trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
-    # --sample_chars: what the model writes (FSDP: every rank runs the forwards; rank 0 prints)
-    train_utils.print_sample(trainer.plain_model, trainer.task, trainer.args, trainer.device, trainer.fsdp)
+    # FSDP: every rank runs the forwards; rank 0 prints
+    train_utils.print_sample(trainer.plain_model, trainer.task, trainer.device, trainer.fsdp)
     if trainer.rank == 0:
         train_utils.report_run_finished()
 
@@ -488,8 +442,10 @@ def main(args: argparse.Namespace) -> None:
     holds a snapshot. Collective: every rank calls it, and runs under a
     process group from ``setup`` on. Bad input ends the process with one
     line and exit status 2 (``one_line_errors``); a collective time-out
-    with one line naming the ranks that did not arrive, exit status 1."""
-    log = train_utils.RunLog(args)  # its start time: the metrics file's start record
+    with one line naming the ranks that did not arrive, exit status 1; a
+    stop signal after its snapshot with exit status 0."""
+    # Its start time: the metrics file's start record.
+    log = train_utils.RunLog(args.metrics_path, args.tensorboard_dir, args.wandb_project)
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     train_utils.set_deterministic(args)  # --deterministic: before the process group, which reads it (NCCL)
     rank, local_rank, device = setup(args.startup_timeout_s)
@@ -497,34 +453,33 @@ def main(args: argparse.Namespace) -> None:
     fsdp = args.strategy == "fsdp"
     if fsdp:
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written
-    # A file for DDP, a folder of sharded saves for FSDP; written in the background unless --snapshot_sync.
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, fsdp, asynchronous=not args.snapshot_sync,
-                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
-                                            timeout_s=args.pg_timeout_s)
-    checkpointer.claim()  # one live run per snapshot: another's is refused here, before any download
-    args.amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
-    task, optimizer = build(args, rank, local_rank, device)
-    train_utils.accumulate_for_global_batch(args, dist.get_world_size())  # --global_batch_size, at this size
-    val_set = train_utils.eval_subset(task.val_set, args.eval_windows, args.seed)  # --eval_windows: a fixed few
-    train_data, val_data, test_data = (prepare_dataloader(data, args.batch_size, args.num_workers, train, args.seed,
-                                                          task.collate_fn)
+    # One live run per snapshot: another's is refused here, before any download.
+    train_utils.claim_snapshot_path(args.snapshot_path, fsdp)
+    amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
+    task, config = build_task(args, local_rank, amp)  # the configuration, resolved: frozen from here on
+    optimizer = build_model(task, config, rank, device)
+    val_set = train_utils.eval_subset(task.val_set, config.eval_windows, config.seed)  # --eval_windows: a few
+    train_data, val_data, test_data = (prepare_dataloader(data, config.batch_size, config.num_workers, train,
+                                                          config.seed, task.collate_fn)
                                        for data, train in ((task.train_set, True), (val_set, False),
                                                            (task.test_set, False)))
-    steps_per_epoch = len(train_data) // args.grad_accum_steps  # optimizer steps
-    train_utils.run_length(args, steps_per_epoch)  # --max_steps: the epochs it takes
-    train_utils.check_before_training(args, device, train_data)
+    train_utils.check_before_training(config, device, train_data)
     if rank == 0:
-        train_utils.print_line(train_utils.describe_run(device, args))
-    recipe = train_utils.Recipe(optimizer, args, steps_per_epoch, device)
-    trainer = Trainer(task, train_data, val_data, recipe, checkpointer, log, device, local_rank, args)
-    if trainer.finished:  # --sample_chars on a finished run: the sample, then "nothing to train"
-        train_utils.print_sample(trainer.plain_model, task, args, device, fsdp)
-        raise trainer.finished
-    log.start()  # the metrics file's start record; --wandb_project: the W&B run (after a resume, the snapshot's)
-    if trainer.train(args.total_epochs):  # False: stopped by the signal, snapshot saved
+        train_utils.print_line(train_utils.describe_run(device, config))
+    trainer = Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config)
+    try:
+        found = trainer.train()
+        if found.finished:  # nothing to train: what a finished language model writes, then the line saying so
+            if task.sample_text is not None:
+                trainer.checkpointer.load_model()
+                train_utils.print_sample(trainer.plain_model, task, device, fsdp)
+            raise train_utils.NothingToTrain(found.line)
         finish(trainer, test_data)
+    except train_utils.Stopped:
+        pass  # every rank stopped at the same step, its snapshot written: the same command resumes
     log.close()  # the W&B run ends here: the FSDP exit below skips wandb's own exit hook
     trainer.stop.close()
+    checkpointer = trainer.checkpointer
     del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()
     checkpointer.close()  # the claim given back: outside Slurm the next run may take the snapshot, on any host

@@ -68,6 +68,11 @@ class MnistCNN(nn.Module):
 CIFAR10_MODELS = ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet")
 # --model: the models each task function of this module accepts, its default first (common.task_models).
 MODELS = {"mnist_task": ("cnn",), "cifar10_task": CIFAR10_MODELS}
+# The flags this module's tasks read, as argparse's add_argument takes them (train.py adds them to
+# its own; the rungs have none, and read the files the fast way).
+FLAGS = {"input_path": {"choices": ("fast", "torchvision"), "default": "fast",
+                        "help": "'fast' holds decoded uint8 images in memory and augments whole batches on the "
+                                "device; 'torchvision' is the per-sample Dataset + transforms path (default: fast)"}}
 # The recipes the built-in tasks train with unless a flag says otherwise (docs/recipes.md).
 # MNIST: SGD with momentum, half an epoch of warm-up, x0.7 per epoch (the decay of
 # pytorch/examples mnist/main.py). CIFAR-10: the widely reproduced ResNet recipe of
@@ -239,7 +244,8 @@ def vision_task(dataset: str, args: argparse.Namespace, download: bool) -> Task:
         eval_transform = DeviceTransform(stats, 0, channels_last)
     return Task(Subset(train_view, train_idx), Subset(eval_view, val_idx), test, model,
                 F.cross_entropy, True, train_transform, eval_transform,
-                recipe=MNIST_RECIPE if dataset == "mnist" else CIFAR10_RECIPE)
+                recipe=MNIST_RECIPE if dataset == "mnist" else CIFAR10_RECIPE,
+                identity={"input_path": "fast" if fast else "torchvision"})
 
 
 def mnist_task(args: argparse.Namespace, download: bool) -> Task:

@@ -18,10 +18,10 @@ results/latest.json):
 What the sections share (the machine, the table, the process group, a bare
 training step, the timing) is harness.py.
 
-Importing the package puts the repository (train.py, common.py, train_utils)
-and tests/ (its two plain helper modules, helpers.py and dataset_files.py;
-not conftest.py: no pytest fixtures or hooks here) first on ``sys.path``, so
-the section modules import them as the scripts and the tests do; and the
+Importing the package puts the repository (train.py, common.py, train_utils,
+and the support package the tests use too: launching the scripts, their
+datasets, train.py's Trainer in process) first on ``sys.path``, so the
+section modules import them as the scripts and the tests do; and the
 processes that sections 3, 6 and 9 spawn, which start with the parent's
 ``sys.path``, import their workers as ``benchmarks.<module>``.
 """
@@ -30,4 +30,4 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO)]

@@ -28,7 +28,7 @@ import train_utils
 from train_utils.fsdp import training_state_bytes
 from train_utils.speed import peak_memory_mib
 from benchmarks.harness import backend_for, build_model, ddp, interleaved, process_group, table, timed, train_step
-from helpers import free_port
+from support.runs import free_port
 
 FSDP_CASES = [("mnist cnn", "mnist", "cnn", (32, 1, 28, 28)),
               ("cifar10 resnet18", "cifar10", "resnet18", (16, 3, 32, 32))]

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-# First: importing the package puts the repository and tests/ on sys.path.
+# First: importing the package puts the repository (and its support package) on sys.path.
 from benchmarks import REPO  # noqa: F401  (the repository root, for the sections)
 import common
 import train_utils

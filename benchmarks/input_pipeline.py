@@ -3,7 +3,7 @@ per-sample transforms.
 
 Measures training images/s through the DataLoader and the task's device
 transform on CIFAR-10-shaped files in the real on-disk format (built by
-tests/dataset_files.py): the fast path (uint8 batches, crop + flip + normalize
+support/data.py): the fast path (uint8 batches, crop + flip + normalize
 on the device, 0 workers) against torchvision's per-sample transforms with 2
 and 0 DataLoader workers; one epoch per repetition, interleaved.
 
@@ -27,8 +27,8 @@ import torch
 import common
 import train_utils
 from benchmarks.harness import interleaved, table
-from dataset_files import build_cifar10_root
-from helpers import load_task
+from support.data import build_cifar10_root
+from support.trainer import load_task
 
 def _pipeline_images_per_s(task, num_workers: int, batch_size: int, epochs: int) -> float:
     """Training images/s through the DataLoader (1-replica DistributedSampler,

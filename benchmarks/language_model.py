@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import NANOGPT_ITER, REPO, interleaved, table, timed
-from helpers import TORCHRUN, script_env
+from support.runs import TORCHRUN, script_env
 
 CORPUS = Path(os.environ.get("TINYSHAKESPEARE_FILE", REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"))
 # nanoGPT's CPU recipe (its README), which --dataset shakespeare_char trains by default.

@@ -1,7 +1,7 @@
 """Section 1, overhead: what train.py's training step costs over a bare loop.
 
-Measures steps/s of train.py's ``Trainer._run_batch`` (built by
-tests/helpers.py's ``kit_trainer``) against a bare zero_grad / forward /
+Measures steps/s of train.py's ``Trainer.train_step`` (built by
+support/trainer.py's ``kit_trainer``) against a bare zero_grad / forward /
 backward / step loop on a copy of the same DDP model, with the same batch and
 data, in a 1-process gloo group: only the kit's own code differs. Blocks of
 steps (~0.2 s or more each) are timed in CPU seconds of this process, in
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import CPU, build_model, ddp, interleaved, process_group, table, timed, train_step
-from helpers import free_port, kit_trainer
+from support.runs import free_port
+from support.trainer import kit_trainer
 
 # Blocks of ~0.2 s or more: much shorter ones measure the clock's and the
 # scheduler's noise (3 CNN steps per block gave pair ratios of 0.85-1.05).
@@ -37,7 +38,7 @@ OVERHEAD_SCRIPTS = [("train.py", "bare DDP")]
 
 
 def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -> dict:
-    """{name: step()} of the bare DDP loop and train.py's Trainer._run_batch,
+    """{name: step()} of the bare DDP loop and train.py's Trainer.train_step,
     each on its own copy of one model, on the same batch."""
     torch.manual_seed(0)
     base = build_model(dataset, model_name)
@@ -53,8 +54,8 @@ def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         if name == "bare DDP":
             steps[name] = train_step(ddp(model, CPU), opt, loss_fn, x, y)
-        else:  # micro-batch 0 of an epoch: with --grad_accum_steps 1, every one a whole step
-            steps[name] = functools.partial(kit_trainer(model, opt, loss_fn, out_dir)._run_batch, x, y, 0)
+        else:  # with --grad_accum_steps 1, every micro-batch a whole step
+            steps[name] = functools.partial(kit_trainer(model, opt, loss_fn, out_dir).train_step, x, y)
     return steps
 
 
@@ -75,7 +76,7 @@ def _overhead_pairs(bare, script, steps: int, reps: int) -> dict:
 
 def section_overhead(reps: int = 30) -> dict:
     """Section 1: for each of ``OVERHEAD_CASES``, ``reps`` interleaved pairs of
-    blocks of the bare DDP loop and train.py's ``_run_batch`` (``_overhead_pairs``),
+    blocks of the bare DDP loop and train.py's ``train_step`` (``_overhead_pairs``),
     in a 1-process gloo group. Returns {"results", "pairs", "table", "note"}."""
     results = []
     with process_group(0, 1, free_port(), CPU):  # train.py's Trainer (DDP) needs one
@@ -91,7 +92,7 @@ def section_overhead(reps: int = 30) -> dict:
              r["script_steps_per_s"], r["ratio_median_of_pairs"],
              "{:.3f}-{:.3f}".format(*r["ratio_quartiles"]),
              f"{r['ratio_quartiles'][1] - r['ratio_quartiles'][0]:.1%}"] for r in results]
-    text = table(f"1. Overhead: train.py's _run_batch vs a bare loop, CPU time, {reps} interleaved "
+    text = table(f"1. Overhead: train.py's train_step vs a bare loop, CPU time, {reps} interleaved "
                  f"pairs of blocks (target ratio >= 0.97; read it only where the band is well "
                  f"under 3%)",
                  ["model", "batch", "script", "bare loop on", "bare steps/s (best)",

@@ -6,11 +6,11 @@
 Prints one table per section, with the machine it ran on, and writes all
 numbers to benchmarks/results/latest.json (``--out`` to change). Not part of
 the test run; needs requirements.txt and requirements-test.txt (it builds its
-datasets with tests/dataset_files.py) and, for sections 3 and 4, the real MNIST
+datasets with support/data.py) and, for sections 3 and 4, the real MNIST
 digits in ../shared/data/mnist-t10k (or $MNIST_T10K_DIR).
 
 Sections:
-  1  overhead: steps/s of train.py's Trainer._run_batch over a bare
+  1  overhead: steps/s of train.py's Trainer.train_step over a bare
      zero_grad/forward/backward/step loop on the same DDP model, batch and
      data, in a 1-process gloo group; repetitions interleaved.
   1b bf16 autocast on this CPU: samples/s with and without, per model (the
@@ -80,7 +80,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Run as a script, python puts benchmarks/ itself first on sys.path, where the
 # section modules (gpu.py, scaling.py, ...) would stand in for any top-level
 # module of the same name: they are the package benchmarks.*, imported from the
-# repository (which the package puts first on sys.path, with tests/).
+# repository (which the package puts first on sys.path).
 sys.path[:] = [path for path in sys.path if Path(path or ".").resolve() != REPO / "benchmarks"]
 sys.path.insert(0, str(REPO))
 
@@ -96,7 +96,7 @@ from benchmarks.snapshot_cost import section_snapshot_cost  # noqa: E402
 from benchmarks.snapshot_save import section_snapshot_save  # noqa: E402
 from benchmarks.time_to_accuracy import section_time_to_accuracy  # noqa: E402
 from benchmarks.versus_nanogpt import section_versus_nanogpt  # noqa: E402
-from dataset_files import build_mnist_root  # noqa: E402
+from support.data import Absent, build_mnist_root  # noqa: E402
 
 
 def gpus_missing(processes: int) -> str:
@@ -179,7 +179,7 @@ def main() -> None:
     if wanted & {"3", "4"}:
         try:
             mnist = build_mnist_root(Path(tempfile.mkdtemp()) / "mnist")
-        except BaseException as exc:  # build_mnist_root skips (pytest.skip) without the files
+        except Absent as exc:  # the real MNIST digits are not there
             print(f"sections 3 and 4 skipped: real MNIST digits not found ({exc})", flush=True)
     sections = [("1", "overhead", section_overhead, 1), ("1b", "amp_cpu", section_amp_cpu, 1),
                 ("2", "input_pipeline", section_input, 1),

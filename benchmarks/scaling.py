@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import train_utils
 from benchmarks.harness import (REPO, backend_for, build_model, ddp, interleaved, process_group, table, timed,
                                 train_step)
-from helpers import TORCHRUN, free_port, script_env
+from support.runs import TORCHRUN, free_port, script_env
 
 def _allreduce_worker(rank: int, world_size: int, port: int, steps: int, reps: int, out: str):
     """A spawned rank of ``world_size`` (mp.spawn's target): the median seconds

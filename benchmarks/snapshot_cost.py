@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 import shutil
 import statistics
@@ -37,7 +36,7 @@ import train
 from train_utils import Checkpointer
 from benchmarks.harness import (CPU, ddp, interleaved, process_group, synchronize, table, timed,
                                 train_step)
-from helpers import free_port
+from support.runs import free_port
 
 # An MLP of 12.6 M parameters: with SGD momentum about 100 MB of training
 # state (weights 50 MB + momentum 50 MB), the size the target is set for.
@@ -57,6 +56,23 @@ def _snapshot_model(device: torch.device, strategy: str) -> tuple:
     return model, optimizer, train_step(model, optimizer, F.mse_loss, x, torch.zeros_like(x))
 
 
+class _Position:
+    """A snapshot's position, the one part this section's snapshots hold (a
+    ``Checkpointer`` part: ``KEYS``, ``state_dict``, ``load_state_dict``): a
+    new position (under FSDP a new folder) each time, as in training."""
+
+    KEYS = ("epochs_run", "steps_run")
+
+    def __init__(self) -> None:
+        self.steps_run = 0
+
+    def state_dict(self) -> dict:
+        return {"epochs_run": 0, "steps_run": self.steps_run}
+
+    def load_state_dict(self, snapshot: dict) -> None:
+        self.steps_run = snapshot["steps_run"]
+
+
 def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder: str):
     """save(n): the n-th snapshot of ``model`` and ``optimizer`` into ``folder``,
     by the kit's own ``Checkpointer`` (rank 0 a file for DDP; every rank its
@@ -64,12 +80,14 @@ def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder:
     write waits for the one before. Returns the saver and the Checkpointer
     (``wait``: the write in flight done)."""
     name = f"{strategy}-{'async' if asynchronous else 'sync'}" + (".pt" if strategy == "ddp" else "")
-    checkpointer = Checkpointer(os.path.join(folder, name), strategy == "fsdp", asynchronous=asynchronous)
     plain = model.module if strategy == "ddp" else model  # DDP's wrapper is not saved
-    positions = itertools.count(1)  # a new position (FSDP: a new folder) each time, as in training
+    position = _Position()
+    checkpointer = Checkpointer(os.path.join(folder, name), strategy == "fsdp", plain, optimizer, {},
+                                {"position": position}, asynchronous=asynchronous)
 
     def save(_index: int) -> None:
-        checkpointer.save(plain, optimizer, {"epochs_run": 0, "steps_run": next(positions)})
+        position.steps_run += 1
+        checkpointer.save()
 
     return save, checkpointer
 

@@ -1,7 +1,7 @@
 """Section 7, snapshot_save: how fast a snapshot reaches the disk, and the
 largest model whose snapshot fits in what Slurm's KillWait leaves.
 
-Measures ``train_utils.snapshots.atomic_save`` (torch.save to a temporary file, fsync,
+Measures ``train_utils.snapshots.file.atomic_save`` (torch.save to a temporary file, fsync,
 rename) of 64 MiB to 1 GiB of fp32 tensors in ``--save_dir`` (point it at your
 snapshots' storage; default a temporary folder), median of 3 per size.
 
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from train_utils.snapshots import atomic_save
+from train_utils.snapshots.file import atomic_save
 from benchmarks.harness import table
 
 def section_snapshot_save(save_dir: str = None, sizes_mib=(64, 256, 1024), reps: int = 3) -> dict:
-    """How fast a snapshot reaches the disk: ``train_utils.snapshots.atomic_save`` (torch.save
+    """How fast a snapshot reaches the disk: ``train_utils.snapshots.file.atomic_save`` (torch.save
     to a temporary file, fsync, rename) of fp32 tensors of each size, in
     ``save_dir`` (the storage snapshots go to; default a temporary folder),
     median of ``reps``. And what that rate means for a stop: the largest model

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import REPO, table
-from helpers import EPOCH_LINE, TORCHRUN, script_env
+from support.runs import EPOCH_LINE, TORCHRUN, script_env
 
 def _time_to_accuracy(mnist: Path, input_path: str, target: float, max_epochs: int) -> dict:
     """One train.py run on 2 processes with ``--input_path input_path``, stopped

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.harness import KIT_STEP, NANOGPT_ITER, REPO, interleaved, ms_per_step, run_stamped, table, tail
 from benchmarks.language_model import CORPUS, _nanogpt_folder
-from helpers import TORCHRUN, script_env
+from support.runs import TORCHRUN, script_env
 
 # nanoGPT's CPU recipe (its README), the GPT both programs train, and one so small that the loop dominates.
 CPU_GPT = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12, "dropout": 0.0}

@@ -1,16 +1,14 @@
 """Shared test helpers: run the scripts the way users do, parse their output,
-read their snapshots, and build train.py's Trainer. Plain functions, no pytest
-fixtures or hooks (those are in conftest.py); the datasets written in the real
-on-disk formats are in dataset_files.py."""
+read their snapshots. Plain functions, no pytest fixtures or hooks (those are
+in conftest.py); what the benchmark uses too (the launcher, the epoch line,
+train.py's Trainer in process) is the support package's, imported here; the
+datasets written in the real on-disk formats are in dataset_files.py."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import inspect
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,11 +17,14 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # so tests can import common and the scripts
+sys.path.insert(0, str(REPO))  # so tests can import common, the scripts and support
+
+# What the benchmark uses too lives in the project's support package.
+from support.runs import (EPOCH_LINE, LAUNCHER_VARIABLES, TORCHRUN, epochs, free_port,  # noqa: E402,F401
+                          script_env, snapshot_tensors)
+from support.trainer import kit_trainer, load_task, plain_task, task_args  # noqa: E402,F401
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
 
 # train.py with a fault injected from the test side: launch it where train.py
 # is launched, with the same arguments, and DDP_TEST_FAULT="POINT:RANK:N:ACTION"
@@ -35,13 +36,6 @@ FAULTY_TRAIN = REPO / "tests" / "train_with_fault.py"
 # job given DDP_TEST_FAULT gets this in its environment too.
 FAULTY_TRAIN_JOB_ENV = {"SCRIPT_NAME": str(FAULTY_TRAIN.relative_to(REPO))}
 
-EPOCH_LINE = re.compile(
-    r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "
-    r"val_loss (?P<val_loss>\S+)(?: \| val_acc (?P<val_acc>\S+))? \| "
-    r"samples/s (?P<samples_per_s>\S+)(?: \| tokens/s (?P<tokens_per_s>\S+))?"  # tokens: LM tasks
-    r"(?: \| flop/s (?P<flop_per_s>\S+))?(?: \| mfu (?P<mfu>\S+))? \| epoch_s (?P<epoch_s>\S+)"
-    r"(?: \| lr (?P<lr>\S+))?(?: \| skipped_steps (?P<skipped_steps>\d+))?"  # skipped: fp16 only
-    r"(?: \| peak_mem_mib (?P<peak_mem_mib>\S+))?$", re.M)  # peak memory: CUDA only
 TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)
 # An evaluation's line under --eval_every_steps (train_utils.metrics.STEP_LINE_PARTS), as
 # the tiny GPTs of the tests print it on a CPU: no val_acc, no mfu; no speed figures on an
@@ -51,27 +45,6 @@ STEP_LINE = re.compile(
     r"train_loss (?P<train_loss>\S+) \| val_loss (?P<val_loss>\S+) \| best_val_loss (?P<best_val_loss>\S+) \| "
     r"best_step (?P<best_step>\d+)(?: \| samples/s \S+ \| tokens/s \S+ \| flop/s \S+)? \| interval_s \S+ \| "
     r"lr (?P<lr>\S+)$", re.M)
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# What a launcher (torchrun, srun) tells a script; a test's scripts never
-# inherit them from the environment pytest runs in.
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID")
-
-
-def script_env(**extra: str) -> dict:
-    """This environment without inherited launcher variables, then ``extra``
-    (a test's own MASTER_PORT, say, survives)."""
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
-    env.update(PYTHONUNBUFFERED="1", **extra)
-    return env
 
 
 def without_package(folder: Path, name: str) -> dict:
@@ -95,12 +68,6 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
     return result
-
-
-def epochs(stdout: str) -> list[dict]:
-    """The epoch summary lines of a run, as dicts of floats."""
-    return [{k: float(v) for k, v in m.groupdict().items() if v is not None}
-            for m in EPOCH_LINE.finditer(stdout)]
 
 
 def evaluations(stdout: str) -> list[dict]:
@@ -127,28 +94,6 @@ def stdout_lines(stdout: str) -> list[str]:
 def error_lines(stderr: str) -> list[str]:
     """The scripts' one-line errors ("error: ...") in a run's stderr."""
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
-
-
-def snapshot_tensors(path: Path, rng: bool = False) -> tuple[int, dict]:
-    """(epochs_run, {name: tensor}) of a snapshot: model weights, the
-    optimizer's state (SGD's momentum buffers, AdamW's moments and step
-    counts, ...), the learning rate of each parameter group, the lr schedule's
-    and the loss scaler's state, and with ``rng`` every rank's CPU RNG state."""
-    snapshot = torch.load(path, weights_only=True)
-    tensors = dict(snapshot["model"])
-    for key, state in snapshot["optimizer"]["state"].items():
-        for name, value in state.items():
-            tensors[f"optimizer.{key}.{name}"] = torch.as_tensor(value)
-    for index, group in enumerate(snapshot["optimizer"]["param_groups"]):
-        tensors[f"optimizer.lr.{index}"] = torch.tensor(group["lr"], dtype=torch.float64)
-    schedule = snapshot.get("lr_schedule") or {}
-    tensors["lr_schedule.step"] = torch.tensor(schedule.get("last_epoch", -1))
-    for name, value in (snapshot.get("loss_scaler") or {}).items():
-        tensors[f"loss_scaler.{name}"] = torch.as_tensor(value)
-    if rng:
-        for rank, states in enumerate(snapshot["rng_states"]):
-            tensors[f"rng.{rank}"] = states["cpu"]
-    return snapshot["epochs_run"], tensors
 
 
 def assert_same_snapshot(path_a: Path, path_b: Path) -> None:
@@ -229,67 +174,6 @@ def run_together(cmds: list[list], cwds: list[Path], env: dict, timeout: float =
     return outputs
 
 
-def task_args(dataset: str, data_dir="data", input_path: str = "torchvision", seed: int = 0,
-              model=None, **flags) -> argparse.Namespace:
-    """The parsed command line a script would pass to ``common.load_task``
-    (the task's fields), plus any other ``flags``."""
-    return argparse.Namespace(dataset=dataset, data_dir=str(data_dir), input_path=input_path,
-                              seed=seed, model=model, **flags)
-
-
-def load_task(dataset: str, data_dir="data", input_path: str = "torchvision", seed: int = 0):
-    """``common.load_task`` as a script calls it, without downloading (the
-    per-sample torchvision path by default)."""
-    import common
-
-    return common.load_task(task_args(dataset, data_dir, input_path, seed), download=False)
-
-
-def plain_task(loss_fn, classification: bool, model=None):
-    """A ``common.Task`` with no data: a loss, whether it is a classification,
-    and ``model`` (None unless given)."""
-    import common
-
-    return common.Task(None, None, None, model, loss_fn, classification)
-
-
-def kit_trainer(model: torch.nn.Module, optimizer, loss_fn, out_dir: str, local_rank: int = 0,
-                grad_accum_steps: int = 1, device: torch.device = torch.device("cpu"), amp=None,
-                train_data=None, **recipe):
-    """train.py's Trainer (DDP) around ``model`` on ``device`` (the CPU unless
-    given), under --amp ``amp``, with no data (or ``train_data``, a loader of
-    ``train.prepare_dataloader``'s making) and no snapshot to resume: for calling
-    its ``_run_batch`` (or ``_run_epoch``) directly. Needs a process
-    group (DDP wraps the model; the rank is the group's), ``local_rank`` this
-    process's index on its node. ``optimizer``'s type and lr, ``grad_accum_steps``
-    and ``recipe`` (recipe flags, e.g. ``clip_grad_norm=0.05``) are the run's flags.
-    The snapshot path does not exist: its Checkpointer (not claimed) finds
-    nothing to load. Raises AssertionError where train.Trainer takes a
-    parameter this does not give."""
-    import recipes
-    import train
-    import train_utils
-
-    args = argparse.Namespace(
-        strategy="ddp", grad_accum_steps=grad_accum_steps, amp=amp, compile=False, save_every=1,
-        total_epochs=1, metrics_path=None, tensorboard_dir=None, wandb_project=None, profile_dir=None,
-        snapshot_path=os.path.join(out_dir, "absent.pt"), snapshot_every_steps=0, snapshot_every_s=0,
-        snapshot_sync=False, pg_timeout_s=600,
-        **{**recipes.RECIPE_DEFAULTS, "lr": optimizer.param_groups[0]["lr"], "clip_grad_norm": None,
-           "optimizer": type(optimizer).__name__.lower(), **recipe})
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, False, asynchronous=not args.snapshot_sync,
-                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
-                                            timeout_s=args.pg_timeout_s)
-    available = dict(task=plain_task(loss_fn, False, model), train_data=train_data, val_data=None,
-                     recipe=train_utils.Recipe(optimizer, args, steps_per_epoch=1, device=device),
-                     checkpointer=checkpointer, log=train_utils.RunLog(args), device=device,
-                     local_rank=local_rank, args=args)
-    parameters = inspect.signature(train.Trainer).parameters
-    missing = [name for name in parameters if name not in available]
-    assert not missing, f"train.Trainer takes {missing}, which kit_trainer does not give"
-    return train.Trainer(**available)
-
-
 # Sharded (FSDP) snapshots, gathered for comparison
 
 def snapshot_folder(root) -> str:
@@ -306,7 +190,7 @@ def full_state(folder, out_dir) -> tuple[dict, dict]:
     RNG state ("rng.<rank>"), the lr schedule's step and the loss scaler's state."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from train_utils.sharded_snapshots import ShardedSnapshots
+    from train_utils.snapshots.sharded import ShardedSnapshots
 
     os.makedirs(out_dir, exist_ok=True)
     for part in ("model", "optimizer"):

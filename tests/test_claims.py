@@ -1,4 +1,4 @@
-"""One live run per snapshot: the claim beside it (train_utils.claims), judged
+"""One live run per snapshot: the claim beside it (train_utils.snapshots.claims), judged
 against real processes of this host, a stand-in squeue for Slurm's answers;
 atomic_save's temporary files, each removed by its own writer only; and the
 one line an unexpected failure ends with (train_utils.one_line_errors)."""
@@ -15,8 +15,8 @@ import torch
 
 import train_utils
 from common import ConfigError
-from train_utils.claims import claim_snapshot, release_claim, start_ticks
-from train_utils.snapshots import atomic_save, remove_stale_temporary_files
+from train_utils.snapshots.claims import claim_snapshot, release_claim, start_ticks
+from train_utils.snapshots.file import atomic_save, remove_stale_temporary_files
 from helpers import REPO, error_lines, free_port, run
 
 HOST = socket.gethostname()

@@ -24,7 +24,7 @@ from helpers import (FAULTY_TRAIN, REPO, load_task, signal_when, TORCHRUN, asser
 import train_utils
 from common import ConfigError
 from train_utils.devices import torch_version
-from train_utils.snapshots import read_snapshot
+from train_utils.snapshots.file import read_snapshot
 from train_utils.speed import check_amp
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 
 import pytest
 import torch
@@ -263,20 +262,13 @@ def test_shard_model_takes_a_channels_last_resnet(tmp_path):
 def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    sys.argv = ["train.py", "--strategy", "fsdp", "--snapshot_path", snapshot_path]
-    args = train_utils.parse_args(None, common.TASKS)
-    device = torch.device("cpu")
-    task, optimizer = train.build(args, rank, rank, device)  # seeded and sharded as train.py does
-    train_data = train.prepare_dataloader(task.train_set, 32, 0, True, 0, task.collate_fn)
-    recipe = train_utils.Recipe(optimizer, args, len(train_data), device)
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, True, asynchronous=not args.snapshot_sync,
-                                            every_s=args.snapshot_every_s, every_steps=args.snapshot_every_steps,
-                                            timeout_s=args.pg_timeout_s)  # as train.py's main makes it
-    trainer = train.Trainer(task, train_data, None, recipe, checkpointer, train_utils.RunLog(args), device, rank,
-                            args)
+    from support.trainer import trainer_as_train_py_builds_it
+
+    # Seeded, sharded and loaded as train.py does.
+    trainer, _ = trainer_as_train_py_builds_it(["--strategy", "fsdp", "--snapshot_path", snapshot_path], rank)
+    trainer.checkpointer.load()
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))

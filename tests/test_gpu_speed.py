@@ -21,8 +21,8 @@ from common import ConfigError
 from gpt import GPT, GPTConfig
 from helpers import free_port, kit_trainer
 from train_utils import numerics
-from train_utils.snapshot_writer import CpuStaging
-from train_utils.snapshots import SnapshotFile
+from train_utils.snapshots.writer import CpuStaging
+from train_utils.snapshots.file import SnapshotFile
 from train_utils.throughput import GPU_PEAKS, counted_flops_per_sample, flops_per_sample
 
 GPU = torch.device("cuda", 0)
@@ -196,7 +196,7 @@ def test_flops_are_counted_once_for_every_task_and_leave_the_model_as_it_was():
 
 class SteadyState:
     """A training loader wrapped so that a test runs code only around the
-    steady-state steps of ``Trainer._run_epoch``: from the start of the
+    steady-state steps of ``Trainer.run_epoch``: from the start of the
     ``first``-th step (0-based) to the start of the last, whose work after it,
     the epoch's end, is left out. ``on``/``off`` are called there."""
 
@@ -231,11 +231,13 @@ def _gpt_epoch(tmp_path, device: torch.device, amp, on, off, steps: int = 8) -> 
                                     0, torch.utils.data.default_collate)
     from text_tasks import lm_loss
 
+    val_data = train.prepare_dataloader(torch.utils.data.TensorDataset(tokens[:4, :-1], tokens[:4, 1:]), 4, 0,
+                                        False, 0, torch.utils.data.default_collate)
     trainer = kit_trainer(model, optimizer, lm_loss, str(tmp_path), device=device, amp=amp,
-                          train_data=SteadyState(data, on, off), clip_grad_norm=1.0, lr_schedule="cosine",
-                          log_every_steps=0)
+                          train_data=SteadyState(data, on, off), val_data=val_data, clip_grad_norm=1.0,
+                          lr_schedule="cosine", log_every_steps=0)
     try:
-        return trainer._epoch_record(trainer._run_epoch(0, 1))
+        return trainer.run_epoch(0)[-1]
     finally:
         trainer.stop.close()
 
@@ -328,6 +330,8 @@ def _compiled_run_worker(rank, port, out_dir, data_dir, strategy):
     import logging
 
     import torch.nn.functional as F
+
+    from support.trainer import trainer_as_train_py_builds_it
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
@@ -371,20 +375,14 @@ def _compiled_run_worker(rank, port, out_dir, data_dir, strategy):
     handler.emit = lambda record: warnings.append(record.getMessage())
     handler.setLevel(logging.WARNING)
     logging.getLogger("torch._dynamo").addHandler(handler)
-    args = flags("--dataset", "shakespeare_char", "--data_dir", data_dir, "--strategy", strategy, "--compile",
-                 "--n_layer", "12", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--batch_size", "4",
-                 "--snapshot_path", os.path.join(out_dir, "snapshot"), "--total_epochs", "2")
-    task, optimizer = train.build(args, rank, rank, torch.device("cpu"))
-    data, val_data = (train.prepare_dataloader(dataset, 4, 0, training, 0, task.collate_fn)
-                      for dataset, training in ((task.train_set, True), (task.val_set, False)))
-    recipe = train_utils.Recipe(optimizer, args, len(data), torch.device("cpu"))
-    checkpointer = train_utils.Checkpointer(args.snapshot_path, strategy == "fsdp", timeout_s=60)
-    trainer = train.Trainer(task, data, val_data, recipe, checkpointer, train_utils.RunLog(args),
-                            torch.device("cpu"), rank, args)
+    trainer, _ = trainer_as_train_py_builds_it(
+        ["--dataset", "shakespeare_char", "--data_dir", data_dir, "--strategy", strategy, "--compile", "--n_layer",
+         "12", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--batch_size", "4", "--snapshot_path",
+         os.path.join(out_dir, "snapshot"), "--total_epochs", "2"], rank)
     counters.clear()
-    trainer.train(1)
+    trainer.run_epoch(0)
     after_first = len(graphs)
-    trainer.train(2)
+    trainer.run_epoch(1)
     # A graph break's reason lands in "graph_break" or, from torch 2.9 on, in "unimplemented".
     breaks = {**counters["graph_break"], **counters["unimplemented"]}
     torch.save({"graph_breaks": {reason.splitlines()[0]: count for reason, count in breaks.items()},
@@ -472,7 +470,7 @@ def test_fsdp_background_snapshots_stage_into_buffers_kept_from_one_save_to_the_
     frees the buffers."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from train_utils.sharded_snapshots import ShardedSnapshots
+    from train_utils.snapshots.sharded import ShardedSnapshots
 
     torch.manual_seed(0)
     model = train.shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),

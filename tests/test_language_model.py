@@ -73,7 +73,10 @@ def test_split_vocabulary_and_windows_are_nanogpts(tmp_path):
     recipe = (args.optimizer, args.lr, args.beta1, args.beta2, args.weight_decay, args.decay_params, args.lr_schedule,
               args.min_lr, args.warmup_steps, args.max_steps, args.clip_grad_norm, args.batch_size)
     assert recipe == ("adamw", 1e-3, 0.9, 0.99, 0.1, "matrices", "cosine", 1e-4, 100, 2000, 1.0, 12)
-    assert (args.model, args.n_layer, args.n_head, args.n_embd, args.block_size, args.dropout) == ("gpt", 4, 4, 128, 64, 0.0)
+    config = task.model.config
+    assert (args.model, config.n_layer, config.n_head, config.n_embd, config.block_size, config.dropout) == \
+        ("gpt", 4, 4, 128, 64, 0.0)
+    assert task.identity == {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "vocab_size": 65}
     assert task.model.num_parameters(embeddings=False) == 795904  # nanoGPT prints "0.80M" for this model
     with pytest.raises(common.ConfigError, match="n_embd 30 is not a multiple of n_head 4"):
         common.load_task(lm_args(tmp_path, n_embd=30), download=False)

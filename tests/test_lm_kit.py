@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 import common
 import train_utils
-from train_utils.text_out import generate
 from train_utils.throughput import model_flops_per_token
 from common import ConfigError
 from gpt import GPT, GPTConfig
@@ -160,9 +159,9 @@ def test_generate_is_seeded_and_top_k_1_is_greedy():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=16))
     start = torch.zeros(1, 1, dtype=torch.long)
-    draws = [generate(model, start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
+    draws = [model.generate(start, 20, 1.0, None, torch.Generator().manual_seed(3)) for _ in range(2)]
     assert draws[0].shape == (1, 21) and torch.equal(draws[0], draws[1])
-    greedy = generate(model, start, 12, 1.0, 1, torch.Generator().manual_seed(4))
+    greedy = model.generate(start, 12, 1.0, 1, torch.Generator().manual_seed(4))
     assert model.training  # back in the mode it had
     idx = start
     for _ in range(12):

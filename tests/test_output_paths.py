@@ -20,8 +20,8 @@ from helpers import REPO, TORCHRUN, check, error_lines, run, task_args
 import common
 from train_utils.devices import torch_version
 from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
-from train_utils.sharded_snapshots import ShardedSnapshots
-from train_utils.snapshots import read_snapshot
+from train_utils.snapshots.sharded import ShardedSnapshots
+from train_utils.snapshots.file import read_snapshot
 
 ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1"]
 # Both with the snapshot path spelled out, so the messages below read the same for DDP and FSDP.

@@ -236,7 +236,7 @@ def _no_sync_worker(rank, world_size, port, out_dir):
         grads_after_first = None
         g = torch.Generator().manual_seed(rank)  # each rank its own data
         for step in range(4):
-            trainer._run_batch(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g), step)
+            trainer.train_step(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
             if step == 0:
                 grads_after_first = model.weight.grad.clone()
         counts[accum] = {"calls": len(calls), "first_grad": grads_after_first,
@@ -424,7 +424,7 @@ def test_amp_on_cpu_follows_the_measurement_for_the_cnn(tmp_path):
 def test_epoch_line_shows_peak_gpu_memory_when_given(capsys):
     from helpers import EPOCH_LINE
 
-    train_utils.RunLog(argparse.Namespace(metrics_path=None, tensorboard_dir=None, wandb_project=None)).log(
+    train_utils.RunLog().log(
         {"epoch": 1, "total_epochs": 1, "train_loss": 0.5, "samples_per_s": 10.0, "epoch_seconds": 1.0,
          "val_loss": 0.5, "val_accuracy": None, "peak_gpu_memory_mib": 1536.25})
     line = capsys.readouterr().out.strip()

@@ -22,7 +22,7 @@ from common import ConfigError
 from recipes import lr_factor
 from train_utils.devices import torch_version
 from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
-from train_utils.snapshots import read_snapshot
+from train_utils.snapshots.file import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
 from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, error_lines, free_port, held_at_step, kit_trainer,
@@ -212,8 +212,8 @@ def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     trainer = kit_trainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
                           F.mse_loss, out, rank, grad_accum_steps=2, clip_grad_norm=MAX_NORM)
-    for step, part in enumerate((slice(mine.start, mine.start + 4), slice(mine.start + 4, mine.stop))):
-        trainer._run_batch(x[part], y[part], step)
+    for part in (slice(mine.start, mine.start + 4), slice(mine.start + 4, mine.stop)):
+        trainer.train_step(x[part], y[part])
     ddp = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
     # FSDP: the same model sharded, the same half batch, one step through the Recipe.
     torch.manual_seed(0)
@@ -221,7 +221,7 @@ def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
         torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
         torch.device("cpu"), dtype=None)
     recipe = train_utils.Recipe(torch.optim.SGD(model.parameters(), lr=1.0),
-                                recipe_args(lr=1.0, clip_grad_norm=MAX_NORM), 1, torch.device("cpu"))
+                                recipe_args(lr=1.0, clip_grad_norm=MAX_NORM), 1, lambda: 0, torch.device("cpu"))
     recipe.backward(F.mse_loss(model(x[mine]), y[mine]))
     recipe.step()
     fsdp = {name: p.full_tensor() for name, p in model.named_parameters()}

@@ -8,10 +8,11 @@ tests/test_fault_tolerance.py and tests/test_elastic.py)."""
 import math
 import shutil
 from collections import Counter
-from types import SimpleNamespace
+
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import train_utils
@@ -163,7 +164,8 @@ def test_the_steps_of_a_resumed_epoch_are_counted_at_the_new_world_size():
     state = {"epochs_run": 1, "steps_run": 20, "epoch_samples": 640, "epoch_totals": None,
              "rng_states": [], "config": {"world_size": 2, "batch_size": 16}}
     for world_size, accum, step in ((1, 1, 40), (3, 2, 12), (2, 1, 20)):
-        loader = SimpleNamespace(batch_size=16, sampler=train_utils.ResumableDistributedSampler(dataset, world_size, 0))
+        loader = DataLoader(dataset, batch_size=16, sampler=train_utils.ResumableDistributedSampler(dataset, world_size,
+                                                                                                     0))
         progress = train_utils.Progress(torch.device("cpu"), loader, 0, accum)
         progress.load_state_dict(state)
         assert (progress.steps_run, progress.start_samples, progress.samples_trained()) == (step, 640, 640)
@@ -175,13 +177,11 @@ def test_global_batch_size_sets_the_accumulation_for_each_world_size():
     """--global_batch_size 96 of --batch_size 16: 3 micro-batches per step at
     2 ranks, 6 at 1, 2 at 3; at 4 ranks (64 per micro-batch step) one line
     naming the numbers. Without the flag --grad_accum_steps stays."""
+    from train_utils.config import accumulation_steps
+
     for world_size, accum in ((1, 6), (2, 3), (3, 2), (6, 1)):
-        args = SimpleNamespace(global_batch_size=96, batch_size=16, grad_accum_steps=1)
-        train_utils.accumulate_for_global_batch(args, world_size)
-        assert args.grad_accum_steps == accum
+        assert accumulation_steps(96, 16, 1, world_size) == accum
     with pytest.raises(ConfigError, match=r"^--global_batch_size 96 is not a multiple of --batch_size "
                                           r"16 x world_size 4 = 64; "):
-        train_utils.accumulate_for_global_batch(SimpleNamespace(global_batch_size=96, batch_size=16), 4)
-    args = SimpleNamespace(global_batch_size=None, batch_size=16, grad_accum_steps=5)
-    train_utils.accumulate_for_global_batch(args, 2)
-    assert args.grad_accum_steps == 5
+        accumulation_steps(96, 16, 1, 4)
+    assert accumulation_steps(None, 16, 5, 2) == 5

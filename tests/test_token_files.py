@@ -196,22 +196,23 @@ def test_eval_windows_are_a_fixed_subset_and_step_evaluations_keep_the_best(one_
     assert train_utils.eval_subset(data, 40, seed=3).indices == subset.indices
     assert train_utils.eval_subset(data, 40, seed=4).indices != subset.indices
     assert train_utils.eval_subset(data, 0, 3) is data and train_utils.eval_subset(data, 1000, 3) is data
-    evals = train_utils.StepEvaluations(25, 60, torch.device("cpu"))
-    assert [step for step in range(1, 61) if evals.due(step)] == [25, 50, 60]
-    assert not train_utils.StepEvaluations(0, 60, torch.device("cpu")).due(25)
+    evals = train_utils.Evaluations(25, 60, 2, torch.device("cpu"))
+    assert [step for step in range(1, 61) if evals.due(step, epoch_end=step == 30)] == [25, 50, 60]
+    by_epochs = train_utils.Evaluations(0, 60, 2, torch.device("cpu"))
+    assert not by_epochs.due(25, epoch_end=False) and by_epochs.due(30, epoch_end=True)
     evals.add(torch.tensor(2.0), 8)
     evals.add(torch.tensor(4.0), 8)
-    first = evals.record(25, 2, (3.5, None))
+    first = evals.record(25, evals.summary(), (3.5, None))
     assert (first["train_loss"], first["best_val_loss"], first["best_step"], first["samples"]) == (3.0, 3.5, 25, 16)
-    assert first["samples_per_s"] > 0 and not evals.due(25) and evals.due(50)
+    assert first["samples_per_s"] > 0 and not evals.due(25, False) and evals.due(50, False)
     evals.add(torch.tensor(1.0), 8)
     state = evals.state_dict()
-    resumed = train_utils.StepEvaluations(25, 60, torch.device("cpu"))
+    resumed = train_utils.Evaluations(25, 60, 2, torch.device("cpu"))
     resumed.load_state_dict(state)
     resumed.add(torch.tensor(3.0), 8)
-    second = resumed.record(50, 2, (3.7, None))
+    second = resumed.record(50, resumed.summary(), (3.7, None))
     assert (second["train_loss"], second["best_val_loss"], second["best_step"]) == (2.0, 3.5, 25)
-    assert resumed.record(60, 2, (3.1, None))["best_step"] == 60
+    assert resumed.record(60, resumed.summary(), (3.1, None))["best_step"] == 60
     assert second["samples"] == 16 and second["samples_per_s"] > 0
 
 

@@ -14,8 +14,8 @@ from common import ConfigError
 from train_utils.devices import torch_version, unusable_gpu_reason
 from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.launch import first_host
-from train_utils.snapshot_writer import SnapshotClock, SnapshotWriter, cpu_copy
-from train_utils.snapshots import atomic_save
+from train_utils.snapshots.writer import SnapshotClock, SnapshotWriter, cpu_copy
+from train_utils.snapshots.file import atomic_save
 from train_utils.stop import STOP_SIGNALS, ignore_stop_signal
 from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
 
@@ -479,12 +479,12 @@ def test_one_process_stops_at_the_first_poll_after_its_signal(tmp_path):
     assert "stopped by SIGUSR1 after this step on every rank" in result.stdout
 
 
-def test_a_run_log_prints_the_parsable_line_and_writes_json(tmp_path, capsys, monkeypatch):
+def test_a_run_log_prints_the_parsable_line_and_writes_json(tmp_path, capsys, one_process_group):
     path = tmp_path / "m.jsonl"
     record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,
               "epoch_seconds": 2.25, "val_loss": 0.25, "val_accuracy": 0.875}
-    args = task_args("synthetic", metrics_path=str(path), tensorboard_dir=None, wandb_project=None)
-    log = train_utils.RunLog(args)
+    log = train_utils.RunLog(metrics_path=str(path))
+    log.start(train_utils.RunConfig(metrics_path=str(path)).as_dict())
     log.log(record)
     log.log({"test_loss": 0.3, "test_accuracy": None})
     out = capsys.readouterr().out.splitlines()
@@ -647,20 +647,22 @@ def test_loader_workers_ignore_the_stop_signals():
     assert [signum for signum in STOP_SIGNALS if not ignored >> (signum - 1) & 1] == []
 
 
-def test_the_epoch_record_counts_the_samples_trained():
+def test_the_epoch_record_counts_the_samples_trained(one_process_group):
     """``samples`` is what the epoch trained on, the part carried over a
     mid-epoch resume included: full batches only, so a training split that
     batches do not divide trains fewer samples than it holds. (One rank: the
-    totals summed over every rank, which ``summary`` takes, are its own.)"""
-    meter = train_utils.EpochMeter(0, 1, torch.device("cpu"))
+    totals summed over every rank are its own.)"""
+    evaluations = train_utils.Evaluations(0, 10, 1, torch.device("cpu"))
     for _ in range(3):
-        meter.add(torch.tensor(0.5), 32)
-    assert meter.summary(meter.totals.clone())["samples"] == 96
-    resumed = train_utils.EpochMeter(0, 1, torch.device("cpu"), carried=torch.tensor([10.0, 64.0]))
+        evaluations.add(torch.tensor(0.5), 32)
+    assert evaluations.summary()["samples"] == 96
+    resumed = train_utils.Evaluations(0, 10, 1, torch.device("cpu"))
+    resumed.load_state_dict({"epoch_totals": torch.tensor([10.0, 64.0], dtype=torch.float64)})
     resumed.add(torch.tensor(0.5), 32)
-    record = resumed.summary(resumed.totals.clone())
-    assert record["samples"] == 96 and isinstance(record["samples"], int)
-    assert record["train_loss"] == pytest.approx((10 + 16) / 96)
+    summary = resumed.summary()
+    assert summary["samples"] == 96 and isinstance(summary["samples"], int)
+    assert summary["train_loss"] == pytest.approx((10 + 16) / 96)
+    assert summary["samples_per_s"] > 0 and "epoch_seconds" in summary
 
 
 # --------------------------------------------------------------------------
@@ -764,7 +766,7 @@ def test_a_flags_bad_number_is_named_in_plain_words(kind, zero, text, message):
     what was expected and what came; good values pass through."""
     import argparse
 
-    from train_utils.cli import positive
+    from train_utils.config import positive
 
     with pytest.raises(argparse.ArgumentTypeError) as info:
         positive(kind, zero)(text)

@@ -20,7 +20,7 @@ Points, and the function patched for each:
             ``train_utils.fewest_batches``, first thing
   save      between a snapshot's written temporary file and its rename (DDP's
             file, FSDP's meta file that completes a folder): the ``os.replace``
-            of ``train_utils.snapshots``
+            of ``train_utils.snapshots.file``
   finished  a run that holds every epoch, before it tells the batch shell so:
             ``train_utils.report_run_finished``, first thing
 
@@ -108,7 +108,7 @@ def _after(fault: Fault, point: str, function):
 
 
 class _OsReplacingWithFault:
-    """The ``os`` module as train_utils.snapshots sees it: ``replace``, the
+    """The ``os`` module as train_utils.snapshots.file sees it: ``replace``, the
     rename that publishes a written snapshot, reaches ``save`` first."""
 
     def __init__(self, fault: Fault) -> None:
@@ -125,14 +125,14 @@ class _OsReplacingWithFault:
 def install(spec: str) -> None:
     """Patch the kit's functions for the fault ``spec`` (DDP_TEST_FAULT's form)."""
     import train_utils
-    import train_utils.snapshots
+    import train_utils.snapshots.file
     import train_utils.timeouts
 
     fault = Fault(spec)
     train_utils.downloaders_first = _first(fault, "startup", train_utils.downloaders_first)
     train_utils.timeouts.Watch.step = _after(fault, "step", train_utils.timeouts.Watch.step)
     train_utils.fewest_batches = _first(fault, "evaluate", train_utils.fewest_batches)
-    train_utils.snapshots.os = _OsReplacingWithFault(fault)
+    train_utils.snapshots.file.os = _OsReplacingWithFault(fault)
     train_utils.report_run_finished = _first(fault, "finished", train_utils.report_run_finished)
 
 

@@ -2,7 +2,7 @@
 loop, one module per concern, each behind a few well-named calls. train.py
 calls everything as ``train_utils.NAME``; ``__all__`` below is exactly what
 it uses. Everything else (the tests', the benchmarks') is imported from its
-module: ``from train_utils.snapshots import read_snapshot``.
+module: ``from train_utils.snapshots.file import read_snapshot``.
 
 The kit runs under a process group always, from ``train.setup`` on (one
 process is a group of one): the library's collectives need no "is there a
@@ -10,14 +10,15 @@ group?" guard. Only what runs before the group exists checks for it: the
 launcher's store, the stop signals during start-up, and the one-line errors.
 
   module             concern
-  cli                train.py's flags; one error line under torchrun
+  config             the run's configuration: every flag a field of one frozen RunConfig, resolved once
+  cli                train.py's command line (RunConfig's flags, the task modules'); one error line under torchrun
   errors             a user error, a finished run, a time-out, a full disk, the unexpected: one line, exit status
-  output             one-write lines from several processes; the first error of any rank
+  output             one-write lines from several processes; the first error of any rank; output paths
   devices            device choice, CPU threads, the start-up line
   kernels            does this torch build run this GPU (CUDA arch list, ROCm gfx); what to install
   speed              --amp, --compile, peak GPU memory
   numerics           TF32 for fp32 matmuls on GPUs (--no_tf32), --deterministic, the precision MFU divides by
-  epoch              the epoch's loss sums, time, progress bars (no collectives inside)
+  epoch              the epoch's batches, progress bars (no collectives inside)
   loaders            DataLoader workers from a fork server, not forked
   checks             downloads first, checks before training
   metrics            the epoch line, JSON lines, TensorBoard, W&B: one RunLog per run
@@ -25,37 +26,33 @@ launcher's store, the stop signals during start-up, and the one-line errors.
   profiling          torch.profiler over a few steps, one trace per rank
   recipe             fp16's loss scaler, gradient clipping, the lr schedule's state in snapshots,
                      the run's length in steps (--max_steps)
-  checkpointer       the Checkpointer: a snapshot's whole life (claim, load, save, wait, close)
-  claims             one live run per snapshot: its claim file, whether a holder lives
-  save_errors        a save the system refused: one line naming the intact snapshot
-  snapshots          the file format (DDP): atomic save; reading one, "same run?" checks
-  sharded_snapshots  the sharded format (FSDP): a folder of DCP shards per save, complete when meta.pt is
-  snapshot_writer    snapshots written in the background, one at a time; --snapshot_every_s's clock
+  snapshots/         the Checkpointer, given the run's parts: a snapshot's whole life (claim, load, save,
+                     wait, close), its two formats, the background writer, the claims (its own table)
   launch             the store under torchrun or srun, side gloo groups
   rendezvous         a Slurm job's rendezvous port (also run by the Slurm wrappers)
   timeouts           start-up vs training time-out, which ranks did not arrive; the loop's Watch
   evaluation         rank 0's BatchNorm statistics everywhere; even forwards under FSDP; --eval_windows
-  eval_steps         --eval_every_steps: evaluations by steps, the interval's loss, the best so far
+  evaluations        when the run evaluates (by epochs or steps), the interval's loss, its records
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
   resume             Progress (position, samples trained, RNG states), DDP's buckets
   sampler            the training sampler: an epoch part-way, at any world size
   fsdp               activation checkpointing, backend check, state per rank, the exit
   throughput         tokens/s, achieved FLOP/s (the model's FLOPs per sample, counted at start), MFU
-  text_out           what a language model writes (--sample_chars)
+  text_out           what a task's trained model writes (a language model's sample)
 
 Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
 
-from recipes import build_optimizer, set_recipe_flags  # the recipe's meaning, which the rungs share
-from .checkpointer import Checkpointer
+from recipes import build_optimizer  # the recipe's meaning, which the rungs share
 from .checks import check_before_training, downloaders_first
-from .cli import parse_args
+from .cli import parse_args, task_flag_values
+from .config import RunConfig, resolve_config
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores
-from .epoch import EpochMeter, evaluating
+from .epoch import EpochBatches, evaluating
 from .errors import NothingToTrain, one_line_errors
-from .eval_steps import StepEvaluations
 from .evaluation import batches_for_every_rank, broadcast_buffers, eval_subset, fewest_batches
+from .evaluations import Evaluations
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
     print_sharded_memory
 from .launch import launcher_store, raise_open_file_limit
@@ -63,13 +60,13 @@ from .loaders import DenseBatches, HostToDevice, loader_workers
 from .metrics import RunLog, StepLog
 from .output import print_line
 from .profiling import StepProfiler
-from .recipe import Recipe, accumulate_for_global_batch, batches_left, run_length
+from .recipe import Recipe, batches_left
 from .resume import Progress, rebuild_ddp_buckets
 from .sampler import ResumableDistributedSampler
-from .sharded_snapshots import resharding_note
+from .snapshots import Checkpointer, Found, claim_snapshot_path
 from .speed import amp_dtype, autocast, compile_blocks, compile_model, fp32, resolve_amp, training_loss
-from .stop import StopSignal, catch_stop_signals, report_run_finished
-from .text_out import check_sampling, print_sample
+from .stop import StopSignal, Stopped, catch_stop_signals, report_run_finished
+from .text_out import print_sample
 from .numerics import compute_precision, set_deterministic, set_fp32_precision
 from .throughput import flops_per_sample, throughput_figures
 from .timeouts import Watch, watch_collectives
@@ -77,6 +74,7 @@ from .timeouts import Watch, watch_collectives
 __all__ = [
     # start-up: flags, errors, devices, the process group, the data
     "parse_args",
+    "task_flag_values",
     "one_line_errors",
     "catch_stop_signals",
     "launcher_store",
@@ -88,6 +86,9 @@ __all__ = [
     "watch_collectives",
     "describe_run",
     "downloaders_first",
+    "claim_snapshot_path",
+    "resolve_config",
+    "RunConfig",
     "check_before_training",
     "loader_workers",
     "DenseBatches",
@@ -95,10 +96,7 @@ __all__ = [
     "ResumableDistributedSampler",
     # the model and the recipe
     "build_optimizer",
-    "set_recipe_flags",
     "Recipe",
-    "run_length",
-    "accumulate_for_global_batch",
     "batches_left",
     "resolve_amp",
     "amp_dtype",
@@ -115,21 +113,22 @@ __all__ = [
     "checkpoint_activations",
     "contiguous_parameters",
     # the loop: steps, time-outs, stops, evaluation, snapshots
-    "EpochMeter",
+    "EpochBatches",
     "evaluating",
     "Watch",
     "StopSignal",
+    "Stopped",
     "StepProfiler",
     "batches_for_every_rank",
     "broadcast_buffers",
     "fewest_batches",
     "eval_subset",
-    "StepEvaluations",
+    "Evaluations",
     "print_sharded_memory",
     "Progress",
     "rebuild_ddp_buckets",
-    "resharding_note",
     "Checkpointer",
+    "Found",
     # output and the end of a run
     "RunLog",
     "StepLog",
@@ -137,7 +136,6 @@ __all__ = [
     "report_run_finished",
     "exit_skipping_teardown",
     "throughput_figures",
-    "check_sampling",
     "print_sample",
     "NothingToTrain",
 ]

@@ -6,8 +6,6 @@ it would slow down, a loader too short, unwritable output paths).
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from typing import Callable
 
 import torch
@@ -15,8 +13,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from common import ConfigError
+from .config import RunConfig, per_process
 from .metrics import tensorboard_missing
-from .output import first_error
+from .output import first_error, output_path_error
 from .speed import check_amp
 
 
@@ -43,20 +42,16 @@ def downloaders_first(load: Callable[..., object], args: argparse.Namespace, dow
     return result
 
 
-# Flags that may differ between processes of one job (node-local paths, CPU
-# counts, what rank 0 alone writes); every other flag must be the same everywhere.
-PER_PROCESS_FLAGS = ("data_dir", "num_workers", "metrics_path", "tensorboard_dir", "snapshot_path")
-
-
-def check_same_settings(args: argparse.Namespace) -> None:
+def check_same_settings(config: RunConfig) -> None:
     """Collective: raise ConfigError (one line, on every rank) when the ranks
-    were started with different values of a flag outside ``PER_PROCESS_FLAGS``,
-    naming the flag and who has which value. Without it, a different
-    --batch_size on one node fails later with a collective mismatch (gloo) or
-    a hang (NCCL). Compares ``args`` as given: train.py's --amp is already the
-    job's dtype (``resolve_amp``), so "auto" on ranks that would pick
-    different dtypes never reaches this comparison as the same string."""
-    mine = {key: value for key, value in vars(args).items() if key not in PER_PROCESS_FLAGS}
+    run with different values of a setting that may not differ between
+    processes (every flag but ``config.per_process``'s; the task's flags and
+    identity too), naming it and who has which value. Without it, a
+    different --batch_size on one node fails later with a collective
+    mismatch (gloo) or a hang (NCCL). --amp is already the job's dtype
+    (``resolve_amp``), so "auto" on ranks that would pick different dtypes
+    never reaches this comparison as the same string."""
+    mine = {key: value for key, value in config.as_dict().items() if key not in per_process()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for key in mine:
@@ -69,54 +64,7 @@ def check_same_settings(args: argparse.Namespace) -> None:
                               f"same arguments")
 
 
-def _folder_takes_files(folder: str) -> str:
-    """'' when ``folder`` exists (made if missing) and takes new files, else
-    why not, truthfully: the part of it that is a file, the folder that could
-    not be made, or what creating a file there raised."""
-    existing = folder
-    while existing and not os.path.exists(existing):  # the nearest part that exists
-        existing = os.path.dirname(existing)
-    if existing and not os.path.isdir(existing):
-        return f"{existing} is a file, not a folder"
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create folder {folder} ({exc.strerror or type(exc).__name__})"
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        return (f"folder {folder} takes no new files (creating one fails: "
-                f"{exc.strerror or type(exc).__name__})")
-    return ""
-
-
-def output_path_error(flag: str, path: str, folder: bool = False) -> str:
-    """'' when the run can write ``path`` (the value of --``flag``), else the
-    one-line error: ``cannot write --flag path: why; what to do``.
-
-    ``folder``: ``path`` is a folder the run fills (--tensorboard_dir,
-    --profile_dir, a sharded --snapshot_path), else a file. Refused: a folder
-    where a file is expected and a file where a folder is; a parent that is
-    a file, cannot be created, or takes no new files; an existing
-    --metrics_path that is not writable (it is appended to). Missing folders
-    are created; no file is written or changed.
-    """
-    fix = f"pass another --{flag}"
-    snapshot = "snapshot " if flag == "snapshot_path" else ""
-    if folder:
-        why = (f"it is a file, where a {snapshot}folder is expected" if os.path.isfile(path)
-               else _folder_takes_files(path))
-    elif os.path.isdir(path):
-        why = f"it is a folder, where a {snapshot}file is expected"
-    else:
-        why = _folder_takes_files(os.path.dirname(path) or ".")
-        if not why and flag == "metrics_path" and os.path.isfile(path) and not os.access(path, os.W_OK):
-            why = "the file is not writable (Permission denied)"
-    return f"cannot write --{flag} {path}: {why}; {fix}" if why else ""
-
-
-def check_before_training(args: argparse.Namespace, device: torch.device, train_data: DataLoader) -> None:
+def check_before_training(args: RunConfig, device: torch.device, train_data: DataLoader) -> None:
     """Everything that would fail later, checked before any training.
 
     Every rank got the same settings (``check_same_settings``); --amp where

@@ -9,46 +9,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import sys
 from typing import Callable, Iterable, Mapping, Optional
 
-from recipes import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS
+import common
+from . import config
 from .errors import report_to_torchrun
-
-
-def positive(kind: type, zero: bool = False) -> Callable[[str], object]:
-    """argparse type: a ``kind`` (int or float) > 0, or with ``zero`` >= 0 and
-    finite, else a one-line usage error."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            article = "an" if kind is int else "a"
-            raise argparse.ArgumentTypeError(f"expected {article} {kind.__name__}, got {text!r}")
-        if zero:
-            if not 0 <= value < float("inf"):  # also rejects NaN
-                finite = " and finite" if kind is float else ""
-                raise argparse.ArgumentTypeError(f"must be >= 0{finite}, got {text}")
-        elif not value > 0:  # also rejects NaN
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
-
-
-non_negative_float = positive(float, zero=True)
-non_negative_int = positive(int, zero=True)
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    """argparse type: one of ``choices``, else a one-line usage error."""
-
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(choices)})")
-        return text
-
-    return parse
 
 
 class _OneRankParser(argparse.ArgumentParser):
@@ -113,187 +79,111 @@ def _task_name(tasks: tuple) -> Callable[[str], str]:
 def parse_args(description: Optional[str], tasks: Iterable[str], *,
                models: Optional[Mapping[str, Iterable[str]]] = None,
                snapshot_paths: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
-    """Parse the command line (``sys.argv``): every flag of the kit, in a fixed order.
+    """Parse the command line (``sys.argv``): every flag of the kit
+    (``config.RunConfig``'s, in its order), then the task modules' own
+    (``task_flags``).
 
     ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``), the first
     the default; a ``module:function`` (your own task, see docs/custom-task.md)
     is accepted too. ``models``: each task's models, the default first, for
     --model's help (``common.task_models()``). ``snapshot_paths``: the default
-    --snapshot_path of each --strategy (None: no default). Invalid values
-    (zero epochs, an unknown dataset, ...) end with argparse's usage line, exit status 2.
+    --snapshot_path of each --strategy (None: no default). Every flag the
+    task's recipe gives is None where the command line leaves it unset
+    (``config.resolve_config`` fills it). Invalid values (zero epochs, an
+    unknown dataset, ...) end with argparse's usage line, exit status 2.
     """
     tasks = tuple(tasks)
     # allow_abbrev=False: a misspelt flag (--total_epoch) is an error naming the one meant, not taken for it.
     parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                             allow_abbrev=False)
-    _add_training_flags(parser, tasks, models or {})
-    _add_output_flags(parser)
-    _add_speed_flags(parser)
-    _add_recipe_flags(parser)
-    _add_run_flags(parser, snapshot_paths or {})
+    groups: dict = {}
+    for spec in config.flags():
+        group = groups.setdefault(spec.metadata["group"], parser.add_argument_group(spec.metadata["group"]))
+        options = dict(spec.metadata["argparse"], help=spec.metadata["help"],
+                       default=None if spec.metadata["task_default"] else spec.default)
+        options.update(_dynamic(spec.name, tasks, models or {}, snapshot_paths or {}))
+        group.add_argument(f"--{spec.name}", **options)
+    for module, flags in task_flags(tasks).items():
+        group = parser.add_argument_group(f"flags of {module}.py's tasks ({', '.join(_tasks_of(module, tasks))})")
+        for name, options in flags.items():
+            group.add_argument(f"--{name}", **{"default": None, **options})
     args = parser.parse_args()
     if args.snapshot_path is None and snapshot_paths:
         args.snapshot_path = snapshot_paths[args.strategy]
     return args
 
 
-def _add_training_flags(parser: argparse.ArgumentParser, tasks: tuple,
-                        models: Mapping[str, Iterable[str]]) -> None:
-    """What to train, on what, for how long: --total_epochs ... --num_workers."""
-    add = parser.add_argument
-    add("--total_epochs", type=positive(int), default=10, help="epochs to train (default: 10)")
-    add("--save_every", type=positive(int), default=5,
-        help="save every N epochs; the last epoch is always saved (default: 5)")
-    add("--batch_size", type=positive(int), default=None,
-        help="samples per step *per process*; the global batch size is "
-             "batch_size x grad_accum_steps x world_size (default: the task's; 32, shakespeare_char 12)")
-    add("--lr", type=positive(float), default=None,
-        help="peak learning rate (default: the task's; synthetic 0.05)")
-    add("--dataset", type=_task_name(tasks), default=tasks[0],
-        help=f"task to train: {', '.join(tasks)}, or module:function (or file.py:function, "
-             f"dir/file.py:function) for your own (default: {tasks[0]}, needs no download)")
-    listed = "".join(f"{task} {', '.join(models[task])}; " for task in tasks if task in models)
-    add("--model", default=None,
-        help=f"model for the task: {listed}your own task: what its task function accepts "
-             f"(default: the task's first)")
-    add("--data_dir", default=os.environ.get("DATA_DIR", "data"),
-        help="dataset root, as torchvision expects it (default: $DATA_DIR or ./data)")
-    add("--seed", type=int, default=0, help="seed for data split, model init, shuffling (default: 0)")
-    add("--num_workers", type=non_negative_int, default=0,
-        help="DataLoader worker processes per training process (default: 0)")
-    add("--n_layer", type=positive(int), default=None, help="GPT tasks: transformer blocks (default: the task's)")
-    add("--n_head", type=positive(int), default=None, help="GPT tasks: heads (default: the task's)")
-    add("--n_embd", type=positive(int), default=None, help="GPT tasks: width (default: the task's)")
-    add("--block_size", type=positive(int), default=None, help="GPT tasks: context, tokens (default: the task's)")
-    add("--dropout", type=non_negative_float, default=None,
-        help="GPT tasks: dropout probability (default: the task's)")
+def _dynamic(name: str, tasks: tuple, models: Mapping[str, Iterable[str]],
+             snapshot_paths: Mapping[str, str]) -> dict:
+    """The argparse options of a flag that depend on the caller or the
+    environment: --dataset's names, --model's list, --data_dir's $DATA_DIR,
+    --snapshot_path's defaults."""
+    if name == "dataset":
+        return {"type": _task_name(tasks), "default": tasks[0],
+                "help": f"task to train: {', '.join(tasks)}, or module:function (or file.py:function, "
+                        f"dir/file.py:function) for your own (default: {tasks[0]}, needs no download)"}
+    if name == "model":
+        listed = "".join(f"{task} {', '.join(models[task])}; " for task in tasks if task in models)
+        return {"help": f"model for the task: {listed}your own task: what its task function accepts "
+                        f"(default: the task's first)"}
+    if name == "data_dir":
+        return {"default": os.environ.get("DATA_DIR", "data")}
+    if name == "snapshot_path" and snapshot_paths:
+        defaults = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
+        return {"help": f"snapshot to resume from when it exists, and to save to (default: {defaults})"}
+    return {}
 
 
-def _add_output_flags(parser: argparse.ArgumentParser) -> None:
-    """Where figures, samples and traces go besides stdout, and how often the
-    held-out loss is measured: --metrics_path ... --profile_dir."""
-    add = parser.add_argument
-    add("--metrics_path", default=None,
-        help="also write each epoch's summary as one JSON object per line here")
-    add("--tensorboard_dir", default=None,
-        help="also write each epoch's figures for TensorBoard here (needs: pip install tensorboard)")
-    add("--wandb_project", default=None,
-        help="also log the flags, each epoch's figures and the test figures to a Weights & Biases run "
-             "in this project, from rank 0; a resumed run continues it; WANDB_MODE=offline, "
-             "WANDB_ENTITY etc. apply (needs: pip install wandb)")
-    add("--sample_chars", type=non_negative_int, default=0,
-        help="LM tasks: characters the model writes, printed after training and on a rerun of a "
-             "finished run; 0: none (default: 0)")
-    add("--temperature", type=positive(float), default=0.8, help="--sample_chars: logits / this (default: 0.8)")
-    add("--top_k", type=positive(int), default=200, help="--sample_chars: from the k likeliest (default: 200)")
-    add("--log_every_steps", type=non_negative_int, default=None,
-        help="also print a progress line on rank 0 every N optimizer steps, in a log file as on a terminal: "
-             "step, epoch, loss, lr, samples/s or tokens/s, ms a step; 0: none "
-             f"(default: the task's; shakespeare_char 100, else {RECIPE_DEFAULTS['log_every_steps']})")
-    add("--eval_every_steps", type=non_negative_int, default=None,
-        help="evaluate every N optimizer steps of the run, and after its last, instead of after every epoch "
-             "(nanoGPT's eval_interval), each evaluation one summary line and metrics record with the best "
-             "validation loss so far; 0: after every epoch "
-             f"(default: the task's; tokens 2000, else {RECIPE_DEFAULTS['eval_every_steps']})")
-    add("--eval_windows", type=non_negative_int, default=None,
-        help="held-out samples (a language model's windows) each evaluation scores: a fixed subset drawn "
-             "from --seed, the same in every evaluation and every run (nanoGPT's eval_iters x batch_size); "
-             f"0: all (default: the task's; tokens 2400, else {RECIPE_DEFAULTS['eval_windows']})")
-    add("--profile_dir", default=None,
-        help="trace training steps 3-5 with torch.profiler on every rank, one trace file per rank "
-             "here, for Perfetto or chrome://tracing (default: no profiler)")
+def task_flags(tasks: tuple) -> dict:
+    """{module name: its ``FLAGS``} of the task modules: those of ``tasks``
+    (``common.TASKS``' built-in ones) that import, and the module of a
+    ``module:function`` --dataset on the command line (a task of your own
+    may declare flags too: docs/custom-task.md). ``FLAGS``: {flag name:
+    ``argparse.ArgumentParser.add_argument``'s keyword arguments}, the
+    flags the module's task functions read from ``args``; unset, a flag is
+    None (the task's default)."""
+    specs = [common.TASKS.get(task, task) for task in tasks]
+    given = _dataset_on_command_line()
+    if given and given not in tasks:
+        specs.append(given)
+    found: dict = {}
+    for spec in specs:
+        try:
+            module = sys.modules[common.task_function(spec).__module__]
+        except (common.ConfigError, KeyError):  # not there: --dataset's own error says so later
+            continue
+        flags = getattr(module, "FLAGS", None)
+        if flags:
+            found.setdefault(module.__name__, flags)
+    return found
 
 
-def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
-    """How the steps run: --input_path ... --activation_checkpointing."""
-    add = parser.add_argument
-    add("--input_path", choices=("fast", "torchvision"), default="fast",
-        help="mnist/cifar10 input: 'fast' holds decoded uint8 images in memory and augments "
-             "whole batches on the device; 'torchvision' is the per-sample Dataset + "
-             "transforms path (default: fast)")
-    add("--amp", nargs="?", const="auto", choices=("auto", "bf16", "fp16"), default=None,
-        help="autocast for the training forward pass: bf16 where every GPU of the job has it, else fp16 "
-             "with a loss scaler; 'bf16' or 'fp16' forces one, also on a CPU (plain --amp on "
-             "a CPU only where it was measured to help, see docs/performance.md)")
-    add("--compile", action="store_true",
-        help="torch.compile the training model, under FSDP each transformer block (saved weights stay "
-             "loadable without it)")
-    add("--no_tf32", action="store_true",
-        help="on GPUs, fp32 matmuls and convolutions in full fp32 instead of on TF32 tensor cores "
-             "(default: TF32 on Ampere or newer, torch.set_float32_matmul_precision('high'))")
-    add("--deterministic", action="store_true",
-        help="bitwise-repeatable GPU kernels (deterministic algorithms, cuBLAS workspace, cuDNN): a GPU run "
-             "stopped and resumed ends bitwise equal to one that never stopped; slower (default: off; "
-             "CPU runs are repeatable without it)")
-    add("--grad_accum_steps", type=positive(int), default=1,
-        help="micro-batches of --batch_size per optimizer step (default: 1)")
-    add("--global_batch_size", type=positive(int), default=None,
-        help="keep this global batch at any world size: --grad_accum_steps becomes it / (batch_size x "
-             "world_size), which must divide it (elastic jobs; default: off)")
-    add("--activation_checkpointing", action="store_true",
-        help="recompute each transformer block's activations in the backward pass: less memory, "
-             "the same losses (default: off)")
+def task_flag_values(args: argparse.Namespace) -> dict:
+    """{flag: value} of the flags the task --dataset names reads (its module's
+    ``FLAGS``), as ``args`` holds them. Raises ConfigError (one line) for a
+    flag of another task module given on the command line (a value other
+    than its default): the task would not read it."""
+    module = sys.modules[common.task_function(common.TASKS.get(args.dataset, args.dataset)).__module__]
+    own = getattr(module, "FLAGS", {})
+    for name, flags in task_flags(tuple(common.TASKS)).items():
+        given = [flag for flag, options in flags.items()
+                 if flag not in own and getattr(args, flag, None) not in (None, options.get("default"))]
+        if given:
+            raise common.ConfigError(f"--{given[0]} is a flag of {name}.py's tasks, which --dataset {args.dataset} "
+                                     f"does not read; leave it out, or train one of "
+                                     f"{', '.join(_tasks_of(name, tuple(common.TASKS)))}")
+    return {flag: getattr(args, flag) for flag in own}
 
 
-def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
-    """The recipe (train_utils.recipe): each default is the task's choice
-    (Task.recipe), else recipes.RECIPE_DEFAULTS; see docs/recipes.md."""
-    add = parser.add_argument
-    add("--optimizer", choices=tuple(OPTIMIZERS), default=None,
-        help="optimizer (default: the task's; synthetic sgd, momentum 0.9)")
-    add("--weight_decay", type=non_negative_float, default=None,
-        help="weight decay (default: the task's; synthetic 0)")
-    add("--lr_schedule", choices=LR_SCHEDULES, default=None,
-        help="learning rate over the run: constant, cosine (down to --min_lr one step after the last) or step "
-             "(x --lr_gamma every --lr_step_epochs) (default: the task's; synthetic constant)")
-    add("--warmup_epochs", type=non_negative_float, default=None,
-        help="linear warm-up over this many (fractional) epochs of steps (default: the task's; 0)")
-    add("--clip_grad_norm", type=non_negative_float, default=None,
-        help="clip the gradients' total L2 norm, over all ranks, to this; 0: no clipping (default: the task's; 0)")
-    add("--max_steps", type=non_negative_int, default=None,
-        help="optimizer steps to train, the last epoch cut short; 0: --total_epochs "
-             f"(default: the task's; {RECIPE_DEFAULTS['max_steps']})")
-    add("--warmup_steps", type=non_negative_int, default=None,
-        help="linear warm-up over this many optimizer steps (--warmup_epochs 0) "
-             f"(default: the task's; {RECIPE_DEFAULTS['warmup_steps']})")
-    add("--min_lr", type=non_negative_float, default=None,
-        help=f"where the cosine ends (default: the task's; {RECIPE_DEFAULTS['min_lr']})")
-    add("--beta1", type=non_negative_float, default=None,
-        help=f"AdamW's beta1 (default: the task's; {RECIPE_DEFAULTS['beta1']})")
-    add("--beta2", type=non_negative_float, default=None,
-        help=f"AdamW's beta2 (default: the task's; {RECIPE_DEFAULTS['beta2']})")
-    add("--lr_step_epochs", type=positive(int), default=None,
-        help=f"step schedule: epochs between decays (default: the task's; {RECIPE_DEFAULTS['lr_step_epochs']})")
-    add("--lr_gamma", type=positive(float), default=None,
-        help=f"step schedule: factor per decay (default: the task's; {RECIPE_DEFAULTS['lr_gamma']})")
-    add("--decay_params", choices=DECAY_PARAMS, default=None,
-        help="all: every parameter decays; matrices: 2-D ones only, not biases or norms (default: the task's; all)")
+def _dataset_on_command_line() -> Optional[str]:
+    """--dataset's value on the command line, before the whole parse; None where absent."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--dataset")
+    known, _ = probe.parse_known_args()
+    return known.dataset
 
 
-def _add_run_flags(parser: argparse.ArgumentParser, snapshot_paths: Mapping[str, str]) -> None:
-    """How the run is spread, snapshotted and timed out: --strategy ... --startup_timeout_s."""
-    add = parser.add_argument
-    add("--strategy", type=_choice("ddp", "fsdp"), default="ddp",
-        help="ddp: every rank holds the whole model (DistributedDataParallel); fsdp: each holds "
-             "1/world_size of it (FSDP2), snapshots sharded (default: ddp)")
-    defaults = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
-    add("--snapshot_path", default=None,
-        help="snapshot to resume from when it exists, and to save to"
-             + (f" (default: {defaults})" if defaults else ""))
-    add("--snapshot_every_steps", type=non_negative_int, default=0,
-        help="also snapshot every N steps inside an epoch, so a restart loses at most N steps "
-             "(0: only at epoch ends) (default: 0)")
-    add("--snapshot_every_s", type=non_negative_float, default=0,
-        help="also snapshot inside an epoch once this many seconds have passed since the last "
-             "snapshot, e.g. 60 (0: off) (default: 0)")
-    add("--snapshot_sync", action="store_true",
-        help="write each snapshot before training goes on (default: a CPU copy written in the "
-             "background, one write at a time)")
-    add("--pg_timeout_s", type=positive(float), default=600,
-        help="once training runs, seconds a collective may wait for the other ranks before the job "
-             "fails: on the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) "
-             "NCCL's watchdog ends every waiting rank (SIGABRT) and the flight recorder's dumps "
-             "name the collective (docs/runs.md) (default: 600)")
-    add("--startup_timeout_s", type=positive(float), default=1800,
-        help="the same during start-up and the first training step (downloads, compilation); a rank "
-             "that never joins ends the job with one line from every rank that waited (default: 1800)")
+def _tasks_of(module: str, tasks: tuple) -> list:
+    """The short names of ``tasks`` whose function is in ``module`` (or the module itself when none is)."""
+    names = [task for task in tasks if common.TASKS.get(task, task).split(":")[0] == module]
+    return names or [module]

@@ -22,8 +22,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from common import ConfigError  # the task contract's one-line error (exit 2)
-from .claims import release_claim
-from .output import is_distributed, print_line
+from .output import RunFailed, is_distributed, print_line
+from .snapshots.claims import release_claim
 from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, received_stop_signal, \
     report_run_finished
 from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diagnosis
@@ -31,17 +31,6 @@ from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diag
 class NothingToTrain(Exception):
     """The snapshot already holds every epoch asked for: not an error, one
     line on stdout and exit status 0."""
-
-
-class RunFailed(Exception):
-    """A failure that is not the user's input, known well enough to say what
-    to do (a full disk at a save): its one line (the message), torchrun's root
-    cause, exit status 1. ``every_rank``: raised on every rank alike (rank 0
-    prints it), else only where it happened (that rank prints it)."""
-
-    def __init__(self, line: str, every_rank: bool = False) -> None:
-        super().__init__(line)
-        self.every_rank = every_rank
 
 
 def report_to_torchrun(line: str) -> None:

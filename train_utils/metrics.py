@@ -5,7 +5,6 @@ all kept by one ``RunLog`` per training run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -14,7 +13,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .epoch import EpochMeter
 from .output import print_line
 from .wandb_run import WandbRun
 
@@ -100,34 +98,38 @@ def metrics_line(record: dict) -> str:
 
 class RunLog:
     """One training run's outputs: the epoch line on stdout, and where asked
-    for, JSON lines (--metrics_path), TensorBoard (--tensorboard_dir) and
-    W&B (--wandb_project, ``wandb``). Made once per run, on every rank;
-    only the rank that logs (rank 0) calls ``log``.
+    for, JSON lines (``metrics_path``, --metrics_path), TensorBoard
+    (``tensorboard_dir``, --tensorboard_dir) and W&B (``wandb_project``,
+    --wandb_project: ``wandb``). Made once per run, first thing, on every
+    rank; only the rank that logs (rank 0) calls ``log``.
 
     ``run`` is this run's id in the JSON lines (start time and process id);
     ``resumed_from`` the snapshot position it resumed at (``resumed``; None
     for a fresh start); ``started_at`` its start record's time (Unix seconds).
     """
 
-    def __init__(self, args: argparse.Namespace, started_at: Optional[float] = None) -> None:
-        self.args = args
+    def __init__(self, metrics_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                 wandb_project: Optional[str] = None, started_at: Optional[float] = None) -> None:
+        self.metrics_path, self.tensorboard_dir = metrics_path, tensorboard_dir
+        self.config: dict = {}  # the run's, from ``start``: the start record's "config"
         self.started_at = time.time() if started_at is None else started_at
         self.run = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(self.started_at))}-{os.getpid()}"
         self.resumed_from: Optional[str] = None
-        self.wandb = WandbRun(args.wandb_project)
+        self.wandb = WandbRun(wandb_project)
         self._last_epoch = 0  # the last epoch (or evaluation step) logged: TensorBoard's step for the test figures
         self._wrote_start = False  # the start record is in --metrics_path
         self._writer = None  # TensorBoard's SummaryWriter, made at the first record
 
-    def start(self) -> None:
+    def start(self, config: dict) -> None:
         """Collective: the run starts training (after the snapshot, if any, is
-        loaded): rank 0 writes the start record to --metrics_path now, so a
-        run stopped before its first epoch ends leaves one, and every rank
-        starts the W&B run (``WandbRun.start``: rank 0's, after a resume the
-        snapshot's)."""
-        if self.args.metrics_path and dist.get_rank() == 0:
+        loaded), ``config`` its configuration (``RunConfig.as_dict``): rank 0
+        writes the start record to --metrics_path now, so a run stopped
+        before its first epoch ends leaves one, and every rank starts the W&B
+        run (``WandbRun.start``: rank 0's, after a resume the snapshot's)."""
+        self.config = config
+        if self.metrics_path and dist.get_rank() == 0:
             self._append_json(None)
-        self.wandb.start(self.args)
+        self.wandb.start(config)
 
     def log(self, record: dict) -> None:
         """Print ``metrics_line(record)``; append ``record`` as JSON to
@@ -139,9 +141,9 @@ class RunLog:
         run repeats the epochs after its snapshot: for a curve keep the last
         record of each epoch."""
         print_line(metrics_line(record))
-        if self.args.metrics_path:
+        if self.metrics_path:
             self._append_json(record)
-        if self.args.tensorboard_dir:
+        if self.tensorboard_dir:
             self._tensorboard(record)
         self.wandb.log(record)  # a no-op unless wandb.start() started a run here
 
@@ -163,10 +165,10 @@ class RunLog:
         """Append ``record`` with the stamp, after the run's start record if
         that is not written yet; None: the start record alone."""
         stamp = {"run": self.run, "time": time.time(), "resumed_from": self.resumed_from}
-        with open(self.args.metrics_path, "a") as f:
+        with open(self.metrics_path, "a") as f:
             if not self._wrote_start:  # each run opens with its settings
                 f.write(json.dumps({"event": "start", **stamp, "time": self.started_at,
-                                    "config": vars(self.args)}) + "\n")
+                                    "config": self.config}) + "\n")
                 self._wrote_start = True
             if record is not None:
                 f.write(json.dumps({**record, **stamp}) + "\n")
@@ -186,7 +188,7 @@ class RunLog:
         step = record.get("step", record.get("epoch", self._last_epoch))  # test: at the end
         self._last_epoch = step
         if self._writer is None:
-            self._writer = SummaryWriter(self.args.tensorboard_dir, purge_step=step)
+            self._writer = SummaryWriter(self.tensorboard_dir, purge_step=step)
         for key, tag in TENSORBOARD_TAGS.items():
             if record.get(key) is not None:
                 self._writer.add_scalar(tag, record[key], step)
@@ -214,19 +216,21 @@ class StepLog:
     def __init__(self, every: int, tokens_per_sample: int = 0) -> None:
         self.every = every if dist.get_rank() == 0 else 0
         self.tokens_per_sample, self.world_size = tokens_per_sample, dist.get_world_size()
-        self._meter: Optional[EpochMeter] = None  # the epoch of the interval's start
+        self._interval = None  # the evaluation interval of the line's start (Evaluations.interval_id)
         self._start = (0.0, 0.0, 0.0, 0)  # (loss sum, samples, perf_counter seconds, step) then
 
-    def step(self, step: int, meter: EpochMeter, lr: float) -> None:
-        """Optimizer step ``step`` (of the run) is done; ``meter`` holds its
-        epoch so far, ``lr`` its learning rate. Prints every ``every`` steps."""
+    def step(self, step: int, epoch: int, evaluations, lr: float) -> None:
+        """Optimizer step ``step`` (of the run) of epoch ``epoch`` (0-based) is
+        done; ``evaluations`` (``Evaluations``) holds the training loss since
+        the last evaluation, ``lr`` is the step's learning rate. Prints every
+        ``every`` steps."""
         if not self.every:
             return
-        if meter is not self._meter:  # a new epoch (or start): the interval begins with it
-            self._meter, self._start = meter, (0.0, 0.0, meter.start, step - 1)
+        if evaluations.interval_id is not self._interval:  # an evaluation (or a start): count from its interval
+            self._interval, self._start = evaluations.interval_id, (0.0, 0.0, evaluations.started, step - 1)
         if step % self.every:
             return
-        loss_sum, samples = meter.totals.tolist()  # waits for the device
+        loss_sum, samples = evaluations.local_totals().tolist()  # waits for the device
         now = time.perf_counter()
         loss_before, samples_before, then, step_before = self._start
         self._start = (loss_sum, samples, now, step)
@@ -235,5 +239,5 @@ class StepLog:
             return
         rate = new * self.world_size / (now - then)
         speed = f"tokens/s {rate * self.tokens_per_sample:.1f}" if self.tokens_per_sample else f"samples/s {rate:.1f}"
-        print_line(f"step {step} | epoch {meter.epoch + 1} | loss {(loss_sum - loss_before) / new:.6f} | "
+        print_line(f"step {step} | epoch {epoch + 1} | loss {(loss_sum - loss_before) / new:.6f} | "
                    f"lr {lr:.6g} | {speed} | ms/step {1000 * (now - then) / (step - step_before):.1f}")

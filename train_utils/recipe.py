@@ -2,20 +2,18 @@
 the learning-rate schedule with warm-up (--lr_schedule, --warmup_epochs), the
 loss scaler for fp16 (--amp fp16) and gradient clipping (--clip_grad_norm).
 
-The scripts make one ``Recipe`` and call ``backward`` and ``step`` where a
-plain loop calls ``loss.backward()`` and ``optimizer.step()``; its
-``state_dict`` goes into every snapshot, so a resumed run continues the
-schedule and the loss scale exactly where the stopped one left them.
+The kit makes one ``Recipe`` and calls ``backward`` and ``step`` where a
+plain loop calls ``loss.backward()`` and ``optimizer.step()``; it is a part
+of every snapshot (``state_dict``), so a resumed run continues the schedule
+and the loss scale exactly where the stopped one left them.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
 import re
 import sys
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,12 +21,9 @@ import torch.distributed as dist
 from common import ConfigError
 from recipes import lr_factor
 
+from .config import RunConfig, changeable_at_resume
 from .output import print_line
 from .speed import amp_dtype
-
-# What a resumed run may change in the recipe; the resume line says what it did.
-RECIPE_FLAGS = ("lr", "total_epochs", "lr_schedule", "warmup_epochs", "lr_step_epochs", "lr_gamma",
-                "weight_decay", "clip_grad_norm", "max_steps", "warmup_steps", "min_lr", "beta1", "beta2")
 
 
 def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
@@ -55,41 +50,16 @@ def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def run_length(args: argparse.Namespace, steps_per_epoch: int) -> None:
-    """--max_steps (> 0) sets the run's length: ``args.total_epochs`` becomes the
-    epochs that hold that many optimizer steps of ``steps_per_epoch`` each, the
-    last of them cut short (``batches_left``). With 0, --total_epochs stands."""
-    if args.max_steps:
-        args.total_epochs = math.ceil(args.max_steps / steps_per_epoch)
-
-
-def accumulate_for_global_batch(args: argparse.Namespace, world_size: int) -> None:
-    """--global_batch_size G: set ``args.grad_accum_steps`` to G / (--batch_size
-    x ``world_size``), so that the global batch, the steps per epoch and the
-    schedule stay the same whatever the world size (an elastic job's). Raises
-    ConfigError (one line) when that is not a whole number >= 1. A no-op
-    without the flag."""
-    wanted = args.global_batch_size
-    if not wanted:
-        return
-    per_step = args.batch_size * world_size
-    if wanted % per_step:
-        raise ConfigError(f"--global_batch_size {wanted} is not a multiple of --batch_size {args.batch_size} x "
-                          f"world_size {world_size} = {per_step}; pick one that every world size of the job "
-                          f"divides (e.g. {per_step * max(1, wanted // per_step)}), or a smaller --batch_size")
-    args.grad_accum_steps = wanted // per_step
-
-
-def batches_left(args: argparse.Namespace, steps_per_epoch: int, epoch: int, batches_run: int) -> Optional[int]:
+def batches_left(config: RunConfig, steps_per_epoch: int, epoch: int, batches_run: int) -> Optional[int]:
     """The micro-batches epoch ``epoch`` (0-based) may still train after its first
     ``batches_run``, for --max_steps optimizer steps of ``steps_per_epoch`` per
     epoch (--grad_accum_steps micro-batches each); None without --max_steps."""
-    if not args.max_steps:
+    if not config.max_steps:
         return None
-    return (args.max_steps - epoch * steps_per_epoch) * args.grad_accum_steps - batches_run
+    return (config.max_steps - epoch * steps_per_epoch) * config.grad_accum_steps - batches_run
 
 
-def check_max_steps(config: dict, args: argparse.Namespace, steps_at_epoch_start: int) -> None:
+def check_max_steps(config: dict, args: RunConfig, steps_at_epoch_start: int) -> None:
     """Raise ConfigError (one line) when a snapshot that ended a --max_steps run
     inside an epoch (its ``config``; the epochs it holds make
     ``steps_at_epoch_start`` steps, more than its max_steps) is resumed with
@@ -106,22 +76,27 @@ class Recipe:
     """One optimizer step's arithmetic: the loss scaler (fp16), gradient
     clipping, the optimizer and its learning-rate schedule.
 
-    ``optimizer`` from ``build_optimizer``; ``args`` the run's flags (--lr,
+    ``optimizer`` from ``build_optimizer``; ``config`` the run's (--lr,
     --total_epochs, --lr_schedule, --warmup_epochs, --lr_step_epochs,
     --lr_gamma, --clip_grad_norm, --amp); ``steps_per_epoch`` optimizer steps
-    in one epoch (micro-batches // --grad_accum_steps); ``device`` where the
-    model runs. The schedule is torch's LambdaLR over ``lr_factor``, stepped
-    after every optimizer step; the loss scaler is torch's GradScaler, on for
-    fp16 autocast only (bf16 has fp32's range and needs none). Making it sets
-    every group's learning rate to --lr x the schedule's first factor (and
-    LambdaLR's ``initial_lr``); ``steps_per_epoch`` must be >= 1.
+    in one epoch (micro-batches // --grad_accum_steps, >= 1); ``position``:
+    () -> the run's optimizer steps so far (``Progress.step``), where a
+    resumed schedule goes on; ``device`` where the model runs. The schedule
+    is torch's LambdaLR over ``lr_factor``, stepped after every optimizer
+    step; the loss scaler is torch's GradScaler, on for fp16 autocast only
+    (bf16 has fp32's range and needs none). Making it sets every group's
+    learning rate to --lr x the schedule's first factor (and LambdaLR's
+    ``initial_lr``). As a snapshot's part: ``KEYS``, ``state_dict``,
+    ``load_state_dict``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-                 steps_per_epoch: int, device: torch.device) -> None:
-        self.optimizer, self.args, self.steps_per_epoch = optimizer, args, steps_per_epoch
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args, steps_per_epoch))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, args.amp) == torch.float16)
+    KEYS = ("lr_schedule", "loss_scaler")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: RunConfig, steps_per_epoch: int,
+                 position: Callable[[], int], device: torch.device) -> None:
+        self.optimizer, self.config, self.steps_per_epoch, self.position = optimizer, config, steps_per_epoch, position
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, steps_per_epoch))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, config.amp) == torch.float16)
         # This epoch's steps the scaler skipped (inf/nan gradients): an int, or a tensor on the device
         # counting them there (read at the epoch's end and in snapshots, not at every step).
         self._skipped = 0
@@ -154,9 +129,9 @@ class Recipe:
             # The scale as a device tensor: get_scale() would read it to the host, a wait for the
             # GPU at every step (torch has no public call for the tensor; GradScaler.step uses this one).
             scale = self.scaler._get_scale_async().clone()
-        if self.args.clip_grad_norm:
+        if self.config.clip_grad_norm:
             clip_grad_norm([p for group in self.optimizer.param_groups for p in group["params"]],
-                           self.args.clip_grad_norm)
+                           self.config.clip_grad_norm)
         self.last_lr = self.lr
         self.scaler.step(self.optimizer)  # without fp16: optimizer.step()
         if not self.scaler.is_enabled():
@@ -185,55 +160,53 @@ class Recipe:
         scaler = dict(self.scaler.state_dict(), skipped_steps=self.skipped_steps) if self.scaler.is_enabled() else None
         return {"lr_schedule": self.schedule.state_dict(), "loss_scaler": scaler}
 
-    def resume(self, snapshot: dict, steps_run: Optional[int] = None) -> None:
-        """After the optimizer's state is loaded: continue the snapshot's schedule
-        and loss scale (its "lr_schedule" and "loss_scaler").
+    def load_state_dict(self, snapshot: dict) -> None:
+        """After the optimizer's state and the position (``Progress``) are
+        loaded: continue the snapshot's schedule and loss scale (its
+        "lr_schedule" and "loss_scaler").
 
-        Every group's learning rate becomes --lr x the schedule's factor at
-        the step reached (the very number LambdaLR gives an unstopped run), its
-        weight decay --weight_decay (a group that does not decay stays at 0)
-        and AdamW's betas --beta1 --beta2, so flags of ``RECIPE_FLAGS`` that
+        The schedule goes on at the run's step (``position()``), counted in
+        this run's steps per epoch. Every group's learning rate becomes --lr
+        x the schedule's factor there (the very number LambdaLR gives an
+        unstopped run), its weight decay --weight_decay (a group that does
+        not decay stays at 0) and AdamW's betas --beta1 --beta2, so flags
+        that may change at a resume (``config.changeable_at_resume``) and
         differ from the snapshot's config take over from the next step (a new
         --lr, a longer --total_epochs, another schedule); rank 0 then prints
         one line saying what changed and the learning rate the next step uses.
 
-        A snapshot from another world size (taken at an epoch's end:
-        ``read_snapshot``) has other steps per epoch than this run's
-        ``steps_per_epoch``. The schedule goes on at step epochs_run x
-        ``steps_per_epoch``, counted in this run's steps: ``lr_factor`` sets
-        warm-up, cosine and step decay in epochs, so the learning rate is
-        the one this schedule has after that many epochs, and the cosine
-        still reaches its end at --total_epochs. Going on from the saved
-        step count instead would put the cosine's end early (more steps per
-        epoch after the change) or never reach it (fewer). ``steps_run``: the
-        epoch's micro-batches in this run's steps (``Progress``); None: the snapshot's.
+        A snapshot from another world size has other steps per epoch than
+        this run's ``steps_per_epoch``: ``Progress`` counts the epochs run in
+        this run's steps, and ``lr_factor`` sets warm-up, cosine and step decay
+        in epochs, so the learning rate is the one this schedule has after
+        that many epochs, and the cosine still reaches its end at
+        --total_epochs. Going on from the saved step count instead would put
+        the cosine's end early (more steps per epoch after the change) or
+        never reach it (fewer). Raises ConfigError (``check_max_steps``) for a
+        finished --max_steps run asked to go on to another --max_steps.
         """
         config = snapshot["config"]
-        check_max_steps(config, self.args, snapshot["epochs_run"] * self.steps_per_epoch)
+        check_max_steps(config, self.config, snapshot["epochs_run"] * self.steps_per_epoch)
         if snapshot.get("lr_schedule"):
             self.schedule.load_state_dict(snapshot["lr_schedule"])
-        # The schedule's step from the position, in this run's steps per epoch: the saved
-        # count at the same world size; at another an epoch has another number of steps,
-        # and the schedule, set in epochs, goes on from the epoch reached (see the docstring).
-        self.schedule.last_epoch = (snapshot["epochs_run"] * self.steps_per_epoch + (
-            snapshot["steps_run"] if steps_run is None else steps_run) // self.args.grad_accum_steps)
+        self.schedule.last_epoch = self.position()  # in this run's steps per epoch (see the docstring)
         if snapshot.get("loss_scaler") and self.scaler.is_enabled():
             scaler = dict(snapshot["loss_scaler"])
             self._skipped = scaler.pop("skipped_steps")
             self.scaler.load_state_dict(scaler)
-        self.schedule.base_lrs = [self.args.lr for _ in self.optimizer.param_groups]
+        self.schedule.base_lrs = [self.config.lr for _ in self.optimizer.param_groups]
         factor, step = self.schedule.lr_lambdas[0], self.schedule.last_epoch
         if step:  # the learning rate the last step took, as an unstopped run reports it
-            self.last_lr = self.args.lr * factor(step - 1)
+            self.last_lr = self.config.lr * factor(step - 1)
         for group in self.optimizer.param_groups:  # loading the optimizer set the saved values
-            group["lr"] = self.args.lr * factor(step)
+            group["lr"] = self.config.lr * factor(step)
             if group.get("decays", True):  # --decay_params matrices: biases and norms stay at 0
-                group["weight_decay"] = self.args.weight_decay
+                group["weight_decay"] = self.config.weight_decay
             if "betas" in group:
-                group["betas"] = (self.args.beta1, self.args.beta2)
-        changed = [f"{name} {config.get(name)} -> {getattr(self.args, name)}" for name in RECIPE_FLAGS
-                   if config.get(name) != getattr(self.args, name)]
+                group["betas"] = (self.config.beta1, self.config.beta2)
+        changed = [f"{name} {config.get(name)} -> {getattr(self.config, name)}" for name in changeable_at_resume()
+                   if config.get(name) != getattr(self.config, name)]
         if changed and dist.get_rank() == 0:
-            print_line(f"recipe changed at resume ({', '.join(changed)}): the {self.args.lr_schedule} "
-                       f"schedule now runs to epoch {self.args.total_epochs}; the next step's "
+            print_line(f"recipe changed at resume ({', '.join(changed)}): the {self.config.lr_schedule} "
+                       f"schedule now runs to epoch {self.config.total_epochs}; the next step's "
                        f"learning rate is {self.lr:.6g}")

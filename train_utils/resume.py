@@ -1,10 +1,10 @@
 """Exact resume: what a snapshot needs besides the model and optimizer state.
 
-``Progress`` is where training stands (epochs and steps run, the epoch's
-samples and loss so far), every rank's random streams, with ``state_dict`` /
-``load_state_dict`` for the snapshot (the resumable sampler, in sampler.py,
-continues an epoch part-way); ``rebuild_ddp_buckets`` lays out DDP's buckets as an
-uninterrupted run has them.
+``Progress`` is where training stands (the run's optimizer steps, the epochs
+run, the batches and samples of the epoch so far) and every rank's random
+streams, a part of every snapshot (``state_dict`` / ``load_state_dict``; the
+resumable sampler, in sampler.py, continues an epoch part-way);
+``rebuild_ddp_buckets`` lays out DDP's buckets as an uninterrupted run has them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from .epoch import EpochMeter
 from .sampler import batches_per_epoch
+from .snapshots.position import position, position_tag
 
 
 def rebuild_ddp_buckets(model: torch.nn.Module, data: DataLoader, loss_fn: Callable,
@@ -76,34 +76,28 @@ def set_rng_state(state: dict, device: torch.device, loader_generator: torch.Gen
     loader_generator.set_state(state["loader"])
 
 
-def position(epochs_run: int, steps_run: int) -> str:
-    """Where a snapshot stands, as the resume line says it: "after epoch 2",
-    "in epoch 3 after step 40"."""
-    return f"in epoch {epochs_run + 1} after step {steps_run}" if steps_run else f"after epoch {epochs_run}"
-
-
-def position_tag(epochs_run: int, steps_run: int) -> str:
-    """The same position as a short tag, for the save line and the sharded snapshots'
-    folder names: "epoch 2" after epoch 2, "epoch 3 step 40" inside epoch 3."""
-    return f"epoch {epochs_run + 1} step {steps_run}" if steps_run else f"epoch {epochs_run}"
-
-
 class Progress:
     """Where training stands, and the random streams an exact resume restores.
 
-    ``epochs_run``: epochs finished. ``steps_run``: steps (micro-batches)
-    finished in epoch ``epochs_run`` (> 0 only after a mid-epoch snapshot).
-    ``epoch_totals``: that epoch's global (loss sum, samples) up to
-    ``steps_run``, float64 (2,) on the CPU, or None. ``loader`` is the
-    training DataLoader: its generator (shuffles, loader worker seeds) is one
-    of the streams saved, with the CPU and CUDA generators of ``device``.
+    ``step``: the run's optimizer steps so far, its one step counter (the lr
+    schedule's, the evaluations', the progress line's). ``epochs_run``:
+    epochs finished. ``steps_run``: the micro-batches finished in epoch
+    ``epochs_run`` (> 0 only inside an epoch; the snapshot key's name).
+    ``loader`` is the training DataLoader, ``grad_accum_steps`` micro-batches
+    an optimizer step: ``steps_per_epoch`` optimizer steps an epoch; its
+    generator (shuffles, loader worker seeds) is one of the streams saved,
+    with the CPU and CUDA generators of ``device``. As a snapshot's part:
+    ``KEYS``, ``state_dict``, ``load_state_dict``.
     """
+
+    KEYS = ("epochs_run", "steps_run", "epoch_samples", "rng_states")
 
     def __init__(self, device: torch.device, loader: DataLoader, rank: int, grad_accum_steps: int = 1) -> None:
         self.device, self.loader, self.rank, self.accum = device, loader, rank, grad_accum_steps
+        self.steps_per_epoch = len(loader) // grad_accum_steps
+        self.step = 0
         self.epochs_run = 0
         self.steps_run = 0
-        self.epoch_totals: Optional[torch.Tensor] = None
         self.saved_world_size: Optional[int] = None  # of the snapshot resumed from, if any
         self.saved_steps_run = 0  # the snapshot's steps_run, in its world size's steps
         self.saved_accum = grad_accum_steps  # the snapshot's (--global_batch_size: per world size)
@@ -118,7 +112,7 @@ class Progress:
 
     def end_epoch(self, epoch: int) -> None:
         """Epoch ``epoch`` (0-based) is finished: the next starts at its first step."""
-        self.epochs_run, self.steps_run, self.epoch_totals = epoch + 1, 0, None
+        self.epochs_run, self.steps_run = epoch + 1, 0
         self.start_samples = self.start_steps = 0
 
     def samples_trained(self) -> int:
@@ -129,30 +123,27 @@ class Progress:
         done = self.start_samples + (self.steps_run - self.start_steps) * batch
         return min(done, len(self.loader.sampler.dataset))
 
-    def state_dict(self, meter: Optional[EpochMeter] = None) -> dict:
-        """Collective: {"epochs_run", "steps_run", "epoch_samples",
-        "epoch_totals", "rng_states"}.
+    def state_dict(self) -> dict:
+        """Collective: {"epochs_run", "steps_run", "epoch_samples", "rng_states"}.
 
-        Mid-epoch, ``meter`` holds the epoch so far: its global totals are
-        saved (an all-reduce; raises ConfigError when the loss is not finite).
         ``epoch_samples`` (``samples_trained``): the positions of the epoch's
         permutation trained, from which any world size goes on.
         ``rng_states`` is every rank's states, a list indexed by rank (an
         all-gather): a resumed run draws the same dropout masks,
-        augmentations and shuffles on every rank.
+        augmentations and shuffles on every rank. (The run's step follows
+        from the position.)
         """
         return {"epochs_run": self.epochs_run,
                 "steps_run": self.steps_run,
                 "epoch_samples": self.samples_trained() if self.steps_run else 0,
-                "epoch_totals": meter.global_totals() if meter else None,
                 "rng_states": gather_rng_states(self.device, self.loader.generator)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Take the position and totals of ``state`` (from ``state_dict``) and
-        this rank's random streams; a rank the saving run did not have (a run
-        resumed at a larger world size) keeps its fresh seed. And
-        the world size that saved it (``saved_world_size``: a sharded snapshot's
-        ``state["world_size"]``, else ``state["config"]["world_size"]``).
+    def load_state_dict(self, snapshot: dict) -> None:
+        """Take the position of ``snapshot`` (from ``state_dict``) and this
+        rank's random streams; a rank the saving run did not have (a run
+        resumed at a larger world size) keeps its fresh seed. And the world
+        size that saved it (``saved_world_size``: a sharded snapshot's
+        ``snapshot["world_size"]``, else its config's).
 
         Inside an epoch the epoch goes on after its ``epoch_samples`` trained
         positions (a snapshot without it: ``steps_run`` x batch x saved world
@@ -160,23 +151,28 @@ class Progress:
         ``steps_run`` becomes this size's steps: the samples trained / this
         run's batch x world size, rounded down to whole optimizer steps
         (--grad_accum_steps micro-batches), for the schedule, the step
-        numbers and the --snapshot_every_steps count."""
-        self.epochs_run, self.steps_run = state["epochs_run"], state["steps_run"]
-        self.saved_world_size = state.get("world_size") or state.get("config", {}).get("world_size")
-        self.epoch_totals = state["epoch_totals"]
+        numbers and the --snapshot_every_steps count. ``step``: the epochs
+        run in this run's steps per epoch, plus the epoch's optimizer steps
+        (at another world size an epoch has another number of steps, and
+        the schedule, set in epochs, goes on from the epoch reached:
+        ``Recipe.load_state_dict``)."""
+        config = snapshot.get("config", {})
+        self.epochs_run, self.steps_run = snapshot["epochs_run"], snapshot["steps_run"]
+        self.saved_world_size = snapshot.get("world_size") or config.get("world_size")
         self.saved_steps_run = self.steps_run
-        self.saved_accum = state.get("config", {}).get("grad_accum_steps", self.accum)
+        self.saved_accum = config.get("grad_accum_steps", self.accum)
         world_size, batch = self.loader.sampler.num_replicas, self.loader.batch_size
-        saved_batch = state.get("config", {}).get("batch_size", batch) * (self.saved_world_size or world_size)
-        self.start_samples = state.get("epoch_samples", self.steps_run * saved_batch) if self.steps_run else 0
+        saved_batch = config.get("batch_size", batch) * (self.saved_world_size or world_size)
+        self.start_samples = snapshot.get("epoch_samples", self.steps_run * saved_batch) if self.steps_run else 0
         if self.steps_run and self.saved_world_size and self.saved_world_size != world_size:
             step = batch * world_size * self.accum
             self.steps_run = self.start_samples // step * self.accum
         self.start_steps = self.steps_run
-        if self.rank < len(state["rng_states"]):
-            set_rng_state(state["rng_states"][self.rank], self.device, self.loader.generator)
+        self.step = self.epochs_run * self.steps_per_epoch + self.steps_run // self.accum
+        if self.rank < len(snapshot["rng_states"]):
+            set_rng_state(snapshot["rng_states"][self.rank], self.device, self.loader.generator)
 
-    def resize_note(self, recipe) -> str:
+    def resize_note(self, config) -> str:
         """'' when the snapshot loaded (``load_state_dict``) was saved at this
         run's world size; else what changes, for the end of the resume line:
 
@@ -188,9 +184,9 @@ class Progress:
         Global batch size: --batch_size x --grad_accum_steps x world_size
         (--lr is not scaled with it: pass a new --lr to change it). Steps per
         epoch: optimizer steps, from ``self.loader``'s sampler at either world
-        size (``batches_per_epoch``) // --grad_accum_steps. ``recipe`` (the
-        run's ``Recipe``, resumed already) counts its schedule in this run's
-        steps per epoch from the epoch reached (``Recipe.resume``), so a
+        size (``batches_per_epoch``) // --grad_accum_steps. ``config``: the
+        run's ``RunConfig``. The schedule goes on at ``step``, counted in this
+        run's steps per epoch from the epoch reached (``Recipe.load_state_dict``), so a
         schedule set in epochs (warm-up, cosine to --total_epochs, step decay
         every --lr_step_epochs) is where it would be after that many epochs
         and ends at --total_epochs; said only for a schedule other than a
@@ -205,14 +201,14 @@ class Progress:
         saved, now = self.saved_world_size, dist.get_world_size()
         if saved is None or saved == now:
             return ""
-        args = recipe.args
+        args = config
         accum = (self.saved_accum, args.grad_accum_steps)  # they differ under --global_batch_size
         steps = [batches_per_epoch(self.loader, size) // n for size, n in zip((saved, now), accum)]
         schedule = ""
         if args.lr_schedule != "constant" or args.warmup_epochs:
             schedule = (f"; the {args.lr_schedule} lr schedule{' with warm-up' if args.warmup_epochs else ''}, "
-                        f"counted in epochs, goes on at step {recipe.schedule.last_epoch} of "
-                        f"{args.total_epochs * recipe.steps_per_epoch}")
+                        f"counted in epochs, goes on at step {self.step} of "
+                        f"{args.total_epochs * self.steps_per_epoch}")
         kept = min(saved, now)
         streams = f"random streams restored on {_ranks(0, kept)}"
         if now > saved:

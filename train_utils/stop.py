@@ -41,6 +41,13 @@ class StopDuringStartup(BaseException):
                 f"again to resume")
 
 
+class Stopped(Exception):
+    """A stop signal ended training on every rank at the same step, after the
+    snapshot of that step was written: raised there, once, and caught once
+    by the script, which then ends as a finished run does (the test
+    figures aside): exit status 0, the same command resumes."""
+
+
 class _StopState:
     """This process's stop signals: who installed the handler, what came, and
     whether a stop signal still ends start-up at once."""

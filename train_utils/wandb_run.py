@@ -7,7 +7,6 @@ wandb itself reads the rest of its settings from the environment
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import string
@@ -44,8 +43,10 @@ class WandbRun:
     training uses. A resume replaces it with the snapshot's
     (``load_state_dict``), so the resumed training logs to the same W&B run.
     Without --wandb_project (``project`` None) nothing is logged, but the id
-    is still kept in snapshots.
+    is still kept in snapshots (a part of every snapshot: ``KEYS``).
     """
+
+    KEYS = ("wandb_run_id",)
 
     def __init__(self, project: Optional[str]) -> None:
         self.project = project
@@ -63,7 +64,7 @@ class WandbRun:
         if state.get("wandb_run_id"):
             self.id = state["wandb_run_id"]
 
-    def start(self, args: argparse.Namespace) -> None:
+    def start(self, config: dict) -> None:
         """Collective under a process group; nothing without --wandb_project.
 
         On global rank 0, ``wandb.init`` with this id and ``resume="allow"``
@@ -71,7 +72,7 @@ class WandbRun:
         a new one), the flags and the world size as its config. Call it after
         the snapshot is loaded and before training. Raises ConfigError (one
         line, on every rank) when wandb is not installed or cannot start the
-        run (not logged in, say)."""
+        run (not logged in, say). ``config``: the run's (``RunConfig.as_dict``)."""
         if not self.project:
             return
         error = ""
@@ -80,9 +81,9 @@ class WandbRun:
             if not error:
                 import wandb
 
-                config = dict(vars(args), world_size=dist.get_world_size())
                 try:
-                    self.run = wandb.init(project=self.project, id=self.id, resume="allow", config=config)
+                    self.run = wandb.init(project=self.project, id=self.id, resume="allow",
+                                          config=dict(config, world_size=dist.get_world_size()))
                 except Exception as exc:  # wandb's UsageError, CommError, ...: one line, not a traceback
                     error = _start_error(self.project, exc)
         error = first_error(error)

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .evaluation import broadcast_buffers
-from .launch import gloo_group
-from .output import first_error, print_line
-from .resume import position_tag
-from .snapshots import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
+from ..evaluation import broadcast_buffers
+from ..launch import gloo_group
+from ..output import first_error, print_line
+from .position import position_tag
+from .file import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
 
 
 class ShardedSnapshots:
@@ -39,8 +39,8 @@ class ShardedSnapshots:
     (model, optimizer), made here (collective), not the training's: a rank
     gone mid-save fails them after ``timeout_s`` seconds (--pg_timeout_s),
     not gloo's 30 minutes; the shards are staged in CPU buffers kept from
-    one save to the next (``DcpStaging``). ``latest``, ``load``,
-    ``load_model``, ``save`` and ``close`` are the calls
+    one save to the next (``DcpStaging``). ``latest``, ``read``, ``load``,
+    ``load_model``, ``resume_note``, ``save`` and ``close`` are the calls
     ``checkpointer.Checkpointer`` makes of either format.
     """
 
@@ -102,20 +102,24 @@ class ShardedSnapshots:
                               f"to start afresh (or put back a good copy), or pass another --snapshot_path")
         return snapshot
 
-    def load(self, folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> dict:
-        """Collective: ``read`` the snapshot ``folder``, then DCP loads into
-        this model's and optimizer's own sharded state dicts, in place: each
-        rank reads its shards' pieces from whichever files hold them. Returns
-        the META (the position, RNG states, recipe, config, world_size)."""
+    def load(self, folder: str, snapshot: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Collective: DCP loads the shards of snapshot ``folder`` (``snapshot``:
+        its META, ``read``'s) into this model's and optimizer's own sharded
+        state dicts, in place: each rank reads its shards' pieces from
+        whichever files hold them."""
         import torch.distributed.checkpoint as dcp  # imported where FSDP uses it: see train.shard_model
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        snapshot = self.read(folder, config)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.load(model_state, checkpoint_id=os.path.join(folder, "model"))
         dcp.load(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-        return snapshot
+
+    @staticmethod
+    def resume_note(progress, config) -> str:
+        """The resume line's end: DCP reshards exactly, and inside an epoch
+        where it goes on (``resharding_note``)."""
+        return resharding_note(progress.saved_world_size, progress.epoch_note())
 
     def load_model(self, folder: str, model: torch.nn.Module) -> None:
         """Collective: the model weights alone of the snapshot ``folder``, its

@@ -8,7 +8,7 @@ import errno
 import os
 from typing import Optional
 
-from .errors import RunFailed
+from ..output import RunFailed
 
 # What to do about a save that the system refused, by its errno.
 _SAVE_FIX = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your disk quota",

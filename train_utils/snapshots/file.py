@@ -20,22 +20,13 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
+from ..config import must_match
+from ..output import print_line
 from .claims import process_lives
-from .errors import NothingToTrain
-from .output import print_line
-from .resume import position_tag
-from .snapshot_writer import CpuStaging
+from .position import position_tag
+from .writer import CpuStaging
 
 
-# A snapshot made with other values of these trained something else, or on
-# other data (the seed also draws the validation split): refuse it. Not
-# compared: what may change between runs of the same training, like paths
-# (a node-local --data_dir), the schedule (--total_epochs, --lr lowered after
-# a divergence: see Recipe.resume), --num_workers, --compile and --amp.
-# Another --optimizer is refused: its state holds other buffers. The world
-# size may change, mid-epoch too (read_snapshot; resume.resize_note).
-SNAPSHOT_MUST_MATCH = ("dataset", "model", "seed", "input_path", "batch_size",
-                       "grad_accum_steps", "optimizer", "decay_params", "n_layer", "n_head", "n_embd", "block_size")
 START_AFRESH = "delete it or pass another --snapshot_path to start afresh"
 # What snapshots written before --optimizer and --decay_params existed trained with.
 BEFORE_RECIPES = MappingProxyType({"optimizer": "sgd", "decay_params": "all"})
@@ -82,10 +73,9 @@ def read_snapshot(path: str, config: dict) -> dict:
     entry), then ``torch.load`` with ``weights_only=True``, which unpickles
     tensors and plain containers only, never arbitrary objects, so a crafted
     file cannot run code here. Raises ConfigError (one line, the file left as
-    it is) when the file is damaged or cannot be read, when it comes from a
-    run whose ``SNAPSHOT_MUST_MATCH`` settings differ from ``config``'s, or
-    when it holds more epochs than ``config["total_epochs"]``; NothingToTrain
-    when it holds exactly those.
+    it is) when the file is damaged or cannot be read, when it comes from
+    another run (``check_same_run``), or when it holds more epochs than
+    ``config["total_epochs"]``.
 
     Another world size (``config["world_size"]``) resumes it: model and
     optimizer state are the same on every rank, and the rest of the epoch's
@@ -93,7 +83,7 @@ def read_snapshot(path: str, config: dict) -> dict:
     ``resize_note`` says what changes). The same world size resumes exactly.
     """
     snapshot = _load(path)
-    _check_same_run(snapshot, path, config)
+    check_same_run(snapshot, path, config)
     return snapshot
 
 
@@ -117,14 +107,30 @@ def _load(path: str) -> dict:
     return snapshot
 
 
-def _check_same_run(snapshot: dict, path: str, config: dict) -> None:
-    """ConfigError unless ``snapshot`` continues the run of ``config`` (see
-    ``read_snapshot``); NothingToTrain when it already holds every epoch."""
+def check_same_run(snapshot: dict, path: str, config: dict) -> None:
+    """ConfigError unless ``snapshot`` (the snapshot at ``path``) continues
+    the run of ``config`` (``RunConfig.as_dict``): the flags that must match
+    (``config.must_match``; the global batch instead of --grad_accum_steps
+    under --global_batch_size) and the task's identity, whole, are the
+    snapshot's, and it holds at most --total_epochs epochs. A snapshot saved
+    before the task identity was stored kept its sizes among its flags:
+    those the identity names are compared. Not compared: what may change
+    between runs of the same training, like paths (a node-local --data_dir),
+    the schedule (--total_epochs, --lr lowered after a divergence:
+    ``Recipe.load_state_dict``), --num_workers, --compile and --amp. The world size
+    may change, mid-epoch too (``resume.Progress.resize_note``)."""
     saved, config = {**BEFORE_RECIPES, **snapshot["config"]}, {**BEFORE_RECIPES, **config}
     # --global_batch_size sets the accumulation per world size: the global batch must match instead.
-    keys = [key for key in SNAPSHOT_MUST_MATCH if key != "grad_accum_steps" or not config.get("global_batch_size")]
+    keys = [key for key in must_match() if key != "grad_accum_steps" or not config.get("global_batch_size")]
     changed = [f"{key} {saved.get(key)} -> {config.get(key)}"
                for key in keys + ["global_batch_size"] if saved.get(key) != config.get(key)]
+    identity = config.get("task_identity", {})
+    if "task_identity" in saved:
+        saved_identity, keys = saved["task_identity"], dict.fromkeys([*saved["task_identity"], *identity])
+    else:  # an older snapshot: the sizes it kept among its flags
+        saved_identity, keys = saved, [key for key in identity if key in saved]
+    changed += [f"{key} {saved_identity.get(key)} -> {identity.get(key)}"
+                for key in keys if saved_identity.get(key) != identity.get(key)]
     if changed:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
                           f"resume with its settings, or {START_AFRESH}")
@@ -132,9 +138,6 @@ def _check_same_run(snapshot: dict, path: str, config: dict) -> None:
     if trained > wanted or (trained == wanted and snapshot["steps_run"]):
         raise ConfigError(f"--total_epochs {wanted} is below the {trained} epochs snapshot {path} "
                           f"already holds; raise --total_epochs, or {START_AFRESH}")
-    if trained == wanted:
-        raise NothingToTrain(f"snapshot {path} already holds all {wanted} epochs: nothing to train "
-                             f"(raise --total_epochs to train on, or {START_AFRESH})")
 
 
 def _umask() -> int:
@@ -220,8 +223,9 @@ def remove_stale_temporary_files(path: str) -> list:
 class SnapshotFile:
     """The Checkpointer's file format (DDP): the whole state in one file at
     ``path``, written by rank 0 (every rank holds the same weights), read by
-    every rank. ``latest``, ``load``, ``load_model``, ``save`` and ``close``
-    are the calls ``checkpointer.Checkpointer`` makes of either format."""
+    every rank. ``latest``, ``read``, ``load``, ``load_model``,
+    ``resume_note``, ``save`` and ``close`` are the calls
+    ``checkpointer.Checkpointer`` makes of either format."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -232,14 +236,21 @@ class SnapshotFile:
         (start afresh); ConfigError when only some do (``snapshot_on_every_node``)."""
         return self.path if snapshot_on_every_node(self.path) else None
 
-    def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> dict:
-        """Read the snapshot file ``path`` (``read_snapshot``: integrity, then
-        "same run?" against ``config``), load its model and optimizer state
-        into ``model`` and ``optimizer``; return the rest of it."""
-        snapshot = read_snapshot(path, config)
+    def read(self, path: str, config: dict) -> dict:
+        """The snapshot file ``path`` (``read_snapshot``: integrity, then "same
+        run?" against ``config``), its weights and optimizer state included."""
+        return read_snapshot(path, config)
+
+    def load(self, path: str, snapshot: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Load ``snapshot``'s (``read``'s) model and optimizer state into
+        ``model`` and ``optimizer``, taking them out of it."""
         model.load_state_dict(snapshot.pop("model"))
         optimizer.load_state_dict(snapshot.pop("optimizer"))
-        return snapshot
+
+    @staticmethod
+    def resume_note(progress, config) -> str:
+        """The resume line's end: what changes at another world size (``Progress.resize_note``)."""
+        return progress.resize_note(config)
 
     def load_model(self, path: str, model: torch.nn.Module) -> None:
         """The model weights alone of the snapshot file ``path`` (integrity checked, ``_load``)."""

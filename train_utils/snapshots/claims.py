@@ -27,7 +27,7 @@ except ImportError:  # Windows: no flock; claims are then read and written unloc
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import first_error
+from ..output import first_error
 
 CLAIM_SUFFIX = ".job"
 # squeue's states of a job that may still write (docs: squeue, JOB STATE CODES).

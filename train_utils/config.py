@@ -1,0 +1,336 @@
+"""The run's configuration: every flag of the kit as a field of one frozen
+``RunConfig``, each field carrying its flag (type, help) and its properties
+(must match at a resume, may change at a resume, defaulted by the task,
+per process), and ``resolve_config``, which turns the parsed command line
+and the built task into the one configuration the run uses from then on.
+
+The properties are read from the fields (``must_match``,
+``changeable_at_resume``, ``task_defaults``, ``per_process``): a new flag is
+one field here, its properties beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
+
+from common import ConfigError
+from recipes import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS, recipe_values
+
+
+def positive(kind: type, zero: bool = False) -> Callable[[str], object]:
+    """argparse type: a ``kind`` (int or float) > 0, or with ``zero`` >= 0 and
+    finite, else a one-line usage error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            article = "an" if kind is int else "a"
+            raise argparse.ArgumentTypeError(f"expected {article} {kind.__name__}, got {text!r}")
+        if zero:
+            if not 0 <= value < float("inf"):  # also rejects NaN
+                finite = " and finite" if kind is float else ""
+                raise argparse.ArgumentTypeError(f"must be >= 0{finite}, got {text}")
+        elif not value > 0:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+non_negative_float = positive(float, zero=True)
+non_negative_int = positive(int, zero=True)
+
+
+def choice(*choices: str) -> Callable[[str], str]:
+    """argparse type: one of ``choices``, else a one-line usage error."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(choices)})")
+        return text
+
+    return parse
+
+
+def flag(default: Any, help: str, *, group: str, must_match: bool = False, changeable: bool = False,
+         per_process: bool = False, task_default: bool = False, **argparse_options: Any):
+    """A ``RunConfig`` field and its command-line flag ``--NAME``.
+
+    ``default``: the value where neither the command line nor the task sets
+    one (a ``task_default`` field's is ``recipes.RECIPE_DEFAULTS``'); ``help``
+    and ``argparse_options`` (type, choices, action, ...) are the flag's;
+    ``group``: the --help section it is listed in. Properties:
+    ``must_match``: a snapshot saved with another value comes from another
+    run and is refused; ``changeable``: a resumed run may change it, and the
+    resume line says so (the recipe); ``per_process``: it may differ between
+    the processes of one job (node-local paths); ``task_default``: left
+    unset on the command line, the task's recipe (``common.Task.recipe``)
+    gives it."""
+    metadata = {"help": help, "group": group, "must_match": must_match, "changeable": changeable,
+                "per_process": per_process, "task_default": task_default, "argparse": argparse_options}
+    return field(default=default, metadata=MappingProxyType(metadata))
+
+
+TRAINING, OUTPUT, SPEED, RECIPE, RUN = ("what to train, on what, for how long", "figures, samples and traces",
+                                        "how the steps run", "the recipe (docs/recipes.md)",
+                                        "how the run is spread, snapshotted and timed out")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a run of train.py trains and how, resolved once
+    (``resolve_config``) and never changed after: the flags, the task's
+    recipe where the command line left one unset, and what follows from
+    them (the dtype --amp runs in, --grad_accum_steps under
+    --global_batch_size, --total_epochs under --max_steps). ``task_flags``
+    holds the task module's own flags (``common.Task`` modules' ``FLAGS``)
+    and ``task_identity`` the task's ``identity``. A snapshot stores
+    ``as_dict()``; a resumed run compares it with its own (the fields that
+    ``must_match``, and the identity whole)."""
+
+    # What to train, on what, for how long (--lr first: the resume line names changed flags in this order)
+    lr: float = flag(RECIPE_DEFAULTS["lr"], "peak learning rate (default: the task's; synthetic 0.05)",
+                     group=TRAINING, changeable=True, task_default=True, type=positive(float))
+    total_epochs: int = flag(10, "epochs to train (default: 10)", group=TRAINING, changeable=True, type=positive(int))
+    save_every: int = flag(5, "save every N epochs; the last epoch is always saved (default: 5)", group=TRAINING,
+                           type=positive(int))
+    batch_size: int = flag(RECIPE_DEFAULTS["batch_size"],
+                           "samples per step *per process*; the global batch size is batch_size x "
+                           "grad_accum_steps x world_size (default: the task's; 32, shakespeare_char 12)",
+                           group=TRAINING, must_match=True, task_default=True, type=positive(int))
+    dataset: str = flag("synthetic", "task to train", group=TRAINING, must_match=True)
+    model: Optional[str] = flag(None, "model for the task (default: the task's first)", group=TRAINING,
+                                must_match=True)
+    data_dir: str = flag("data", "dataset root, as torchvision expects it (default: $DATA_DIR or ./data)",
+                         group=TRAINING, per_process=True)
+    seed: int = flag(0, "seed for data split, model init, shuffling (default: 0)", group=TRAINING,
+                     must_match=True, type=int)
+    num_workers: int = flag(0, "DataLoader worker processes per training process (default: 0)", group=TRAINING,
+                            per_process=True, type=non_negative_int)
+
+    # Figures, samples and traces
+    metrics_path: Optional[str] = flag(None, "also write each epoch's summary as one JSON object per line here",
+                                       group=OUTPUT, per_process=True)
+    tensorboard_dir: Optional[str] = flag(
+        None, "also write each epoch's figures for TensorBoard here (needs: pip install tensorboard)",
+        group=OUTPUT, per_process=True)
+    wandb_project: Optional[str] = flag(
+        None, "also log the flags, each epoch's figures and the test figures to a Weights & Biases run in this "
+              "project, from rank 0; a resumed run continues it; WANDB_MODE=offline, WANDB_ENTITY etc. apply "
+              "(needs: pip install wandb)", group=OUTPUT)
+    log_every_steps: int = flag(
+        RECIPE_DEFAULTS["log_every_steps"],
+        "also print a progress line on rank 0 every N optimizer steps, in a log file as on a terminal: step, "
+        "epoch, loss, lr, samples/s or tokens/s, ms a step; 0: none "
+        f"(default: the task's; shakespeare_char 100, else {RECIPE_DEFAULTS['log_every_steps']})",
+        group=OUTPUT, task_default=True, type=non_negative_int)
+    eval_every_steps: int = flag(
+        RECIPE_DEFAULTS["eval_every_steps"],
+        "evaluate every N optimizer steps of the run, and after its last, instead of after every epoch "
+        "(nanoGPT's eval_interval), each evaluation one summary line and metrics record with the best "
+        f"validation loss so far; 0: after every epoch (default: the task's; tokens 2000, else "
+        f"{RECIPE_DEFAULTS['eval_every_steps']})", group=OUTPUT, task_default=True, type=non_negative_int)
+    eval_windows: int = flag(
+        RECIPE_DEFAULTS["eval_windows"],
+        "held-out samples (a language model's windows) each evaluation scores: a fixed subset drawn from "
+        "--seed, the same in every evaluation and every run (nanoGPT's eval_iters x batch_size); 0: all "
+        f"(default: the task's; tokens 2400, else {RECIPE_DEFAULTS['eval_windows']})",
+        group=OUTPUT, task_default=True, type=non_negative_int)
+    profile_dir: Optional[str] = flag(
+        None, "trace training steps 3-7 with torch.profiler on every rank, one trace file per rank here, for "
+              "Perfetto or chrome://tracing (default: no profiler)", group=OUTPUT)
+
+    # How the steps run
+    amp: Optional[str] = flag(
+        None, "autocast for the training forward pass: bf16 where every GPU of the job has it, else fp16 with a "
+              "loss scaler; 'bf16' or 'fp16' forces one, also on a CPU (plain --amp on a CPU only where it was "
+              "measured to help, see docs/performance.md)",
+        group=SPEED, nargs="?", const="auto", choices=("auto", "bf16", "fp16"))
+    compile: bool = flag(False, "torch.compile the training model and its loss, under FSDP each transformer "
+                                "block (saved weights stay loadable without it)", group=SPEED, action="store_true")
+    no_tf32: bool = flag(False, "on GPUs, fp32 matmuls and convolutions in full fp32 instead of on TF32 tensor "
+                                "cores (default: TF32 on Ampere or newer, "
+                                "torch.set_float32_matmul_precision('high'))", group=SPEED, action="store_true")
+    deterministic: bool = flag(
+        False, "bitwise-repeatable GPU kernels (deterministic algorithms, cuBLAS workspace, cuDNN): a GPU run "
+               "stopped and resumed ends bitwise equal to one that never stopped; slower (default: off; CPU "
+               "runs are repeatable without it)", group=SPEED, action="store_true")
+    grad_accum_steps: int = flag(1, "micro-batches of --batch_size per optimizer step (default: 1)", group=SPEED,
+                                 must_match=True, type=positive(int))
+    global_batch_size: Optional[int] = flag(
+        None, "keep this global batch at any world size: --grad_accum_steps becomes it / (batch_size x "
+              "world_size), which must divide it (elastic jobs; default: off)", group=SPEED, type=positive(int))
+    activation_checkpointing: bool = flag(
+        False, "recompute each transformer block's activations in the backward pass: less memory, the same "
+               "losses (default: off)", group=SPEED, action="store_true")
+
+    # The recipe: each default the task's choice (Task.recipe), else recipes.RECIPE_DEFAULTS
+    optimizer: str = flag(RECIPE_DEFAULTS["optimizer"], "optimizer (default: the task's; synthetic sgd, "
+                                                        "momentum 0.9)",
+                          group=RECIPE, must_match=True, task_default=True, choices=tuple(OPTIMIZERS))
+    weight_decay: float = flag(RECIPE_DEFAULTS["weight_decay"], "weight decay (default: the task's; synthetic 0)",
+                               group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+    lr_schedule: str = flag(
+        RECIPE_DEFAULTS["lr_schedule"],
+        "learning rate over the run: constant, cosine (down to --min_lr one step after the last) or step (x "
+        "--lr_gamma every --lr_step_epochs) (default: the task's; synthetic constant)",
+        group=RECIPE, changeable=True, task_default=True, choices=LR_SCHEDULES)
+    warmup_epochs: float = flag(
+        RECIPE_DEFAULTS["warmup_epochs"],
+        "linear warm-up over this many (fractional) epochs of steps (default: the task's; 0)",
+        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+    clip_grad_norm: Optional[float] = flag(
+        RECIPE_DEFAULTS["clip_grad_norm"],
+        "clip the gradients' total L2 norm, over all ranks, to this; 0: no clipping (default: the task's; 0)",
+        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+    max_steps: int = flag(
+        RECIPE_DEFAULTS["max_steps"],
+        f"optimizer steps to train, the last epoch cut short; 0: --total_epochs (default: the task's; "
+        f"{RECIPE_DEFAULTS['max_steps']})", group=RECIPE, changeable=True, task_default=True,
+        type=non_negative_int)
+    warmup_steps: int = flag(
+        RECIPE_DEFAULTS["warmup_steps"],
+        f"linear warm-up over this many optimizer steps (--warmup_epochs 0) (default: the task's; "
+        f"{RECIPE_DEFAULTS['warmup_steps']})", group=RECIPE, changeable=True, task_default=True,
+        type=non_negative_int)
+    min_lr: float = flag(RECIPE_DEFAULTS["min_lr"],
+                         f"where the cosine ends (default: the task's; {RECIPE_DEFAULTS['min_lr']})",
+                         group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+    beta1: float = flag(RECIPE_DEFAULTS["beta1"], f"AdamW's beta1 (default: the task's; {RECIPE_DEFAULTS['beta1']})",
+                        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+    beta2: float = flag(RECIPE_DEFAULTS["beta2"], f"AdamW's beta2 (default: the task's; {RECIPE_DEFAULTS['beta2']})",
+                        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+    lr_step_epochs: int = flag(
+        RECIPE_DEFAULTS["lr_step_epochs"],
+        f"step schedule: epochs between decays (default: the task's; {RECIPE_DEFAULTS['lr_step_epochs']})",
+        group=RECIPE, changeable=True, task_default=True, type=positive(int))
+    lr_gamma: float = flag(
+        RECIPE_DEFAULTS["lr_gamma"],
+        f"step schedule: factor per decay (default: the task's; {RECIPE_DEFAULTS['lr_gamma']})",
+        group=RECIPE, changeable=True, task_default=True, type=positive(float))
+    decay_params: str = flag(
+        RECIPE_DEFAULTS["decay_params"],
+        "all: every parameter decays; matrices: 2-D ones only, not biases or norms (default: the task's; all)",
+        group=RECIPE, must_match=True, task_default=True, choices=DECAY_PARAMS)
+
+    # How the run is spread, snapshotted and timed out
+    strategy: str = flag("ddp", "ddp: every rank holds the whole model (DistributedDataParallel); fsdp: each "
+                                "holds 1/world_size of it (FSDP2), snapshots sharded (default: ddp)",
+                         group=RUN, type=choice("ddp", "fsdp"))
+    snapshot_path: Optional[str] = flag(None, "snapshot to resume from when it exists, and to save to",
+                                        group=RUN, per_process=True)
+    snapshot_every_steps: int = flag(
+        0, "also snapshot every N steps inside an epoch, so a restart loses at most N steps (0: only at epoch "
+           "ends) (default: 0)", group=RUN, type=non_negative_int)
+    snapshot_every_s: float = flag(
+        0, "also snapshot inside an epoch once this many seconds have passed since the last snapshot, e.g. 60 "
+           "(0: off) (default: 0)", group=RUN, type=non_negative_float)
+    snapshot_sync: bool = flag(False, "write each snapshot before training goes on (default: a CPU copy written "
+                                      "in the background, one write at a time)", group=RUN, action="store_true")
+    pg_timeout_s: float = flag(
+        600, "once training runs, seconds a collective may wait for the other ranks before the job fails: on "
+             "the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) NCCL's watchdog ends "
+             "every waiting rank (SIGABRT) and the flight recorder's dumps name the collective (docs/runs.md) "
+             "(default: 600)", group=RUN, type=positive(float))
+    startup_timeout_s: float = flag(
+        1800, "the same during start-up and the first training step (downloads, compilation); a rank that "
+              "never joins ends the job with one line from every rank that waited (default: 1800)",
+        group=RUN, type=positive(float))
+
+    # The task's own flags (its module's FLAGS) and identity (common.Task.identity): no command-line flag
+    task_flags: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    task_identity: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def as_dict(self) -> dict:
+        """The configuration as plain values, the task's flags among the
+        kit's and its identity under "task_identity": what snapshots, the
+        metrics file's start record and W&B store."""
+        values = {f.name: getattr(self, f.name) for f in flags()}
+        return {**values, **self.task_flags, "task_identity": dict(self.task_identity)}
+
+
+def flags() -> tuple:
+    """``RunConfig``'s fields that are command-line flags, in --help's order."""
+    return tuple(f for f in dataclasses.fields(RunConfig) if "help" in f.metadata)
+
+
+def _having(prop: str) -> tuple:
+    return tuple(f.name for f in flags() if f.metadata[prop])
+
+
+def must_match() -> tuple:
+    """Flags whose value a resumed run must share with its snapshot: another
+    value trained something else, or on other data (the seed draws the
+    validation split too; another --optimizer holds other buffers)."""
+    return _having("must_match")
+
+
+def changeable_at_resume() -> tuple:
+    """Flags a resumed run may change, the resume line saying what changed:
+    the recipe (a lower --lr after a divergence, a longer --total_epochs)."""
+    return _having("changeable")
+
+
+def task_defaults() -> tuple:
+    """Flags the task's recipe gives where the command line does not (the keys of ``recipes.RECIPE_DEFAULTS``)."""
+    return _having("task_default")
+
+
+def per_process() -> tuple:
+    """Flags that may differ between the processes of one job: node-local paths, CPU counts, what rank 0 writes."""
+    return _having("per_process")
+
+
+def batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:
+    """Full training batches each of ``world_size`` ranks gets from ``samples``
+    samples: its share of the epoch's permutation (ceil(samples / world_size),
+    the last positions padding: ``ResumableDistributedSampler``), in batches
+    of ``batch_size``, the last partial one dropped."""
+    return math.ceil(samples / world_size) // batch_size
+
+
+def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optional[str],
+                   task_flags: Optional[Mapping[str, Any]] = None) -> RunConfig:
+    """The run's configuration, from the parsed command line ``args`` (the
+    model chosen by the task function among them) and the task built from
+    it, for ``world_size`` processes: each flag ``args`` leaves unset (None)
+    that the task's recipe gives, the recipe's (``recipes.recipe_values``);
+    --amp as the job runs it (``amp``: ``speed.resolve_amp``'s); with
+    --global_batch_size, --grad_accum_steps = it / (batch_size x world_size);
+    with --max_steps, --total_epochs = the epochs that hold its steps; the
+    task's own flags (``task_flags``: {name: value}, ``cli.task_flag_values``)
+    and identity. Raises ConfigError (one line) for a global batch size the
+    per-process batch does not divide."""
+    values = {f.name: getattr(args, f.name) for f in flags()}
+    values.update(recipe_values(args, task.recipe), amp=amp)
+    values["grad_accum_steps"] = accumulation_steps(values["global_batch_size"], values["batch_size"],
+                                                    values["grad_accum_steps"], world_size)
+    if values["max_steps"]:
+        batches = batches_per_rank(len(task.train_set), world_size, values["batch_size"])
+        values["total_epochs"] = math.ceil(values["max_steps"] / max(1, batches // values["grad_accum_steps"]))
+    return RunConfig(**values, task_flags=MappingProxyType(dict(task_flags or {})),
+                     task_identity=MappingProxyType(dict(task.identity)))
+
+
+def accumulation_steps(global_batch_size: Optional[int], batch_size: int, grad_accum_steps: int,
+                       world_size: int) -> int:
+    """--grad_accum_steps (``grad_accum_steps``), or under --global_batch_size
+    G: G / (--batch_size x ``world_size``), so that the global batch, the
+    steps per epoch and the schedule stay the same whatever the world size
+    (an elastic job's). Raises ConfigError (one line) when that is not a
+    whole number >= 1."""
+    if not global_batch_size:
+        return grad_accum_steps
+    per_step = batch_size * world_size
+    if global_batch_size % per_step:
+        raise ConfigError(f"--global_batch_size {global_batch_size} is not a multiple of --batch_size {batch_size} x "
+                          f"world_size {world_size} = {per_step}; pick one that every world size of the job "
+                          f"divides (e.g. {per_step * max(1, global_batch_size // per_step)}), or a smaller "
+                          f"--batch_size")
+    return global_batch_size // per_step

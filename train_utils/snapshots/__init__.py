@@ -1,0 +1,17 @@
+"""Snapshots: what a run writes so that any stop resumes exactly, and reads
+back. Its face is the ``Checkpointer`` (``checkpointer.py``), given the run's
+stateful parts, and ``claim_snapshot_path``, the claim taken at start-up.
+
+  module        concern
+  checkpointer  the Checkpointer: find, load, save, wait, close; the parts it is given
+  file          the file format (DDP): atomic save; reading one, "same run?" checks
+  sharded       the sharded format (FSDP): a folder of DCP shards per save, complete when meta.pt is
+  writer        snapshots written in the background, one at a time; the CPU staging; the clock
+  claims        one live run per snapshot: its claim file, whether a holder lives
+  save_errors   a save the system refused: one line naming the intact snapshot
+  position      where a snapshot stands, in words
+"""
+
+from .checkpointer import Checkpointer, Found, claim_snapshot_path
+
+__all__ = ["Checkpointer", "Found", "claim_snapshot_path"]

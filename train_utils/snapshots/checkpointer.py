@@ -1,0 +1,244 @@
+"""The Checkpointer: a snapshot's whole life, from the claim on its path to
+the last write, behind a few calls (``claim_snapshot_path``; ``load``,
+``save``, ``wait``, ``close``) and the clock that says when the next one is due.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from common import ConfigError
+from ..output import first_error, output_path_error
+from .claims import claim_snapshot, release_claim
+from .file import START_AFRESH, SnapshotFile, remove_stale_temporary_files
+from .position import position
+from .save_errors import save_failure
+from .sharded import ShardedSnapshots
+from .writer import SnapshotClock, SnapshotWriter
+
+# What a snapshot holds besides its parts' keys: the weights, the optimizer's state, the run's
+# configuration and (a sharded snapshot's meta file) the world size that saved it.
+OWN_KEYS = ("model", "optimizer", "config", "world_size")
+
+
+class Part(Protocol):
+    """A stateful part of the run that every snapshot holds: ``KEYS``, the
+    snapshot keys it writes and reads; ``state_dict()`` (collective) gives
+    them; ``load_state_dict(snapshot)`` takes them back from the whole
+    snapshot (a part may read others' keys, never change them)."""
+
+    KEYS: tuple
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, snapshot: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class Found:
+    """What ``Checkpointer.load`` found: ``path`` the snapshot (None: none, a
+    fresh start); ``position`` where it stands ("after epoch 2", "in epoch 3
+    after step 40"); ``finished``: it holds every epoch asked for, and
+    nothing was loaded (``line`` says so; ``Checkpointer.load_model``
+    loads its weights); a snapshot resumed from: ``position`` in this run's
+    steps, ``note`` the resume line's end (another world size: what
+    changes)."""
+
+    path: Optional[str] = None
+    position: str = ""
+    finished: bool = False
+    note: str = ""
+    line: str = ""
+
+
+def claim_snapshot_path(path: str, sharded: bool) -> None:
+    """Collective, as soon as the process group exists, before the task is
+    built: --snapshot_path can be written (every rank checks a sharded one,
+    rank 0 a file: ``output.output_path_error``), this run takes its claim
+    (``claims.claim_snapshot``: one live run per snapshot, so a second run
+    of the same command is refused before a download, say), and rank 0
+    removes the temporary files a killed writer left beside it. Raises
+    ConfigError (one line, on every rank) when the path cannot be written
+    or another live run holds it. ``Checkpointer.close`` gives the claim back."""
+    rank = dist.get_rank()
+    writes = sharded or rank == 0
+    error = first_error(output_path_error("snapshot_path", path, folder=sharded) if writes else "")
+    if error:
+        raise ConfigError(error)
+    claim_snapshot(path)
+    if rank == 0:  # claimed: a temporary file beside the snapshot is a killed writer's, on any host
+        remove_stale_temporary_files(path)
+
+
+class Checkpointer:
+    """The run's snapshot at ``path`` (--snapshot_path, claimed already:
+    ``claim_snapshot_path``) of ``model`` (DDP's ``.module``; under FSDP the
+    sharded model), ``optimizer`` and the run's stateful ``parts`` ({name:
+    ``Part``}), given here and loaded in their order; train.py's are
+    "progress" (the position, the random streams: ``resume.Progress``, whose
+    world size the resume line's note reads), "recipe" (the schedule, the
+    loss scale), "evaluations" (the interval's loss, the best so far) and
+    "trackers" (the W&B run). ``config``: the run's (``RunConfig.as_dict``), compared with a
+    snapshot's before it is loaded and saved in every one. The one to resume
+    from is found and loaded (``load``), new ones are written one at a time
+    (in the background unless ``asynchronous`` is False), and the system's
+    refusal of a write is one line that names the intact snapshot.
+
+    Two formats, one choice made here, ``sharded``:
+
+    * ``SnapshotFile`` (DDP): one file; rank 0, which holds the whole model
+      like every rank, writes it with ``torch.save`` (a temporary file, then
+      a rename). One self-contained file that ``torch.load`` opens; its zip
+      archive's CRC-32 of every entry is checked before it is loaded.
+    * ``ShardedSnapshots`` (FSDP): a folder per save, each rank writing its
+      own shards with torch.distributed.checkpoint (DCP), complete once rank
+      0 wrote its meta file; no rank ever holds the whole state.
+
+    DCP for both would serve DDP too (it reshards for any world size), but
+    a DDP process would pay DCP's import (0.5 s of every start, with DTensor
+    and sympy) to write what one rank holds whole anyway, and the snapshot
+    would become a folder of shards where a plain file is what a DDP user
+    opens, copies and loads elsewhere. Both formats keep every guarantee:
+    bitwise resume, another world size mid-epoch, damaged and foreign
+    snapshots refused in one line.
+
+    ``every_s``: --snapshot_every_s, rank 0's clock; ``every_steps``:
+    --snapshot_every_steps; ``timeout_s``: --pg_timeout_s for the background
+    saves' own groups (FSDP). Collective: every rank makes one (FSDP's
+    background saves make two gloo groups) and calls ``load``, ``save`` and
+    ``due`` alike.
+    """
+
+    def __init__(self, path: str, sharded: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 config: dict, parts: Mapping[str, Part], *, asynchronous: bool = True, every_s: float = 0, every_steps: int = 0, timeout_s: float = 600) -> None:
+        self.path, self.sharded, self.every_steps = path, sharded, every_steps
+        self.model, self.optimizer = model, optimizer
+        self.rank = dist.get_rank()
+        self.parts = dict(parts)
+        # The world size goes in a file's config (a resumed run compares it with its own);
+        # a sharded snapshot's meta file holds it beside the config.
+        self.config = dict(config, world_size=None if sharded else dist.get_world_size())
+        self.store = ShardedSnapshots(path, asynchronous, timeout_s) if sharded else SnapshotFile(path)
+        self.writer = SnapshotWriter(asynchronous)
+        self.clock = SnapshotClock(every_s)
+        self.found: Optional[str] = None  # the snapshot found by ``load``
+        self.saved_at = ""  # the intact snapshot and its position, for a failed write's line; '' for none
+
+    def load(self) -> Found:
+        """Collective: find the snapshot to resume from and load it: the
+        weights and the optimizer's state (in place; under FSDP each rank its
+        own shards), then each part in order. Returns what was found
+        (``Found``): nothing; a run that already holds every epoch asked
+        for (nothing is loaded: ``load_model`` loads its weights); or the
+        position resumed at and the resume line's note (``resume_note`` of
+        the format: another world size).
+
+        Raises ConfigError (one line, the snapshot kept) for a damaged
+        snapshot or another run's (``file.check_same_run``), one seen on
+        some nodes only, one holding keys that no part of this run reads, or
+        one a part refuses (a finished --max_steps run asked to go on to
+        another: ``Recipe.load_state_dict``)."""
+        self.found = self.store.latest()
+        if self.found is None:
+            return Found()
+        snapshot = self.store.read(self.found, self.config)
+        where = position(snapshot["epochs_run"], snapshot["steps_run"])
+        if snapshot["epochs_run"] == self.config["total_epochs"]:
+            return Found(self.found, where, finished=True,
+                         line=f"snapshot {self.found} already holds all {self.config['total_epochs']} epochs: "
+                              f"nothing to train (raise --total_epochs to train on, or {START_AFRESH})")
+        known = set(OWN_KEYS).union(*(part.KEYS for part in self.parts.values()))
+        unknown = sorted(set(snapshot) - known)
+        if unknown:
+            raise ConfigError(f"snapshot {self.found} holds {', '.join(unknown)}, which this train.py does not "
+                              f"read: a snapshot of another program or version; {START_AFRESH}")
+        self.store.load(self.found, snapshot, self.model, self.optimizer)
+        for part in self.parts.values():
+            part.load_state_dict(snapshot)
+        self.saved_at = f"{self.found} ({where})"
+        progress = self.parts.get("progress")
+        if progress is None:
+            return Found(self.found, where)
+        # Where this run goes on, in its own steps (another world size counts others), and what changed.
+        return Found(self.found, progress.position(), note=self.store.resume_note(progress, self.config))
+
+    def load_model(self) -> None:
+        """Collective under FSDP: the weights alone of the snapshot ``load``
+        found (a finished run's, to sample from), checked as ``load`` checks
+        them, into the model."""
+        self.store.load_model(self.found, self.model)
+
+    def request(self) -> bool:
+        """Rank 0's clock: whether to ask for a snapshot at this optimizer step
+        (--snapshot_every_s), for ``StopSignal.poll``'s ``request``, whose
+        all-reduce brings every rank the same answer one step later
+        (``SnapshotClock``). False on every other rank."""
+        return self.rank == 0 and self.clock.ask()
+
+    def due(self, steps_run: int, requested: bool) -> bool:
+        """Collective in effect: whether a snapshot is due after this optimizer
+        step, the same answer on every rank: ``requested`` (the poll's answer
+        to rank 0's ``request``) unless a snapshot was taken since it was sent,
+        or every --snapshot_every_steps micro-batches (``steps_run``, this
+        epoch's). Call it on every rank after every poll."""
+        due = self.clock.due(requested)
+        return due or bool(self.every_steps) and steps_run % self.every_steps == 0
+
+    def save(self) -> None:
+        """Collective: a snapshot of the model, the optimizer and every part
+        (their ``state_dict``s, each its own keys), with the run's config.
+        The write in flight, if any, is waited for first (``wait``: at most
+        one at a time; a failed one ends the run here). In the background
+        unless synchronous: the state is copied (to CPU memory) before this
+        returns, so training may go on changing it. Raises RunFailed (one
+        line) when the system refuses the write (a full disk): the previous
+        snapshot is the intact one."""
+        self.wait()
+        self.clock.saved()  # --snapshot_every_s counts from here
+        state = {"config": self.config}
+        for name, part in self.parts.items():
+            piece = part.state_dict()
+            if set(piece) - set(part.KEYS) or set(piece) & set(state):
+                raise RuntimeError(f"the {name} part's state {sorted(piece)} is not its KEYS {part.KEYS}, or "
+                                   f"holds a key another part gave")
+            state.update(piece)
+        try:
+            write, where = self.store.save(self.model, self.optimizer, state, self.writer.asynchronous)
+            if write is not None:  # a file: rank 0's alone
+                self.writer.start(write, f"{where} ({position(state['epochs_run'], state['steps_run'])})")
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            self._fail(exc)
+        if not self.writer.asynchronous:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the write in flight, if any: the snapshot it wrote is the
+        intact one from now on. Raises what it raised: RunFailed (one line)
+        for a write the system refused, naming the snapshot that stays intact."""
+        done = None
+        try:
+            done = self.writer.wait()
+        except BaseException as exc:
+            self._fail(exc)
+        if done:
+            self.saved_at = done
+
+    def close(self) -> None:
+        """The run's end: the last write waited for (``wait``), then the claim
+        given back (``claims.release_claim``; outside Slurm the next run may
+        take the snapshot, on any host), and what the format kept between
+        saves freed."""
+        self.wait()
+        self.store.close()
+        release_claim()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Raise ``exc``, as the one line of ``save_failure`` when the system refused the write."""
+        failure = save_failure(exc, self.path, self.saved_at)
+        if failure:
+            raise failure from exc
+        raise exc
