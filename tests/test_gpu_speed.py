@@ -315,65 +315,76 @@ def test_on_a_gpu_the_kits_loader_gives_pinned_dense_batches(dataset, tmp_path, 
 # --compile: the loss in a graph; FSDP's blocks compiled, then sharded
 # --------------------------------------------------------------------------
 
-def _compiled_run_worker(rank, port, out_dir, data_dir, strategy):
-    """One process: train.py's build, loaders and Trainer for --strategy
-    ``strategy`` --compile on a GPT of 12 blocks, two epochs with their
-    evaluations, dynamo recording each graph it compiles (a backend that
-    runs it as it was traced: graph breaks and recompiles are dynamo's, and
-    inductor adds none). Counted: the graph breaks; the frames compiled;
-    the graphs after the first epoch and its evaluation, and after the
-    second; the cross-entropies run eagerly (outside every compiled graph),
-    in training and in evaluation; the warnings dynamo logged."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=1)
-    import functools
-    import logging
+class CompileRecorder:
+    """What --compile does in this process, recorded: torch.compile with a
+    backend that keeps each graph dynamo traces and runs it as traced (graph
+    breaks and recompiles are dynamo's; inductor adds none), and
+    ``F.cross_entropy`` counted where it runs eagerly, outside every compiled
+    graph, by phase: "training", or "evaluating" while ``train.evaluate``
+    runs. ``graphs``: the graphs compiled so far; ``eager``: {phase: calls}."""
 
-    import torch.nn.functional as F
+    def __init__(self) -> None:
+        import functools
 
-    from support.trainer import trainer_as_train_py_builds_it
-    from torch._dynamo.utils import counters
-    from torch._inductor import config as inductor_config
+        import torch.nn.functional as F
+        from torch._inductor import config as inductor_config
 
-    inductor_config.compile_threads = 1  # no compile workers: this backend needs none
-    graphs, running = [], [0]
+        inductor_config.compile_threads = 1  # no compile workers: this backend needs none
+        self.graphs, self.running, self.phase = [], 0, "training"
+        self.eager = {"training": 0, "evaluating": 0}
+        torch.compile = functools.partial(torch.compile, backend=self.backend)
+        cross_entropy, evaluate = F.cross_entropy, train.evaluate
 
-    def recording(graph_module, example_inputs):
-        graphs.append(graph_module)
+        def counted_cross_entropy(*args, **kwargs):
+            if not torch.compiler.is_compiling() and not self.running:
+                self.eager[self.phase] += 1
+            return cross_entropy(*args, **kwargs)
+
+        def evaluating(*args, **kwargs):
+            self.phase = "evaluating"
+            try:
+                return evaluate(*args, **kwargs)
+            finally:
+                self.phase = "training"
+
+        F.cross_entropy, train.evaluate = counted_cross_entropy, evaluating
+
+    def backend(self, graph_module, example_inputs):
+        """A dynamo backend: the graph kept, and run as it was traced, counted as running."""
+        self.graphs.append(graph_module)
 
         def run(*inputs):
-            running[0] += 1
+            self.running += 1
             try:
                 return graph_module.forward(*inputs)
             finally:
-                running[0] -= 1
+                self.running -= 1
 
         return run
 
-    torch.compile = functools.partial(torch.compile, backend=recording)
-    cross_entropy, eager = F.cross_entropy, {"training": 0, "evaluating": 0}
-    phase = ["training"]
+    def loss_graphs(self) -> int:
+        """How many of the graphs compute a cross-entropy."""
+        return sum(any("cross_entropy" in str(node.target) for node in graph.graph.nodes) for graph in self.graphs)
 
-    def counted_cross_entropy(*args, **kwargs):
-        if not torch.compiler.is_compiling() and not running[0]:
-            eager[phase[0]] += 1
-        return cross_entropy(*args, **kwargs)
 
-    F.cross_entropy = counted_cross_entropy
-    evaluate = train.evaluate
+def _compiled_run_worker(rank, port, out_dir, data_dir, strategy):
+    """One process: train.py's Trainer for --strategy ``strategy`` --compile on
+    a GPT of 12 blocks, built as train.py builds it, two epochs with their
+    evaluations, what dynamo does recorded (``CompileRecorder``). Saved: the
+    graph breaks; the frames compiled; the graphs after the first epoch and
+    its evaluation, and after the second; the eager cross-entropies, in
+    training and in evaluation; the warnings dynamo logged."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=1)
+    import logging
 
-    def evaluating(*args, **kwargs):
-        phase[0] = "evaluating"
-        try:
-            return evaluate(*args, **kwargs)
-        finally:
-            phase[0] = "training"
+    from support.trainer import trainer_as_train_py_builds_it
+    from torch._dynamo.utils import counters
 
-    train.evaluate = evaluating
+    recorder = CompileRecorder()
     warnings = []
-    handler = logging.Handler()
+    handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
-    handler.setLevel(logging.WARNING)
     logging.getLogger("torch._dynamo").addHandler(handler)
     trainer, _ = trainer_as_train_py_builds_it(
         ["--dataset", "shakespeare_char", "--data_dir", data_dir, "--strategy", strategy, "--compile", "--n_layer",
@@ -381,15 +392,14 @@ def _compiled_run_worker(rank, port, out_dir, data_dir, strategy):
          os.path.join(out_dir, "snapshot"), "--total_epochs", "2"], rank)
     counters.clear()
     trainer.run_epoch(0)
-    after_first = len(graphs)
+    after_first = len(recorder.graphs)
     trainer.run_epoch(1)
     # A graph break's reason lands in "graph_break" or, from torch 2.9 on, in "unimplemented".
     breaks = {**counters["graph_break"], **counters["unimplemented"]}
     torch.save({"graph_breaks": {reason.splitlines()[0]: count for reason, count in breaks.items()},
-                "frames": dict(counters["frames"]), "graphs": (after_first, len(graphs)), "eager": eager,
-                "loss_graphs": sum(any("cross_entropy" in str(node.target) for node in graph.graph.nodes)
-                                   for graph in graphs),
-                "warnings": warnings}, os.path.join(out_dir, "counts.pt"))
+                "frames": dict(counters["frames"]), "graphs": (after_first, len(recorder.graphs)),
+                "eager": recorder.eager, "loss_graphs": recorder.loss_graphs(), "warnings": warnings},
+               os.path.join(out_dir, "counts.pt"))
     trainer.stop.close()
     torch.distributed.destroy_process_group()
     train_utils.exit_skipping_teardown()

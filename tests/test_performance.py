@@ -3,7 +3,6 @@ device augmentation, whole uint8 batches through the same samplers), gradient
 accumulation with DDP's no_sync(), --compile, --amp on a CPU, peak memory.
 No test here measures or asserts a time; benchmarks/ does the measuring."""
 
-import argparse
 import json
 import os
 
@@ -315,12 +314,11 @@ def _mixed_gpus_worker(rank, port, out_dir):
     torch.cuda.get_device_name = lambda device=None: ["NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB"][rank]
     torch.cuda.get_device_capability = lambda device=None: [(8, 0), (7, 0)][rank]
     gpu = torch.device("cuda", 0)
-    args = argparse.Namespace(amp="auto", batch_size=32)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        args.amp = train_utils.resolve_amp(args.amp, gpu)  # as train.py's main does
-    train_utils.checks.check_same_settings(args)
-    result = {"amp": args.amp, "dtype": str(train_utils.amp_dtype(gpu, args.amp)), "printed": printed.getvalue()}
+        amp = train_utils.resolve_amp("auto", gpu)  # as train.py's main does, into the run's configuration
+    train_utils.checks.check_same_settings(train_utils.RunConfig(amp=amp, batch_size=32))
+    result = {"amp": amp, "dtype": str(train_utils.amp_dtype(gpu, amp)), "printed": printed.getvalue()}
     try:
         train_utils.resolve_amp("bf16", gpu)
         result["forced_bf16"] = "accepted"

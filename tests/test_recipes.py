@@ -380,3 +380,52 @@ def test_the_seed_recipes_for_cifar10_run_as_documented(tmp_path):
         result = check(run(launcher[words[0]] + words[1:], work, DATA_DIR=str(data), PYTHONPATH=str(patch),
                            MASTER_PORT=str(free_port())))
         assert len(epochs(result.stdout)) == 1 and "test | loss" in result.stdout, command
+
+
+def test_the_tasks_identity_is_compared_whole_and_an_older_snapshots_sizes_by_name(tmp_path):
+    """A task's identity (the GPT's shape) is saved with the run's config and
+    compared whole: another vocabulary is refused by name. A snapshot from
+    before identities were saved kept the GPT's sizes among its flags: those
+    the identity names are compared (it has no vocabulary size to compare)."""
+    gpt = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}
+    config = {"dataset": "shakespeare_char", "model": "gpt", "seed": 0, "batch_size": 12, "grad_accum_steps": 1,
+              "optimizer": "adamw", "decay_params": "matrices", "total_epochs": 2}
+    now = dict(config, task_identity=dict(gpt, vocab_size=65))
+    older, newer = tmp_path / "older.pt", tmp_path / "newer.pt"
+    torch.save({"config": {**config, **gpt}, "epochs_run": 1, "steps_run": 0}, older)
+    torch.save({"config": now, "epochs_run": 1, "steps_run": 0}, newer)
+    assert read_snapshot(str(older), now)["epochs_run"] == read_snapshot(str(newer), now)["epochs_run"] == 1
+    with pytest.raises(ConfigError, match=r"different run \(n_layer 4 -> 6\)"):
+        read_snapshot(str(older), dict(config, task_identity=dict(gpt, n_layer=6, vocab_size=65)))
+    with pytest.raises(ConfigError, match=r"different run \(vocab_size 65 -> 50304\)"):
+        read_snapshot(str(newer), dict(config, task_identity=dict(gpt, vocab_size=50304)))
+
+
+def test_a_snapshot_holding_keys_no_part_reads_is_refused_in_one_line(tmp_path, one_process_group):
+    """The Checkpointer loads each of the run's parts from its own keys; a
+    snapshot holding others (another program's, a newer version's) is
+    refused in one line before anything is loaded, and left as it is."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = train_utils.RunConfig(snapshot_path=str(tmp_path / "snapshot.pt"), total_epochs=3).as_dict()
+    path = tmp_path / "snapshot.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": dict(config, world_size=1),
+                "epochs_run": 1, "steps_run": 0, "epoch_samples": 0, "rng_states": [], "ema": {"decay": 0.99}}, path)
+    before = path.read_bytes()
+
+    class Position:
+        KEYS = ("epochs_run", "steps_run", "epoch_samples", "rng_states")
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, snapshot):
+            raise AssertionError("loaded despite a key no part reads")
+
+    checkpointer = train_utils.Checkpointer(str(path), False, model, optimizer, config, {"position": Position()})
+    with pytest.raises(ConfigError) as info:
+        checkpointer.load()
+    assert str(info.value) == (f"snapshot {path} holds ema, which this train.py does not read: a snapshot of "
+                               f"another program or version; delete it or pass another --snapshot_path to start "
+                               f"afresh")
+    assert path.read_bytes() == before

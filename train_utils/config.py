@@ -94,16 +94,13 @@ class RunConfig:
     ``as_dict()``; a resumed run compares it with its own (the fields that
     ``must_match``, and the identity whole)."""
 
-    # What to train, on what, for how long (--lr first: the resume line names changed flags in this order)
+    # What to train, on what, for how long. The order is --help's, and the one the resume line
+    # names changed flags in (--lr first) and a refusal names what differs in (--dataset first).
     lr: float = flag(RECIPE_DEFAULTS["lr"], "peak learning rate (default: the task's; synthetic 0.05)",
                      group=TRAINING, changeable=True, task_default=True, type=positive(float))
     total_epochs: int = flag(10, "epochs to train (default: 10)", group=TRAINING, changeable=True, type=positive(int))
     save_every: int = flag(5, "save every N epochs; the last epoch is always saved (default: 5)", group=TRAINING,
                            type=positive(int))
-    batch_size: int = flag(RECIPE_DEFAULTS["batch_size"],
-                           "samples per step *per process*; the global batch size is batch_size x "
-                           "grad_accum_steps x world_size (default: the task's; 32, shakespeare_char 12)",
-                           group=TRAINING, must_match=True, task_default=True, type=positive(int))
     dataset: str = flag("synthetic", "task to train", group=TRAINING, must_match=True)
     model: Optional[str] = flag(None, "model for the task (default: the task's first)", group=TRAINING,
                                 must_match=True)
@@ -111,6 +108,10 @@ class RunConfig:
                          group=TRAINING, per_process=True)
     seed: int = flag(0, "seed for data split, model init, shuffling (default: 0)", group=TRAINING,
                      must_match=True, type=int)
+    batch_size: int = flag(RECIPE_DEFAULTS["batch_size"],
+                           "samples per step *per process*; the global batch size is batch_size x "
+                           "grad_accum_steps x world_size (default: the task's; 32, shakespeare_char 12)",
+                           group=TRAINING, must_match=True, task_default=True, type=positive(int))
     num_workers: int = flag(0, "DataLoader worker processes per training process (default: 0)", group=TRAINING,
                             per_process=True, type=non_negative_int)
 

@@ -10,7 +10,7 @@ resumable sampler, in sampler.py, continues an epoch part-way);
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -172,7 +172,7 @@ class Progress:
         if self.rank < len(snapshot["rng_states"]):
             set_rng_state(snapshot["rng_states"][self.rank], self.device, self.loader.generator)
 
-    def resize_note(self, config) -> str:
+    def resize_note(self, config: Mapping) -> str:
         """'' when the snapshot loaded (``load_state_dict``) was saved at this
         run's world size; else what changes, for the end of the resume line:
 
@@ -185,7 +185,7 @@ class Progress:
         (--lr is not scaled with it: pass a new --lr to change it). Steps per
         epoch: optimizer steps, from ``self.loader``'s sampler at either world
         size (``batches_per_epoch``) // --grad_accum_steps. ``config``: the
-        run's ``RunConfig``. The schedule goes on at ``step``, counted in this
+        run's (``RunConfig.as_dict``). The schedule goes on at ``step``, counted in this
         run's steps per epoch from the epoch reached (``Recipe.load_state_dict``), so a
         schedule set in epochs (warm-up, cosine to --total_epochs, step decay
         every --lr_step_epochs) is where it would be after that many epochs
@@ -201,14 +201,13 @@ class Progress:
         saved, now = self.saved_world_size, dist.get_world_size()
         if saved is None or saved == now:
             return ""
-        args = config
-        accum = (self.saved_accum, args.grad_accum_steps)  # they differ under --global_batch_size
+        accum = (self.saved_accum, config["grad_accum_steps"])  # they differ under --global_batch_size
         steps = [batches_per_epoch(self.loader, size) // n for size, n in zip((saved, now), accum)]
-        schedule = ""
-        if args.lr_schedule != "constant" or args.warmup_epochs:
-            schedule = (f"; the {args.lr_schedule} lr schedule{' with warm-up' if args.warmup_epochs else ''}, "
+        schedule, warmup = "", config["warmup_epochs"]
+        if config["lr_schedule"] != "constant" or warmup:
+            schedule = (f"; the {config['lr_schedule']} lr schedule{' with warm-up' if warmup else ''}, "
                         f"counted in epochs, goes on at step {self.step} of "
-                        f"{args.total_epochs * self.steps_per_epoch}")
+                        f"{config['total_epochs'] * self.steps_per_epoch}")
         kept = min(saved, now)
         streams = f"random streams restored on {_ranks(0, kept)}"
         if now > saved:
@@ -216,8 +215,9 @@ class Progress:
                        f"{'its seed' if now - saved == 1 else 'their seeds'}"
         else:
             streams += f", those of {_ranks(now, saved)} dropped"
+        batch = config["batch_size"]
         return (f" (saved by world_size {saved}, resumed by {now}: global batch size "
-                f"{args.batch_size * accum[0] * saved} -> {args.batch_size * accum[1] * now} at the same --lr, "
+                f"{batch * accum[0] * saved} -> {batch * accum[1] * now} at the same --lr, "
                 f"steps per epoch {steps[0]} -> {steps[1]}{schedule}{self.epoch_note()}; {streams})")
 
     def epoch_note(self) -> str:
