@@ -83,8 +83,8 @@ def _probe(part: dict) -> str:
     return table(f"host-to-device probe: a batch of {part['shape'][0]} x {part['shape'][1]} int64, pinned, copied "
                  f"with non_blocking=True behind a GPU sleep of {part['sleep_s'] * 1e3:.0f} ms",
                  ["batch", "host ms in .to()", "waits for the GPU"],
-                 [["strided view rows[:, 1:]", _fmt(part["strided_s"] * 1e3, 2), part["strided_copy_waits"]],
-                  ["dense", _fmt(part["dense_s"] * 1e3, 2), part["dense_copy_waits"]]]) + \
+                 [["strided view rows[:, 1:]", _fmt(part["strided_s"] * 1e3, 3), part["strided_copy_waits"]],
+                  ["dense", _fmt(part["dense_s"] * 1e3, 3), part["dense_copy_waits"]]]) + \
         f"\n\nstrided copy waits: {'yes' if part['strided_copy_waits'] else 'no'}"
 
 
@@ -107,13 +107,13 @@ def _trace(part: dict) -> str:
                      [[s["steps"], " ".join(_fmt(ms, 1) for ms in s["step_ms"]), _fmt(s["host_span_ms"], 1),
                        s["note"]]]) + f"\n\nthe host's top-level operations: {ops}"
     copies = s["host_to_device_copies"]
-    text = table(head, ["span ms", "GPU busy ms", "GPU idle ms", "busy share", "gaps", "host-to-device copies"],
-                 [[_fmt(s["span_ms"], 2), _fmt(s["gpu_busy_ms"], 2), _fmt(s["gpu_idle_ms"], 2),
-                   _fmt(s["gpu_busy_share"], 3), s["gaps"],
+    text = table(head, ["steps' ms (host)", "span ms", "GPU busy ms", "GPU idle ms", "busy share", "gaps",
+                        "host-to-device copies"],
+                 [[" ".join(_fmt(ms, 1) for ms in s["step_ms"]), _fmt(s["span_ms"], 2), _fmt(s["gpu_busy_ms"], 2),
+                   _fmt(s["gpu_idle_ms"], 2), _fmt(s["gpu_busy_share"], 3), s["gaps"],
                    f"{copies['all']} ({copies['pageable']} pageable, {copies['pinned']} pinned)"]])
     text += "\n\n" + table("the largest gaps in the GPU's work", ["at ms", "ms", "the host ran (outer > inner)"],
-                           [[_fmt(g["at_ms"], 2), _fmt(g["ms"], 3), _host(g["host"])]
-                            for g in s["largest_gaps"]])
+                           [[_fmt(g["at_ms"], 2), _fmt(g["ms"], 3), _host(g["host"])] for g in s["largest_gaps"]])
     return text + f"\n\nthe host's top-level operations: {ops}"
 
 
