@@ -18,6 +18,20 @@ results/latest.json):
 What the sections share (the machine, the table, the process group, a bare
 training step, the timing) is harness.py.
 
+The GPU check (``benchmarks/gpu_check.sh``, docs/performance.md's "The GPU
+check") is gpu_check.py, its runner (the command line, the time budget, the
+order of the parts, the report), and one module per kind of part:
+
+    gpu_probe.py    probe: does a strided pinned batch's copy make the host wait for the GPU?
+    gpu_pairs.py    compiled, eager: train.py against nanoGPT's train.py (a warm compile first);
+                    ab: strided batches against dense ones (strided_batches.py runs train.py so);
+                    kit_runs: FSDP compiled, fp32 with and without TF32; gpt2_tokens
+    gpu_trace.py    trace: 5 compiled steps under --profile_dir, the GPU's busy time and idle gaps
+    gpu_yes_no.py   rungs, fp16, resume, tests: the yes-or-no checks, side by side
+    gpu_costs.py    snapshot: a snapshot's cost to the loop; resnet: train.py's step against a bare loop
+    gpu_report.py   the JSON and the tables
+    gpu_runs.py     what they share: the sizes, the time budget, running train.py and nanoGPT
+
 Importing the package puts the repository (train.py, common.py, train_utils,
 and the support package the tests use too: launching the scripts, their
 datasets, train.py's Trainer in process) first on ``sys.path``, so the

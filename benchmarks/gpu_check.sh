@@ -1,11 +1,12 @@
 #!/bin/bash
-# The GPU check (benchmarks/gpu_check.py): every figure that needs a GPU, in one
-# command of at most 8 minutes on one H100 or H200.
+# The GPU check (benchmarks/gpu_check.py): diagnoses and measures what needs a
+# GPU, in one command of at most 8 minutes on one H100 or H200.
 #
 #   benchmarks/gpu_check.sh --prepare NANOGPT [CORPUS]  # once, where nanoGPT is: copies what the check needs
 #                                                        # into .gpu_check/ (ignored: fetched code is never
 #                                                        # committed), to carry to the GPU machine
-#   benchmarks/gpu_check.sh [--out FILE]                 # on the GPU machine
+#   benchmarks/gpu_check.sh --out $OUT/gpu_check.json    # on the GPU machine (a lent device: under $OUT,
+#                                                        # the trace beside it in gpu_check_trace/)
 #   benchmarks/gpu_check.sh --dry_run                    # every part shrunk, on a CPU in a few minutes
 #
 # NANOGPT: a checkout of github.com/karpathy/nanoGPT, or its git directory (a bare

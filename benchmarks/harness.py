@@ -18,8 +18,10 @@ import contextlib
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -157,6 +159,24 @@ def interleaved(blocks: dict, reps: int) -> dict:
     return results
 
 
+class Position:
+    """A snapshot's position, the one part a benchmark's snapshots hold (a
+    ``train_utils.Checkpointer`` part: ``KEYS``, ``state_dict``,
+    ``load_state_dict``); ``steps_run`` raised before each save gives each a
+    new position (under FSDP a new folder), as in training."""
+
+    KEYS = ("epochs_run", "steps_run")
+
+    def __init__(self) -> None:
+        self.steps_run = 0
+
+    def state_dict(self) -> dict:
+        return {"epochs_run": 0, "steps_run": self.steps_run}
+
+    def load_state_dict(self, snapshot: dict) -> None:
+        self.steps_run = snapshot["steps_run"]
+
+
 # --------------------------------------------------------------------------
 # A whole program's milliseconds a step, from its progress lines
 # --------------------------------------------------------------------------
@@ -166,23 +186,62 @@ KIT_STEP = re.compile(r"^step (\d+) \| epoch", re.M)
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss \S+, time (\S+)ms", re.M)
 
 
+def process_tree(pid: int) -> list:
+    """``pid`` and every process below it, children after their parent
+    (Linux's /proc; elsewhere ``pid`` alone)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
+                children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop(0))
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL to ``process`` (started in a session of its own), every process
+    below it, the deepest first (torchrun starts each worker in a session of
+    its own), and its process group."""
+    for pid in reversed(process_tree(process.pid)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 def run_stamped(cmd: list, cwd, timeout: float, env: dict) -> tuple[int, list, float]:
     """Run ``cmd`` in ``cwd`` with environment ``env``: (exit status, [(seconds
     since start, line)] of stdout and stderr as each line arrived, wall
-    seconds). Killed at ``timeout`` seconds."""
+    seconds). At ``timeout`` seconds, printing or not, it is killed with
+    every process below it (``kill_tree``: torchrun's workers too), and a
+    last line says so; so is it when this process is interrupted."""
     start = time.monotonic()
-    lines = []
+    lines, killed = [], []
+
+    def kill(process: subprocess.Popen) -> None:
+        killed.append(time.monotonic() - start)
+        kill_tree(process)
+
     with subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+                          stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True) as process:
+        timer = threading.Timer(timeout, kill, (process,))
+        timer.start()
         try:
             for line in process.stdout:
                 lines.append((time.monotonic() - start, line.rstrip("\n")))
-                if time.monotonic() - start > timeout:
-                    process.kill()
-            process.wait(timeout=max(1, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            process.kill()
             process.wait()
+        finally:
+            timer.cancel()
+            if process.poll() is None:
+                kill(process)
+                process.wait()
+    if killed:
+        lines.append((killed[0], f"[killed: still running after {timeout:.0f} s]"))
     return process.returncode, lines, time.monotonic() - start
 
 

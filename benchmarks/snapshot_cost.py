@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import train
 from train_utils import Checkpointer
-from benchmarks.harness import (CPU, ddp, interleaved, process_group, synchronize, table, timed,
+from benchmarks.harness import (CPU, Position, ddp, interleaved, process_group, synchronize, table, timed,
                                 train_step)
 from support.runs import free_port
 
@@ -56,23 +56,6 @@ def _snapshot_model(device: torch.device, strategy: str) -> tuple:
     return model, optimizer, train_step(model, optimizer, F.mse_loss, x, torch.zeros_like(x))
 
 
-class _Position:
-    """A snapshot's position, the one part this section's snapshots hold (a
-    ``Checkpointer`` part: ``KEYS``, ``state_dict``, ``load_state_dict``): a
-    new position (under FSDP a new folder) each time, as in training."""
-
-    KEYS = ("epochs_run", "steps_run")
-
-    def __init__(self) -> None:
-        self.steps_run = 0
-
-    def state_dict(self) -> dict:
-        return {"epochs_run": 0, "steps_run": self.steps_run}
-
-    def load_state_dict(self, snapshot: dict) -> None:
-        self.steps_run = snapshot["steps_run"]
-
-
 def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder: str):
     """save(n): the n-th snapshot of ``model`` and ``optimizer`` into ``folder``,
     by the kit's own ``Checkpointer`` (rank 0 a file for DDP; every rank its
@@ -81,7 +64,7 @@ def _snapshot_saver(model, optimizer, strategy: str, asynchronous: bool, folder:
     (``wait``: the write in flight done)."""
     name = f"{strategy}-{'async' if asynchronous else 'sync'}" + (".pt" if strategy == "ddp" else "")
     plain = model.module if strategy == "ddp" else model  # DDP's wrapper is not saved
-    position = _Position()
+    position = Position()
     checkpointer = Checkpointer(os.path.join(folder, name), strategy == "fsdp", plain, optimizer, {},
                                 {"position": position}, asynchronous=asynchronous)
 
