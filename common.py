@@ -16,7 +16,7 @@ by a short name in ``TASKS``:
 
 Each of those modules lists the models its task functions accept, the
 default first, in a ``MODELS`` dict ({function name: models}), which
---model's help shows (``task_models``).
+train.py's --model help shows.
 
 Your own task goes in its own file (see docs/custom-task.md), found the same
 way as the built-ins: ``--dataset my_module:my_task``, or by its file,
@@ -215,25 +215,6 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
 TASK_FILE_FOLDERS: list[str] = []
 
 
-def task_models() -> dict[str, tuple[str, ...]]:
-    """The models each task of ``TASKS`` accepts, its default first, for
-    --model's help: {short name: models}, read from the ``MODELS`` dict of the
-    task's module ({task function name: models}, what the task function
-    passes to ``choose_model``; every built-in task module exports one). A
-    task whose module exports none, or cannot be imported (a copy of the
-    scripts without it), is left out."""
-    found = {}
-    for name, spec in TASKS.items():
-        try:
-            function = task_function(spec)
-        except ConfigError:
-            continue
-        models = getattr(sys.modules[function.__module__], "MODELS", {}).get(function.__name__)
-        if models:
-            found[name] = tuple(models)
-    return found
-
-
 def _task_file_module(path: str, function: str) -> str:
     """The module name of the task file at ``path`` (``dir/my_task.py`` ->
     ``my_task``), its folder first on ``sys.path`` so that this process and
@@ -321,7 +302,7 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 # --------------------------------------------------------------------------
 
 SYNTHETIC_FEATURES = 20
-# --model: the models this module's task function accepts, its default first (common.task_models).
+# --model: the models this module's task function accepts, the default first (train.py's --help).
 MODELS = {"synthetic_task": ("mlp", "linear")}
 
 
