@@ -80,12 +80,8 @@ class Trainer:
 
     def _load_snapshot(self, path: str) -> None:
         snapshot = torch.load(os.path.join(path, "meta.pt"))
-        # Another task's or model's snapshot does not fit this model: refuse it in one line.
-        held = snapshot.get("task", [self.args.dataset, self.args.model])  # older snapshots: not recorded
-        if held != [self.args.dataset, self.args.model]:
-            raise common.ConfigError(f"snapshot {path} holds --dataset {held[0]} --model {held[1]}, not "
-                                     f"--dataset {self.args.dataset} --model {self.args.model}; delete it "
-                                     f"or pass another --snapshot_path")
+        if snapshot.get("task") != [self.args.dataset, self.args.model]:  # its weights would not fit
+            raise common.ConfigError(f"snapshot {path} is another run's; delete it (train.py says what differs)")
         # DCP fills this rank's own shards in place, reading their pieces from whichever files hold them.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.load(model_state, checkpoint_id=os.path.join(path, "model"))
@@ -116,8 +112,7 @@ class Trainer:
 
     def train(self, max_epochs: int) -> None:
         if self.epochs_run >= max_epochs and self.rank == 0:  # the snapshot holds every epoch asked for
-            print(f"snapshot {self.args.snapshot_path} already holds {self.epochs_run} epochs: nothing to "
-                  f"train (raise --total_epochs to train on)", flush=True)
+            print(f"{self.args.snapshot_path} holds {self.epochs_run} epochs: nothing to train", flush=True)
         for epoch in range(self.epochs_run, max_epochs):
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model, self.val_data, self.task, self.device)
@@ -235,8 +230,7 @@ def main(args: argparse.Namespace) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
-        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
-                                 f"data for a process; pass a smaller one")
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch to train; lower it")
     scheduler = LambdaLR(optimizer, recipes.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
