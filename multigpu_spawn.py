@@ -16,9 +16,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-# Imported before any process group exists: DDP's own later import would bind the group into
-# its defaults, keep it alive past destroy_process_group, and gloo's threads could abort the exit.
-import torch.distributed.nn  # noqa: F401
+import torch.distributed.nn  # noqa: F401  torch workaround: import before any process group (docs/pitfalls.md)
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
@@ -170,7 +168,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
         if rank == 0:
             print(line, flush=True)
-    del trainer  # free DDP before its process group
+    del trainer  # torch 2.8: DDP still alive at destroy_process_group can hang the exit
     dist.destroy_process_group()
 
 

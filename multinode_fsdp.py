@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  torch workaround: import before any process group (docs/pitfalls.md)
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -213,9 +214,8 @@ def main(args: argparse.Namespace) -> None:
     # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)
-    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # compared as versions; gloo summed there
-        raise common.ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer (torch {torch.__version__}'s "
-                                 f"gloo sums where FSDP averages); pip install 'torch>=2.10', or train on GPUs")
+    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # torch < 2.10: gloo sums, FSDP averages
+        raise common.ConfigError("FSDP on the CPU (gloo) needs torch 2.10 or newer (docs/install.md)")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if local_rank == 0:  # one download per node (--data_dir is on each node's disk) while the others wait
@@ -241,9 +241,7 @@ def main(args: argparse.Namespace) -> None:
         if rank == 0:
             print(line, flush=True)
     dist.destroy_process_group()
-    # Once sharded tensors exist the process group outlives destroy_process_group (torch 2.15),
-    # and gloo's threads can abort the interpreter's teardown: end here (every print was flushed).
-    os._exit(0)
+    os._exit(0)  # torch 2.15 workaround: gloo can abort the teardown once DTensors exist (docs/fsdp.md)
 
 
 def run(args: argparse.Namespace) -> None:
