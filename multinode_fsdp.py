@@ -143,14 +143,15 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     most = torch.tensor(len(data), device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # shards differ by one sample at most: by one batch
-    batches, last = iter(data), None
-    for _ in range(most.item()):
-        batch = next(batches, None)  # None: this rank's shard is done
-        source, targets = last = batch if batch is not None else last
+    batches = iter(data)
+    for step in range(most.item()):
+        if step < len(data):  # else this rank's shard is done: it keeps its last batch
+            batch = next(batches)
+        source, targets = batch
         source = task.eval_transform(source.to(device))
         targets = targets.to(device)
         output = model(source)
-        if batch is None:  # the forward only joined the others' all-gathers
+        if step >= len(data):  # the forward only joined the others' all-gathers
             continue
         totals[0] += task.loss_fn(output, targets, reduction="sum")
         if task.classification:
@@ -167,13 +168,16 @@ def latest_snapshot(root: str) -> Optional[str]:
     """The newest complete snapshot folder under ``root`` (one holding meta.pt), else None."""
     names = os.listdir(root) if os.path.isdir(root) else []
     done = [name for name in names if os.path.exists(os.path.join(root, name, "meta.pt"))]
-    return os.path.join(root, max(done, key=lambda name: int(name.split("-")[1]))) if done else None
+    if not done:
+        return None
+    return os.path.join(root, max(done, key=lambda name: int(name.split("-")[1])))  # epoch-N, the highest N
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each unit of common.fsdp_units (ResNet's
-    residual blocks; a GPT's blocks alone) is all-gathered just before its forward and backward; the root takes
-    the parameters left (a GPT's embeddings, its tied output)."""
+    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each unit of
+    common.fsdp_units (ResNet's residual blocks; a GPT's blocks alone) is all-gathered
+    just before its forward and backward; the root takes the parameters left (a GPT's
+    embeddings, its tied output)."""
     for param in model.parameters():  # fully_shard refuses channels-last weights (ResNets on CUDA)
         param.data = param.data.contiguous()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # one dimension: every rank
