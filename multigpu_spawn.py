@@ -189,7 +189,6 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help

@@ -160,7 +160,6 @@ def main(args: argparse.Namespace) -> None:
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
-    # Rank, world size and where to meet come from torchrun's environment (env://).
     # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)
@@ -210,7 +209,6 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help
