@@ -1,31 +1,12 @@
 """The task contract: what a task is, how ``--dataset`` finds one, the synthetic task.
 
-Every script trains a ``Task`` (training, validation and, where the task
-has one, test data; a model, a loss, whether it is a classification, the
-recipe it trains best with) built by a task function ``(args, download) ->
-Task``. ``--dataset`` names the task function as ``module:function``, or
-by a short name in ``TASKS``:
-
-  synthetic  common:synthetic_task (below): seeded regression, 20 features
-             -> 1 target, MLP or linear model, MSE loss. No download; the
-             default everywhere.
-  mnist      vision_tasks:mnist_task: torchvision MNIST, a small CNN.
-  cifar10    vision_tasks:cifar10_task: torchvision CIFAR10, a ResNet.
-  shakespeare_char  text_tasks:shakespeare_char_task: Tiny Shakespeare, one
-             token per character, a GPT (gpt.py), nats per character.
-
-Each of those modules lists the models its task functions accept, the
-default first, in a ``MODELS`` dict ({function name: models}), which
---model's help shows (``task_models``).
-
-Your own task goes in its own file (see docs/custom-task.md), found the same
-way as the built-ins: ``--dataset my_module:my_task``, or by its file,
-``--dataset my_module.py:my_task`` or ``dir/my_module.py:my_task``. The
-scripts, the train_utils package and this file need no edit. What a
-task's recipe means (its optimizer, its learning-rate schedule) is
-recipes.py's; which modules of a model FSDP shards one by one is the
-contract's (``fsdp_units``). This module imports no training machinery, so
-a task module can import it alone.
+Every script trains a ``Task``, built by a task function ``(args, download) ->
+Task`` that ``--dataset`` names: by a short name in ``TASKS``, as
+``module:function``, or by its file (``my_task.py:function``,
+``dir/my_task.py:function``). A task of your own goes in its own file, found
+the same way as the built-ins (docs/custom-task.md): the scripts, train_utils
+and this file need no edit. What a task's recipe means is recipes.py's. This
+module imports no training machinery, so a task module can import it alone.
 """
 
 from __future__ import annotations
@@ -48,9 +29,8 @@ VAL_FRACTION = 0.1  # of the official train split, seeded, the same on every ran
 class ConfigError(Exception):
     """A mistake in the user's input or environment (bad flag, missing data,
     incompatible snapshot), raised with a one-line message that says what is
-    wrong and what to do. The scripts print it as one line and exit 2,
-    without a traceback. Defined here, in the task contract, so that a task
-    raises it without importing the training machinery."""
+    wrong and what to do; the scripts print it as that line and exit 2,
+    without a traceback."""
 
 
 def identity(source: torch.Tensor) -> torch.Tensor:
@@ -64,10 +44,9 @@ class Batch(tuple):
 
 def collate(batch):
     """The default ``Task.collate_fn``: a ``Batch`` (from a dataset's
-    ``__getitems__``, e.g. ``fast_images.InMemoryImages``) passes through as
-    (inputs, targets); a list of per-sample items is stacked by
-    ``default_collate``. Raises ConfigError (one line) when the items'
-    tensors differ in size: such a task needs a collate_fn of its own."""
+    ``__getitems__``, e.g. ``fast_images.InMemoryImages``) passes through; a
+    list of per-sample items is stacked by ``default_collate``, and refused
+    (ConfigError) when their tensors differ in size."""
     if isinstance(batch, Batch):
         return tuple(batch)
     try:
@@ -85,39 +64,27 @@ def collate(batch):
 class Task:
     """Everything a script needs to train one dataset.
 
-    Items of the datasets are (input, target) pairs, made into batches by
-    ``collate_fn`` (a DataLoader's: a list of items -> (inputs, targets),
-    tensors whose first dimension is the batch); the default, ``collate``,
-    stacks items of equal size; a task of variable-length items gives its
-    own (a top-level function, so that DataLoader workers can be sent it),
-    e.g. one that pads. ``loss_fn(output, targets, reduction="mean"|"sum")``
-    returns the mean (training) or the sum (evaluation, so every sample counts once)
-    of the per-sample losses, as ``F.mse_loss`` and ``F.cross_entropy`` do
-    (``functools.partial(F.cross_entropy, label_smoothing=0.1)`` too).
-    ``test_set`` may be None: the task holds no test split (a language model
-    whose held-out text is its validation set), and the scripts skip the test
-    evaluation and print no test line.
-    ``classification``: the model outputs (N, classes) logits and targets are
-    int64 (N,) class indices; evaluation then also reports accuracy.
-    ``train_transform``/``eval_transform`` turn a batch's inputs, once on the
-    device, into the model's input (e.g. ``fast_images.DeviceTransform``).
-    ``recipe``: the task's defaults for the recipe flags (keys of
-    ``recipes.RECIPE_DEFAULTS``: optimizer, lr, weight_decay, lr_schedule,
-    warmup_epochs, lr_step_epochs, lr_gamma, ...); the command line overrides them.
-    A language-model task also gives ``tokens_per_sample`` (tokens each
-    sample trains on, its context length; 0: not counted in tokens) and
-    ``decode`` (token ids, a sequence of ints -> text) and ``encode`` (text ->
-    token ids) for its vocabulary; None where the task has no text.
-    ``flops_per_sample``: the model's training FLOPs (forward and backward)
-    of one sample, for the epoch line's flop/s and MFU; None (the default):
-    train.py takes the model's own count (a ``flops_per_token()`` method, as
-    ``gpt.GPT`` has) or counts them once at start (``torch.utils.flop_counter``,
-    ``train_utils.throughput.flops_per_sample``).
-    ``identity``: what else makes two runs of this task the same run, beside
-    --dataset, --model and --seed (the GPT's sizes, say): train.py refuses a
-    snapshot saved with another. ``sample_text``: (the trained model, its
-    device) -> what it writes, printed after training (a language model's
-    sample, as the task's own flags ask); None: nothing.
+    Items of the datasets are (input, target) pairs; ``collate_fn`` (a
+    DataLoader's: a list of items -> (inputs, targets), batch first) makes
+    batches of them. A task of variable-length items gives its own, e.g. one
+    that pads, as a top-level function (DataLoader workers are sent it).
+    ``test_set`` None: the task has no test split, and no test line is printed.
+    ``loss_fn(output, targets, reduction="mean"|"sum")``: the mean (training)
+    or the sum (evaluation) of the per-sample losses, as ``F.mse_loss`` and
+    ``F.cross_entropy`` do. ``classification``: the model outputs (N, classes)
+    logits and the targets are int64 (N,) class indices; evaluation then
+    reports accuracy too. ``train_transform``/``eval_transform``: a batch's
+    inputs, on the device -> the model's input (e.g.
+    ``fast_images.DeviceTransform``). ``recipe``: the task's values of the
+    recipe flags (keys of ``recipes.RECIPE_DEFAULTS``); the command line's win.
+
+    For train.py: a language model's ``tokens_per_sample`` (its context
+    length; 0: not counted in tokens), ``decode`` (token ids -> text) and
+    ``encode`` (text -> token ids); ``flops_per_sample``, the training FLOPs
+    of one sample (None: train.py counts them); ``identity``, what else
+    beside --dataset, --model and --seed makes two runs the same (the GPT's
+    sizes: train.py refuses a snapshot of another); ``sample_text``, (the
+    trained model, its device) -> the text it writes after training.
     """
 
     train_set: Dataset
@@ -139,22 +106,14 @@ class Task:
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules of a task's model that FSDP shards one by one (the FSDP
-    rung's and train.py's ``shard_model``), each an FSDP unit whose parameters
-    are all-gathered just before it runs and freed after; the root, sharded
-    after them, takes the parameters left over.
-
-    A transformer (a model with an ``nn.ModuleList`` named ``blocks``, as
-    ``gpt.GPT`` has): each block that holds parameters, nothing else;
-    embeddings, the final norm and the output layer stay in the root, so an
-    output layer tied to the token embedding keeps its one weight in one unit.
-    Any other model: the root's children that hold parameters, except that a
-    container child (``nn.Sequential``, ``nn.ModuleList``: ResNet's
-    ``layer1``..``layer4``) gives its children instead (ResNet's residual
-    blocks), and a child sharing a parameter with another (tied weights)
-    stays in the root. MNIST CNN: conv1, conv2, fc1, fc2; the synthetic MLP
-    (itself a Sequential): its two Linear layers. The usual rule (PyTorch's
-    FSDP2 examples, torchtitan: one unit per transformer block).
+    """The modules of ``model`` that FSDP shards one by one (the FSDP rung's
+    and train.py's ``shard_model``); the root, sharded after them, takes the
+    parameters left. A transformer (an ``nn.ModuleList`` named ``blocks``, as
+    ``gpt.GPT`` has): its blocks that hold parameters, so that embeddings,
+    the final norm and an output layer tied to the embedding stay in the root.
+    Any other model: the root's children that hold parameters, a container
+    child's (``nn.Sequential``, ``nn.ModuleList``: ResNet's residual blocks)
+    children instead, and none that shares a parameter with another.
     """
     if isinstance(getattr(model, "blocks", None), nn.ModuleList):
         return [block for block in model.blocks if next(block.parameters(), None) is not None]
@@ -182,14 +141,11 @@ TASKS: dict[str, str] = {
 
 def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
     """The task function ``spec`` names, imported: ``"module:function"``, or
-    ``"file.py:function"`` / ``"dir/file.py:function"`` (a path, relative to
-    the current folder or absolute).
-
-    A module is looked for on ``sys.path`` (the scripts' folder first, then
-    PYTHONPATH), to which the current folder is added last. A file is
-    imported as the module its name makes (``my_task``), its folder put
-    first on ``sys.path``. Raises ConfigError (one line) when the module,
-    the file or the function is not there.
+    ``"file.py:function"`` / ``"dir/file.py:function"`` (a path from the
+    current folder, or absolute). A module is looked for on ``sys.path`` (the
+    scripts' folder, then PYTHONPATH), then in the current folder; a file is
+    imported as the module its name makes (``_task_file_module``). Raises
+    ConfigError (one line) when the module, the file or the function is not there.
     """
     module_name, _, function = spec.partition(":")
     if os.getcwd() not in sys.path:  # Python searches the script's folder, not the current one
@@ -210,36 +166,16 @@ def task_function(spec: str) -> Callable[[argparse.Namespace, bool], Task]:
                           f"{module_name!r} ({reason})") from None
 
 
-# The folders of the task files --dataset named by their path, first on
-# sys.path: DataLoader workers started afresh import the task's module from them.
+# The folders of the task files --dataset named by path: the kit's DataLoader workers import from them.
 TASK_FILE_FOLDERS: list[str] = []
-
-
-def task_models() -> dict[str, tuple[str, ...]]:
-    """The models each task of ``TASKS`` accepts, its default first, for
-    --model's help: {short name: models}, read from the ``MODELS`` dict of the
-    task's module ({task function name: models}, what the task function
-    passes to ``choose_model``; every built-in task module exports one). A
-    task whose module exports none, or cannot be imported (a copy of the
-    scripts without it), is left out."""
-    found = {}
-    for name, spec in TASKS.items():
-        try:
-            function = task_function(spec)
-        except ConfigError:
-            continue
-        models = getattr(sys.modules[function.__module__], "MODELS", {}).get(function.__name__)
-        if models:
-            found[name] = tuple(models)
-    return found
 
 
 def _task_file_module(path: str, function: str) -> str:
     """The module name of the task file at ``path`` (``dir/my_task.py`` ->
-    ``my_task``), its folder first on ``sys.path`` so that this process and
-    its DataLoader workers import it by that name. Raises ConfigError when
-    the file is missing, its name is no module name, or a module of that
-    name from another file is already imported."""
+    ``my_task``), its folder put first on ``sys.path`` so that this process
+    and its DataLoader workers import it by that name. Raises ConfigError when
+    the file is missing, its name is no module name, or another file's module
+    of that name is imported already."""
     name = os.path.splitext(os.path.basename(path))[0]
     if not os.path.isfile(path):
         raise ConfigError(f"cannot load task function {function!r}: no file {path} (from the current "
@@ -261,23 +197,12 @@ def _task_file_module(path: str, function: str) -> str:
 
 
 def load_task(args: argparse.Namespace, download: bool) -> Task:
-    """The task ``args.dataset`` names (a key of ``TASKS``, or ``module:function``),
-    built by its task function: built-in or yours, found the same way.
-
-    A ``module:function`` is imported from beside the scripts, from
-    PYTHONPATH, or from the current folder (``task_function``), so
-    ``python /path/to/singlegpu.py --dataset my_task:build_task`` run from the
-    folder holding my_task.py finds it without PYTHONPATH; ``my_task.py:build_task``
-    or ``dir/my_task.py:build_task`` names the file itself.
-
-    The task function reads what it needs from ``args`` (data_dir, seed,
-    model, input_path) and sets ``args.model`` to the model it chose; it
-    downloads missing files only when ``download`` (see
-    ``train_utils.downloaders_first``). The scripts then set the recipe flags
-    left unset on the command line from the task's ``recipe``
-    (``recipes.set_recipe_flags``). Raises ConfigError (one line) for an
-    unknown task or model, missing data, or a task function that returns no
-    ``Task``.
+    """The task ``args.dataset`` names (a key of ``TASKS``, or what
+    ``task_function`` takes), built by its task function. That reads what it
+    needs from ``args`` (data_dir, seed, model, ...), sets ``args.model`` to
+    the model it chose, and downloads missing files only when ``download``.
+    Raises ConfigError (one line) for an unknown task or model, missing data,
+    or a task function that returns no ``Task``.
     """
     try:
         task_fn = task_function(TASKS.get(args.dataset, args.dataset))
@@ -294,10 +219,8 @@ def load_task(args: argparse.Namespace, download: bool) -> Task:
 
 
 def choose_model(args: argparse.Namespace, choices: tuple[str, ...]) -> str:
-    """Set and return ``args.model``: its value, or the first of ``choices``.
-
-    Raises ConfigError when the model is not one of ``choices``.
-    """
+    """Set and return ``args.model``: its value, or the first of ``choices``;
+    ConfigError when it is none of them."""
     if args.model is None:
         args.model = choices[0]
     if args.model not in choices:
@@ -307,10 +230,8 @@ def choose_model(args: argparse.Namespace, choices: tuple[str, ...]) -> str:
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded (train, val) split of range(n): the same on every rank.
-
-    Uses a private generator, so the global RNG is untouched.
-    """
+    """Seeded (train, val) split of range(n), the same on every rank (a
+    private generator: the global RNG is untouched)."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = int(n * val_fraction)
     return perm[n_val:], perm[:n_val]
@@ -321,20 +242,17 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 # --------------------------------------------------------------------------
 
 SYNTHETIC_FEATURES = 20
-# --model: the models this module's task function accepts, its default first (common.task_models).
+# --model: the models this module's task function accepts, the default first (train.py's --help).
 MODELS = {"synthetic_task": ("mlp", "linear")}
 
 
 class SyntheticRegression(Dataset):
-    """y = x @ w + b + noise, drawn from a private ``torch.Generator``.
-
-    The global RNG is never touched, so every rank that builds it with the same
-    ``seed`` and ``split`` holds identical tensors. Train (2,048 samples) and
-    test (512) share w and b (the relation to learn) but have independent x
-    and noise. w ~ N(0, 1/20) makes Var(y) about 1, so the MSE of a zero
-    predictor is ~1 and the best achievable is the noise variance, 0.01.
-
-    Items: (x float32 (20,), y float32 (1,)).
+    """y = x @ w + b + noise, items (x float32 (20,), y float32 (1,)), drawn
+    from private generators: every rank that builds it with the same ``seed``
+    and ``split`` holds identical tensors. Train (2,048 samples) and test (512)
+    share w and b (the relation to learn), not x and the noise. w ~ N(0, 1/20)
+    makes Var(y) about 1: the MSE of a zero predictor is ~1, the best
+    achievable the noise variance, 0.01.
     """
 
     def __init__(self, seed: int, split: str) -> None:

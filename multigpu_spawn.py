@@ -16,9 +16,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-# Imported before any process group exists: DDP's own later import would bind the group into
-# its defaults, keep it alive past destroy_process_group, and gloo's threads could abort the exit.
-import torch.distributed.nn  # noqa: F401
+import torch.distributed.nn  # noqa: F401  torch workaround: import before any process group (docs/pitfalls.md)
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
@@ -160,8 +158,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
-        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
-                                 f"data for a process; pass a smaller one")
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch to train; lower it")
     scheduler = LambdaLR(optimizer, recipes.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
@@ -171,7 +168,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
         if rank == 0:
             print(line, flush=True)
-    del trainer  # free DDP before its process group
+    del trainer  # torch 2.8: DDP still alive at destroy_process_group can hang the exit
     dist.destroy_process_group()
 
 
@@ -192,7 +189,6 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help

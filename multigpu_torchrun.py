@@ -17,9 +17,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-# Imported before any process group exists: DDP's own later import would bind the group into
-# its defaults, keep it alive past destroy_process_group, and gloo's threads could abort the exit.
-import torch.distributed.nn  # noqa: F401
+import torch.distributed.nn  # noqa: F401  torch workaround: import before any process group (docs/pitfalls.md)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
@@ -74,12 +72,8 @@ class Trainer:
 
     def _load_snapshot(self, path: str) -> None:
         snapshot = torch.load(path, map_location=self.device)
-        # Another task's or model's snapshot does not fit this model: refuse it in one line.
-        held = snapshot.get("task", [self.args.dataset, self.args.model])  # older snapshots: not recorded
-        if held != [self.args.dataset, self.args.model]:
-            raise common.ConfigError(f"snapshot {path} holds --dataset {held[0]} --model {held[1]}, not "
-                                     f"--dataset {self.args.dataset} --model {self.args.model}; delete it "
-                                     f"or pass another --snapshot_path")
+        if snapshot.get("task") != [self.args.dataset, self.args.model]:  # its weights would not fit
+            raise common.ConfigError(f"snapshot {path} is another run's; delete it (train.py says what differs)")
         self.model.module.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scheduler.load_state_dict(snapshot["lr_schedule"])
@@ -100,8 +94,7 @@ class Trainer:
 
     def train(self, max_epochs: int) -> None:
         if self.epochs_run >= max_epochs and self.rank == 0:  # the snapshot holds every epoch asked for
-            print(f"snapshot {self.args.snapshot_path} already holds {self.epochs_run} epochs: nothing to "
-                  f"train (raise --total_epochs to train on)", flush=True)
+            print(f"{self.args.snapshot_path} holds {self.epochs_run} epochs: nothing to train", flush=True)
         for epoch in range(self.epochs_run, max_epochs):
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model.module, self.val_data, self.task, self.device)
@@ -167,7 +160,6 @@ def main(args: argparse.Namespace) -> None:
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
-    # Rank, world size and where to meet come from torchrun's environment (env://).
     # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)
@@ -185,8 +177,7 @@ def main(args: argparse.Namespace) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
-        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
-                                 f"data for a process; pass a smaller one")
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch to train; lower it")
     scheduler = LambdaLR(optimizer, recipes.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
@@ -196,7 +187,7 @@ def main(args: argparse.Namespace) -> None:
         line = f"test | loss {test_loss:.6f}" + (f" | acc {test_acc:.4f}" if test_acc is not None else "")
         if rank == 0:
             print(line, flush=True)
-    del trainer  # free DDP before its process group
+    del trainer  # torch 2.8: DDP still alive at destroy_process_group can hang the exit
     dist.destroy_process_group()
 
 
@@ -218,7 +209,6 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  torch workaround: import before any process group (docs/pitfalls.md)
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -80,12 +81,8 @@ class Trainer:
 
     def _load_snapshot(self, path: str) -> None:
         snapshot = torch.load(os.path.join(path, "meta.pt"))
-        # Another task's or model's snapshot does not fit this model: refuse it in one line.
-        held = snapshot.get("task", [self.args.dataset, self.args.model])  # older snapshots: not recorded
-        if held != [self.args.dataset, self.args.model]:
-            raise common.ConfigError(f"snapshot {path} holds --dataset {held[0]} --model {held[1]}, not "
-                                     f"--dataset {self.args.dataset} --model {self.args.model}; delete it "
-                                     f"or pass another --snapshot_path")
+        if snapshot.get("task") != [self.args.dataset, self.args.model]:  # its weights would not fit
+            raise common.ConfigError(f"snapshot {path} is another run's; delete it (train.py says what differs)")
         # DCP fills this rank's own shards in place, reading their pieces from whichever files hold them.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.load(model_state, checkpoint_id=os.path.join(path, "model"))
@@ -116,8 +113,7 @@ class Trainer:
 
     def train(self, max_epochs: int) -> None:
         if self.epochs_run >= max_epochs and self.rank == 0:  # the snapshot holds every epoch asked for
-            print(f"snapshot {self.args.snapshot_path} already holds {self.epochs_run} epochs: nothing to "
-                  f"train (raise --total_epochs to train on)", flush=True)
+            print(f"{self.args.snapshot_path} holds {self.epochs_run} epochs: nothing to train", flush=True)
         for epoch in range(self.epochs_run, max_epochs):
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model, self.val_data, self.task, self.device)
@@ -147,14 +143,15 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task,
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     most = torch.tensor(len(data), device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # shards differ by one sample at most: by one batch
-    batches, last = iter(data), None
-    for _ in range(most.item()):
-        batch = next(batches, None)  # None: this rank's shard is done
-        source, targets = last = batch if batch is not None else last
+    batches = iter(data)
+    for step in range(most.item()):
+        if step < len(data):  # else this rank's shard is done: it keeps its last batch
+            batch = next(batches)
+        source, targets = batch
         source = task.eval_transform(source.to(device))
         targets = targets.to(device)
         output = model(source)
-        if batch is None:  # the forward only joined the others' all-gathers
+        if step >= len(data):  # the forward only joined the others' all-gathers
             continue
         totals[0] += task.loss_fn(output, targets, reduction="sum")
         if task.classification:
@@ -171,13 +168,16 @@ def latest_snapshot(root: str) -> Optional[str]:
     """The newest complete snapshot folder under ``root`` (one holding meta.pt), else None."""
     names = os.listdir(root) if os.path.isdir(root) else []
     done = [name for name in names if os.path.exists(os.path.join(root, name, "meta.pt"))]
-    return os.path.join(root, max(done, key=lambda name: int(name.split("-")[1]))) if done else None
+    if not done:
+        return None
+    return os.path.join(root, max(done, key=lambda name: int(name.split("-")[1])))  # epoch-N, the highest N
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each unit of common.fsdp_units (ResNet's
-    residual blocks; a GPT's blocks alone) is all-gathered just before its forward and backward; the root takes
-    the parameters left (a GPT's embeddings, its tied output)."""
+    """Shard ``model`` (on ``device``) in place with FSDP2; return it. Each unit of
+    common.fsdp_units (ResNet's residual blocks; a GPT's blocks alone) is all-gathered
+    just before its forward and backward; the root takes the parameters left (a GPT's
+    embeddings, its tied output)."""
     for param in model.parameters():  # fully_shard refuses channels-last weights (ResNets on CUDA)
         param.data = param.data.contiguous()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # one dimension: every rank
@@ -214,13 +214,11 @@ def main(args: argparse.Namespace) -> None:
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
-    # Rank, world size and where to meet come from torchrun's environment (env://).
     # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)
-    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # compared as versions; gloo summed there
-        raise common.ConfigError(f"FSDP on the CPU (gloo) needs torch 2.10 or newer (torch {torch.__version__}'s "
-                                 f"gloo sums where FSDP averages); pip install 'torch>=2.10', or train on GPUs")
+    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # torch < 2.10: gloo sums, FSDP averages
+        raise common.ConfigError("FSDP on the CPU (gloo) needs torch 2.10 or newer (docs/install.md)")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if local_rank == 0:  # one download per node (--data_dir is on each node's disk) while the others wait
@@ -235,8 +233,7 @@ def main(args: argparse.Namespace) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
-        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
-                                 f"data for a process; pass a smaller one")
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch to train; lower it")
     scheduler = LambdaLR(optimizer, recipes.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
@@ -247,9 +244,7 @@ def main(args: argparse.Namespace) -> None:
         if rank == 0:
             print(line, flush=True)
     dist.destroy_process_group()
-    # Once sharded tensors exist the process group outlives destroy_process_group (torch 2.15),
-    # and gloo's threads can abort the interpreter's teardown: end here (every print was flushed).
-    os._exit(0)
+    os._exit(0)  # torch 2.15 workaround: gloo can abort the teardown once DTensors exist (docs/fsdp.md)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -270,7 +265,6 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help

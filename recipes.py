@@ -1,14 +1,12 @@
 """What a recipe means: the optimizer and the learning-rate schedule its values name.
 
-A recipe is how a model is trained: ``--optimizer``, ``--lr``,
-``--weight_decay``, ``--lr_schedule``, the warm-up, ... (docs/recipes.md).
-Each task gives the values it trains best with (``common.Task.recipe``);
-``common.load_task`` fills the flags the command line left unset from them,
-then from ``RECIPE_DEFAULTS`` (``set_recipe_flags``). The ladder's rungs and
-the kit (train_utils.recipe) build the optimizer and the schedule with
-``build_optimizer`` and ``lr_factor``, so both train a task the same way.
-Another optimizer than those --optimizer offers is one line in ``OPTIMIZERS``.
-Imports torch and the task contract's ConfigError only, so a rung can import it.
+A recipe is how a model is trained (docs/recipes.md): a value for each key of
+``RECIPE_DEFAULTS`` (``--optimizer``, ``--lr``, ``--lr_schedule``, the warm-up,
+...), the command line's, else the task's (``common.Task.recipe``), else the
+default (``set_recipe_flags``). The rungs and the kit build the optimizer and
+the schedule with ``build_optimizer`` and ``lr_factor``, so both train a task
+the same way. Imports torch and the task contract's ConfigError only, so a
+rung can import it.
 """
 
 from __future__ import annotations
@@ -22,16 +20,8 @@ import torch
 
 from common import ConfigError
 
-# The recipe flags' values where neither the command line nor the task's
-# ``Task.recipe`` sets one (``set_recipe_flags``).
-# beta1/beta2: AdamW's (torch's own defaults; SGD and Adadelta have none);
-# decay_params: "all" parameters decay, or "matrices" only (2-D and up);
-# warmup_steps: a warm-up in optimizer steps (instead of --warmup_epochs);
-# min_lr: where the cosine ends; max_steps: the run's length in optimizer steps
-# (0: --total_epochs); clip_grad_norm: None for no clipping; batch_size per process;
-# log_every_steps: a progress line every N optimizer steps (0: none); eval_every_steps:
-# an evaluation every N optimizer steps instead of one per epoch (0: per epoch);
-# eval_windows: the held-out samples each evaluation scores, a fixed seeded subset (0: all).
+# The recipe flags' values where neither the command line nor the task's recipe
+# sets one: build_optimizer and lr_factor say what theirs mean, `train.py --help` the others'.
 RECIPE_DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0, "lr_schedule": "constant",
                    "warmup_epochs": 0.0, "lr_step_epochs": 1, "lr_gamma": 0.1,
                    "beta1": 0.9, "beta2": 0.999, "decay_params": "all", "warmup_steps": 0, "min_lr": 0.0,
@@ -65,52 +55,38 @@ def recipe_values(args: argparse.Namespace, recipe: dict) -> dict:
 
 
 def set_recipe_flags(args: argparse.Namespace, recipe: dict) -> None:
-    """Set each recipe flag of ``args`` to its value (``recipe_values``): the
-    command line wins, then the task's ``recipe``, then ``RECIPE_DEFAULTS``."""
+    """Set each recipe flag of ``args`` to its value (``recipe_values``)."""
     for name, value in recipe_values(args, recipe).items():
         setattr(args, name, value)
 
 
-def _recipe(args: argparse.Namespace, name: str):
-    """The recipe value ``name`` of ``args``; ``RECIPE_DEFAULTS``' where ``args`` has none
-    (a namespace made before that key existed)."""
-    value = getattr(args, name, None)
-    return RECIPE_DEFAULTS[name] if value is None else value
-
-
 def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """The optimizer --optimizer names (``OPTIMIZERS``), over all of ``model``'s
-    parameters, at --lr with --weight_decay (decoupled for AdamW, added to the
-    gradient for SGD and Adadelta, as torch defines them), and --beta1
-    --beta2 for an optimizer that takes ``betas`` (AdamW).
-
-    --decay_params ``all``: one parameter group, every parameter decays.
-    ``matrices``: two groups, the parameters of 2 dimensions or more (the
-    weights of linear layers and embeddings) decaying, the others (biases,
-    LayerNorm weights and biases) at weight decay 0 and marked
-    ``"decays": False`` (nanoGPT's ``configure_optimizers``; Loshchilov &
-    Hutter 2019 decay weights, not gains and offsets). AdamW over parameters
-    on a GPU runs fused (``fused=True``: the same update, one kernel). Build it after the
-    parameters are final (the FSDP rung: after ``fully_shard``). Raises
-    ConfigError for an optimizer or a decay_params name it does not know.
+    """The optimizer --optimizer names (``OPTIMIZERS``) over ``model``'s
+    parameters, at --lr with --weight_decay (as torch defines it for each
+    optimizer: decoupled for AdamW), and --beta1 --beta2 where it takes
+    ``betas`` (AdamW). --decay_params ``all``: every parameter decays;
+    ``matrices``: those of 2 dimensions or more (the weights of linear layers
+    and embeddings) do, the others (biases, norms' gains) form a second group
+    at weight decay 0, marked ``"decays": False`` (nanoGPT's
+    ``configure_optimizers``). Build it once the parameters are final (the
+    FSDP rung: after ``fully_shard``). Raises ConfigError for an optimizer or
+    a decay_params name it does not know.
     """
     if args.optimizer not in OPTIMIZERS:  # a task's default; the command line is checked already
         raise ConfigError(f"optimizer {args.optimizer!r} (the task's recipe) is not one of "
                           f"{', '.join(OPTIMIZERS)}; pass --optimizer, or add it to OPTIMIZERS "
                           f"in recipes.py")
-    decay_params = _recipe(args, "decay_params")
-    if decay_params not in DECAY_PARAMS:
-        raise ConfigError(f"decay_params {decay_params!r} (the task's recipe) is not one of "
+    if args.decay_params not in DECAY_PARAMS:
+        raise ConfigError(f"decay_params {args.decay_params!r} (the task's recipe) is not one of "
                           f"{', '.join(DECAY_PARAMS)}; pass --decay_params")
     optimizer_class, options = OPTIMIZERS[args.optimizer]
     if "betas" in inspect.signature(optimizer_class).parameters:
-        options = dict(options, betas=(_recipe(args, "beta1"), _recipe(args, "beta2")))
+        options = dict(options, betas=(args.beta1, args.beta2))
     if optimizer_class is torch.optim.AdamW and all(p.is_cuda for p in model.parameters()):
-        # One kernel for every parameter's update instead of several per group:
-        # a small GPT's GPU step is 15% shorter (docs/performance.md); nanoGPT does the same.
+        # One kernel for every parameter's update: a small GPT's GPU step is 15% shorter, as in nanoGPT.
         options = dict(options, fused=True)
     parameters = model.parameters()
-    if decay_params == "matrices":
+    if args.decay_params == "matrices":
         params = list(parameters)
         groups = [{"params": [p for p in params if p.dim() >= 2]},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "decays": False}]
@@ -119,8 +95,7 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
 
 
 def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int], float]:
-    """The schedule as a function: optimizer step k (0-based) -> the factor of
-    --lr it uses.
+    """The schedule: optimizer step k (0-based) -> the factor of --lr it uses.
 
     Warm-up: linear from 1/W to 1 over the first W steps (the gradual warm-up
     of Goyal et al. 2017, "Accurate, Large Minibatch SGD"), W = --warmup_steps,
@@ -131,23 +106,22 @@ def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int],
     after the warm-up done (Loshchilov & Hutter 2017, SGDR, without restarts;
     nanoGPT's ``get_lr`` with its min_lr), then m; ``step`` --lr_gamma **
     (epoch // --lr_step_epochs), the epoch being k // steps_per_epoch (torch's
-    StepLR stepped once per epoch). The factor of step decay multiplies the
-    warm-up's; cosine starts after it. Raises ConfigError for a schedule name
-    not in ``LR_SCHEDULES``, both warm-ups set, or --min_lr above --lr.
+    StepLR stepped once per epoch), times the warm-up's factor. Raises
+    ConfigError for a schedule name not in ``LR_SCHEDULES``, both warm-ups
+    set, or --min_lr above --lr.
     """
     if args.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"lr_schedule {args.lr_schedule!r} (the task's recipe) is not one of "
                           f"{', '.join(LR_SCHEDULES)}; pass --lr_schedule")
-    warmup_steps, min_lr, max_steps = (_recipe(args, name) for name in ("warmup_steps", "min_lr", "max_steps"))
-    if warmup_steps and args.warmup_epochs:
-        raise ConfigError(f"--warmup_steps {warmup_steps} and --warmup_epochs {args.warmup_epochs}: give "
+    if args.warmup_steps and args.warmup_epochs:
+        raise ConfigError(f"--warmup_steps {args.warmup_steps} and --warmup_epochs {args.warmup_epochs}: give "
                           f"the warm-up in one of them, the other 0 (the task's recipe may set one)")
-    if min_lr > args.lr:
-        raise ConfigError(f"--min_lr {min_lr} is above --lr {args.lr}: the cosine would rise; pass a "
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min_lr {args.min_lr} is above --lr {args.lr}: the cosine would rise; pass a "
                           f"lower --min_lr (or 0)")
-    warmup = warmup_steps or round(args.warmup_epochs * steps_per_epoch)
-    total = max_steps or args.total_epochs * steps_per_epoch
-    floor = min_lr / args.lr
+    warmup = args.warmup_steps or round(args.warmup_epochs * steps_per_epoch)
+    total = args.max_steps or args.total_epochs * steps_per_epoch
+    floor = args.min_lr / args.lr
 
     def factor(step: int) -> float:
         ramp = (step + 1) / warmup if step < warmup else 1.0

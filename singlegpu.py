@@ -126,8 +126,7 @@ def main(args: argparse.Namespace) -> None:
     train_data = prepare_dataloader(task.train_set, args.batch_size, True, args.seed, task.collate_fn)
     val_data = prepare_dataloader(task.val_set, args.batch_size, False, args.seed, task.collate_fn)
     if len(train_data) == 0:
-        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch of training "
-                                 f"data for a process; pass a smaller one")
+        raise common.ConfigError(f"--batch_size {args.batch_size} leaves no full batch to train; lower it")
     scheduler = LambdaLR(optimizer, recipes.lr_factor(args, len(train_data)))  # optimizer step -> lr factor
     trainer = Trainer(model, train_data, val_data, optimizer, scheduler, task, device, args)
     trainer.train(args.total_epochs)
@@ -155,7 +154,6 @@ def positive(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    # allow_abbrev=False: --total_epoch is an error, not --total_epochs.
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     add = parser.add_argument  # every default is shown by --help

@@ -47,7 +47,7 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
 SHAKESPEARE_BYTES = 1115394
 TRAIN_FRACTION = 0.9  # the first 90% of the text trains, the last 10% is held out (nanoGPT's split)
-# --model: the models this module's task function accepts (common.task_models).
+# --model: the models this module's task functions accept, the default first (train.py's --help lists them).
 MODELS = {"shakespeare_char_task": ("gpt",), "token_file_task": ("gpt",)}
 # The flags this module's tasks read, as argparse's add_argument takes them (train.py adds them to its
 # own; the rungs have none, and train with the defaults). Unset (None), a flag is the task's default.

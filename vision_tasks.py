@@ -66,7 +66,7 @@ class MnistCNN(nn.Module):
 
 # --model for cifar10: the CIFAR-stem ResNets first (the default), then torchvision's own.
 CIFAR10_MODELS = ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet")
-# --model: the models each task function of this module accepts, its default first (common.task_models).
+# --model: the models each task function of this module accepts, the default first (train.py's --help).
 MODELS = {"mnist_task": ("cnn",), "cifar10_task": CIFAR10_MODELS}
 # The flags this module's tasks read, as argparse's add_argument takes them (train.py adds them to
 # its own; the rungs have none, and read the files the fast way).

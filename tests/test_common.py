@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import common
 import train_utils
 from common import ConfigError
+from train_utils.cli import task_models
 import vision_tasks
 from helpers import load_task, task_args
 
@@ -109,18 +110,18 @@ def test_built_in_tasks_are_found_the_way_a_users_task_is(tmp_path, monkeypatch)
 
 
 def test_each_task_module_says_its_models_and_the_help_reads_them(tmp_path, monkeypatch):
-    """task_models (--model's help) reads each registered task's models from
-    its module's MODELS, keyed by the task function; a task whose module
-    lists none, or is not there, is left out rather than stopping the command line."""
-    assert common.task_models() == {"synthetic": ("mlp", "linear"), "mnist": ("cnn",),
-                                    "cifar10": vision_tasks.CIFAR10_MODELS, "shakespeare_char": ("gpt",),
-                                    "tokens": ("gpt",)}
+    """The kit's task_models (--model's help) reads each registered task's
+    models from its module's MODELS, keyed by the task function; a task whose
+    module lists none, or is not there, is left out rather than stopping the command line."""
+    assert task_models() == {"synthetic": ("mlp", "linear"), "mnist": ("cnn",),
+                             "cifar10": vision_tasks.CIFAR10_MODELS, "shakespeare_char": ("gpt",),
+                             "tokens": ("gpt",)}
     (tmp_path / "listed_task.py").write_text("MODELS = {'build': ('small', 'large')}\ndef build(args, download): pass\n"
                                              "def other(args, download): pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(common, "TASKS", {"listed": "listed_task:build", "unlisted": "listed_task:other",
                                           "missing": "no_such_task_module:build"})
-    assert common.task_models() == {"listed": ("small", "large")}
+    assert task_models() == {"listed": ("small", "large")}
 
 
 def test_dataset_flag_accepts_the_task_names_and_module_function(monkeypatch):

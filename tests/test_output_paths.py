@@ -18,6 +18,7 @@ import torch
 from helpers import REPO, TORCHRUN, check, error_lines, run, task_args
 
 import common
+from train_utils.cli import task_models
 from train_utils.devices import torch_version
 from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots.sharded import ShardedSnapshots
@@ -236,8 +237,8 @@ def test_help_sends_your_task_to_its_own_file_and_lists_each_tasks_models(tmp_pa
 
 @pytest.mark.parametrize("task", list(common.TASKS))
 def test_the_models_in_help_are_those_each_task_accepts(task):
-    """--model's help (common.task_models(), each task module's MODELS) against the task itself:
+    """--model's help (task_models(), each task module's MODELS) against the task itself:
     an unknown model's error lists the task's choices, before any data is read."""
     with pytest.raises(common.ConfigError) as info:
         common.load_task(task_args(task, model="no_such_model"), download=False)
-    assert str(info.value).endswith(f"choose one of {', '.join(common.task_models()[task])}")
+    assert str(info.value).endswith(f"choose one of {', '.join(task_models()[task])}")

@@ -46,7 +46,7 @@ docs/custom-task.md.
 
 from recipes import build_optimizer  # the recipe's meaning, which the rungs share
 from .checks import check_before_training, downloaders_first
-from .cli import parse_args, task_flag_values
+from .cli import parse_args, task_flag_values, task_models
 from .config import RunConfig, resolve_config
 from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores
 from .epoch import EpochBatches, evaluating
@@ -75,6 +75,7 @@ __all__ = [
     # start-up: flags, errors, devices, the process group, the data
     "parse_args",
     "task_flag_values",
+    "task_models",
     "one_line_errors",
     "catch_stop_signals",
     "launcher_store",

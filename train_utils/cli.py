@@ -86,7 +86,7 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
     ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``), the first
     the default; a ``module:function`` (your own task, see docs/custom-task.md)
     is accepted too. ``models``: each task's models, the default first, for
-    --model's help (``common.task_models()``). ``snapshot_paths``: the default
+    --model's help (``task_models()``). ``snapshot_paths``: the default
     --snapshot_path of each --strategy (None: no default). Every flag the
     task's recipe gives is None where the command line leaves it unset
     (``config.resolve_config`` fills it). Invalid values (zero epochs, an
@@ -155,6 +155,25 @@ def task_flags(tasks: tuple) -> dict:
         flags = getattr(module, "FLAGS", None)
         if flags:
             found.setdefault(module.__name__, flags)
+    return found
+
+
+def task_models() -> dict[str, tuple[str, ...]]:
+    """The models each task of ``common.TASKS`` accepts, its default first, for
+    --model's help: {short name: models}, read from the ``MODELS`` dict of the
+    task's module ({task function name: models}, what the task function
+    passes to ``common.choose_model``; every built-in task module exports one). A
+    task whose module exports none, or cannot be imported (a copy of the
+    scripts without it), is left out."""
+    found = {}
+    for name, spec in common.TASKS.items():
+        try:
+            function = common.task_function(spec)
+        except common.ConfigError:
+            continue
+        models = getattr(sys.modules[function.__module__], "MODELS", {}).get(function.__name__)
+        if models:
+            found[name] = tuple(models)
     return found
 
 
