@@ -40,10 +40,10 @@ RUN if [ -z "$PIP_CERT" ]; then unset PIP_CERT; fi \
     && python3 -c "import torch, torchvision, tqdm; print('torch', torch.__version__, '| torchvision', torchvision.__version__)" \
     && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 
-# The project: train.py (the kit) and its train_utils package, the five rungs,
-# and the task modules (a bind mount of a checkout over /workspace,
-# -v "$PWD":/workspace, works as well).
+# The project: train.py (the kit) and its train_utils package (with its
+# snapshots/ subpackage), the five rungs, and the task modules (a bind mount
+# of a checkout over /workspace, -v "$PWD":/workspace, works as well).
 COPY *.py ./
-COPY train_utils/*.py ./train_utils/
+COPY train_utils/ ./train_utils/
 
 CMD ["bash"]

@@ -196,7 +196,7 @@ OTHER_PREFIX = re.compile(r"""(?:print\(f?|exit\(f?|echo |Error\(f?)["'](?:Error
 def test_every_error_line_the_project_prints_starts_with_error_colon():
     """The scripts, train_utils, the task modules, the benchmark and the Slurm
     wrappers all say `error: ...` (and `warning: ...`), as argparse does."""
-    sources = [*REPO.glob("*.py"), *REPO.glob("train_utils/*.py"), *REPO.glob("benchmarks/*.py"),
+    sources = [*REPO.glob("*.py"), *REPO.glob("train_utils/**/*.py"), *REPO.glob("benchmarks/*.py"),
                *REPO.glob("slurm/*.sh")]
     found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}" for path in sources
              for number, line in enumerate(path.read_text().splitlines(), start=1) if OTHER_PREFIX.search(line)]
