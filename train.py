@@ -489,5 +489,5 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     # A file for DDP, a folder of sharded saves (one sub-folder per save) for FSDP.
-    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models(),
+    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models,
                                 snapshot_paths={"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp"}))

@@ -77,22 +77,42 @@ def _task_name(tasks: tuple) -> Callable[[str], str]:
 
 
 def parse_args(description: Optional[str], tasks: Iterable[str], *,
-               models: Optional[Mapping[str, Iterable[str]]] = None,
+               models: Optional[Callable[[], Mapping[str, Iterable[str]]]] = None,
                snapshot_paths: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
     """Parse the command line (``sys.argv``): every flag of the kit
     (``config.RunConfig``'s, in its order), then the task modules' own
-    (``task_flags``).
+    (``task_flags``): the flags of the module of the task --dataset names,
+    and only where --help asks for them, or the command line holds a flag
+    the kit and that module do not know, those of every built-in task
+    module too (each import costs its module's start-up: torchvision's 1.5
+    s of CPU for the image tasks).
 
     ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``), the first
     the default; a ``module:function`` (your own task, see docs/custom-task.md)
-    is accepted too. ``models``: each task's models, the default first, for
-    --model's help (``task_models()``). ``snapshot_paths``: the default
-    --snapshot_path of each --strategy (None: no default). Every flag the
-    task's recipe gives is None where the command line leaves it unset
-    (``config.resolve_config`` fills it). Invalid values (zero epochs, an
-    unknown dataset, ...) end with argparse's usage line, exit status 2.
+    is accepted too. ``models``: () -> each task's models, the default first,
+    for --model's help (``task_models``), called for --help only.
+    ``snapshot_paths``: the default --snapshot_path of each --strategy
+    (None: no default). Every flag the task's recipe gives is None where
+    the command line leaves it unset (``config.resolve_config`` fills it).
+    Invalid values (zero epochs, an unknown dataset, ...) end with
+    argparse's usage line, exit status 2.
     """
     tasks = tuple(tasks)
+    dataset = _dataset_on_command_line() or tasks[0]
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        parser = _parser(description, tasks, {}, snapshot_paths or {}, task_flags((dataset,)))
+        args, unknown = parser.parse_known_args()
+        if not unknown:
+            return _with_snapshot_path(args, snapshot_paths)
+    # --help, or a flag the task does not know (another task's, a misspelt one): every task's flags.
+    every = tuple(dict.fromkeys((*tasks, dataset)))
+    parser = _parser(description, tasks, models() if models else {}, snapshot_paths or {}, task_flags(every))
+    return _with_snapshot_path(parser.parse_args(), snapshot_paths)
+
+
+def _parser(description: Optional[str], tasks: tuple, models: Mapping[str, Iterable[str]],
+            snapshot_paths: Mapping[str, str], flags_of: Mapping[str, dict]) -> argparse.ArgumentParser:
+    """train.py's parser: the kit's flags, and each task module's of ``flags_of`` in a group of its own."""
     # allow_abbrev=False: a misspelt flag (--total_epoch) is an error naming the one meant, not taken for it.
     parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                             allow_abbrev=False)
@@ -101,13 +121,17 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
         group = groups.setdefault(spec.metadata["group"], parser.add_argument_group(spec.metadata["group"]))
         options = dict(spec.metadata["argparse"], help=spec.metadata["help"],
                        default=None if spec.metadata["task_default"] else spec.default)
-        options.update(_dynamic(spec.name, tasks, models or {}, snapshot_paths or {}))
+        options.update(_dynamic(spec.name, tasks, models, snapshot_paths))
         group.add_argument(f"--{spec.name}", **options)
-    for module, flags in task_flags(tasks).items():
+    for module, flags in flags_of.items():
         group = parser.add_argument_group(f"flags of {module}.py's tasks ({', '.join(_tasks_of(module, tasks))})")
         for name, options in flags.items():
             group.add_argument(f"--{name}", **{"default": None, **options})
-    args = parser.parse_args()
+    return parser
+
+
+def _with_snapshot_path(args: argparse.Namespace, snapshot_paths: Optional[Mapping[str, str]]) -> argparse.Namespace:
+    """``args`` with --snapshot_path's default for its --strategy, where it has none."""
     if args.snapshot_path is None and snapshot_paths:
         args.snapshot_path = snapshot_paths[args.strategy]
     return args
@@ -135,21 +159,16 @@ def _dynamic(name: str, tasks: tuple, models: Mapping[str, Iterable[str]],
 
 
 def task_flags(tasks: tuple) -> dict:
-    """{module name: its ``FLAGS``} of the task modules: those of ``tasks``
-    (``common.TASKS``' built-in ones) that import, and the module of a
-    ``module:function`` --dataset on the command line (a task of your own
-    may declare flags too: docs/custom-task.md). ``FLAGS``: {flag name:
-    ``argparse.ArgumentParser.add_argument``'s keyword arguments}, the
-    flags the module's task functions read from ``args``; unset, a flag is
-    None (the task's default)."""
-    specs = [common.TASKS.get(task, task) for task in tasks]
-    given = _dataset_on_command_line()
-    if given and given not in tasks:
-        specs.append(given)
+    """{module name: its ``FLAGS``} of the modules of ``tasks`` (short names
+    of ``common.TASKS``, or ``module:function``s) that import and declare
+    flags (a task of your own may too: docs/custom-task.md). ``FLAGS``:
+    {flag name: ``argparse.ArgumentParser.add_argument``'s keyword
+    arguments}, the flags the module's task functions read from ``args``;
+    unset, a flag is None (the task's default)."""
     found: dict = {}
-    for spec in specs:
+    for task in tasks:
         try:
-            module = sys.modules[common.task_function(spec).__module__]
+            module = sys.modules[common.task_function(common.TASKS.get(task, task)).__module__]
         except (common.ConfigError, KeyError):  # not there: --dataset's own error says so later
             continue
         flags = getattr(module, "FLAGS", None)
@@ -182,15 +201,16 @@ def task_flag_values(args: argparse.Namespace) -> dict:
     ``FLAGS``), as ``args`` holds them. Raises ConfigError (one line) for a
     flag of another task module given on the command line (a value other
     than its default): the task would not read it."""
-    module = sys.modules[common.task_function(common.TASKS.get(args.dataset, args.dataset)).__module__]
-    own = getattr(module, "FLAGS", {})
-    for name, flags in task_flags(tuple(common.TASKS)).items():
-        given = [flag for flag, options in flags.items()
-                 if flag not in own and getattr(args, flag, None) not in (None, options.get("default"))]
-        if given:
-            raise common.ConfigError(f"--{given[0]} is a flag of {name}.py's tasks, which --dataset {args.dataset} "
-                                     f"does not read; leave it out, or train one of "
-                                     f"{', '.join(_tasks_of(name, tuple(common.TASKS)))}")
+    own = next(iter(task_flags((args.dataset,)).values()), {})
+    kit = {spec.name for spec in config.flags()}
+    if set(vars(args)) - kit - set(own):  # parsed with every task's flags: one of them given?
+        for name, flags in task_flags(tuple(common.TASKS)).items():
+            given = [flag for flag, options in flags.items()
+                     if flag not in own and getattr(args, flag, None) not in (None, options.get("default"))]
+            if given:
+                raise common.ConfigError(f"--{given[0]} is a flag of {name}.py's tasks, which --dataset "
+                                         f"{args.dataset} does not read; leave it out, or train one of "
+                                         f"{', '.join(_tasks_of(name, tuple(common.TASKS)))}")
     return {flag: getattr(args, flag) for flag in own}
 
 
