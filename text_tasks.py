@@ -146,7 +146,7 @@ class TokenWindows(Dataset):
     windows every epoch, which a model of some millions of parameters learns
     by heart within a few epochs. ``__getitems__`` cuts a whole batch at
     once, returning ``common.Batch((x, y))``, int64 (B, block_size) each,
-    both contiguous.
+    both contiguous, cut from ``windows``' (B, block_size + 1) rows.
     Raises ConfigError when the sequence is too short for one window
     (``name``: what it is, for the message).
     """
@@ -168,16 +168,21 @@ class TokenWindows(Dataset):
         x, y = self.__getitems__([index])
         return x[0], y[0]
 
-    def __getitems__(self, indices: list[int]) -> Batch:
+    def windows(self, indices: list[int]) -> torch.Tensor:
+        """int64 (B, block_size + 1): the windows ``indices`` with the token
+        after each (training: each at its random offset). Raises IndexError
+        for an index out of range."""
         if not indices or min(indices) < -len(self) or max(indices) >= len(self):
             raise IndexError(f"window indices {indices} out of range for {len(self)} windows")
         starts = torch.tensor(indices, dtype=torch.int64) % len(self) * self.block_size
         if self.shift:
             starts += torch.randint(self.block_size, starts.shape)
         if isinstance(self.tokens, torch.Tensor):
-            rows = self.tokens[starts[:, None] + self._offsets]  # (B, block_size + 1)
-        else:
-            rows = self.tokens.rows(starts, self.block_size + 1)
+            return self.tokens[starts[:, None] + self._offsets]
+        return self.tokens.rows(starts, self.block_size + 1)
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        rows = self.windows(indices)
         # Two dense tensors, not two views of rows: a view keeps rows' strides, and a
         # strided batch is not what the loader pins, so its copy to a GPU would go
         # through a pageable temporary and wait for the GPU (docs/performance.md).

@@ -1,5 +1,5 @@
-"""Run a training script with language-model batches cut as they once were:
-two strided views of one gather, not made dense before the loader pins them.
+"""Run a training script with language-model batches cut as two strided views
+of one gather, not made dense before the loader pins them.
 
 Benchmark only (the GPU check's A/B, benchmarks/gpu_pairs.py): the kit cuts
 a window batch as two dense tensors (``text_tasks.TokenWindows.__getitems__``)
@@ -23,24 +23,14 @@ sys.argv = sys.argv[1:]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(os.path.abspath(script)), REPO]
 
-import torch  # noqa: E402
-
 import text_tasks  # noqa: E402
 import train_utils  # noqa: E402
 from common import Batch  # noqa: E402
 
 
 def strided_getitems(self, indices: list) -> Batch:
-    """``TokenWindows.__getitems__`` with the batch as two views of ``rows``."""
-    if not indices or min(indices) < -len(self) or max(indices) >= len(self):
-        raise IndexError(f"window indices {indices} out of range for {len(self)} windows")
-    starts = torch.tensor(indices, dtype=torch.int64) % len(self) * self.block_size
-    if self.shift:
-        starts += torch.randint(self.block_size, starts.shape)
-    if isinstance(self.tokens, torch.Tensor):
-        rows = self.tokens[starts[:, None] + self._offsets]  # (B, block_size + 1)
-    else:
-        rows = self.tokens.rows(starts, self.block_size + 1)
+    """``TokenWindows.__getitems__`` with the batch as two views of its windows."""
+    rows = self.windows(indices)  # (B, block_size + 1)
     return Batch((rows[:, :-1], rows[:, 1:]))
 
 
