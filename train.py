@@ -87,7 +87,7 @@ class Trainer:
                  config: train_utils.RunConfig) -> None:
         self.task, self.model, self.optimizer, self.config = task, task.model, optimizer, config
         self.device, self.rank, self.local_rank = device, dist.get_rank(), local_rank
-        self.fsdp = config.strategy == "fsdp"
+        self.fsdp = config.strategy != "ddp"  # FSDP2 shards the model: fsdp, and hsdp on a 2-D mesh
         self.train_data, self.val_data, self.log = train_data, val_data, log
         self.progress = train_utils.Progress(device, train_data, self.rank, config.grad_accum_steps)
         self.recipe = train_utils.Recipe(optimizer, config, self.progress.steps_per_epoch,
@@ -324,11 +324,16 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype],
-                compile_blocks: bool = False) -> torch.nn.Module:
+                compile_blocks: bool = False, shard_size: int = 0) -> torch.nn.Module:
     """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
 
     Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
     parameters left; a unit's are all-gathered just before its forward and backward.
+    ``shard_size`` 0: over every rank (FSDP). Else HSDP (--strategy hsdp): a 2-D
+    device mesh of world_size / shard_size replicas x ``shard_size`` ranks, each
+    unit sharded within its replica's ranks (all-gathers and reduce-scatters
+    among them) and replicated across replicas (gradients all-reduced among the
+    ranks holding the same shard): ``hsdp_mesh``.
     ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32, the
     root's output left in it (the loss casts it: ``train_utils.training_loss``);
     BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU).
@@ -341,7 +346,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
 
     train_utils.contiguous_parameters(model)  # fully_shard refuses channels-last weights
     # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = hsdp_mesh(device, shard_size) if shard_size else init_device_mesh(device.type, (dist.get_world_size(),))
     if dtype:
         norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         for norm in norms:
@@ -356,6 +361,19 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
     # compiled graph under --compile, not as a separate copy of the whole (B x T, vocab) logits.
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
     return model
+
+
+def hsdp_mesh(device: torch.device, shard_size: int):
+    """HSDP's 2-D ``DeviceMesh`` of ``device``'s type: (world_size / shard_size
+    replicas, ``shard_size`` ranks), dimensions named "replicate" and "shard"
+    (the FSDP2 docs' and torchtitan's names). Consecutive ranks form a replica:
+    torchrun and srun number a node's ranks consecutively, so with a node's
+    ranks as ``shard_size`` (the default) a parameter's shards stay within a
+    node and only the gradients' all-reduce crosses nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas = dist.get_world_size() // shard_size
+    return init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers: int, train: bool,
@@ -399,7 +417,10 @@ def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) ->
     # FSDP keeps each rank's slice of its own copy).
     torch.manual_seed(args.seed)
     task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
-    return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args))
+    # A node's ranks (torchrun's, or srun's: train_utils.launcher_store): HSDP's default shard size.
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args),
+                                            local_world_size)
 
 
 def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
@@ -415,8 +436,9 @@ def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
         task.flops_per_sample = train_utils.flops_per_sample(task, device)
     if config.activation_checkpointing:  # before DDP and FSDP wrap the blocks
         train_utils.checkpoint_activations(task.model)
-    if config.strategy == "fsdp":  # before the optimizer: fully_shard replaces the parameters
-        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, config.amp), config.compile)
+    if config.strategy != "ddp":  # before the optimizer: fully_shard replaces the parameters
+        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, config.amp), config.compile,
+                                 config.shard_size)
     torch.manual_seed(config.seed + rank)
     return train_utils.build_optimizer(task.model, config)  # --optimizer, --lr, --weight_decay
 
@@ -450,7 +472,7 @@ def main(args: argparse.Namespace) -> None:
     train_utils.set_deterministic(args)  # --deterministic: before the process group, which reads it (NCCL)
     rank, local_rank, device = setup(args.startup_timeout_s)
     train_utils.set_fp32_precision(device, args.no_tf32)  # on GPUs TF32 unless --no_tf32, before the first matmul
-    fsdp = args.strategy == "fsdp"
+    fsdp = args.strategy != "ddp"  # fsdp or hsdp: FSDP2, sharded snapshots
     if fsdp:
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written
     # One live run per snapshot: another's is refused here, before any download.
@@ -490,4 +512,5 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     # A file for DDP, a folder of sharded saves (one sub-folder per save) for FSDP.
     main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models,
-                                snapshot_paths={"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp"}))
+                                snapshot_paths={"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp",
+                                                "hsdp": "snapshot_train_fsdp"}))

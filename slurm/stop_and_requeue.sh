@@ -43,7 +43,7 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 # snapshot_for ARGS...: sets SNAPSHOT, the --snapshot_path of this submission,
 # relative to the working folder: snapshot-<job name>[-<array index>][-<8 hex
 # digits>].pt, the digits a hash of the training arguments (a --snapshot_path
-# among them wins); with --strategy fsdp a folder, without the .pt (sharded
+# among them wins); with --strategy fsdp or hsdp a folder, without the .pt (sharded
 # snapshots: one sub-folder per save). The same sbatch command submitted
 # again (or requeued) gets the same name and resumes; a sweep submitted from
 # one folder (other --lr, say) gets one snapshot per point, never another's;
@@ -68,7 +68,7 @@ snapshot_for() {
             --strategy=*) strategy="${arg#--strategy=}" ;;
         esac
     done
-    [ "$strategy" = fsdp ] && suffix=""
+    case "$strategy" in fsdp|hsdp) suffix="" ;; esac
     if [ -n "$given" ]; then
         SNAPSHOT="$given"
     elif [ "$#" -gt 0 ]; then

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from helpers import (FAULTY_TRAIN, N_EVAL, REPO, TORCHRUN, assert_bitwise, check, epochs, eval_problem, free_port,
-                     full_state, held_at_step, load_task, parse_test, plain_task, run, snapshot_folder, signal_when,
-                     stdout_lines)
+                     full_state, held_at_step, load_task, parse_test, plain_task, run, run_together, script_env,
+                     snapshot_folder, signal_when, stdout_lines)
 
 import common
 import train_utils
@@ -353,3 +353,101 @@ def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp
             f"after step {step}") in resumed.stdout
     assert_bitwise(reference_run, full_state(snapshot_folder(tmp_path / "snapshot_train_fsdp"), tmp_path / "g")[1])
 
+
+
+# --------------------------------------------------------------------------
+# HSDP: sharded within a node, replicated across nodes
+# --------------------------------------------------------------------------
+
+def two_nodes(port: int, cwd, *flags) -> list:
+    """The commands of two torchrun agents on this machine, two ranks each, as
+    two nodes meeting through c10d rendezvous: train.py --strategy hsdp ``flags``."""
+    return [TORCHRUN + ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=hsdp{port}",
+                        f"--rdzv-conf=is_host={int(node == 0)}", FSDP, "--strategy", "hsdp", *map(str, flags)]
+            for node in range(2)]
+
+
+def test_hsdp_on_two_nodes_shards_within_a_node_and_matches_one_process(tmp_path):
+    """4 ranks as 2 nodes x 2 (two torchrun agents): the default mesh is one
+    replica per node (replicate 2 x shard 2), so each rank holds half of every
+    parameter, not a quarter as FSDP over 4 ranks would; one epoch of 57 SGD
+    steps ends at the weights of one process with the global batch of 32 within
+    1e-5 (the float tolerance of the FSDP parity test: gradients summed in
+    another order); the snapshot holds each shard once, not once per replica."""
+    (tmp_path / "one").mkdir()
+    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1",
+                          "--batch_size", "32"], tmp_path / "one"))
+    outputs = run_together(two_nodes(free_port(), tmp_path, "--total_epochs", 1, "--batch_size", 8),
+                           [tmp_path, tmp_path], script_env())
+    assert all(code == 0 for code, _, _ in outputs), [err[-3000:] for _, _, err in outputs]
+    stdout = "".join(out for _, out, _ in outputs)
+    assert "| world_size 4 | global batch size 32 = batch_size 8 x grad_accum_steps 1 x world_size 4 | " \
+           "HSDP mesh replicate 2 x shard 2 |" in stdout, stdout[-2000:]
+    mem = memory(stdout)
+    largest, full = expected_state_bytes(common.synthetic_model("mlp"), 2)  # shards of 2 ranks, not of 4
+    assert (mem["bytes"], mem["ddp"], mem["world"]) == (largest, full, 4)
+
+    folder = snapshot_folder(tmp_path / SNAPSHOT)
+    weights, _ = full_state(folder, tmp_path / "gathered")
+    reference = torch.load(tmp_path / "one" / "snapshot_train.pt", weights_only=True)["model"]
+    worst = max((weights[name] - reference[name]).abs().max().item() for name in reference)
+    print(f"HSDP 2 x 2: max |HSDP - one process| = {worst:.2e}")
+    assert weights.keys() == reference.keys() and worst <= 1e-5
+    # Each piece once: the shard files hold what the index lists, not a copy per replica, and
+    # each parameter is listed in at most 2 pieces (the shards of a replica), not 4.
+    from torch.distributed.checkpoint import FileSystemReader
+    index = FileSystemReader(os.path.join(folder, "model")).read_metadata()
+    listed = sum(info.length for info in index.storage_data.values())
+    written = sum(f.stat().st_size for f in (tmp_path / SNAPSHOT).glob("*/model/*.distcp"))
+    pieces = {name: len(entry.chunks) for name, entry in index.state_dict_metadata.items()}
+    print(f"model shards: {written} bytes written, {listed} listed; pieces per parameter {pieces}")
+    assert written == listed and max(pieces.values()) == 2
+
+
+# Two epochs of 57 steps at 4 ranks (batch 8), a snapshot every 20 steps.
+HSDP_FLAGS = ["--total_epochs", "2", "--batch_size", "8", "--snapshot_every_steps", "20"]
+
+
+def hsdp(nproc: int, *flags, script=FSDP) -> list:
+    """torchrun's command for ``script`` --strategy hsdp --shard_size 2 on ``nproc`` processes of one agent."""
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", script, "--strategy", "hsdp",
+                       "--shard_size", "2", *map(str, flags)]
+
+
+def test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back(tmp_path):
+    """SIGTERM in epoch 2 of an HSDP run (replicate 2 x shard 2): the same
+    command resumes it bitwise like the uninterrupted run. A copy of the same
+    snapshot goes on under FSDP on 2 ranks (DCP reshards the 2-D mesh's
+    shards) and trains each of epoch 2's remaining samples once (counted),
+    then HSDP on 4 ranks again trains epoch 3 from FSDP's snapshot."""
+    (tmp_path / "reference").mkdir()
+    check(run(hsdp(4, *HSDP_FLAGS), tmp_path / "reference"))
+    reference = full_state(snapshot_folder(tmp_path / "reference" / SNAPSHOT), tmp_path / "g0")[1]
+
+    hold_env, held = held_at_step(57 + 13)  # epoch 2's 13th step
+    text = signal_when(hsdp(4, *HSDP_FLAGS, script=FAULTY_TRAIN), tmp_path, held, signal.SIGTERM, start_s=180,
+                       stop_s=120, **hold_env)
+    assert "stopped by SIGTERM" in text and "test | loss" not in text, text[-3000:]
+    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at", text.split("stopped by SIGTERM")[1],
+                            re.M).groups()
+    assert (epoch, step) == ("2", "14")
+    (tmp_path / "fsdp").mkdir()
+    shutil.copytree(tmp_path / SNAPSHOT, tmp_path / "fsdp" / SNAPSHOT)
+
+    resumed = check(run(hsdp(4, *HSDP_FLAGS), tmp_path))
+    assert f"resuming from snapshot {SNAPSHOT}/epoch-2-step-14 in epoch 2 after step 14\n" in resumed.stdout
+    assert_bitwise(reference, full_state(snapshot_folder(tmp_path / SNAPSHOT), tmp_path / "g1")[1])
+
+    moved = check(run(fsdp(2, *HSDP_FLAGS, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
+    assert (f"resuming from snapshot {SNAPSHOT}/epoch-2-step-14 in epoch 2 after step 28 (saved by world_size 4 "
+            f"as HSDP replicate 2 x shard 2, resharded to 2 as FSDP: weights and optimizer state exact; epoch 2 "
+            f"goes on after 448 of its 1844 samples") in moved.stdout, moved.stdout[-2000:]
+    back = check(run(hsdp(4, *HSDP_FLAGS[2:], "--total_epochs", 3, "--metrics_path", "m.jsonl"),
+                     tmp_path / "fsdp"))
+    assert (f"resuming from snapshot {SNAPSHOT}/epoch-2 after epoch 2 (saved by world_size 2 as FSDP, "
+            f"resharded to 4 as HSDP replicate 2 x shard 2:") in back.stdout, back.stdout[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "fsdp" / "m.jsonl").read_text().splitlines()]
+    # epoch 2: 448 samples before the stop, the other 1396 in steps of 2 x 8; epoch 3: 57 steps of 32
+    assert [(r["epoch"], r["samples"]) for r in records if "epoch" in r] == [(2, 448 + 1396 // 16 * 16),
+                                                                            (3, 57 * 32)]

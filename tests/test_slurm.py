@@ -1,8 +1,9 @@
 """The sbatch wrappers in slurm/, run unchanged under a real Slurm cluster
 (slurmctld + slurmd daemons, see slurm_cluster.py), each running train.py,
 all submitted at once: one node with four "GPUs" for single_gpu.sh and
-multi_gpu.sh, two hosts in network namespaces for multi_node.sh (FSDP) and
-multi_node_srun.sh (a container stand-in per rank), and beside them the
+multi_gpu.sh, two hosts in network namespaces for multi_node.sh and
+multi_node_srun.sh (HSDP, one replica per host; srun's with a container
+stand-in per rank), and beside them the
 multinode.py rung across the two hosts with plain torchrun. Every way Slurm stops a job: tests/test_stop_paths.py;
 the wrappers as text and their shared files: tests/test_slurm_wrappers.py.
 
@@ -72,11 +73,11 @@ def jobs(cluster, tmp_path_factory):
         "single_gpu": submit(cluster, folders["single_gpu"], "single_gpu.sh", *SINGLE_ARGS, sbatch=["--gres=gpu:1"]),
         "multi_gpu": submit(cluster, folders["multi_gpu"], "multi_gpu.sh", "--dataset", "mnist", "--data_dir",
                             str(data), "--total_epochs", "2", sbatch=["--gres=gpu:2"]),
-        "multi_node": submit(cluster, folders["multi_node"], "multi_node.sh", *FSDP_ARGS,
+        "multi_node": submit(cluster, folders["multi_node"], "multi_node.sh", *HSDP_ARGS,
                              sbatch=[*MULTI, "--gres=gpu:2"], env={"GLOO_SOCKET_IFNAME": NODE_IFACE}),
         # VENV_DIR points nowhere: the job succeeds only if the wrapper left the
         # virtual environment alone and ran python through the container command.
-        "srun": submit(cluster, srun, "multi_node_srun.sh", "--total_epochs", "1",
+        "srun": submit(cluster, srun, "multi_node_srun.sh", *SRUN_ARGS,
                        sbatch=[*MULTI, "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2"],
                        env={"GLOO_SOCKET_IFNAME": NODE_IFACE, "VENV_DIR": str(srun / "no-venv"),
                             "CONTAINER_IMAGE": "ddp.sif", "CONTAINER_RUN": container_stand_in(srun)}),
@@ -141,12 +142,14 @@ def test_multi_gpu_wrapper_runs_one_worker_per_gpu(cluster, jobs):
     assert config["world_size"] == 2 and config["dataset"] == "mnist"
 
 
-FSDP_ARGS = ["--total_epochs", "2", "--strategy", "fsdp"]
+HSDP_ARGS = ["--total_epochs", "2", "--strategy", "hsdp"]
+SRUN_ARGS = ["--total_epochs", "1", "--strategy", "hsdp"]
 
 
-def test_multi_node_wrapper_two_hosts_four_ranks_fsdp(cluster, jobs):
-    """--strategy fsdp passes through to train.py; the snapshot the wrapper
-    names for it is a folder of sharded saves (DDP across the hosts:
+def test_multi_node_wrapper_two_hosts_four_ranks_hsdp(cluster, jobs):
+    """--strategy hsdp passes through to train.py, whose mesh is one replica
+    per host (torchrun's LOCAL_WORLD_SIZE, 2 on each); the snapshot the
+    wrapper names for it is a folder of sharded saves (DDP across the hosts:
     test_stop_paths.py's preemption of multi_node.sh)."""
     job, folder = jobs["multi_node"]
     info, log = finished(cluster, folder, job, "multi_node")
@@ -156,9 +159,10 @@ def test_multi_node_wrapper_two_hosts_four_ranks_fsdp(cluster, jobs):
     seen = {(int(rank), int(local), host) for rank, local, host, _ in RANK_LINE.findall(log)}
     assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")} \
         or seen == {(0, 0, "ddp-node2"), (1, 1, "ddp-node2"), (2, 0, "ddp-node1"), (3, 1, "ddp-node1")}, log
+    assert "| world_size 4 | " in log and "| HSDP mesh replicate 2 x shard 2 |" in log, log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2
-    snapshot = folder / wrapper_snapshot("multi_node", FSDP_ARGS)[:-len(".pt")]
+    snapshot = folder / wrapper_snapshot("multi_node", HSDP_ARGS)[:-len(".pt")]
     assert f"| {snapshot.name} |" in log and snapshot.is_dir(), log
     [meta] = snapshot.glob("*/meta.pt")  # the last save's folder, the one before it deleted
     assert meta.parent.name == "epoch-2"
@@ -170,7 +174,8 @@ def test_srun_wrapper_one_task_per_gpu_on_two_hosts_each_in_the_container(cluste
     torchrun; each takes its rank from Slurm and meets the others on the
     job's first host. With CONTAINER_IMAGE (a stand-in for apptainer as
     CONTAINER_RUN) srun wraps each task's python in the container command.
-    In a real image, preempted and requeued: tests/test_container.py."""
+    --strategy hsdp: a host's tasks (srun's tasks per node) are the shard
+    size. In a real image, preempted and requeued: tests/test_container.py."""
     job, folder = jobs["srun"]
     _, log = finished(cluster, folder, job, "multi_node_srun")
     ran = set(re.findall(r"^in container ddp\.sif on (\S+) as task (\d+)$", log, re.M))
@@ -181,9 +186,11 @@ def test_srun_wrapper_one_task_per_gpu_on_two_hosts_each_in_the_container(cluste
     seen = {(int(rank), int(local), host) for rank, local, host, _ in RANK_LINE.findall(log)}
     # srun's default block distribution: ranks 0, 1 on the first host, 2, 3 on the second
     assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")}, log
+    assert "| HSDP mesh replicate 2 x shard 2 |" in log, log
     assert [e["epoch"] for e in epochs(log)] == [1]
-    snapshot = folder / wrapper_snapshot("multi_node_srun", ["--total_epochs", "1"])
-    assert torch.load(snapshot, weights_only=True)["config"]["world_size"] == 4
+    snapshot = folder / wrapper_snapshot("multi_node_srun", SRUN_ARGS)[:-len(".pt")]
+    [meta] = snapshot.glob("*/meta.pt")
+    assert torch.load(meta, weights_only=True)["world_size"] == 4
 
 
 def test_submitted_from_the_wrong_folder_fails_clearly(cluster, jobs):

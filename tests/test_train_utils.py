@@ -772,3 +772,25 @@ def test_a_flags_bad_number_is_named_in_plain_words(kind, zero, text, message):
         positive(kind, zero)(text)
     assert str(info.value) == message
     assert positive(kind, zero)("3") == 3 and positive(kind, True)("0") == 0
+
+
+def test_hsdp_shard_size_defaults_to_a_node_and_must_divide_the_world():
+    """--strategy hsdp shards over a node's ranks unless --shard_size says
+    otherwise; a size that does not divide world_size, or --shard_size
+    without hsdp, is one line naming the fix. srun's tasks per node give a
+    node's ranks where torchrun's LOCAL_WORLD_SIZE is absent."""
+    from train_utils.config import hsdp_shard_size
+    from train_utils.launch import tasks_per_node
+
+    assert hsdp_shard_size("hsdp", 0, 8, 4) == 4 and hsdp_shard_size("hsdp", 2, 8, 4) == 2
+    assert hsdp_shard_size("fsdp", 0, 8, 4) == 0 and hsdp_shard_size("ddp", 0, 8, 4) == 0
+    with pytest.raises(ConfigError, match=r"^--shard_size 3 does not divide world_size 8; pass a --shard_size "
+                                          r"that divides it \(e\.g\. 1\)$"):
+        hsdp_shard_size("hsdp", 3, 8, 4)
+    with pytest.raises(ConfigError, match=r"^--shard_size's default, the 4 ranks of one node, does not "
+                                          r"divide world_size 6; "):
+        hsdp_shard_size("hsdp", 0, 6, 4)
+    with pytest.raises(ConfigError, match=r"^--shard_size 2 applies to --strategy hsdp only; "):
+        hsdp_shard_size("fsdp", 2, 8, 4)
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1] and tasks_per_node("4") == [4]
+    assert tasks_per_node("") == [] and tasks_per_node("2(x") == []

@@ -153,7 +153,8 @@ def _dynamic(name: str, tasks: tuple, models: Mapping[str, Iterable[str]],
     if name == "data_dir":
         return {"default": os.environ.get("DATA_DIR", "data")}
     if name == "snapshot_path" and snapshot_paths:
-        defaults = ", ".join(f"{path} with --strategy {strategy}" for strategy, path in snapshot_paths.items())
+        strategies = {path: [s for s, p in snapshot_paths.items() if p == path] for path in snapshot_paths.values()}
+        defaults = ", ".join(f"{path} with --strategy {' or '.join(names)}" for path, names in strategies.items())
         return {"help": f"snapshot to resume from when it exists, and to save to (default: {defaults})"}
     return {}
 

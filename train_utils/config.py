@@ -222,8 +222,13 @@ class RunConfig:
 
     # How the run is spread, snapshotted and timed out
     strategy: str = flag("ddp", "ddp: every rank holds the whole model (DistributedDataParallel); fsdp: each "
-                                "holds 1/world_size of it (FSDP2), snapshots sharded (default: ddp)",
-                         group=RUN, type=choice("ddp", "fsdp"))
+                                "holds 1/world_size of it (FSDP2), snapshots sharded; hsdp: sharded within a "
+                                "group of --shard_size ranks (a node), replicated across the groups, snapshots as "
+                                "fsdp's (docs/fsdp.md) (default: ddp)",
+                         group=RUN, type=choice("ddp", "fsdp", "hsdp"))
+    shard_size: int = flag(0, "--strategy hsdp: the ranks one replica of the model is sharded over; it must "
+                              "divide world_size (default: 0, the ranks of one node, torchrun's LOCAL_WORLD_SIZE)",
+                           group=RUN, type=non_negative_int)
     snapshot_path: Optional[str] = flag(None, "snapshot to resume from when it exists, and to save to",
                                         group=RUN, per_process=True)
     snapshot_every_steps: int = flag(
@@ -297,7 +302,7 @@ def batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:
 
 
 def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optional[str],
-                   task_flags: Optional[Mapping[str, Any]] = None) -> RunConfig:
+                   task_flags: Optional[Mapping[str, Any]] = None, local_world_size: int = 1) -> RunConfig:
     """The run's configuration, from the parsed command line ``args`` (the
     model chosen by the task function among them) and the task built from
     it, for ``world_size`` processes: each flag ``args`` leaves unset (None)
@@ -306,17 +311,41 @@ def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optiona
     --global_batch_size, --grad_accum_steps = it / (batch_size x world_size);
     with --max_steps, --total_epochs = the epochs that hold its steps; the
     task's own flags (``task_flags``: {name: value}, ``cli.task_flag_values``)
-    and identity. Raises ConfigError (one line) for a global batch size the
-    per-process batch does not divide."""
+    and identity; under --strategy hsdp, --shard_size as the mesh uses it
+    (``hsdp_shard_size``; 0 for the other strategies). Raises ConfigError (one
+    line) for a global batch size the per-process batch does not divide, and
+    as ``hsdp_shard_size`` does."""
     values = {f.name: getattr(args, f.name) for f in flags()}
     values.update(recipe_values(args, task.recipe), amp=amp)
     values["grad_accum_steps"] = accumulation_steps(values["global_batch_size"], values["batch_size"],
                                                     values["grad_accum_steps"], world_size)
+    values["shard_size"] = hsdp_shard_size(values["strategy"], values["shard_size"], world_size, local_world_size)
     if values["max_steps"]:
         batches = batches_per_rank(len(task.train_set), world_size, values["batch_size"])
         values["total_epochs"] = math.ceil(values["max_steps"] / max(1, batches // values["grad_accum_steps"]))
     return RunConfig(**values, task_flags=MappingProxyType(dict(task_flags or {})),
                      task_identity=MappingProxyType(dict(task.identity)))
+
+
+def hsdp_shard_size(strategy: str, shard_size: int, world_size: int, local_world_size: int) -> int:
+    """The ranks each replica of an HSDP model is sharded over: --shard_size
+    (``shard_size``), or where it is 0 the ranks of one node
+    (``local_world_size``), so that the all-gathers and reduce-scatters stay
+    inside a node and only the gradients' all-reduce crosses nodes
+    (torchtitan's and the FSDP2 docs' default layout). 0 for --strategy ddp
+    and fsdp. Raises ConfigError (one line) for a --shard_size without
+    --strategy hsdp, or one that does not divide ``world_size``."""
+    if strategy != "hsdp":
+        if shard_size:
+            raise ConfigError(f"--shard_size {shard_size} applies to --strategy hsdp only; add --strategy hsdp, "
+                              f"or drop --shard_size")
+        return 0
+    size = shard_size or local_world_size
+    if world_size % size:
+        given = f"--shard_size {size}" if shard_size else f"--shard_size's default, the {size} ranks of one node,"
+        raise ConfigError(f"{given} does not divide world_size {world_size}; pass a --shard_size that divides it "
+                          f"(e.g. {math.gcd(size, world_size)})")
+    return size
 
 
 def accumulation_steps(global_batch_size: Optional[int], batch_size: int, grad_accum_steps: int,

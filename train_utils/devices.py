@@ -191,7 +191,8 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
 
     E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
     batch_size 32 x grad_accum_steps 1 x world_size 2 | cpu threads 1 per
-    process``: on a CPU, the intra-op threads each process computes with
+    process``: under --strategy hsdp then the device mesh (``| HSDP mesh
+    replicate 2 x shard 4``); on a CPU, the intra-op threads each process computes with
     (``share_cpu_cores``; OMP_NUM_THREADS sets them); then ``| amp bf16`` or
     ``| amp fp16 with a loss scaler`` under --amp; on CUDA how fp32 matmuls
     run (``| fp32 matmuls on TF32 (--no_tf32: full fp32)``), and ``|
@@ -206,6 +207,8 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
             f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
             f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
+    if args.strategy == "hsdp":  # the 2-D device mesh (train.hsdp_mesh): replicas x ranks per shard group
+        line += f" | HSDP mesh replicate {world_size // args.shard_size} x shard {args.shard_size}"
     if device.type == "cpu":
         line += f" | cpu threads {torch.get_num_threads()} per process"
 

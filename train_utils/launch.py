@@ -40,7 +40,8 @@ def launcher_store(timeout: timedelta) -> dist.Store:
     torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
     srun with one task per GPU (no torchrun; the launch of Mila's, Lightning's
     and submitit's cluster docs) sets SLURM_PROCID, SLURM_LOCALID and
-    SLURM_STEP_NUM_TASKS: they become RANK, LOCAL_RANK and WORLD_SIZE here, and
+    SLURM_STEP_NUM_TASKS: they become RANK, LOCAL_RANK and WORLD_SIZE here (and
+    this node's share of SLURM_STEP_TASKS_PER_NODE LOCAL_WORLD_SIZE), and
     the rendezvous is the job's first host at ``rendezvous.slurm_port``
     (what the Slurm wrappers derive too) unless MASTER_ADDR/MASTER_PORT are
     set. Rank 0 then hosts the store.
@@ -53,6 +54,9 @@ def launcher_store(timeout: timedelta) -> dist.Store:
         env = os.environ
         env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
                    WORLD_SIZE=env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+        tasks = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+        if int(env.get("SLURM_NODEID", -1)) in range(len(tasks)):
+            env["LOCAL_WORLD_SIZE"] = str(tasks[int(env["SLURM_NODEID"])])
         if "MASTER_ADDR" not in env:
             env["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
         if "MASTER_PORT" not in env:
@@ -66,6 +70,18 @@ def launcher_store(timeout: timedelta) -> dist.Store:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_hosts_store(), timeout=timeout)
     return dist.PrefixStore(store_prefix(), store)
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """Slurm's tasks-per-node list, expanded: "2(x3),1" (SLURM_STEP_TASKS_PER_NODE's
+    form, sbatch(1)) gives [2, 2, 2, 1]; [] for an empty or unreadable one."""
+    counts = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if match is None:
+            return []
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
 
 
 def agent_hosts_store() -> bool:

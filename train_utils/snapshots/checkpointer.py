@@ -164,7 +164,7 @@ class Checkpointer:
         if progress is None:
             return Found(self.found, where)
         # Where this run goes on, in its own steps (another world size counts others), and what changed.
-        return Found(self.found, progress.position(), note=self.store.resume_note(progress, self.config))
+        return Found(self.found, progress.position(), note=self.store.resume_note(snapshot, progress, self.config))
 
     def load_model(self) -> None:
         """Collective under FSDP: the weights alone of the snapshot ``load``

@@ -248,7 +248,7 @@ class SnapshotFile:
         optimizer.load_state_dict(snapshot.pop("optimizer"))
 
     @staticmethod
-    def resume_note(progress, config) -> str:
+    def resume_note(snapshot: dict, progress, config: dict) -> str:
         """The resume line's end: what changes at another world size (``Progress.resize_note``)."""
         return progress.resize_note(config)
 

@@ -116,10 +116,14 @@ class ShardedSnapshots:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
     @staticmethod
-    def resume_note(progress, config) -> str:
+    def resume_note(snapshot: dict, progress, config: dict) -> str:
         """The resume line's end: DCP reshards exactly, and inside an epoch
-        where it goes on (``resharding_note``)."""
-        return resharding_note(progress.saved_world_size, progress.epoch_note())
+        where it goes on, from the world size and mesh that saved
+        ``snapshot`` to this run's (``config``; ``resharding_note``)."""
+        world_size = dist.get_world_size()
+        return resharding_note(progress.saved_world_size, progress.epoch_note(),
+                               mesh_name(snapshot.get("config", {}), progress.saved_world_size or world_size),
+                               mesh_name(config, world_size))
 
     def load_model(self, folder: str, model: torch.nn.Module) -> None:
         """Collective: the model weights alone of the snapshot ``folder``, its
@@ -316,17 +320,31 @@ def _position(name: str) -> Optional[tuple]:
     return None
 
 
-def resharding_note(saved_world_size: int, epoch_note: str = "") -> str:
-    """'' when this run's world size is ``saved_world_size``, else the note a
-    sharded snapshot's resume line ends with: weights and optimizer state are
-    resharded exactly; only ranks that the saving run also had get their RNG
-    states back (the others start from their seeds), so dropout and
-    augmentation draws differ from those of an uninterrupted run.
-    ``epoch_note``: where a mid-epoch snapshot's epoch goes on
+def mesh_name(config: dict, world_size: int) -> str:
+    """How a run of ``config`` on ``world_size`` ranks shards its model:
+    "FSDP", or "HSDP replicate R x shard S" (--strategy hsdp, ``train.hsdp_mesh``)."""
+    shard_size = config.get("shard_size") or 0
+    if config.get("strategy") != "hsdp" or not shard_size:
+        return "FSDP"
+    return f"HSDP replicate {world_size // shard_size} x shard {shard_size}"
+
+
+def resharding_note(saved_world_size: int, epoch_note: str = "", saved_mesh: str = "FSDP",
+                    mesh: str = "FSDP") -> str:
+    """'' when this run's world size is ``saved_world_size`` and its mesh
+    ``saved_mesh`` (``mesh_name``s), else the note a sharded snapshot's
+    resume line ends with: weights and optimizer state are resharded
+    exactly; at another world size only ranks that the saving run also had
+    get their RNG states back (the others start from their seeds), so
+    dropout and augmentation draws differ from those of an uninterrupted
+    run. ``epoch_note``: where a mid-epoch snapshot's epoch goes on
     (``Progress.epoch_note``), put before the random streams."""
     world_size = dist.get_world_size()
-    if saved_world_size == world_size:
+    if saved_world_size == world_size and saved_mesh == mesh:
         return ""
-    return (f" (saved by world_size {saved_world_size}, resharded to {world_size}: weights and "
-            f"optimizer state exact{epoch_note}; random streams restored on ranks < "
+    meshes = ("", "") if saved_mesh == mesh == "FSDP" else (f" as {saved_mesh}", f" as {mesh}")
+    if saved_world_size == world_size:
+        return f" (saved{meshes[0]}, resharded{meshes[1]}: weights and optimizer state exact{epoch_note})"
+    return (f" (saved by world_size {saved_world_size}{meshes[0]}, resharded to {world_size}{meshes[1]}: "
+            f"weights and optimizer state exact{epoch_note}; random streams restored on ranks < "
             f"{min(saved_world_size, world_size)} only)")
