@@ -30,6 +30,10 @@ Sections:
      training step and bytes of training state per rank (params + grads +
      SGD momentum), MNIST CNN and ResNet-18, as train.py --strategy fsdp
      and --strategy ddp wrap them; on CUDA also each one's peak GPU memory.
+  6b bytes between two hosts per optimizer step, DDP, FSDP and HSDP: train.py
+     as a job of 2 hosts x 2 ranks (two network namespaces joined by one
+     link; needs root), the GPT of --dataset shakespeare_char, each host's
+     link counters, beside what the algorithms predict.
   7  snapshot save rate: atomic_save of 64 MiB to 1 GiB, MiB/s, in --save_dir
      (your snapshots' storage), and the model size whose snapshot fits in
      what Slurm's KillWait leaves (docs/slurm.md).
@@ -60,7 +64,7 @@ Sections:
 
 Each section is a module of benchmarks/ (overhead.py, amp_cpu.py,
 input_pipeline.py, scaling.py, time_to_accuracy.py, gpu.py, fsdp_vs_ddp.py,
-snapshot_save.py, language_model.py, versus_nanogpt.py, snapshot_cost.py; what they share is
+node_traffic.py, snapshot_save.py, language_model.py, versus_nanogpt.py, snapshot_cost.py; what they share is
 harness.py); this file runs the ones asked for.
 """
 
@@ -90,6 +94,7 @@ from benchmarks.gpu import section_gpu  # noqa: E402
 from benchmarks.harness import machine  # noqa: E402
 from benchmarks.input_pipeline import section_input  # noqa: E402
 from benchmarks.language_model import section_lm, section_lm_loop  # noqa: E402
+from benchmarks.node_traffic import section_node_traffic  # noqa: E402
 from benchmarks.overhead import section_overhead  # noqa: E402
 from benchmarks.scaling import section_scaling  # noqa: E402
 from benchmarks.snapshot_cost import section_snapshot_cost  # noqa: E402
@@ -151,7 +156,7 @@ def main() -> None:
     """The command line: run the sections asked for (``--only``; all by default),
     print each one's table and write every number to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 7 8 8c 8d 9")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 6b 7 8 8c 8d 9")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
@@ -169,7 +174,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "7", "8", "8c", "8d", "9"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "9"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -187,6 +192,7 @@ def main() -> None:
                 ("4", "time_to_accuracy",
                  lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}, 2),
                 ("5", "gpu", section_gpu, 1), ("6", "fsdp_vs_ddp", section_fsdp, 2),
+                ("6b", "node_traffic", section_node_traffic, 2),
                 ("7", "snapshot_save", lambda: section_snapshot_save(args.save_dir), 1),
                 ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps, threads=args.lm_threads), 1),
                 ("8c", "lm_loop", lambda: section_lm_loop(args.nanogpt, threads=args.lm_threads), 1),

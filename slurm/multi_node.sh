@@ -5,8 +5,7 @@
 # Submit from the project folder (on storage every node sees: the snapshot goes
 # there); arguments after the name go to train.py:
 #     sbatch slurm/multi_node.sh --dataset cifar10 --total_epochs 30
-#     sbatch --nodes=4 slurm/multi_node.sh --strategy fsdp   # node count from the job
-#     sbatch slurm/multi_node.sh --strategy hsdp   # sharded within each node, replicated across nodes
+#     sbatch --nodes=4 slurm/multi_node.sh --strategy hsdp   # node count from the job; docs/fsdp.md
 #     ELASTIC_MIN_NODES=1 sbatch --no-kill slurm/multi_node.sh --snapshot_every_steps 500
 # (elastic: a node that dies costs the steps since the last snapshot, not the job)
 # Watch: squeue --me; tail -f multi_node-<job id>.out. scancel stops it with a

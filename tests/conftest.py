@@ -138,7 +138,7 @@ QUICK = [
     "test_readme.py",
     "test_task_batching.py",  # a task of one's own: its batching, named by its file, wrong returns
     "test_multinode.py::test_two_nodes_train_together",
-    "test_fsdp.py::test_sigusr1_stops_every_rank_and_the_run_resumes_exactly",  # train.py --strategy fsdp, stopped and resumed
+    "test_fsdp.py::test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back",  # FSDP2, stopped, resumed
     "test_distributed_correctness.py::test_resume_equals_uninterrupted_run",
     "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",  # the kit, train.py:
     "test_reruns_and_errors.py::test_fewer_epochs_than_the_snapshot_holds_is_refused",

@@ -1,8 +1,9 @@
-"""train.py --strategy fsdp, the kit's FSDP2, on CPU with gloo under real torchrun:
-parity with one process, real MNIST, exact sharded evaluation, resume
-(bitwise, across world sizes, after a kill during a save, after SIGUSR1),
-the gathered snapshot as a plain checkpoint of the task's model, and memory
-per rank. (The FSDP rung, multinode_fsdp.py, is tested with the other rungs.)"""
+"""train.py --strategy fsdp and hsdp, the kit's FSDP2, on CPU with gloo under real
+torchrun: parity with one process, real MNIST, exact sharded evaluation, resume
+(bitwise, across world sizes, after a kill during a save, after SIGUSR1, from
+HSDP to FSDP and back), the gathered snapshot as a plain checkpoint of the
+task's model, memory per rank, HSDP's mesh on two torchrun agents as two nodes.
+(The FSDP rung, multinode_fsdp.py, is tested with the other rungs.)"""
 
 import json
 import os
@@ -284,7 +285,7 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
     (DCP reshards), and gathered again the weights and momentum buffers are bitwise
     the saved ones; training goes on at world size 3, its step schedule at epoch 2
     (x0.5 once), though an epoch now has 19 optimizer steps, not 57. (A snapshot
-    taken inside an epoch: test_sigusr1_stops_every_rank_and_the_run_resumes_exactly.)"""
+    taken inside an epoch: test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back.)"""
     (tmp_path / "two").mkdir()
     halving = ["--lr_schedule", "step", "--lr_gamma", "0.5"]
     first = check(run(fsdp(2, "--total_epochs", 1, *halving), tmp_path / "two"))
@@ -311,48 +312,6 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
     assert epochs(first.stdout)[0]["lr"] == 0.05 and epochs(more.stdout)[0]["lr"] == 0.025
     assert epochs(more.stdout)[0]["train_loss"] < epochs(first.stdout)[0]["train_loss"]
     assert sorted(os.listdir(tmp_path / "three" / "snapshot_train_fsdp")) == ["epoch-2"]
-
-
-# The reference of the SIGUSR1 test: 2 epochs of 115 steps, a snapshot every 40. (A kill
-# during a sharded save: tests/test_recipes.py, under a recipe with state of its own.)
-FAULT_FLAGS = ["--total_epochs", "2", "--batch_size", "8", "--snapshot_every_steps", "40"]
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("reference")
-    check(run(fsdp(2, *FAULT_FLAGS), cwd))
-    return full_state(snapshot_folder(cwd / "snapshot_train_fsdp"), cwd / "gathered")[1]
-
-
-def test_sigusr1_stops_every_rank_and_the_run_resumes_exactly(reference_run, tmp_path):
-    """torchrun relays SIGUSR1; every rank stops after the same step, a mid-epoch
-    snapshot folder is saved; the same command finishes bitwise like the reference.
-    A copy of that snapshot resumed by 1 rank: DCP reshards, the rest of epoch
-    2's permutation goes on from the 576 samples trained (36 steps of 8 on 2
-    ranks), and the epoch's record counts each sample trained once."""
-    launch = fsdp(2, *FAULT_FLAGS, script=FAULTY_TRAIN)  # held by DDP_TEST_FAULT
-    launch.insert(launch.index(FAULTY_TRAIN), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    hold_env, held = held_at_step(150)  # epoch 2's 35th of 115 steps
-    text = signal_when(launch, tmp_path, held, signal.SIGUSR1, start_s=180, stop_s=120, **hold_env)
-    assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text
-    after_stop = text.split("stopped by SIGUSR1")[1]
-    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_train_fsdp/epoch-\1-step-\2$",
-                            after_stop, re.M).groups()
-    assert (epoch, step) == ("2", "36") and epochs(text)[-1]["epoch"] == 1  # the step after the held one
-    shutil.copytree(tmp_path / "snapshot_train_fsdp", tmp_path / "one" / "snapshot_train_fsdp")
-    one = check(run(fsdp(1, *FAULT_FLAGS, "--metrics_path", "metrics.jsonl"), tmp_path / "one"))
-    assert ("resuming from snapshot snapshot_train_fsdp/epoch-2-step-36 in epoch 2 after step 72 (saved by "
-            "world_size 2, resharded to 1: weights and optimizer state exact; epoch 2 goes on after 576 of its "
-            "1844 samples (step 36 by world_size 2) at step 72, the rest split over 1 rank; random streams "
-            "restored on ranks < 1 only)") in stdout_lines(one.stdout)
-    records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["samples"]) for r in records if "epoch" in r] == [(2, 576 + (1844 - 576) // 8 * 8)]
-    resumed = check(run(fsdp(2, *FAULT_FLAGS), tmp_path))
-    assert (f"resuming from snapshot snapshot_train_fsdp/epoch-{epoch}-step-{step} in epoch {epoch} "
-            f"after step {step}") in resumed.stdout
-    assert_bitwise(reference_run, full_state(snapshot_folder(tmp_path / "snapshot_train_fsdp"), tmp_path / "g")[1])
-
 
 
 # --------------------------------------------------------------------------
@@ -416,20 +375,23 @@ def hsdp(nproc: int, *flags, script=FSDP) -> list:
 
 
 def test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back(tmp_path):
-    """SIGTERM in epoch 2 of an HSDP run (replicate 2 x shard 2): the same
-    command resumes it bitwise like the uninterrupted run. A copy of the same
-    snapshot goes on under FSDP on 2 ranks (DCP reshards the 2-D mesh's
-    shards) and trains each of epoch 2's remaining samples once (counted),
-    then HSDP on 4 ranks again trains epoch 3 from FSDP's snapshot."""
+    """torchrun relays SIGUSR1 in epoch 2 of an HSDP run (replicate 2 x shard
+    2); every rank stops after the same step and a mid-epoch snapshot folder is
+    saved; the same command resumes it bitwise like the uninterrupted run. A
+    copy of the same snapshot goes on under FSDP on 2 ranks (DCP reshards the
+    2-D mesh's shards to a 1-D mesh of another size; the rest of epoch 2's
+    permutation is split over 2 ranks) and trains each remaining sample once
+    (counted), then HSDP on 4 ranks again trains epoch 3 from FSDP's snapshot."""
     (tmp_path / "reference").mkdir()
     check(run(hsdp(4, *HSDP_FLAGS), tmp_path / "reference"))
     reference = full_state(snapshot_folder(tmp_path / "reference" / SNAPSHOT), tmp_path / "g0")[1]
 
     hold_env, held = held_at_step(57 + 13)  # epoch 2's 13th step
-    text = signal_when(hsdp(4, *HSDP_FLAGS, script=FAULTY_TRAIN), tmp_path, held, signal.SIGTERM, start_s=180,
-                       stop_s=120, **hold_env)
-    assert "stopped by SIGTERM" in text and "test | loss" not in text, text[-3000:]
-    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at", text.split("stopped by SIGTERM")[1],
+    launch = hsdp(4, *HSDP_FLAGS, script=FAULTY_TRAIN)
+    launch.insert(launch.index(FAULTY_TRAIN), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    text = signal_when(launch, tmp_path, held, signal.SIGUSR1, start_s=180, stop_s=120, **hold_env)
+    assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text[-3000:]
+    epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at", text.split("stopped by SIGUSR1")[1],
                             re.M).groups()
     assert (epoch, step) == ("2", "14")
     (tmp_path / "fsdp").mkdir()

@@ -178,7 +178,7 @@ def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch, one_
     reason = unusable_gpu_reason()
     assert reason.startswith("CUDA initialization: The NVIDIA driver on your system is too old")
     line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=32,
-                                                               grad_accum_steps=1, amp=None, deterministic=False))
+                                                               grad_accum_steps=1, amp=None, deterministic=False, strategy="ddp"))
     note, start = line.split("\n")
     assert note.startswith("note: this machine has NVIDIA GPUs, but torch cannot use them (CUDA")
     assert "training on the CPU" in note
@@ -235,7 +235,7 @@ def test_no_gpu_files_means_nothing_to_report(monkeypatch, one_process_group):
     monkeypatch.setattr(glob, "glob", lambda pattern: [])
     assert unusable_gpu_reason() is None
     line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=8,
-                                                               grad_accum_steps=4, amp=None, deterministic=False))
+                                                               grad_accum_steps=4, amp=None, deterministic=False, strategy="ddp"))
     assert line == ("device cpu | backend gloo | world_size 1 | global batch size 32 = "
                     f"batch_size 8 x grad_accum_steps 4 x world_size 1 | cpu threads {torch.get_num_threads()} "
                     "per process")
@@ -614,7 +614,7 @@ def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
 
 
 def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch, one_process_group):
-    args = task_args("synthetic", batch_size=32, grad_accum_steps=1, amp=None, deterministic=False)
+    args = task_args("synthetic", batch_size=32, grad_accum_steps=1, amp=None, deterministic=False, strategy="ddp")
     plain = train_utils.describe_run(torch.device("cpu"), args)
     monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
     assert train_utils.describe_run(torch.device("cpu"), args).splitlines() == [
