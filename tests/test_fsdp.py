@@ -318,7 +318,7 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
 # HSDP: sharded within a node, replicated across nodes
 # --------------------------------------------------------------------------
 
-def two_nodes(port: int, cwd, *flags) -> list:
+def two_nodes(port: int, *flags) -> list:
     """The commands of two torchrun agents on this machine, two ranks each, as
     two nodes meeting through c10d rendezvous: train.py --strategy hsdp ``flags``."""
     return [TORCHRUN + ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
@@ -337,7 +337,7 @@ def test_hsdp_on_two_nodes_shards_within_a_node_and_matches_one_process(tmp_path
     (tmp_path / "one").mkdir()
     check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1",
                           "--batch_size", "32"], tmp_path / "one"))
-    outputs = run_together(two_nodes(free_port(), tmp_path, "--total_epochs", 1, "--batch_size", 8),
+    outputs = run_together(two_nodes(free_port(), "--total_epochs", 1, "--batch_size", 8),
                            [tmp_path, tmp_path], script_env())
     assert all(code == 0 for code, _, _ in outputs), [err[-3000:] for _, _, err in outputs]
     stdout = "".join(out for _, out, _ in outputs)
