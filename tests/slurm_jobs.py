@@ -42,7 +42,8 @@ class Scenario:
     sbatch: list
     args: list
     trigger: Optional[Callable]
-    reference: tuple = ("train.py", 2)  # (script, processes) of the uninterrupted run it ends equal to
+    # (script, processes[, flags added to the scenario's]) of the uninterrupted run it ends equal to
+    reference: tuple = ("train.py", 2)
     resubmit: bool = False  # after it ends (scancel), submit the same command again
     user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
     partition: str = "stops"

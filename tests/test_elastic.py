@@ -1,13 +1,15 @@
 """Elastic torchrun (``--nnodes=MIN:MAX``, c10d rendezvous): a node lost mid-run
 leaves the others going at the smaller world size, and a node that joins makes
 the job grow back, without a hang. Two real torchrun agents on this host, each
-one "node"; the lost one is SIGKILLed with its worker (no stop signal, as a
-node that dies), then started again."""
+one "node" of 2 ranks under HSDP (a replica a node); the lost one is SIGKILLed
+with its workers (no stop signal, as a node that dies), then started again.
+(Slurm's node loss under DDP: tests/test_slurm.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -23,18 +25,18 @@ from helpers import FAULTY_TRAIN, REPO, TORCHRUN, free_port, script_env
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def elastic_launch(port: int, hosts: bool, last_call_s: int = 1) -> list:
-    """torchrun for one node of a 1-to-2-node elastic job meeting at ``port``,
+def elastic_launch(port: int, hosts: bool, last_call_s: int = 1, nproc: int = 1) -> list:
+    """torchrun for one node (``nproc`` ranks) of a 1-to-2-node elastic job meeting at ``port``,
     whose agent hosts the rendezvous (``hosts``) or not: on one host every
     agent matches the endpoint, and the first to bind it would host it, so
     the node that survives is told to (the rendezvous host's loss ends a job),
-    and its address sorts first (``--local-addr``), so its worker is rank 0
-    in every round it is in, whichever agent started first;
+    and its address sorts first (``--local-addr``), so its workers are the first
+    ranks in every round it is in, whichever agent started first;
     short rendezvous timeouts (a dead node's heartbeat missed for 3 s; a round
     of fewer than 2 nodes closes ``last_call_s`` after its first one joined)
     and a monitor that looks every 0.5 s, so that a loss or a join is seen
     quickly."""
-    return TORCHRUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+    return TORCHRUN + ["--nnodes=1:2", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
                        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                        f"--local-addr=127.0.0.{1 if hosts else 2}",
                        "--max-restarts=3", "--monitor-interval=0.5",
@@ -109,64 +111,66 @@ def _kill(pid: int) -> None:
         pass
 
 
-def test_train_py_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
-    """The job of docs/fault-tolerance.md on real MNIST digits (1,600 to train,
-    batch 16, a snapshot every 20 steps): nodes a and b start together (one
-    round of 2: 50 steps an epoch). b's worker is held before its step 25 and
-    b is SIGKILLed with it there, after the snapshot at step 20; a resumes
-    alone, mid-epoch, at world size 1 (the 640 samples trained are its first
-    40 steps), and is held before its 30th step there. b started again joins:
-    torchrun stops a's worker with SIGTERM, whose stop path saves after that
-    step (one process needs no all-reduce to agree on it: step 70 at size 1,
-    1,120 samples), and the grown job resumes that mid-epoch at world
-    size 2 (step 35) and finishes, exit 0 on both nodes. The one epoch is
-    summarised once, counting 1,600 samples: each trained once (the steps b
-    lost since the snapshot re-run once). b's agent starts first and waits
-    for a's rendezvous, so that both join a's first round (its last call
-    waits 10 s for a second node). Fails without the resize (a
-    mid-epoch snapshot at another world size was refused: a used up its
-    restarts) and without the store keys every rank of a round agrees on
-    (launch.store_prefix: keyed on each agent's restart count, a's ranks
-    (1) and b's (0) waited for each other at process-group start until the
-    restarts ran out)."""
+def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
+    """The job of docs/fault-tolerance.md under HSDP, each node a replica of 2
+    ranks, on real MNIST digits (1,600 to train, batch 16, a snapshot every 5
+    steps): nodes a (ranks 0 and 1) and b (2 and 3) start together, one round
+    of 2 nodes (replicate 2 x shard 2: 25 steps an epoch). b's workers are held
+    before their step 8 and b is SIGKILLed with them there, after the snapshot
+    at step 5; a goes on alone, mid-epoch, at world size 2 (one replica:
+    replicate 1 x shard 2), resharding that snapshot (the 320 samples trained
+    are its first 10 steps), and rank 0 is held before its 31st step there
+    (step 41), rank 1 waiting for it. b started again joins: torchrun stops
+    a's workers with SIGTERM; they agree on the step after (step 42: 1,344
+    samples) and the stop path saves there; the grown job, 2 replicas again,
+    resumes that mid-epoch at world size 4 (step 21) and finishes, exit 0 on
+    both nodes. The one epoch is summarised once,
+    counting 1,600 samples: each trained once (the steps b lost since the
+    snapshot re-run once). b's agent starts first and waits for a's
+    rendezvous, so that both join a's first round (its last call waits 10 s
+    for a second node). Fails without the resize (a mid-epoch snapshot at
+    another world size was refused: a used up its restarts) and without the
+    store keys every rank of a round agrees on (launch.store_prefix: keyed on
+    each agent's restart count, a's ranks (1) and b's (0) waited for each
+    other at process-group start until the restarts ran out)."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
     port = free_port()
     flags = ["--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
-             "--snapshot_every_steps", "20", "--metrics_path", "metrics.jsonl"]
+             "--strategy", "hsdp", "--snapshot_every_steps", "5", "--metrics_path", "metrics.jsonl"]
     # a and b held by DDP_TEST_FAULT (FAULTY_TRAIN); b started again runs train.py itself.
-    host, other = (elastic_launch(port, hosts, last_call_s=10) + [FAULTY_TRAIN, *flags] for hosts in (True, False))
-    other_again = elastic_launch(port, False, last_call_s=10) + [REPO / "train.py", *flags]
+    host, other = (elastic_launch(port, hosts, last_call_s=10, nproc=2) + [FAULTY_TRAIN, *flags]
+                   for hosts in (True, False))
+    other_again = elastic_launch(port, False, last_call_s=10, nproc=2) + [REPO / "train.py", *flags]
     agents = Agents(tmp_path)
     try:
         # b's agent first, up to where it reaches for the rendezvous (LOGLEVEL=INFO makes torchrun
         # say so), which a's agent hosts: both then join a's first round at once, however long
         # each takes to start on a busy machine.
-        agents.start("b", other, DDP_TEST_FAULT="step:*:25:wait_signal_once", LOGLEVEL="INFO", **ELASTIC_ENV)
+        agents.start("b", other, DDP_TEST_FAULT="step:*:8:wait_signal_once", LOGLEVEL="INFO", **ELASTIC_ENV)
         agents.wait_for("b", "Starting elastic_operator with launch configs")
-        # a's worker: held before its 30th step in each process (only the one alone gets there).
-        agents.start("a", host, DDP_TEST_FAULT="step:0:30:wait_signal", **ELASTIC_ENV)
-        agents.wait_for("a", "epoch 1 step 20 | snapshot saved at snapshot_train.pt")
-        agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 25")
+        # a's rank 0: held before its 31st step in each process (only a process of the world
+        # of 2 gets there: the first round ends at b's step 8).
+        agents.start("a", host, DDP_TEST_FAULT="step:0:31:wait_signal", **ELASTIC_ENV)
+        agents.wait_for("a", "| HSDP mesh replicate 2 x shard 2 |")
+        agents.wait_for("a", "epoch 1 step 5 | snapshot saved at snapshot_train_fsdp/epoch-1-step-5")
+        agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 8 on rank 2")
+        agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 8 on rank 3")
         agents.kill("b")
-        agents.wait_for("a", "resuming from snapshot snapshot_train.pt in epoch 1 after step 40 (saved by "
-                             "world_size 2, resumed by 1: global batch size 32 -> 16 at the same --lr, steps per "
-                             "epoch 50 -> 100; the step lr schedule with warm-up, counted in epochs, goes on at step 40 of 100; "
-                             "epoch 1 goes on after 640 of its 1600 samples (step 20 by "
-                             "world_size 2) at step 40, the rest split over 1 rank; random streams restored on "
-                             "rank 0, those of rank 1 dropped)")
-        agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 30 on rank 0")
+        agents.wait_for("a", "| HSDP mesh replicate 1 x shard 2 |")
+        agents.wait_for("a", "resuming from snapshot snapshot_train_fsdp/epoch-1-step-5 in epoch 1 after step 10 "
+                             "(saved by world_size 4 as HSDP replicate 2 x shard 2, resharded to 2 as HSDP "
+                             "replicate 1 x shard 2: ")
+        agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 31 on rank 0")
         agents.start("b_again", other_again, **ELASTIC_ENV)
         for name in ("a", "b_again"):
             assert agents.procs[name].wait(timeout=180) == 0, agents.logs()
     finally:
         agents.close()
     text = agents.log("a") + agents.log("b_again")
-    assert "epoch 1 step 70 | snapshot saved at snapshot_train.pt" in text, agents.logs()
-    assert ("resuming from snapshot snapshot_train.pt in epoch 1 after step 35 (saved by world_size 1, resumed by "
-            "2: global batch size 16 -> 32 at the same --lr, steps per epoch 100 -> 50; the step lr schedule with warm-up, counted in epochs, goes on at "
-            "step 35 of 50; epoch 1 goes on after 1120 "
-            "of its 1600 samples (step 70 by world_size 1) at step 35, the rest split over 2 ranks; random streams "
-            "restored on rank 0, rank 1 starts from its seed)") in text, agents.logs()
+    assert "epoch 1 step 42 | snapshot saved at snapshot_train_fsdp/epoch-1-step-42" in text, agents.logs()
+    assert re.search(r"^resuming from snapshot snapshot_train_fsdp/epoch-1-step-42 in epoch 1 after step 21 "
+                     r"\(saved by world_size 2 as HSDP replicate 1 x shard 2, resharded to 4 as HSDP replicate 2 x "
+                     r"shard 2: .*epoch 1 goes on after 1344 of its 1600 samples", text, re.M), agents.logs()
     assert text.count("epoch 1/1 |") == 1 and text.count("test | loss") == 1, agents.logs()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in records if "epoch" in r] == [1600]

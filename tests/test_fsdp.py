@@ -284,7 +284,7 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
     """A world-size-2 snapshot resumed by 3 processes: each rank loads its new shard
     (DCP reshards), and gathered again the weights and momentum buffers are bitwise
     the saved ones; training goes on at world size 3, its step schedule at epoch 2
-    (x0.5 once), though an epoch now has 19 optimizer steps, not 57. (A snapshot
+    (x0.5 once), though an epoch now has 19 optimizer steps, not 28. (A snapshot
     taken inside an epoch: test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back.)"""
     (tmp_path / "two").mkdir()
     halving = ["--lr_schedule", "step", "--lr_gamma", "0.5"]
@@ -306,8 +306,9 @@ def test_resume_with_another_world_size(tmp_path, monkeypatch):
     # End to end: 3 ranks resume and train epoch 2 on.
     more = check(run(fsdp(3, "--total_epochs", 2, *halving), tmp_path / "three"))
     assert ("resuming from snapshot snapshot_train_fsdp/epoch-1 after epoch 1 (saved by world_size 2, "
-            "resharded to 3: weights and optimizer state exact; random streams restored on "
-            "ranks < 2 only)") in more.stdout
+            "resharded to 3: weights and optimizer state exact; global batch size 64 -> 96 at the same --lr, "
+            "steps per epoch 28 -> 19; the step lr schedule, counted in epochs, goes on at step 19 of 38; "
+            "random streams restored on ranks 0-1, rank 2 starts from its seed)") in more.stdout, more.stdout
     assert [e["epoch"] for e in epochs(more.stdout)] == [2]
     assert epochs(first.stdout)[0]["lr"] == 0.05 and epochs(more.stdout)[0]["lr"] == 0.025
     assert epochs(more.stdout)[0]["train_loss"] < epochs(first.stdout)[0]["train_loss"]
@@ -403,8 +404,9 @@ def test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back(tmp_p
 
     moved = check(run(fsdp(2, *HSDP_FLAGS, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
     assert (f"resuming from snapshot {SNAPSHOT}/epoch-2-step-14 in epoch 2 after step 28 (saved by world_size 4 "
-            f"as HSDP replicate 2 x shard 2, resharded to 2 as FSDP: weights and optimizer state exact; epoch 2 "
-            f"goes on after 448 of its 1844 samples") in moved.stdout, moved.stdout[-2000:]
+            f"as HSDP replicate 2 x shard 2, resharded to 2 as FSDP: weights and optimizer state exact; global "
+            f"batch size 32 -> 16 at the same --lr, steps per epoch 57 -> 115; epoch 2 goes on after 448 of its "
+            f"1844 samples") in moved.stdout, moved.stdout[-2000:]
     back = check(run(hsdp(4, *HSDP_FLAGS[2:], "--total_epochs", 3, "--metrics_path", "m.jsonl"),
                      tmp_path / "fsdp"))
     assert (f"resuming from snapshot {SNAPSHOT}/epoch-2 after epoch 2 (saved by world_size 2 as FSDP, "

@@ -7,8 +7,9 @@ No signal is sent by hand:
 
 - preemption: a high-priority ``sbatch -p urgent --exclusive`` job takes the
   nodes of a running ``multi_node.sh`` (2 hosts: a torchrun agent per host in
-  the srun step, as ``multi_gpu.sh`` has one) and ``multi_node_srun.sh`` (2
-  hosts, a rank per task, no torchrun) job; Slurm sends the step SIGTERM;
+  the srun step, as ``multi_gpu.sh`` has one; 2 ranks a host under HSDP, one
+  replica a host) and ``multi_node_srun.sh`` (2 hosts, a rank per task, no
+  torchrun) job; Slurm sends the step SIGTERM;
   without a grace time, SIGTERM to everything and SIGKILL after KillWait
   (once with a save held past it); then, once no other job is being
   preempted, with ``SlurmctldParameters=preempt_send_user_signal`` (the job's
@@ -24,8 +25,9 @@ No signal is sent by hand:
   evaluated every 20 steps, whose time-limit warning lands between two
   evaluations (``multi_node.sh`` on the two hosts of partition ``multi``).
 
-Every job runs train.py with 2 ranks, so one uninterrupted run of it is the
-reference for all. ``--snapshot_every_steps`` is left unset, so only the
+Every job but the HSDP one runs train.py with 2 ranks, so one uninterrupted
+run of it is the reference for all; the HSDP job's is a run of 4 ranks with
+its mesh. ``--snapshot_every_steps`` is left unset, so only the
 stop itself can write a mid-epoch snapshot. Every scenario runs side by side
 with the others on its own nodes (one module fixture drives them all in
 threads); each test then checks one: the job's end state, that each run
@@ -49,8 +51,8 @@ import pytest
 import torch
 
 from dataset_files import build_token_files
-from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, assert_same_snapshot, epochs, evaluations, parse_test, \
-    script_env, wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, assert_bitwise, assert_same_snapshot, epochs, evaluations, \
+    full_state, parse_test, script_env, snapshot_folder, wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
 from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_resumes_exactly, drive, \
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
@@ -72,6 +74,11 @@ HELD_AT_STEP_30 = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
 GPUS_2 = ["--gres=gpu:2"]
 # What every scenario's final snapshot is compared with: train.py, 2 ranks, SHORT, never stopped.
 REFERENCE = ("train.py", 2)
+# HSDP on 2 hosts x 2 ranks (one replica a host: replicate 2 x shard 2), 32 steps an
+# epoch, held at step 30 on all four; its reference: 4 ranks on one host, the same mesh.
+HSDP = [*SHORT, "--strategy", "hsdp"]
+HSDP_REFERENCE = ("train.py", 4, ("--shard_size", "2"))
+HSDP_HELD_AT_STEP_30 = tuple(f"DDP_TEST_FAULT: wait_signal_once at step 30 on rank {rank}" for rank in range(4))
 # The stop's save hangs (the injected fault, after the temporary file is written,
 # before the rename), as a save too large for KillWait would: Slurm's SIGKILL
 # must leave the snapshot before it whole.
@@ -86,8 +93,8 @@ TOKENS = ["--dataset", "tokens", "--data_dir", TOKEN_DATA, "--n_layer", "1", "--
           "--block_size", "16", "--dropout", "0.1", "--batch_size", "8", "--max_steps", "60", "--warmup_steps", "10",
           "--eval_every_steps", "20", "--eval_windows", "40", "--total_epochs", "1"]
 SCENARIOS = [
-    Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", "--gres=gpu:1"], SHORT,
-             preempt, REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
+    Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", *GPUS_2], HSDP,
+             preempt, HSDP_REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HSDP_HELD_AT_STEP_30),
     Scenario("preempt-srun", "multi_node_srun.sh", "ddp-stop[4-5]",
              ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], SHORT, preempt, REFERENCE,
              env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
@@ -174,7 +181,27 @@ def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
                             cwd=folder, env=script_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     (folder / "stdout.txt").write_text(result.stdout)
-    return folder / f"snapshot_{script[:-3]}.pt"  # the script's default --snapshot_path
+    if "hsdp" in args:  # the script's default --snapshot_path: a folder of sharded snapshots
+        return folder / f"snapshot_{script[:-3]}_fsdp"
+    return folder / f"snapshot_{script[:-3]}.pt"
+
+
+def reference_key(scenario) -> tuple:
+    """The key of the scenario's uninterrupted run among the fixture's references."""
+    return (*scenario.reference, tuple(scenario.args))
+
+
+def assert_same_training(scenario, folder: Path, reference: Path, scratch: Path, array_index=None) -> None:
+    """The final snapshot the scenario's job left in ``folder`` holds the
+    training of its uninterrupted ``reference``, bitwise: a file's weights,
+    optimizer, schedule and loss scale (assert_same_snapshot); a sharded
+    snapshot folder's the same, gathered (in ``scratch``), and each rank's RNG."""
+    snapshot = folder / wrapper_snapshot(scenario.name, scenario.args, array_index)
+    if "hsdp" not in scenario.args:
+        assert_same_snapshot(snapshot, reference)
+        return
+    ours = full_state(snapshot_folder(snapshot.with_suffix("")), scratch / "job")[1]
+    assert_bitwise(ours, full_state(snapshot_folder(reference), scratch / "reference")[1])
 
 
 def _wait_until(condition, timeout_s: float = SCENARIO_TIMEOUT_S + 60) -> None:
@@ -222,6 +249,8 @@ def stopped(slurm_cluster, tmp_path_factory):
     # The one uninterrupted run the checks compare with (saving more often, or
     # fewer epochs, have no reference of their own: no test compares them)
     references = {(*REFERENCE, tuple(SHORT)): _reference(*REFERENCE, SHORT, root / "reference")}
+    script, nproc, flags = HSDP_REFERENCE
+    references[(*HSDP_REFERENCE, tuple(HSDP))] = _reference(script, nproc, [*HSDP, *flags], root / "reference-hsdp")
 
     def preempted(scenario, thread) -> bool:  # or never will be
         return scenario.signal_to_exit_s is not None or bool(scenario.error) or not thread.is_alive()
@@ -253,7 +282,7 @@ def stopped(slurm_cluster, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt and s.partition == "stops"])
-def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name):
+def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path):
     scenarios, folders, references = stopped
     scenario = scenarios[name]
     assert not scenario.error, show(scenario)
@@ -272,8 +301,9 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name):
     assert parse_test(texts[-1])
     if name == "preempt-srun":  # 2 hosts x 1 task, ranks from Slurm
         assert "| 2 nodes (ddp-stop[4-5]) x 1 tasks |" in texts[0] and "world_size 2" in texts[0], texts[0]
-    snapshot = folders[name] / wrapper_snapshot(name, scenario.args)
-    assert_same_snapshot(snapshot, references[(*scenario.reference, tuple(scenario.args))])
+    if name == "preempt-multi_node":  # 2 hosts x 2 ranks, a replica a host
+        assert "| HSDP mesh replicate 2 x shard 2 |" in texts[0], texts[0]
+    assert_same_training(scenario, folders[name], references[reference_key(scenario)], tmp_path)
 
 
 def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
@@ -295,7 +325,7 @@ def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
     print(f"time-limit: {len(texts)} runs, stops at {stops}, {scenario.signal_to_exit_s:.1f} s from the "
           f"limit brought near to leaving RUNNING")
     assert_same_snapshot(folders["time-limit"] / wrapper_snapshot("time-limit", scenario.args, 7),
-                         references[(*scenario.reference, tuple(scenario.args))])
+                         references[reference_key(scenario)])
 
 
 def test_scontrol_requeue_snapshots_and_slurm_requeues(stopped):
@@ -311,7 +341,7 @@ def test_scontrol_requeue_snapshots_and_slurm_requeues(stopped):
     assert len(stops) == 1, texts
     print(f"scontrol-requeue: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
     assert_same_snapshot(folders["scontrol-requeue"] / wrapper_snapshot("scontrol-requeue", scenario.args),
-                         references[(*scenario.reference, tuple(scenario.args))])
+                         references[reference_key(scenario)])
 
 
 def test_scancel_snapshots_and_the_same_command_resumes(stopped):
@@ -327,7 +357,7 @@ def test_scancel_snapshots_and_the_same_command_resumes(stopped):
     assert len(stops) == 1, first_log
     print(f"scancel: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s to leave RUNNING")
     assert_same_snapshot(folders["scancel"] / wrapper_snapshot("scancel", scenario.args),
-                         references[(*scenario.reference, tuple(scenario.args))])
+                         references[reference_key(scenario)])
 
 
 def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
@@ -346,7 +376,7 @@ def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
     check_resumes_exactly([first, second], EPOCHS)
     print(f"startup-requeue: {scenario.signal_to_exit_s:.1f} s from scontrol requeue to leaving RUNNING")
     assert_same_snapshot(folders[scenario.name] / wrapper_snapshot(scenario.name, scenario.args),
-                         references[(*scenario.reference, tuple(scenario.args))])
+                         references[reference_key(scenario)])
 
 
 def test_a_warning_after_the_last_epoch_does_not_requeue_a_finished_run(stopped):
@@ -388,7 +418,7 @@ def test_preemption_without_grace_time_snapshots_within_kill_wait(stopped):
     print(f"nograce: stopped at {stops[0]}, {scenario.signal_to_exit_s:.1f} s from the preemption to leaving "
           f"RUNNING (KillWait {KILL_WAIT_S} s)")
     assert_same_snapshot(folders[scenario.name] / wrapper_snapshot(scenario.name, scenario.args),
-                         references[(*scenario.reference, tuple(scenario.args))])
+                         references[reference_key(scenario)])
 
 
 def test_preemption_without_grace_time_killed_mid_save_resumes_from_the_last_whole_snapshot(stopped):
@@ -481,4 +511,4 @@ def test_a_token_file_run_stopped_by_its_time_limit_between_evaluations_resumes_
     print(f"tokens-time-limit: stopped at {stops[0]}, {len(texts)} runs, {scenario.signal_to_exit_s:.1f} s from "
           f"the limit brought near to leaving RUNNING")
     assert_same_snapshot(folders["tokens-time-limit"] / wrapper_snapshot("tokens-time-limit", scenario.args),
-                         references[(*scenario.reference, tuple(scenario.args))])
+                         references[reference_key(scenario)])

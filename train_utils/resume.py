@@ -172,7 +172,7 @@ class Progress:
         if self.rank < len(snapshot["rng_states"]):
             set_rng_state(snapshot["rng_states"][self.rank], self.device, self.loader.generator)
 
-    def resize_note(self, config: Mapping) -> str:
+    def resize_note(self, config: Mapping, meshes: Optional[tuple] = None) -> str:
         """'' when the snapshot loaded (``load_state_dict``) was saved at this
         run's world size; else what changes, for the end of the resume line:
 
@@ -180,6 +180,16 @@ class Progress:
             at the same --lr, steps per epoch 28 -> 19; the cosine lr schedule,
             counted in epochs, goes on at step 19 of 57; random streams
             restored on ranks 0-1, rank 2 starts from its seed)
+
+        ``meshes``: for a sharded snapshot, how the saving run and this one
+        shard the model (``snapshots.sharded.mesh_name``: "FSDP", "HSDP
+        replicate R x shard S"); the note then says DCP resharded it:
+
+            (saved by world_size 4 as HSDP replicate 2 x shard 2, resharded
+            to 2 as FSDP: weights and optimizer state exact; global batch
+            size 32 -> 16 at the same --lr, ...)
+
+        (the meshes named only where they are not both FSDP).
 
         Global batch size: --batch_size x --grad_accum_steps x world_size
         (--lr is not scaled with it: pass a new --lr to change it). Steps per
@@ -216,7 +226,12 @@ class Progress:
         else:
             streams += f", those of {_ranks(now, saved)} dropped"
         batch = config["batch_size"]
-        return (f" (saved by world_size {saved}, resumed by {now}: global batch size "
+        head = f"saved by world_size {saved}, resumed by {now}:"
+        if meshes is not None:
+            names = ("", "") if meshes == ("FSDP", "FSDP") else tuple(f" as {mesh}" for mesh in meshes)
+            head = (f"saved by world_size {saved}{names[0]}, resharded to {now}{names[1]}: weights and "
+                    f"optimizer state exact;")
+        return (f" ({head} global batch size "
                 f"{batch * accum[0] * saved} -> {batch * accum[1] * now} at the same --lr, "
                 f"steps per epoch {steps[0]} -> {steps[1]}{schedule}{self.epoch_note()}; {streams})")
 

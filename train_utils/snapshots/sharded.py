@@ -117,13 +117,18 @@ class ShardedSnapshots:
 
     @staticmethod
     def resume_note(snapshot: dict, progress, config: dict) -> str:
-        """The resume line's end: DCP reshards exactly, and inside an epoch
-        where it goes on, from the world size and mesh that saved
-        ``snapshot`` to this run's (``config``; ``resharding_note``)."""
+        """The resume line's end: '' at the world size and mesh that saved
+        ``snapshot``; else that DCP resharded it exactly, from that mesh to
+        this run's (``config``; ``mesh_name``), and at another world size what
+        changes with it (``Progress.resize_note``)."""
         world_size = dist.get_world_size()
-        return resharding_note(progress.saved_world_size, progress.epoch_note(),
-                               mesh_name(snapshot.get("config", {}), progress.saved_world_size or world_size),
-                               mesh_name(config, world_size))
+        saved_world_size = progress.saved_world_size or world_size
+        meshes = (mesh_name(snapshot.get("config", {}), saved_world_size), mesh_name(config, world_size))
+        if saved_world_size != world_size:
+            return progress.resize_note(config, meshes)
+        if meshes[0] != meshes[1]:
+            return f" (saved as {meshes[0]}, resharded as {meshes[1]}: weights and optimizer state exact)"
+        return ""
 
     def load_model(self, folder: str, model: torch.nn.Module) -> None:
         """Collective: the model weights alone of the snapshot ``folder``, its
@@ -327,24 +332,3 @@ def mesh_name(config: dict, world_size: int) -> str:
     if config.get("strategy") != "hsdp" or not shard_size:
         return "FSDP"
     return f"HSDP replicate {world_size // shard_size} x shard {shard_size}"
-
-
-def resharding_note(saved_world_size: int, epoch_note: str = "", saved_mesh: str = "FSDP",
-                    mesh: str = "FSDP") -> str:
-    """'' when this run's world size is ``saved_world_size`` and its mesh
-    ``saved_mesh`` (``mesh_name``s), else the note a sharded snapshot's
-    resume line ends with: weights and optimizer state are resharded
-    exactly; at another world size only ranks that the saving run also had
-    get their RNG states back (the others start from their seeds), so
-    dropout and augmentation draws differ from those of an uninterrupted
-    run. ``epoch_note``: where a mid-epoch snapshot's epoch goes on
-    (``Progress.epoch_note``), put before the random streams."""
-    world_size = dist.get_world_size()
-    if saved_world_size == world_size and saved_mesh == mesh:
-        return ""
-    meshes = ("", "") if saved_mesh == mesh == "FSDP" else (f" as {saved_mesh}", f" as {mesh}")
-    if saved_world_size == world_size:
-        return f" (saved{meshes[0]}, resharded{meshes[1]}: weights and optimizer state exact{epoch_note})"
-    return (f" (saved by world_size {saved_world_size}{meshes[0]}, resharded to {world_size}{meshes[1]}: "
-            f"weights and optimizer state exact{epoch_note}; random streams restored on ranks < "
-            f"{min(saved_world_size, world_size)} only)")
