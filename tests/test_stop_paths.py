@@ -74,8 +74,9 @@ HELD_AT_STEP_30 = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
 GPUS_2 = ["--gres=gpu:2"]
 # What every scenario's final snapshot is compared with: train.py, 2 ranks, SHORT, never stopped.
 REFERENCE = ("train.py", 2)
-# HSDP on 2 hosts x 2 ranks (one replica a host: replicate 2 x shard 2), 32 steps an
-# epoch, held at step 30 on all four; its reference: 4 ranks on one host, the same mesh.
+# HSDP on 2 hosts x 2 ranks (one replica a host: replicate 2 x shard 2), 28 steps an
+# epoch, held at step 30 (epoch 2's 2nd) on all four; its reference: 4 ranks on one
+# host, the same mesh.
 HSDP = [*SHORT, "--strategy", "hsdp"]
 HSDP_REFERENCE = ("train.py", 4, ("--shard_size", "2"))
 HSDP_HELD_AT_STEP_30 = tuple(f"DDP_TEST_FAULT: wait_signal_once at step 30 on rank {rank}" for rank in range(4))
