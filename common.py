@@ -229,6 +229,31 @@ def choose_model(args: argparse.Namespace, choices: tuple[str, ...]) -> str:
     return args.model
 
 
+# SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom
+# number generators", OOPSLA 2014; the constants of Vigna's splitmix64.c).
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def draw_key(seed: int, epoch: int, index: int) -> int:
+    """The key of sample ``index``'s random draws in epoch ``epoch`` (0-based)
+    of a run seeded ``seed``: an int in [0, 2**63), a fixed function of the
+    three (SplitMix64's finaliser applied to each in turn), so a draw made
+    from it is the same in the main process or any loader worker, at any
+    world size, before or after a resume. Usable as a seed
+    (``torch.manual_seed``) or, modulo n, as a draw from range(n) (bias
+    below n / 2**63)."""
+    key = _mix64(seed & _MASK64)
+    key = _mix64(key ^ (epoch & _MASK64))
+    return _mix64(key ^ (index & _MASK64)) >> 1
+
+
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Seeded (train, val) split of range(n), the same on every rank (a
     private generator: the global RNG is untouched)."""

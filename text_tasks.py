@@ -34,13 +34,13 @@ import os
 import pickle
 import socket
 import urllib.request
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from common import Batch, ConfigError, Task, choose_model
+from common import Batch, ConfigError, Task, choose_model, draw_key
 from gpt import GPT, GPTConfig
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -137,29 +137,41 @@ class TokenWindows(Dataset):
 
     Held out (``shift=False``): s = i x block_size, so the windows tile the
     sequence without overlap and every token but the last few is a target
-    exactly once. Training (``shift=True``): s = i x block_size + r, r drawn
-    uniformly from [0, block_size) for each item at each fetch, from torch's
-    default generator (as torchvision's RandomCrop draws its crops; the kit's
-    snapshots save that generator's state, so a resumed run draws the same):
-    an epoch still covers the sequence once on average, but a window starts
-    at any token, as nanoGPT's random offsets do, instead of the same len()
-    windows every epoch, which a model of some millions of parameters learns
-    by heart within a few epochs. ``__getitems__`` cuts a whole batch at
+    exactly once. Training (``shift=True``): s = i x block_size + r, r in
+    [0, block_size) for each item, so that an epoch still covers the
+    sequence once on average, but a window starts at any token, as nanoGPT's
+    random offsets do, instead of the same len() windows every epoch, which
+    a model of some millions of parameters learns by heart within a few
+    epochs. Once the training loop has called ``set_epoch`` (the kit does,
+    each epoch), r is keyed by (``seed``, epoch, i) (``common.draw_key``):
+    the same in the main process or any loader worker, at any world size,
+    after any resume, and nothing is drawn from torch's generators. Before
+    (the rungs, which give the dataset no epoch), r comes from torch's
+    default generator at each fetch, as torchvision's RandomCrop draws its
+    crops. ``__getitems__`` cuts a whole batch at
     once, returning ``common.Batch((x, y))``, int64 (B, block_size) each,
     both contiguous, cut from ``windows``' (B, block_size + 1) rows.
     Raises ConfigError when the sequence is too short for one window
     (``name``: what it is, for the message).
     """
 
-    def __init__(self, tokens, block_size: int, shift: bool = False, name: str = "a text") -> None:
+    def __init__(self, tokens, block_size: int, shift: bool = False, name: str = "a text", seed: int = 0) -> None:
         if len(tokens) < block_size + 1 + (block_size - 1 if shift else 0):
             unit = "characters" if isinstance(tokens, torch.Tensor) else "tokens"
             raise ConfigError(f"{name} of {len(tokens)} {unit} is too short for one window of "
                               f"--block_size {block_size} (+1 for the targets"
                               f"{', + up to block_size - 1 for the random offset' if shift else ''}); "
                               f"pass a smaller --block_size")
-        self.tokens, self.block_size, self.shift = tokens, block_size, shift
+        self.tokens, self.block_size, self.shift, self.seed = tokens, block_size, shift, seed
+        self.epoch: Optional[int] = None  # set_epoch's: None until the loop gives one
         self._offsets = torch.arange(block_size + 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch (0-based) the next fetches belong to: the training
+        offsets are keyed by it from now on (in a loader worker started after
+        this call too: workers that are not persistent get the dataset as it
+        is when the epoch's iterator starts)."""
+        self.epoch = epoch
 
     def __len__(self) -> int:  # with shift, the last window may start block_size - 1 later
         return (len(self.tokens) - 1 - (self.block_size - 1 if self.shift else 0)) // self.block_size
@@ -175,7 +187,10 @@ class TokenWindows(Dataset):
         if not indices or min(indices) < -len(self) or max(indices) >= len(self):
             raise IndexError(f"window indices {indices} out of range for {len(self)} windows")
         starts = torch.tensor(indices, dtype=torch.int64) % len(self) * self.block_size
-        if self.shift:
+        if self.shift and self.epoch is not None:
+            starts += torch.tensor([draw_key(self.seed, self.epoch, index % len(self)) % self.block_size
+                                    for index in indices], dtype=torch.int64)
+        elif self.shift:
             starts += torch.randint(self.block_size, starts.shape)
         if isinstance(self.tokens, torch.Tensor):
             return self.tokens[starts[:, None] + self._offsets]
@@ -393,7 +408,7 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     tokens = torch.tensor(vocabulary.encode(text), dtype=torch.int64)
     split = int(len(tokens) * TRAIN_FRACTION)
     block_size = config.block_size
-    train = TokenWindows(tokens[:split], block_size, shift=True, name="the training text")
+    train = TokenWindows(tokens[:split], block_size, shift=True, name="the training text", seed=args.seed)
     held_out = TokenWindows(tokens[split:], block_size, name="the held-out text")
     model = GPT(dataclasses.replace(config, vocab_size=len(vocabulary)))
     return Task(train, held_out, None, model, lm_loss, classification=False,
@@ -496,7 +511,8 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
         vocabulary = f"GPT-2's, as no {meta_path} gives another"
     check_token_ids((train_file, val_file), vocab_size, vocabulary)
     block_size = config.block_size
-    train = TokenWindows(train_file, block_size, shift=True, name=f"--dataset tokens: {train_file.path}")
+    train = TokenWindows(train_file, block_size, shift=True, name=f"--dataset tokens: {train_file.path}",
+                         seed=args.seed)
     held_out = TokenWindows(val_file, block_size, name=f"--dataset tokens: {val_file.path}")
     model = GPT(dataclasses.replace(config, vocab_size=model_vocab))
     if getattr(args, "sample_chars", 0) and decode is None:

@@ -179,6 +179,7 @@ class Trainer:
         # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
         # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
         self.train_data.sampler.set_epoch(epoch, start=self.progress.start_samples)
+        self.train_data.dataset.set_epoch(epoch)  # what the task draws while loading is keyed by it
         self.evaluations.start_epoch(epoch)
         limit = train_utils.batches_left(self.config, self.progress.steps_per_epoch, epoch, self.progress.steps_run)
         batches = train_utils.EpochBatches(self.train_data, epoch, self.config.total_epochs,
@@ -382,11 +383,17 @@ def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers:
     (a batch of 1 would break BatchNorm); each rank takes its 1/world_size of the
     epoch's permutation (DistributedSampler, resumable mid-epoch). Evaluation:
     rank r takes samples r, r+W, r+2W, ... unpadded, each sample once. Batches
-    are made by ``collate_fn`` (the task's, ``common.Task.collate_fn``). None
-    for no ``dataset`` (a task without a test split, ``common.Task``)."""
+    are made by ``collate_fn`` (the task's, ``common.Task.collate_fn``). The
+    task's random draws while loading are keyed by (``seed``, epoch, sample)
+    (``train_utils.SeededFetches``; the Trainer gives the training dataset
+    its epoch), so no worker count or resume changes them. None for no
+    ``dataset`` (a task without a test split, ``common.Task``)."""
     if dataset is None:
         return None
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    # What the task draws while loading is keyed by (seed, epoch, sample), wherever it loads; in an
+    # evaluation by (seed, 0, sample): each evaluation of the same weights gives the same loss.
+    dataset = train_utils.SeededFetches(dataset, seed)
     if not train:
         dataset = Subset(dataset, range(rank, len(dataset), world_size))
     return DataLoader(

@@ -18,6 +18,10 @@ Sections:
   2  input pipeline: CIFAR-10-shaped images/s, read from the real on-disk
      format, of the fast path (uint8 batches + augmentation on the device)
      against torchvision per-sample transforms with 2 DataLoader workers.
+  2b keyed draws: microseconds per fetch with the data's random draws keyed
+     by (seed, epoch, sample), as train.py fetches, against the same fetch
+     drawing from torch's generator: an item augmented in __getitem__, a
+     batch of GPT windows, a whole batch without draws.
   3  scaling: global samples/s of train.py on real MNIST with 1
      and 2 processes (gloo on CPU, nccl on GPUs), and the share of a training
      step that is gradient all-reduce.
@@ -93,6 +97,7 @@ from benchmarks.fsdp_vs_ddp import section_fsdp  # noqa: E402
 from benchmarks.gpu import section_gpu  # noqa: E402
 from benchmarks.harness import machine  # noqa: E402
 from benchmarks.input_pipeline import section_input  # noqa: E402
+from benchmarks.keyed_draws import section_keyed_draws  # noqa: E402
 from benchmarks.language_model import section_lm, section_lm_loop  # noqa: E402
 from benchmarks.node_traffic import section_node_traffic  # noqa: E402
 from benchmarks.overhead import section_overhead  # noqa: E402
@@ -156,7 +161,7 @@ def main() -> None:
     """The command line: run the sections asked for (``--only``; all by default),
     print each one's table and write every number to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 3 4 5 6 6b 7 8 8c 8d 9")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 2b 3 4 5 6 6b 7 8 8c 8d 9")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
@@ -174,7 +179,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "9"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "2b", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "9"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -187,7 +192,7 @@ def main() -> None:
         except Absent as exc:  # the real MNIST digits are not there
             print(f"sections 3 and 4 skipped: real MNIST digits not found ({exc})", flush=True)
     sections = [("1", "overhead", section_overhead, 1), ("1b", "amp_cpu", section_amp_cpu, 1),
-                ("2", "input_pipeline", section_input, 1),
+                ("2", "input_pipeline", section_input, 1), ("2b", "keyed_draws", section_keyed_draws, 1),
                 ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}, 1),
                 ("4", "time_to_accuracy",
                  lambda: section_time_to_accuracy(mnist) if mnist else {"skipped": "no MNIST"}, 2),

@@ -56,7 +56,7 @@ from .evaluations import Evaluations
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
     print_sharded_memory
 from .launch import launcher_store, raise_open_file_limit
-from .loaders import DenseBatches, HostToDevice, loader_workers
+from .loaders import DenseBatches, HostToDevice, SeededFetches, loader_workers
 from .metrics import RunLog, StepLog
 from .output import print_line
 from .profiling import StepProfiler
@@ -93,6 +93,7 @@ __all__ = [
     "check_before_training",
     "loader_workers",
     "DenseBatches",
+    "SeededFetches",
     "HostToDevice",
     "ResumableDistributedSampler",
     # the model and the recipe

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import Dataset
 
-from common import TASK_FILE_FOLDERS, ConfigError
+from common import TASK_FILE_FOLDERS, ConfigError, draw_key
 from .output import print_line
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
@@ -145,10 +145,15 @@ def _main_module() -> list:
 
 
 def _module_of(dataset: Dataset) -> str:
-    """The module of ``dataset``'s class, looking through Subsets."""
-    while isinstance(dataset, torch.utils.data.Subset):
+    """The module of ``dataset``'s class, looking through the kit's wrappers."""
+    return type(_task_dataset(dataset)).__module__
+
+
+def _task_dataset(dataset: Dataset) -> Dataset:
+    """The task's own dataset inside ``dataset``: looking through Subsets and ``SeededFetches``."""
+    while isinstance(dataset, (torch.utils.data.Subset, SeededFetches)):
         dataset = dataset.dataset
-    return type(dataset).__module__
+    return dataset
 
 
 # A fork server sends a new worker one file descriptor per tensor storage of
@@ -191,7 +196,7 @@ def _storages(dataset: Dataset) -> int:
         probe.dump(dataset)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise ConfigError(f"--num_workers starts DataLoader workers by a fork server (docs/pitfalls.md), "
-                          f"which must pickle the dataset, and {type(dataset).__name__} cannot be "
+                          f"which must pickle the dataset, and {type(_task_dataset(dataset)).__name__} cannot be "
                           f"pickled ({exc}): define its classes and functions at the top level of a "
                           f"module (no lambdas or local functions), or use --num_workers 0") from None
     return len(probe.storages)
@@ -206,6 +211,73 @@ def is_dense(tensor: torch.Tensor) -> bool:
     pinned copy to a GPU keeps (contiguous, or channels-last for a 4-D image
     batch): a view with gaps (``rows[:, 1:]`` of a (B, T + 1) tensor) is not."""
     return tensor.is_contiguous() or (tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last))
+
+
+class SeededFetches(Dataset):
+    """The training dataset ``dataset`` with torch's default generator seeded
+    around each fetch from the key of what is fetched, so that the random
+    draws a task makes while loading (torchvision's RandomCrop in
+    ``__getitem__``, the usual place) are the same in the main process or
+    any loader worker, at any worker count, and after a resume at any world
+    size, as the uninterrupted run's.
+
+    Before each ``dataset[i]``: torch's default (CPU) generator seeded with
+    ``draw_key(seed, epoch, i)`` (``common.draw_key``); before a
+    ``dataset.__getitems__(indices)`` (a task that cuts whole batches, where
+    the batch is the unit): once, from the key of ``indices[0]``. The
+    generator's state is put back after each fetch, so the draws of the
+    training itself (dropout) never see the data's. The CPU generator only:
+    a task that draws on a GPU while loading is not seeded. A dataset that
+    has ``set_epoch`` keys its own draws (``text_tasks.TokenWindows``): it
+    is given the epoch and fetched as it is, unseeded. Python's ``random``
+    and NumPy's global generator are not seeded: a task that draws from them
+    in a worker gets the worker's stream (docs/custom-task.md).
+
+    ``set_epoch(epoch)`` (0-based) before each epoch's iterator starts: the
+    kit's loaders start their workers anew each epoch, so every worker gets
+    it. An evaluation's dataset is never given one: epoch 0's keys, so each
+    evaluation of the same weights draws the same. ``len()`` and items are
+    ``dataset``'s. Cost: a copy of the generator's state and a seeding per
+    item, a few microseconds (benchmarks/run.py's section 2b prints it).
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+        self.keys_own_draws = callable(getattr(dataset, "set_epoch", None))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.keys_own_draws:
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        if self.keys_own_draws:
+            return self.dataset[index]
+        return self._seeded(index, self.dataset.__getitem__, index)
+
+    def __getitems__(self, indices: list):
+        batched = getattr(self.dataset, "__getitems__", None)
+        if self.keys_own_draws:
+            return batched(indices) if batched else [self.dataset[index] for index in indices]
+        if batched is None:
+            return [self._seeded(index, self.dataset.__getitem__, index) for index in indices]
+        return self._seeded(indices[0], batched, indices)
+
+    def _seeded(self, index: int, fetch: Callable, argument):
+        """``fetch(argument)`` with torch's default (CPU) generator seeded from
+        sample ``index``'s key, its state put back after. The generator's own
+        methods: ``torch.manual_seed`` would also queue the seeding of every
+        CUDA device's generator, a hundred times the cost."""
+        generator = torch.default_generator
+        state = generator.get_state()
+        generator.manual_seed(draw_key(self.seed, self.epoch, index))
+        try:
+            return fetch(argument)
+        finally:
+            generator.set_state(state)
 
 
 class DenseBatches:

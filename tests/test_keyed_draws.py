@@ -1,0 +1,157 @@
+"""Every random draw of the training data keyed by (seed, epoch, sample): the
+loader's worker count never changes a run, and a run stopped and resumed with
+another worker count ends bitwise as the uninterrupted one.
+
+The language-model tasks key their windows' random offsets themselves
+(text_tasks.TokenWindows, common.draw_key); a task of the user's that draws
+from torch's default generator while loading (torchvision's RandomCrop in
+``__getitem__``) gets that generator seeded around each fetch by the kit
+(train_utils.SeededFetches)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+import common
+import text_tasks
+from dataset_files import build_shakespeare_root, build_token_files
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, held_at_step, run, signal_when, snapshot_tensors
+
+from train_utils import SeededFetches
+
+
+# --------------------------------------------------------------------------
+# In process: the keys, the windows, a dataset's own draws
+# --------------------------------------------------------------------------
+
+def test_a_windows_offset_is_its_own_whatever_batch_fetches_it(tmp_path):
+    """TokenWindows, once given an epoch: window i's offset is a function of
+    (seed, epoch, i), the same fetched alone or in any batch, from a tensor or
+    from nanoGPT's token file; another epoch or seed draws others; torch's
+    default generator is not drawn from."""
+    data = build_token_files(tmp_path / "tokens", chars=20000)
+    file = text_tasks.TokenFile(str(data / "train.bin"))
+    tokens = file.rows(torch.zeros(1, dtype=torch.int64), len(file))[0]
+    in_memory = text_tasks.TokenWindows(tokens, 16, shift=True, seed=7)
+    on_disk = text_tasks.TokenWindows(file, 16, shift=True, seed=7)
+    for windows in (in_memory, on_disk):
+        windows.set_epoch(3)
+    before = torch.random.get_rng_state()
+    batch = on_disk.windows([5, 900, 17, 5])
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(batch, in_memory.windows([5, 900, 17, 5]))
+    assert torch.equal(batch[0], batch[3]) and torch.equal(batch[1], in_memory.windows([900])[0])
+    starts = [(common.draw_key(7, 3, i) % 16) + i * 16 for i in (5, 900, 17)]
+    assert [int(row[0]) for row in batch[:3]] == [int(tokens[s]) for s in starts]
+    first = in_memory.windows(list(range(64)))
+    in_memory.set_epoch(4)
+    other_seed = text_tasks.TokenWindows(tokens, 16, shift=True, seed=8)
+    other_seed.set_epoch(3)
+    assert not torch.equal(in_memory.windows(list(range(64))), first)
+    assert not torch.equal(other_seed.windows(list(range(64))), first)
+
+
+class Crops(torch.utils.data.Dataset):
+    """Each item a draw from torch's default generator, as RandomCrop draws its crop."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.randint(1000, (3,)), index
+
+
+def test_a_task_drawing_from_torchs_generator_draws_per_sample_keys():
+    """SeededFetches: an item's draws depend on (seed, epoch, index) only (not
+    on the order, the batch, or what was drawn before), and the training's
+    own stream (dropout's) is left where it was."""
+    fetches = SeededFetches(Crops(), seed=3)
+    fetches.set_epoch(1)
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    batch = fetches.__getitems__([4, 9, 4])
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(batch[0][0], batch[2][0]) and torch.equal(batch[1][0], fetches[9][0])
+    torch.manual_seed(123)
+    assert torch.equal(fetches[4][0], batch[0][0])
+    fetches.set_epoch(2)
+    assert not torch.equal(fetches[4][0], batch[0][0])
+
+
+# --------------------------------------------------------------------------
+# train.py: 0 loader workers straight through = 2 workers stopped, resumed with 4
+# --------------------------------------------------------------------------
+
+CROP_TASK = '''"""A task of the user's that augments inside its dataset, the usual way."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision import transforms
+
+import common
+
+
+class NoisyImages(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.images = torch.rand(n, 1, 8, 8, generator=generator)
+        self.labels = (self.images[:, 0, 2:6, 2:6].mean((1, 2)) > 0.5).long()
+        self.crop = transforms.RandomCrop(8, padding=2)  # draws from torch's default generator
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return self.crop(self.images[index]), self.labels[index]
+
+
+def build_task(args, download):
+    model = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(64, 2))
+    return common.Task(NoisyImages(512, args.seed), NoisyImages(128, args.seed + 1), None, model,
+                       F.cross_entropy, classification=True)
+'''
+
+
+def _task_flags(task: str, folder) -> list:
+    if task == "crop":  # 512 images, 16 steps an epoch at 2 ranks x 16
+        (folder / "crop_task.py").write_text(CROP_TASK)
+        return ["--dataset", "crop_task.py:build_task", "--total_epochs", "2", "--batch_size", "16"]
+    # The first 20,000 characters: 1,124 windows, 70 steps an epoch at 2 ranks x 8; a tiny GPT with dropout
+    if task == "tokens":
+        data = ["--dataset", "tokens", "--data_dir", str(build_token_files(folder / "data", chars=20000))]
+    else:
+        data = ["--dataset", "shakespeare_char", "--data_dir", str(build_shakespeare_root(folder / "data",
+                                                                                          chars=20000))]
+    return [*data, "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--dropout",
+            "0.1", "--batch_size", "8", "--max_steps", "30", "--warmup_steps", "5", "--eval_every_steps", "15",
+            "--eval_windows", "32"]
+
+
+@pytest.mark.parametrize("task", ["shakespeare_char", "tokens", "crop"])
+def test_the_worker_count_never_changes_a_run_nor_a_resume_with_another(task, tmp_path):
+    """2 ranks. Straight through with 0 loader workers; then with 2 workers,
+    stopped by SIGTERM after step 21 (rank 0 held before step 20) and resumed
+    with 4: the weights, optimizer state, schedule and every rank's RNG state
+    at the end are bitwise the same. (Before the draws were keyed, each
+    worker count drew other offsets or crops, and a resume others again.)"""
+    flags = _task_flags(task, tmp_path)
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for folder in (straight, stopped):
+        folder.mkdir()
+        if task == "crop":
+            (folder / "crop_task.py").write_text(CROP_TASK)
+    two = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
+    check(run(two + [REPO / "train.py", *flags, "--num_workers", "0"], straight))
+    hold_env, held = held_at_step(20)
+    text = signal_when(two + [FAULTY_TRAIN, *flags, "--num_workers", "2"], stopped, held, signal.SIGTERM,
+                       **hold_env)
+    assert "stopped by SIGTERM" in text, text[-3000:]
+    resumed = check(run(two + [REPO / "train.py", *flags, "--num_workers", "4"], stopped))
+    assert "resuming from snapshot snapshot_train.pt in epoch" in resumed.stdout, resumed.stdout
+    epochs_a, a = snapshot_tensors(straight / "snapshot_train.pt", rng=True)
+    epochs_b, b = snapshot_tensors(stopped / "snapshot_train.pt", rng=True)
+    assert epochs_a == epochs_b and a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
