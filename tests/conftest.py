@@ -229,6 +229,7 @@ CLUSTER_FILES = ("test_container.py", "test_slurm.py", "test_stop_paths.py")
 LONGEST_FIRST = (
     "test_fault_tolerance.py", "test_fsdp.py", "test_docs.py", "test_performance.py", "test_recipes.py",
     "test_reruns_and_errors.py", "test_ladder.py", "test_output_paths.py", "test_token_files.py",
+    "test_keyed_draws.py",
     "test_parity.py", "test_wandb.py",
     "test_distributed_correctness.py", "test_start_and_stop.py", "test_resize.py", "test_language_model.py", "test_lm_kit.py",
     "test_loaders.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py",
