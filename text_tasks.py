@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import hashlib
 import os
 import pickle
 import socket
+import struct
 import urllib.request
 from typing import Optional, Sequence
 
@@ -61,6 +63,10 @@ FLAGS = {
                      "and on a rerun of a finished run; 0: none (default: 0)"},
     "temperature": {"type": float, "default": 0.8, "help": "--sample_chars: logits / this (default: 0.8)"},
     "top_k": {"type": int, "default": 200, "help": "--sample_chars: from the k likeliest (default: 200)"},
+    "train_files": {"help": "--dataset tokens: a glob of the training token files in --data_dir "
+                    "(default: *train*.bin: nanoGPT's train.bin, or shards such as llm.c's)"},
+    "val_files": {"help": "--dataset tokens: a glob of the validation token files in --data_dir "
+                  "(default: *val*.bin)"},
 }
 
 # The model's sizes (the --n_layer ... --dropout flags) and the recipe where no flag
@@ -83,6 +89,10 @@ TOKEN_FILES_HINT = ("make train.bin and val.bin (and meta.pkl for a vocabulary o
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens (tiktoken's "gpt2"): ids 0..50256, the last one <|endoftext|>
 GPT2_PADDED_VOCAB = 50304  # padded up to a multiple of 64, as nanoGPT pads it: faster matrix products
 UINT16_IDS = 1 << 16  # ids a uint16 file can hold
+# llm.c's token shards (dev/data/data_common.py's write_datafile; modded-nanogpt's FineWeb
+# shards too): a header of 256 int32 (magic, version, the token count, zeros), then uint16 ids.
+LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_BYTES = 20240520, 1, 256 * 4
+MOST_OPEN_SHARDS = 4  # memory maps a process holds at once; the least recently read is closed first
 SAMPLE_START = "\n"  # --sample_chars: the sample's first token, as nanoGPT's sample.py starts
 # The model and recipe where no flag says otherwise: nanoGPT's train.py defaults,
 # its GPT-2 (124M) on OpenWebText recipe for one process: GPT-2 small's shape,
@@ -156,15 +166,22 @@ class TokenWindows(Dataset):
     """
 
     def __init__(self, tokens, block_size: int, shift: bool = False, name: str = "a text", seed: int = 0) -> None:
-        if len(tokens) < block_size + 1 + (block_size - 1 if shift else 0):
+        longest = max(map(len, tokens)) if isinstance(tokens, (list, tuple)) and tokens else len(tokens)
+        if longest < block_size + 1 + (block_size - 1 if shift else 0):
             unit = "characters" if isinstance(tokens, torch.Tensor) else "tokens"
-            raise ConfigError(f"{name} of {len(tokens)} {unit} is too short for one window of "
+            raise ConfigError(f"{name} of {longest} {unit} is too short for one window of "
                               f"--block_size {block_size} (+1 for the targets"
                               f"{', + up to block_size - 1 for the random offset' if shift else ''}); "
                               f"pass a smaller --block_size")
         self.tokens, self.block_size, self.shift, self.seed = tokens, block_size, shift, seed
         self.epoch: Optional[int] = None  # set_epoch's: None until the loop gives one
         self._offsets = torch.arange(block_size + 1)
+        # Shards: each one's windows, numbered on from the shard before (one int64 a shard, none a window).
+        self.shards = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
+        counts = [max(0, (len(shard) - 1 - (block_size - 1 if shift else 0)) // block_size)
+                  for shard in self.shards]
+        self._first = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+        self._open: list = []  # the shards read last, most recent last (MOST_OPEN_SHARDS)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch (0-based) the next fetches belong to: the training
@@ -174,7 +191,7 @@ class TokenWindows(Dataset):
         self.epoch = epoch
 
     def __len__(self) -> int:  # with shift, the last window may start block_size - 1 later
-        return (len(self.tokens) - 1 - (self.block_size - 1 if self.shift else 0)) // self.block_size
+        return int(self._first[-1])
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.__getitems__([index])
@@ -186,15 +203,36 @@ class TokenWindows(Dataset):
         for an index out of range."""
         if not indices or min(indices) < -len(self) or max(indices) >= len(self):
             raise IndexError(f"window indices {indices} out of range for {len(self)} windows")
-        starts = torch.tensor(indices, dtype=torch.int64) % len(self) * self.block_size
+        windows = torch.tensor(indices, dtype=torch.int64) % len(self)
+        shard = torch.searchsorted(self._first[1:], windows, right=True)  # each window's shard
+        starts = (windows - self._first[shard]) * self.block_size
         if self.shift and self.epoch is not None:
-            starts += torch.tensor([draw_key(self.seed, self.epoch, index % len(self)) % self.block_size
-                                    for index in indices], dtype=torch.int64)
+            starts += torch.tensor([draw_key(self.seed, self.epoch, index) % self.block_size
+                                    for index in windows.tolist()], dtype=torch.int64)
         elif self.shift:
             starts += torch.randint(self.block_size, starts.shape)
-        if isinstance(self.tokens, torch.Tensor):
-            return self.tokens[starts[:, None] + self._offsets]
-        return self.tokens.rows(starts, self.block_size + 1)
+        if len(self.shards) == 1:
+            return self._rows(0, starts)
+        rows = torch.empty(len(windows), self.block_size + 1, dtype=torch.int64)
+        for one in shard.unique().tolist():
+            picked = shard == one
+            rows[picked] = self._rows(one, starts[picked])
+        return rows
+
+    def _rows(self, shard: int, starts: torch.Tensor) -> torch.Tensor:
+        """int64 (B, block_size + 1): the tokens of shard ``shard`` from each
+        of ``starts`` on. A shard read is kept open (a file's memory map) with
+        the few read last; the one read longest ago is closed beyond
+        MOST_OPEN_SHARDS."""
+        tokens = self.shards[shard]
+        if isinstance(tokens, torch.Tensor):
+            return tokens[starts[:, None] + self._offsets]
+        if shard in self._open:
+            self._open.remove(shard)
+        self._open.append(shard)
+        while len(self._open) > MOST_OPEN_SHARDS:
+            self.shards[self._open.pop(0)].close()
+        return tokens.rows(starts, self.block_size + 1)
 
     def __getitems__(self, indices: list[int]) -> Batch:
         rows = self.windows(indices)
@@ -205,30 +243,51 @@ class TokenWindows(Dataset):
 
 
 class TokenFile:
-    """A file of token ids, uint16, back to back (nanoGPT's ``train.bin`` and
-    ``val.bin``, as its ``data/<name>/prepare.py`` scripts write them with
-    numpy's ``tofile``: native byte order, little-endian on x86 and ARM),
-    read where the windows are, never whole.
+    """A file of token ids, uint16, read where the windows are, never whole:
+    nanoGPT's ``train.bin`` and ``val.bin`` (and any shard written the same
+    way), as its ``data/<name>/prepare.py`` scripts write them with numpy's
+    ``tofile``, ids back to back in native byte order (little-endian on x86
+    and ARM); or a shard in llm.c's format (its ``dev/data`` scripts, and
+    modded-nanogpt's FineWeb shards: ``fineweb_train_000001.bin`` ...), a
+    header of 256 little-endian int32 (magic 20240520, version 1, the token
+    count; ``LLMC_MAGIC``) before the ids.
 
-    ``len()``: its tokens (bytes / 2). ``rows(starts, width)``: int64 (B,
-    width), row b the ``width`` tokens from token ``starts[b]`` on (``starts``
-    int64 (B,)). The file is memory-mapped (``torch.from_file``, private and
+    ``len()``: its tokens. ``rows(starts, width)``: int64 (B, width), row b
+    the ``width`` tokens from token ``starts[b]`` on (``starts`` int64
+    (B,)). The file is memory-mapped (``torch.from_file``, private and
     read-only: nothing is written back) at the first ``rows`` in each
     process, so only the pages a window touches are read and held, and the
-    operating system shares them between the processes of a node. Pickling
+    operating system shares them between the processes of a node;
+    ``close()`` drops the map (the next ``rows`` maps it again). Pickling
     it (a DataLoader worker started by a fork server gets a pickled dataset)
     sends the path, not the map: a mapped tensor sent to a worker would be
     copied whole into shared memory. The ids are mapped as int16 (what every
     supported torch indexes) and read back as uint16 (0..65535).
 
-    Raises ConfigError (one line) for a missing file or an odd number of bytes.
+    Raises ConfigError (one line) for a missing file, an odd number of bytes,
+    and an llm.c header of another version or whose token count is not what
+    the file holds (a shard cut short by a copy).
     """
 
     def __init__(self, path: str) -> None:
         if not os.path.isfile(path):
             raise ConfigError(f"--dataset tokens: no {path}; {TOKEN_FILES_HINT}")
         size = os.path.getsize(path)
-        if size % 2:
+        with open(path, "rb") as f:
+            head = f.read(12)
+        magic, version, count = struct.unpack("<3i", head) if len(head) == 12 else (0, 0, 0)
+        self.offset = 0  # tokens before the first id: llm.c's header
+        if magic == LLMC_MAGIC:
+            if version != LLMC_VERSION:
+                raise ConfigError(f"--dataset tokens: {path} is an llm.c token shard of version {version}; "
+                                  f"the kit reads version {LLMC_VERSION} (uint16 ids, as llm.c's and "
+                                  f"modded-nanogpt's FineWeb shards are)")
+            if size != LLMC_HEADER_BYTES + 2 * count:
+                raise ConfigError(f"--dataset tokens: {path}'s header gives {count:,} tokens, but the file "
+                                  f"holds {(size - LLMC_HEADER_BYTES) / 2:,.1f} after its header: a shard cut "
+                                  f"short (or grown) by a copy? Copy it again from where it was made")
+            self.offset, size = LLMC_HEADER_BYTES // 2, size - LLMC_HEADER_BYTES
+        elif size % 2:
             raise ConfigError(f"--dataset tokens: {path} has {size:,} bytes, an odd number: not uint16 token "
                               f"ids (2 bytes each, as nanoGPT's prepare.py writes them); {TOKEN_FILES_HINT}")
         self.path, self.length = path, size // 2
@@ -238,16 +297,21 @@ class TokenFile:
         return self.length
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "length": self.length}
+        return {"path": self.path, "length": self.length, "offset": self.offset}
 
     def __setstate__(self, state: dict) -> None:
-        self.path, self.length, self._tokens = state["path"], state["length"], None
+        self.path, self.length, self.offset, self._tokens = state["path"], state["length"], state["offset"], None
 
     def rows(self, starts: torch.Tensor, width: int) -> torch.Tensor:
         if self._tokens is None:
-            self._tokens = torch.from_file(self.path, shared=False, size=self.length, dtype=torch.int16)
+            mapped = torch.from_file(self.path, shared=False, size=self.offset + self.length, dtype=torch.int16)
+            self._tokens = mapped[self.offset:]
         rows = self._tokens[starts[:, None] + torch.arange(width)]
         return rows.to(torch.int64) & 0xFFFF
+
+    def close(self) -> None:
+        """Drop this process's map of the file (nothing is written: it is read-only)."""
+        self._tokens = None
 
     def sample(self, chunks: int = 32, chunk_tokens: int = 1 << 16) -> tuple[int, int]:
         """(the largest id, its token index) in ``chunks`` stretches of
@@ -262,7 +326,7 @@ class TokenFile:
         largest, where = -1, -1
         with open(self.path, "rb") as f:
             for first in firsts:
-                f.seek(2 * first)
+                f.seek(2 * (self.offset + first))
                 data = f.read(2 * min(chunk_tokens, self.length - first))
                 ids = torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int64) & 0xFFFF
                 top = int(ids.argmax())
@@ -458,12 +522,56 @@ def check_token_ids(files: Sequence[TokenFile], vocab_size: int, vocabulary: str
     (``vocabulary``: where that size comes from, for the message): a file of
     another tokenizer, or not token ids at all. A sample, not the whole file:
     a corpus of billions of tokens is checked in milliseconds."""
+    chunks = max(2, 32 // max(1, len(files)))  # a set of shards: about as much read as from one file
     for tokens in files:
-        largest, where = tokens.sample()
+        largest, where = tokens.sample(chunks)
         if largest >= vocab_size:
             raise ConfigError(f"--dataset tokens: {tokens.path} holds token id {largest} (token {where:,}), "
                               f"outside the vocabulary of {vocab_size:,} ({vocabulary}); a file of another "
                               f"tokenizer? Put the meta.pkl of its prepare.py beside it, or {TOKEN_FILES_HINT}")
+
+
+def token_files(data_dir: str, pattern: Optional[str], split: str) -> list:
+    """The ``TokenFile``s of one split of --dataset tokens, in name order:
+    those the glob ``pattern`` matches (--train_files, --val_files; relative
+    to ``data_dir`` unless absolute), else the ``*{split}*.bin`` files in
+    ``data_dir``: nanoGPT's ``train.bin`` and ``val.bin``, or a set of
+    shards (``fineweb_train_000001.bin`` ...; nanoGPT-style headerless
+    shards or llm.c's, ``TokenFile``). Raises ConfigError (one line) when
+    nothing matches, for a file ``TokenFile`` refuses, and for a set that
+    mixes llm.c's shards with files without its header (a damaged magic
+    would otherwise read as token ids)."""
+    given = pattern is not None
+    pattern = pattern if given else f"*{split}*.bin"
+    matched = sorted(path for path in glob.glob(os.path.join(data_dir, pattern)) if os.path.isfile(path))
+    if not matched:
+        flag = f"--{split}_files {pattern}" if given else f"no --{split}_files, so *{split}*.bin"
+        raise ConfigError(f"--dataset tokens: no {split} token files in --data_dir {data_dir} ({flag} matches "
+                          f"nothing); {TOKEN_FILES_HINT}, or name the shards with --{split}_files GLOB")
+    files = [TokenFile(path) for path in matched]
+    headed = [f for f in files if f.offset]
+    if headed and len(headed) < len(files):  # a damaged magic reads as a headerless file: refuse the mix
+        plain = next(f for f in files if not f.offset)
+        raise ConfigError(f"--dataset tokens: {plain.path} has no llm.c header (magic {LLMC_MAGIC}), while "
+                          f"{headed[0].path} has one: the {split} files of a set are all in one format; a "
+                          f"shard whose header is damaged? Make it again, or leave it out with --{split}_files")
+    return files
+
+
+def corpus_identity(files: Sequence[TokenFile]) -> str:
+    """A set of token files as a run's identity (``Task.identity``): how many,
+    their tokens, and the first 12 hex digits of the SHA-256 of each one's
+    name (not its folder: a node-local copy is the same corpus) and token
+    count, so that a resume onto shards renamed, added, removed or cut short
+    is refused."""
+    digest = hashlib.sha256("".join(f"{os.path.basename(f.path)}\0{len(f)}\0" for f in files).encode())
+    return f"{len(files)} file{'s' if len(files) > 1 else ''}, {sum(map(len, files)):,} tokens, " \
+           f"{digest.hexdigest()[:12]}"
+
+
+def _names(files: Sequence[TokenFile]) -> str:
+    """A set of token files, for a message: the one path, or the first and how many."""
+    return files[0].path if len(files) == 1 else f"{files[0].path} and {len(files) - 1} more"
 
 
 def token_file_task(args: argparse.Namespace, download: bool) -> Task:
@@ -495,7 +603,8 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     config = model_config(args, TOKEN_MODEL)
     if not os.path.isdir(args.data_dir):
         raise ConfigError(f"--dataset tokens: --data_dir {args.data_dir} is not a folder; {TOKEN_FILES_HINT}")
-    train_file, val_file = (TokenFile(os.path.join(args.data_dir, name)) for name in ("train.bin", "val.bin"))
+    train_files, val_files = (token_files(args.data_dir, getattr(args, flag, None), split)
+                              for flag, split in (("train_files", "train"), ("val_files", "val")))
     meta_path = os.path.join(args.data_dir, "meta.pkl")
     decode = encode = None
     if os.path.isfile(meta_path):
@@ -509,18 +618,20 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     else:
         vocab_size, model_vocab = GPT2_VOCAB, GPT2_PADDED_VOCAB
         vocabulary = f"GPT-2's, as no {meta_path} gives another"
-    check_token_ids((train_file, val_file), vocab_size, vocabulary)
+    check_token_ids([*train_files, *val_files], vocab_size, vocabulary)
     block_size = config.block_size
-    train = TokenWindows(train_file, block_size, shift=True, name=f"--dataset tokens: {train_file.path}",
-                         seed=args.seed)
-    held_out = TokenWindows(val_file, block_size, name=f"--dataset tokens: {val_file.path}")
+    train, held_out = (TokenWindows(files, block_size, shift=split == "train", seed=args.seed,
+                                    name=f"--dataset tokens: {_names(files)}")
+                       for files, split in ((train_files, "train"), (val_files, "val")))
     model = GPT(dataclasses.replace(config, vocab_size=model_vocab))
     if getattr(args, "sample_chars", 0) and decode is None:
         raise ConfigError(f"--sample_chars: --dataset tokens writes text only with a vocabulary to decode, a "
                           f"meta.pkl holding itos and stoi beside the token files (GPT-2's BPE is not part of "
                           f"the kit); leave the flag out, or {TOKEN_FILES_HINT}")
     return Task(train, held_out, None, model, lm_loss, classification=False, recipe=dict(TOKEN_RECIPE),
-                tokens_per_sample=block_size, decode=decode, encode=encode, identity=gpt_identity(model.config),
+                tokens_per_sample=block_size, decode=decode, encode=encode,
+                identity={**gpt_identity(model.config), "train_files": corpus_identity(train_files),
+                          "val_files": corpus_identity(val_files)},
                 sample_text=text_sampler(args, decode, encode) if decode else None)
 
 

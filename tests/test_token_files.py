@@ -81,7 +81,7 @@ def test_token_files_are_the_character_tasks_text_read_where_the_windows_are(tmp
         assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(char_task.model.state_dict().values(),
                                                  token_task.model.state_dict().values()))
-    train_file = token_task.train_set.tokens
+    [train_file] = token_task.train_set.shards
     assert isinstance(train_file, text_tasks.TokenFile) and len(train_file) == int(1115394 * 0.9)
     sent = pickle.dumps(train_file)
     assert len(sent) < 500 and str(tokens / "train.bin").encode() in sent
@@ -99,6 +99,28 @@ def _write(path, ids) -> None:
 
     with open(path, "wb") as f:
         array.array("H", ids).tofile(f)
+
+
+def write_shard(path, ids, header: bool, version: int = 1, count=None) -> None:
+    """A token shard: uint16 ``ids``, after llm.c's header (256 little-endian
+    int32: magic 20240520, ``version``, the token count) where ``header``."""
+    import array
+
+    with open(path, "wb") as f:
+        if header:
+            values = [20240520, version, len(ids) if count is None else count] + [0] * 253
+            array.array("i", values).tofile(f)
+        array.array("H", ids).tofile(f)
+
+
+def shard_folder(folder, tokens: list, parts: int, header: bool, val: list) -> None:
+    """``folder`` with ``tokens`` cut into ``parts`` shards fineweb_train_00000k.bin (k from 1, as
+    llm.c numbers them) and ``val`` as fineweb_val_000000.bin."""
+    folder.mkdir(parents=True)
+    size = -(-len(tokens) // parts)
+    for k in range(parts):
+        write_shard(folder / f"fineweb_train_{k + 1:06d}.bin", tokens[k * size:(k + 1) * size], header)
+    write_shard(folder / "fineweb_val_000000.bin", val, header)
 
 
 class _Boom:
@@ -124,7 +146,8 @@ def test_bad_token_files_are_one_line_each_and_left_as_they_are(tmp_path, monkey
         cases.append((folder, error, flags))
         return folder
 
-    (case("no_val", r"no .*no_val/val.bin; make train.bin and val.bin .* nanoGPT's data/<name>/prepare.py")
+    (case("no_val", r"no val token files in --data_dir .*no_val \(no --val_files, so \*val\*.bin matches "
+                    r"nothing\); make train.bin and val.bin .* nanoGPT's data/<name>/prepare.py")
      / "val.bin").unlink()
     with open(case("odd", r"odd/train.bin has 7,201 bytes, an odd number: not uint16 token ids") / "train.bin",
               "ab") as f:
@@ -152,6 +175,85 @@ def test_bad_token_files_are_one_line_each_and_left_as_they_are(tmp_path, monkey
         assert "\n" not in str(info.value) and str(info.value).startswith("--dataset tokens: ")
         assert before is None or {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert not (tmp_path / "ran.txt").exists()
+
+
+def test_shards_in_llmcs_format_and_headerless_give_the_same_windows_none_across_a_shards_end(tmp_path):
+    """The training text as 3 shards, once with llm.c's header and once
+    without (nanoGPT-style), found by *train*.bin / *val*.bin: both give the
+    same windows; each window lies inside one shard (the count is the sum of
+    each shard's own windows) and holds that shard's tokens where its index
+    says, at its keyed offset; --train_files picks a subset; the index is
+    one int64 a shard, not a window."""
+    good = build_token_files(tmp_path / "good", chars=CHARS)
+    train = torch.frombuffer(bytearray((good / "train.bin").read_bytes()), dtype=torch.int16).tolist()
+    val = torch.frombuffer(bytearray((good / "val.bin").read_bytes()), dtype=torch.int16).tolist()
+    for name, header in (("llmc", True), ("plain", False)):
+        shard_folder(tmp_path / name, train, 3, header, val)
+        (tmp_path / name / "meta.pkl").write_bytes((good / "meta.pkl").read_bytes())
+    tasks = {name: common.load_task(lm_args("tokens", tmp_path / name, **tiny()), download=False)
+             for name in ("llmc", "plain")}
+    windows = tasks["llmc"].train_set
+    size = -(-len(train) // 3)
+    shards = [train[k * size:(k + 1) * size] for k in range(3)]
+    assert [len(f) for f in windows.shards] == [len(part) for part in shards]
+    assert len(windows) == sum((len(part) - 1 - 15) // 16 for part in shards) < (len(train) - 1 - 15) // 16
+    assert windows._first.numel() * 8 <= 8 * 4  # one int64 a shard (and one more)
+    for dataset in (windows, tasks["plain"].train_set):
+        dataset.set_epoch(2)
+    indices = list(range(len(windows)))
+    rows = windows.windows(indices)
+    assert torch.equal(rows, tasks["plain"].train_set.windows(indices))
+    assert torch.equal(tasks["llmc"].val_set.windows([0, 3]), tasks["plain"].val_set.windows([0, 3]))
+    first = windows._first.tolist()
+    for index in (0, first[1] - 1, first[1], len(windows) - 1):  # a shard's first and last windows
+        shard = max(k for k in range(3) if first[k] <= index)
+        start = (index - first[shard]) * 16 + common.draw_key(0, 2, index) % 16
+        assert rows[index].tolist() == [t & 0xFFFF for t in shards[shard][start:start + 17]]
+    picked = common.load_task(lm_args("tokens", tmp_path / "llmc", train_files="*_00000[12].bin", **tiny()),
+                              download=False)
+    assert [os.path.basename(f.path) for f in picked.train_set.shards] == ["fineweb_train_000001.bin",
+                                                                           "fineweb_train_000002.bin"]
+    # The shards are the run's identity: a resume onto a set changed (here a shard removed) is refused.
+    from train_utils.snapshots.file import check_same_run
+
+    identity = tasks["llmc"].identity
+    assert identity["train_files"].startswith(f"3 files, {len(train):,} tokens, ")
+    (tmp_path / "llmc" / "fineweb_train_000003.bin").unlink()
+    fewer = common.load_task(lm_args("tokens", tmp_path / "llmc", **tiny()), download=False).identity
+    with pytest.raises(common.ConfigError, match=r"snapshot s.pt comes from a different run \(train_files 3 files, "
+                       r"[\d,]+ tokens, \w{12} -> 2 files, [\d,]+ tokens, \w{12}\)"):
+        check_same_run({"config": {"task_identity": identity}}, "s.pt", {"task_identity": fewer})
+
+
+def test_bad_shards_are_one_line_each_and_left_as_they_are(tmp_path):
+    """llm.c's header of another version; a token count the file does not
+    hold (a shard cut short); a set mixing shards with and without the
+    header (a damaged magic); no file matching --train_files: one ConfigError
+    line each, naming the file; nothing written."""
+    ids = list(range(65)) * 20
+    cases = []
+
+    def case(name, error, **flags):
+        folder = tmp_path / name
+        shard_folder(folder, ids, 2, True, ids)
+        cases.append((folder, error, flags))
+        return folder
+
+    write_shard(case("version", r"version/fineweb_train_000002.bin is an llm.c token shard of version 2; the kit "
+                     r"reads version 1") / "fineweb_train_000002.bin", ids[:650], True, version=2)
+    with open(case("cut", r"cut/fineweb_train_000002.bin's header gives 650 tokens, but the file holds 649.5 "
+                   r"after its header: a shard cut short") / "fineweb_train_000002.bin", "r+b") as f:
+        f.truncate(1024 + 1299)
+    write_shard(case("mixed", r"mixed/fineweb_train_000002.bin has no llm.c header \(magic 20240520\), while "
+                     r".*mixed/fineweb_train_000001.bin has one") / "fineweb_train_000002.bin", ids[:650], False)
+    case("glob", r"no train token files in --data_dir .*glob \(--train_files train_\*.bin matches nothing\)",
+         train_files="train_*.bin")
+    for folder, error, flags in cases:
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(common.ConfigError, match=error) as info:
+            common.load_task(lm_args("tokens", folder, **tiny(**flags)), download=False)
+        assert "\n" not in str(info.value) and str(info.value).startswith("--dataset tokens: ")
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_gpt2_small_with_the_padded_vocabulary_takes_a_step(tmp_path):
@@ -327,13 +429,17 @@ def test_an_fsdp_token_run_stopped_mid_interval_resumes_bitwise(uninterrupted, t
 
 # The memory test's rank reports its peak resident memory (VmHWM: every page it
 # held at once, the file's mapped pages included) as it exits.
-PEAK_MEMORY_WRAPPER = '''import atexit, os, runpy, sys
+PEAK_MEMORY_WRAPPER = '''import atexit, os, runpy, sys, time
+started = time.monotonic()
 def report():
     with open("/proc/self/status") as f:
         peak = next(line for line in f if line.startswith("VmHWM:")).split()[1]
+    with open("/proc/self/io") as f:  # bytes this process read by read() calls (a map's pages are not among them)
+        read = next(line for line in f if line.startswith("rchar:")).split()[1]
     # One write of the whole line (print writes the text and its newline apart,
     # so the two ranks' lines could interleave on their shared output).
-    os.write(1, f"rank {os.environ['RANK']} peak_rss_kib {peak}\\n".encode())
+    os.write(1, f"rank {os.environ['RANK']} peak_rss_kib {peak} rchar {read} "
+                f"seconds {time.monotonic() - started:.1f}\\n".encode())
 atexit.register(report)
 sys.path[0] = REPO  # the project's modules, as when train.py runs itself
 sys.argv[0] = os.path.join(REPO, "train.py")
@@ -341,35 +447,42 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
-def test_a_token_file_of_gigabytes_trains_in_a_small_fraction_of_its_size(tmp_path):
+def test_a_corpus_of_gigabytes_in_shards_trains_in_a_small_fraction_of_its_size(tmp_path):
+    """20 GiB of training tokens as 10 llm.c shards of 2 GiB (sparse files: a
+    header, a few real token ids, zeros between; 21 million windows of 512
+    tokens) and 2 ranks of a tiny GPT, 5 steps, 2 DataLoader workers each:
+    every rank's peak resident memory stays under 2 GiB and it reads under
+    1 GiB through read() calls (its imports, the header checks and the ids'
+    sample: the shards are mapped, never read through), as the index of the windows is
+    one int64 a shard and each worker maps the shards itself (a map sent to
+    it would be copied whole). Prints each rank's peak memory, bytes read and
+    seconds from its start to its end (start-up, 5 steps, the evaluation)."""
     import array
 
-    """An 8 GiB train.bin (a sparse file: a few real token ids, zeros between)
-    and 2 ranks of a tiny GPT with a 512-token context, 5 steps, a DataLoader
-    worker each: every rank's peak resident memory stays under a quarter of
-    the file, as the file is mapped, never read whole, and the worker maps
-    it itself (a map sent to it would be copied whole)."""
     folder = tmp_path / "big"
     folder.mkdir()
-    size = 8 << 30
-    with open(folder / "train.bin", "wb") as f:
-        f.truncate(size)
-        g = torch.Generator().manual_seed(0)
-        for where in (0, size // 3, size - 4096):
-            f.seek(where)
-            f.write(array.array("H", torch.randint(0, 65, (2048,), generator=g).tolist()).tobytes())
-    _write(folder / "val.bin", torch.randint(0, 65, (8192,)).tolist())
+    shard_bytes, g = 2 << 30, torch.Generator().manual_seed(0)
+    for k in range(10):
+        path = folder / f"fineweb_train_{k + 1:06d}.bin"
+        write_shard(path, [], True, count=(shard_bytes - 1024) // 2)
+        with open(path, "r+b") as f:
+            f.truncate(shard_bytes)
+            for where in (1024, shard_bytes // 3 & ~1, shard_bytes - 4096):
+                f.seek(where)
+                f.write(array.array("H", torch.randint(0, 65, (2048,), generator=g).tolist()).tobytes())
+    write_shard(folder / "fineweb_val_000000.bin", torch.randint(0, 65, (8192,), generator=g).tolist(), True)
     with open(folder / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 65}, f)
     (tmp_path / "peak_memory.py").write_text(PEAK_MEMORY_WRAPPER.replace("REPO", repr(str(REPO))))
     result = check(run(KIT + [tmp_path / "peak_memory.py", "--dataset", "tokens", "--data_dir", folder,
                               "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "512",
-                              "--batch_size", "4", "--max_steps", "5", "--eval_windows", "4", "--num_workers", "1",
+                              "--batch_size", "4", "--max_steps", "5", "--eval_windows", "4", "--num_workers", "2",
                               "--log_every_steps", "0"], tmp_path))
-    peaks = {int(rank): int(kib) * 1024 for rank, kib in re.findall(r"^rank (\d) peak_rss_kib (\d+)$",
-                                                                         result.stdout, re.M)}
-    print(f"train.bin {size / 2**30:.0f} GiB; peak resident memory per rank: "
-          f"{', '.join(f'rank {r} {p / 2**20:.0f} MiB' for r, p in sorted(peaks.items()))}")
-    assert sorted(peaks) == [0, 1], result.stdout
-    assert all(peak < size / 4 for peak in peaks.values()), peaks
-    assert (folder / "train.bin").stat().st_blocks * 512 < 1 << 20  # still sparse: nothing was written to it
+    ranks = {int(rank): (int(kib) * 1024, int(read), float(seconds)) for rank, kib, read, seconds in
+             re.findall(r"^rank (\d) peak_rss_kib (\d+) rchar (\d+) seconds ([\d.]+)$", result.stdout, re.M)}
+    print(f"10 shards, 20 GiB; per rank: " + "; ".join(
+        f"rank {r} peak {peak / 2**20:.0f} MiB, read {read / 2**20:.1f} MiB, {seconds:.1f} s"
+        for r, (peak, read, seconds) in sorted(ranks.items())))
+    assert sorted(ranks) == [0, 1], result.stdout
+    assert all(peak < 2 << 30 and read < 1 << 30 for peak, read, _ in ranks.values()), ranks
+    assert sum(f.stat().st_blocks * 512 for f in folder.iterdir()) < 1 << 20  # still sparse: nothing written
