@@ -11,6 +11,7 @@ from torch's default generator while loading (torchvision's RandomCrop in
 from __future__ import annotations
 
 import signal
+from collections import Counter
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ import torch
 import common
 import text_tasks
 from dataset_files import build_shakespeare_root, build_token_files
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, held_at_step, run, signal_when, snapshot_tensors
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, evaluations, held_at_step, run, signal_when, \
+    snapshot_tensors
 
 from train_utils import SeededFetches
 
@@ -120,17 +122,15 @@ def _task_flags(task: str, folder) -> list:
         (folder / "crop_task.py").write_text(CROP_TASK)
         return ["--dataset", "crop_task.py:build_task", "--total_epochs", "2", "--batch_size", "16"]
     # The first 20,000 characters: 1,124 windows, 70 steps an epoch at 2 ranks x 8; a tiny GPT with dropout
-    if task == "tokens":
-        data = ["--dataset", "tokens", "--data_dir", str(build_token_files(folder / "data", chars=20000))]
-    else:
-        data = ["--dataset", "shakespeare_char", "--data_dir", str(build_shakespeare_root(folder / "data",
-                                                                                          chars=20000))]
+    data = ["--dataset", "shakespeare_char", "--data_dir", str(build_shakespeare_root(folder / "data", chars=20000))]
     return [*data, "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--dropout",
             "0.1", "--batch_size", "8", "--max_steps", "30", "--warmup_steps", "5", "--eval_every_steps", "15",
             "--eval_windows", "32"]
 
 
-@pytest.mark.parametrize("task", ["shakespeare_char", "tokens", "crop"])
+# (--dataset tokens cuts the same windows from files: test_token_files.py; and resumes with
+# other workers at another world size below.)
+@pytest.mark.parametrize("task", ["shakespeare_char", "crop"])
 def test_the_worker_count_never_changes_a_run_nor_a_resume_with_another(task, tmp_path):
     """2 ranks. Straight through with 0 loader workers; then with 2 workers,
     stopped by SIGTERM after step 21 (rank 0 held before step 20) and resumed
@@ -155,3 +155,57 @@ def test_the_worker_count_never_changes_a_run_nor_a_resume_with_another(task, tm
     epochs_b, b = snapshot_tensors(stopped / "snapshot_train.pt", rng=True)
     assert epochs_a == epochs_b and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+# --------------------------------------------------------------------------
+# A token run stopped mid-epoch, resumed at another world size and worker count
+# --------------------------------------------------------------------------
+
+RECORDING = REPO / "tests" / "train_recording_samples.py"
+
+
+@pytest.mark.parametrize("ranks,workers", [(1, 4), (4, 0)])
+def test_a_token_run_resumed_at_another_world_size_trains_each_window_once(ranks, workers, tmp_path):
+    """--dataset tokens on 2 shards in llm.c's format (1,124 windows of 16),
+    2 ranks with 2 loader workers, evaluated every 20 steps: SIGTERM while
+    rank 0 is held before step 25, the run stops after step 26; resumed by
+    ``ranks`` ranks with ``workers`` workers, it trains the rest of the epoch.
+    Every window the two runs train (recorded as each rank's loop takes its
+    batch: tests/train_recording_samples.py) is trained once; those never
+    trained are only the epoch's last partial batches (fewer than a global
+    batch and its padding); the evaluations by steps go on, the best
+    validation loss carried over the stop."""
+    from test_token_files import shard_folder
+
+    tokens = build_token_files(tmp_path / "nanogpt", chars=20000)
+    ids = torch.frombuffer(bytearray((tokens / "train.bin").read_bytes()), dtype=torch.int16).tolist()
+    val = torch.frombuffer(bytearray((tokens / "val.bin").read_bytes()), dtype=torch.int16).tolist()
+    shard_folder(tmp_path / "shards", ids, 2, True, val)
+    (tmp_path / "shards" / "meta.pkl").write_bytes((tokens / "meta.pkl").read_bytes())
+    flags = ["--dataset", "tokens", "--data_dir", tmp_path / "shards", "--n_layer", "1", "--n_head", "2",
+             "--n_embd", "32", "--block_size", "16", "--batch_size", "8", "--total_epochs", "1", "--max_steps", "0",
+             "--eval_every_steps", "20", "--eval_windows", "32", "--log_every_steps", "0"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder in (first, second):
+        folder.mkdir()
+    hold_env, held = held_at_step(25)
+    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", RECORDING, *flags, "--num_workers", "2"]
+    text = signal_when(launch, tmp_path, held, signal.SIGTERM, RECORD_SAMPLES_DIR=str(first), **hold_env)
+    assert "epoch 1 step 26 | snapshot saved at snapshot_train.pt" in text, text[-3000:]
+    resumed = check(run(TORCHRUN + ["--standalone", f"--nproc_per_node={ranks}", RECORDING, *flags,
+                                    "--num_workers", str(workers)], tmp_path, RECORD_SAMPLES_DIR=str(second)))
+    assert f"resuming from snapshot snapshot_train.pt in epoch 1 after step {26 * 2 // ranks} (saved by " \
+           f"world_size 2, resumed by {ranks}:" in resumed.stdout, resumed.stdout[-3000:]
+    trained = Counter(line for folder in (first, second) for path in folder.glob("rank*.txt")
+                      for line in path.read_text().splitlines())
+    windows = len(text_tasks.TokenWindows([text_tasks.TokenFile(str(p)) for p in
+                                           sorted((tmp_path / "shards").glob("*train*.bin"))], 16, shift=True))
+    assert max(trained.values()) == 1, [line for line, n in trained.items() if n > 1][:5]
+    assert {line.split()[0] for line in trained} == {"0"}  # epoch 1 (0-based)
+    never = windows - len(trained)
+    print(f"{windows} windows: {len(trained)} trained once, {never} in the last partial batches")
+    assert 0 <= never < ranks * 8 + ranks
+    before, after = evaluations(text), evaluations(resumed.stdout)
+    assert before and after, resumed.stdout[-2000:]
+    best = min(float(before[-1]["best_val_loss"]), float(after[0]["val_loss"]))
+    assert float(after[0]["best_val_loss"]) == best
