@@ -333,3 +333,70 @@ def section_lm_loop(nanogpt: str = None, steps: int = 12000, reps: int = 3, thre
     return {"steps": steps, "reps": reps, "pairs_cpu_s_per_step": pairs, "bare_cpu_s_per_step": bare,
             "around_model_cpu_s_per_step": around, "program_cpu_s_per_step": program,
             "kit_over_nanogpt_program": program["kit"] / program["nanoGPT"], "table": text}
+
+
+# Section 8e: the same windows from the text, from nanoGPT's token files and from llm.c's shards.
+SAME_WINDOWS = ["--n_layer", "2", "--n_head", "4", "--n_embd", "128", "--block_size", "64", "--batch_size", "12",
+                "--lr", "1e-3", "--beta2", "0.99", "--min_lr", "1e-4", "--warmup_steps", "100", "--dropout", "0",
+                "--eval_every_steps", "0", "--eval_windows", "0", "--log_every_steps", "100", "--num_workers", "0"]
+
+
+def section_token_sources(steps: int = 300, reps: int = 3, nproc: int = 2) -> dict:
+    """train.py on ``nproc`` processes of one thread, a GPT of 2 layers on the
+    same windows of Tiny Shakespeare read three ways: ``--dataset
+    shakespeare_char`` (the text, a tensor in memory), ``--dataset tokens`` on
+    nanoGPT's ``train.bin``/``val.bin`` (memory-mapped), and on the same
+    training tokens as 3 shards in llm.c's format; every flag given
+    (``SAME_WINDOWS``), so the text and the files train bitwise the same (the
+    shards' windows stop at each shard's end). ``reps`` rounds, each
+    starting with another source; each run's CPU seconds per step (``_per_step_cpu``:
+    a run of ``steps // 5`` subtracted) as tokens per CPU second, and each
+    source's median against the text's."""
+    from support.data import build_token_files
+
+    root = Path(tempfile.mkdtemp(prefix="token-sources-"))
+    text = _corpus_dir(root / "text")
+    files = build_token_files(root / "files")
+    shards = root / "shards"
+    shards.mkdir()
+    ids = torch.frombuffer(bytearray((files / "train.bin").read_bytes()), dtype=torch.int16)
+    size = -(-len(ids) // 3)
+    for k in range(3):
+        part = ids[k * size:(k + 1) * size]
+        header = torch.tensor([20240520, 1, len(part)] + [0] * 253, dtype=torch.int32)
+        (shards / f"shakespeare_train_{k + 1:06d}.bin").write_bytes(header.numpy().tobytes() + part.numpy().tobytes())
+    shutil.copyfile(files / "val.bin", shards / "shakespeare_val_000000.bin")
+    shutil.copyfile(files / "meta.pkl", shards / "meta.pkl")
+    sources = {"text (shakespeare_char)": ["--dataset", "shakespeare_char", "--data_dir", text],
+               "nanoGPT's train.bin (tokens)": ["--dataset", "tokens", "--data_dir", files],
+               "llm.c shards x 3 (tokens)": ["--dataset", "tokens", "--data_dir", shards]}
+
+    def runner(source: list):
+        def run_for(n: int) -> tuple:
+            cwd = Path(tempfile.mkdtemp(dir=root))
+            cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "train.py", *source,
+                              *SAME_WINDOWS, "--max_steps", str(n), "--metrics_path", "m.jsonl"]
+            _, cpu = _timed_run(cmd, cwd, 1)
+            records = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+            return [r for r in records if "epoch" in r][-1]["train_loss"], cpu
+        return run_for
+
+    per_cpu_s = {name: [] for name in sources}
+    losses = {}
+    names = list(sources)
+    try:
+        for round_ in range(reps):  # each round in another order: no source always runs first
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                losses[name], cpu_per_step = _per_step_cpu(runner(sources[name]), steps)
+                per_cpu_s[name].append(nproc * 12 * 64 / cpu_per_step)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text_median = statistics.median(per_cpu_s["text (shakespeare_char)"])
+    rows = [[name, ", ".join(f"{v:,.0f}" for v in values), f"{statistics.median(values):,.0f}",
+             f"{statistics.median(values) / text_median:.3f}", f"{losses[name]:.6f}"]
+            for name, values in per_cpu_s.items()]
+    return {"tokens_per_cpu_s": per_cpu_s, "train_loss": losses,
+            "table": table(f"8e. the same windows from the text, token files and shards: train.py, {nproc} "
+                           f"processes x 1 thread, a 2-layer GPT, {steps} steps less {steps // 5}, {reps} "
+                           f"rounds, each in another order", ["source", "tokens per CPU s, each round", "median",
+                                                   "vs the text", "train loss at the end"], rows)}

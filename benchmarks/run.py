@@ -59,6 +59,10 @@ Sections:
      train.py on the same token files, eager and compiled, 1 and 2 threads,
      and a GPT so small that the loop dominates; ms a step from their
      progress lines, --versus_pairs alternating pairs per case.
+  8e the same windows read three ways: train.py (2 processes, a 2-layer GPT)
+     on --dataset shakespeare_char's text, on nanoGPT's token files and on
+     llm.c's shards of the same tokens, alternating; tokens per CPU second
+     and each against the text (the three end at the same training loss).
   9  snapshots that do not stop training: blocking seconds per snapshot,
      synchronous vs asynchronous (train.py's default), DDP file and FSDP
      shards, ~100 MB of training state, world size 2 (CUDA: one process per
@@ -98,7 +102,7 @@ from benchmarks.gpu import section_gpu  # noqa: E402
 from benchmarks.harness import machine  # noqa: E402
 from benchmarks.input_pipeline import section_input  # noqa: E402
 from benchmarks.keyed_draws import section_keyed_draws  # noqa: E402
-from benchmarks.language_model import section_lm, section_lm_loop  # noqa: E402
+from benchmarks.language_model import section_lm, section_lm_loop, section_token_sources  # noqa: E402
 from benchmarks.node_traffic import section_node_traffic  # noqa: E402
 from benchmarks.overhead import section_overhead  # noqa: E402
 from benchmarks.scaling import section_scaling  # noqa: E402
@@ -161,7 +165,7 @@ def main() -> None:
     """The command line: run the sections asked for (``--only``; all by default),
     print each one's table and write every number to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 2b 3 4 5 6 6b 7 8 8c 8d 9")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 2b 3 4 5 6 6b 7 8 8c 8d 8e 9")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
@@ -179,7 +183,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "2b", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "9"}
+    wanted = set(args.only) if args.only else {"1", "1b", "2", "2b", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "8e", "9"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -202,6 +206,7 @@ def main() -> None:
                 ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps, threads=args.lm_threads), 1),
                 ("8c", "lm_loop", lambda: section_lm_loop(args.nanogpt, threads=args.lm_threads), 1),
                 ("8d", "versus_nanogpt", lambda: section_versus_nanogpt(args.nanogpt, args.versus_pairs), 1),
+                ("8e", "token_sources", section_token_sources, 2),
                 ("9", "snapshot_cost", lambda: section_snapshot_cost(args.snapshot_device), 1)]
     run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")
