@@ -202,7 +202,7 @@ class SteadyState:
 
     def __init__(self, loader, on, off, first: int = 2) -> None:
         self.loader, self.on, self.off, self.first = loader, on, off, first
-        self.batch_size, self.sampler = loader.batch_size, loader.sampler
+        self.batch_size, self.sampler, self.dataset = loader.batch_size, loader.sampler, loader.dataset
 
     def __len__(self) -> int:
         return len(self.loader)
