@@ -166,18 +166,18 @@ class TokenWindows(Dataset):
     """
 
     def __init__(self, tokens, block_size: int, shift: bool = False, name: str = "a text", seed: int = 0) -> None:
-        longest = max(map(len, tokens)) if isinstance(tokens, (list, tuple)) and tokens else len(tokens)
+        # Shards: each one's windows, numbered on from the shard before (one int64 a shard, none a window).
+        self.shards = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
+        longest = max(map(len, self.shards), default=0)
         if longest < block_size + 1 + (block_size - 1 if shift else 0):
             unit = "characters" if isinstance(tokens, torch.Tensor) else "tokens"
             raise ConfigError(f"{name} of {longest} {unit} is too short for one window of "
                               f"--block_size {block_size} (+1 for the targets"
                               f"{', + up to block_size - 1 for the random offset' if shift else ''}); "
                               f"pass a smaller --block_size")
-        self.tokens, self.block_size, self.shift, self.seed = tokens, block_size, shift, seed
+        self.block_size, self.shift, self.seed = block_size, shift, seed
         self.epoch: Optional[int] = None  # set_epoch's: None until the loop gives one
         self._offsets = torch.arange(block_size + 1)
-        # Shards: each one's windows, numbered on from the shard before (one int64 a shard, none a window).
-        self.shards = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         counts = [max(0, (len(shard) - 1 - (block_size - 1 if shift else 0)) // block_size)
                   for shard in self.shards]
         self._first = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)

@@ -352,19 +352,17 @@ def section_token_sources(steps: int = 300, reps: int = 3, nproc: int = 2) -> di
     starting with another source; each run's CPU seconds per step (``_per_step_cpu``:
     a run of ``steps // 5`` subtracted) as tokens per CPU second, and each
     source's median against the text's."""
-    from support.data import build_token_files
+    from support.data import build_token_files, write_token_shard
 
     root = Path(tempfile.mkdtemp(prefix="token-sources-"))
     text = _corpus_dir(root / "text")
     files = build_token_files(root / "files")
     shards = root / "shards"
     shards.mkdir()
-    ids = torch.frombuffer(bytearray((files / "train.bin").read_bytes()), dtype=torch.int16)
+    ids = (torch.frombuffer(bytearray((files / "train.bin").read_bytes()), dtype=torch.int16).long() & 0xFFFF).tolist()
     size = -(-len(ids) // 3)
     for k in range(3):
-        part = ids[k * size:(k + 1) * size]
-        header = torch.tensor([20240520, 1, len(part)] + [0] * 253, dtype=torch.int32)
-        (shards / f"shakespeare_train_{k + 1:06d}.bin").write_bytes(header.numpy().tobytes() + part.numpy().tobytes())
+        write_token_shard(shards / f"shakespeare_train_{k + 1:06d}.bin", ids[k * size:(k + 1) * size])
     shutil.copyfile(files / "val.bin", shards / "shakespeare_val_000000.bin")
     shutil.copyfile(files / "meta.pkl", shards / "meta.pkl")
     sources = {"text (shakespeare_char)": ["--dataset", "shakespeare_char", "--data_dir", text],

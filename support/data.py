@@ -105,6 +105,20 @@ def build_token_files(folder: Path, chars: int = 0) -> Path:
     return folder
 
 
+def write_token_shard(path: Path, ids, header: bool = True, version: int = 1, count=None) -> None:
+    """A token file at ``path``: uint16 ``ids`` (ints 0..65535), after llm.c's
+    header where ``header`` (256 little-endian int32: magic 20240520,
+    ``version``, the token count, ``count`` where given, else len(ids); as
+    llm.c's dev/data/data_common.py writes its shards), else alone, as
+    nanoGPT's prepare.py writes train.bin."""
+    import array
+
+    with open(path, "wb") as f:
+        if header:
+            array.array("i", [20240520, version, len(ids) if count is None else count] + [0] * 253).tofile(f)
+        array.array("H", ids).tofile(f)
+
+
 # --------------------------------------------------------------------------
 # CIFAR-10 in its real python-pickle format
 # --------------------------------------------------------------------------

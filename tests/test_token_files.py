@@ -30,6 +30,7 @@ import common
 import recipes
 import text_tasks
 from dataset_files import build_shakespeare_root, build_token_files
+from support.data import write_token_shard
 from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, evaluations, full_state, run,
                      signal_when, snapshot_folder, snapshot_tensors, task_args)
 
@@ -101,26 +102,14 @@ def _write(path, ids) -> None:
         array.array("H", ids).tofile(f)
 
 
-def write_shard(path, ids, header: bool, version: int = 1, count=None) -> None:
-    """A token shard: uint16 ``ids``, after llm.c's header (256 little-endian
-    int32: magic 20240520, ``version``, the token count) where ``header``."""
-    import array
-
-    with open(path, "wb") as f:
-        if header:
-            values = [20240520, version, len(ids) if count is None else count] + [0] * 253
-            array.array("i", values).tofile(f)
-        array.array("H", ids).tofile(f)
-
-
 def shard_folder(folder, tokens: list, parts: int, header: bool, val: list) -> None:
     """``folder`` with ``tokens`` cut into ``parts`` shards fineweb_train_00000k.bin (k from 1, as
     llm.c numbers them) and ``val`` as fineweb_val_000000.bin."""
     folder.mkdir(parents=True)
     size = -(-len(tokens) // parts)
     for k in range(parts):
-        write_shard(folder / f"fineweb_train_{k + 1:06d}.bin", tokens[k * size:(k + 1) * size], header)
-    write_shard(folder / "fineweb_val_000000.bin", val, header)
+        write_token_shard(folder / f"fineweb_train_{k + 1:06d}.bin", tokens[k * size:(k + 1) * size], header)
+    write_token_shard(folder / "fineweb_val_000000.bin", val, header)
 
 
 class _Boom:
@@ -239,12 +228,12 @@ def test_bad_shards_are_one_line_each_and_left_as_they_are(tmp_path):
         cases.append((folder, error, flags))
         return folder
 
-    write_shard(case("version", r"version/fineweb_train_000002.bin is an llm.c token shard of version 2; the kit "
+    write_token_shard(case("version", r"version/fineweb_train_000002.bin is an llm.c token shard of version 2; the kit "
                      r"reads version 1") / "fineweb_train_000002.bin", ids[:650], True, version=2)
     with open(case("cut", r"cut/fineweb_train_000002.bin's header gives 650 tokens, but the file holds 649.5 "
                    r"after its header: a shard cut short") / "fineweb_train_000002.bin", "r+b") as f:
         f.truncate(1024 + 1299)
-    write_shard(case("mixed", r"mixed/fineweb_train_000002.bin has no llm.c header \(magic 20240520\), while "
+    write_token_shard(case("mixed", r"mixed/fineweb_train_000002.bin has no llm.c header \(magic 20240520\), while "
                      r".*mixed/fineweb_train_000001.bin has one") / "fineweb_train_000002.bin", ids[:650], False)
     case("glob", r"no train token files in --data_dir .*glob \(--train_files train_\*.bin matches nothing\)",
          train_files="train_*.bin")
@@ -464,13 +453,13 @@ def test_a_corpus_of_gigabytes_in_shards_trains_in_a_small_fraction_of_its_size(
     shard_bytes, g = 2 << 30, torch.Generator().manual_seed(0)
     for k in range(10):
         path = folder / f"fineweb_train_{k + 1:06d}.bin"
-        write_shard(path, [], True, count=(shard_bytes - 1024) // 2)
+        write_token_shard(path, [], True, count=(shard_bytes - 1024) // 2)
         with open(path, "r+b") as f:
             f.truncate(shard_bytes)
             for where in (1024, shard_bytes // 3 & ~1, shard_bytes - 4096):
                 f.seek(where)
                 f.write(array.array("H", torch.randint(0, 65, (2048,), generator=g).tolist()).tobytes())
-    write_shard(folder / "fineweb_val_000000.bin", torch.randint(0, 65, (8192,), generator=g).tolist(), True)
+    write_token_shard(folder / "fineweb_val_000000.bin", torch.randint(0, 65, (8192,), generator=g).tolist(), True)
     with open(folder / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 65}, f)
     (tmp_path / "peak_memory.py").write_text(PEAK_MEMORY_WRAPPER.replace("REPO", repr(str(REPO))))
@@ -480,7 +469,7 @@ def test_a_corpus_of_gigabytes_in_shards_trains_in_a_small_fraction_of_its_size(
                               "--log_every_steps", "0"], tmp_path))
     ranks = {int(rank): (int(kib) * 1024, int(read), float(seconds)) for rank, kib, read, seconds in
              re.findall(r"^rank (\d) peak_rss_kib (\d+) rchar (\d+) seconds ([\d.]+)$", result.stdout, re.M)}
-    print(f"10 shards, 20 GiB; per rank: " + "; ".join(
+    print("10 shards, 20 GiB; per rank: " + "; ".join(
         f"rank {r} peak {peak / 2**20:.0f} MiB, read {read / 2**20:.1f} MiB, {seconds:.1f} s"
         for r, (peak, read, seconds) in sorted(ranks.items())))
     assert sorted(ranks) == [0, 1], result.stdout

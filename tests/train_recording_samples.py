@@ -51,12 +51,12 @@ def recorded_batches_iter(self):
 
 train_utils.ResumableDistributedSampler.__iter__ = recorded_sampler_iter
 train_utils.EpochBatches.__iter__ = recorded_batches_iter
-yielded_reset = train_utils.ResumableDistributedSampler.set_epoch
+sampler_set_epoch = train_utils.ResumableDistributedSampler.set_epoch
 
 
 def reset_on_new_epoch(self, epoch: int, start: int = 0) -> None:
     yielded.clear()  # a new epoch's iterator: what the last one gave ahead (prefetched) was never trained
-    yielded_reset(self, epoch, start)
+    sampler_set_epoch(self, epoch, start)
 
 
 train_utils.ResumableDistributedSampler.set_epoch = reset_on_new_epoch
