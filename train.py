@@ -39,12 +39,14 @@ import common
 import train_utils
 
 
-def setup(timeout_s: float) -> tuple[int, int, torch.device]:
+def setup(timeout_s: float, snapshot_path: str) -> tuple[int, int, torch.device]:
     """Join the process group the launcher prepared (torchrun's RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, or srun's SLURM_PROCID, SLURM_LOCALID, ...);
     return (rank, local_rank, device). A collective waiting over ``timeout_s``
-    seconds raises, not hangs. Raises ConfigError when started by neither
-    launcher, or when this local rank has no GPU of its own on a GPU node."""
+    seconds raises, not hangs; a time-out's report writes every live rank's
+    stack beside ``snapshot_path`` (--snapshot_path). Raises ConfigError when
+    started by neither launcher, or when this local rank has no GPU of its
+    own on a GPU node."""
     timeout = timedelta(seconds=timeout_s)
     store = train_utils.launcher_store(timeout)  # torchrun or srun; no key of an earlier attempt read
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,12 +54,14 @@ def setup(timeout_s: float) -> tuple[int, int, torch.device]:
     device = train_utils.device_for(local_rank)  # GPU indices restart at 0 on every node
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL uses this GPU and no other
-        train_utils.enable_nccl_diagnostics()  # a stuck collective dumps what each rank ran
+    # Each rank keeps its last collectives; on NCCL a stuck one dumps them beside the snapshot.
+    train_utils.enable_flight_recorder(train_utils.stack_folder(snapshot_path), nccl=device.type == "cuda")
     train_utils.share_cpu_cores(device, world_size)
     train_utils.raise_open_file_limit()  # gloo groups hold a socket to every other rank: 5 x world_size files
     backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     train_utils.watch_collectives(timeout_s)  # a side group that names the stuck ranks on a time-out
+    train_utils.answer_stack_requests(train_utils.stack_folder(snapshot_path))  # where each rank is, then
     return rank, local_rank, device
 
 
@@ -477,7 +481,7 @@ def main(args: argparse.Namespace) -> None:
     log = train_utils.RunLog(args.metrics_path, args.tensorboard_dir, args.wandb_project)
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
     train_utils.set_deterministic(args)  # --deterministic: before the process group, which reads it (NCCL)
-    rank, local_rank, device = setup(args.startup_timeout_s)
+    rank, local_rank, device = setup(args.startup_timeout_s, args.snapshot_path)
     train_utils.set_fp32_precision(device, args.no_tf32)  # on GPUs TF32 unless --no_tf32, before the first matmul
     fsdp = args.strategy != "ddp"  # fsdp or hsdp: FSDP2, sharded snapshots
     if fsdp:
@@ -508,6 +512,7 @@ def main(args: argparse.Namespace) -> None:
         pass  # every rank stopped at the same step, its snapshot written: the same command resumes
     log.close()  # the W&B run ends here: the FSDP exit below skips wandb's own exit hook
     trainer.stop.close()
+    train_utils.stop_answering()  # no time-out report from here on
     checkpointer = trainer.checkpointer
     del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
     dist.destroy_process_group()

@@ -23,8 +23,12 @@ Points, and the function patched for each:
             of ``train_utils.snapshots.file``
   finished  a run that holds every epoch, before it tells the batch shell so:
             ``train_utils.report_run_finished``, first thing
+  poll      the stop signal's all-reduce once a step: ``StopSignal.poll``,
+            first thing (``skip`` there skips that call, and its collective)
 
-Actions: ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``hang`` (sleep
+Actions: ``kill`` (SIGKILL itself), ``sigstop`` (SIGSTOP itself: frozen, as
+by a debugger or a swapped-out node), ``raise`` (RuntimeError), ``skip`` (the
+point's call is skipped), ``hang`` (sleep
 an hour; a stop signal during start-up still ends it), ``wait_signal`` (sleep
 until this process got a stop signal, at most an hour, then go on) and
 ``wait_signal_once``. ``kill``, ``raise``, ``hang`` and ``wait_signal_once``
@@ -58,8 +62,9 @@ class Fault:
         self.first_attempt = all(os.environ.get(name, "0") in ("", "0")
                                  for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
-    def at(self, point: str) -> None:
-        """``point`` is reached: act if it is the chosen one, on the chosen rank."""
+    def at(self, point: str) -> bool:
+        """``point`` is reached: act if it is the chosen one, on the chosen rank.
+        True where the action is ``skip``: the caller skips the point's call."""
         import torch.distributed as dist
 
         from train_utils.output import print_line
@@ -68,20 +73,23 @@ class Fault:
         self.reached[point] = count = self.reached.get(point, 0) + 1
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         if (point, count) != (self.point, self.count) or self.rank not in ("*", str(rank)):
-            return
+            return False
         if self.action != "wait_signal" and not self.first_attempt:
-            return
+            return False
         print_line(f"DDP_TEST_FAULT: {self.action} at {point} {count} on rank {rank}", sys.stderr)
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "raise":
             raise RuntimeError(f"DDP_TEST_FAULT: injected failure at {point} {count} on rank {rank}")
+        elif self.action == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif self.action == "hang":
             time.sleep(3600)
         elif self.action in ("wait_signal", "wait_signal_once"):
             deadline = time.monotonic() + 3600
             while not received_stop_signal() and time.monotonic() < deadline:
                 time.sleep(0.1)
+        return self.action == "skip"
 
 
 def _first(fault: Fault, point: str, function):
@@ -103,6 +111,17 @@ def _after(fault: Fault, point: str, function):
         result = function(*args, **kwargs)
         fault.at(point)
         return result
+
+    return faulted
+
+
+def _skippable(fault: Fault, point: str, function, skipped_result):
+    """``function`` that reaches ``point`` before it runs, and returns
+    ``skipped_result`` without running where the fault skips it."""
+
+    @functools.wraps(function)
+    def faulted(*args, **kwargs):
+        return skipped_result if fault.at(point) else function(*args, **kwargs)
 
     return faulted
 
@@ -134,6 +153,7 @@ def install(spec: str) -> None:
     train_utils.fewest_batches = _first(fault, "evaluate", train_utils.fewest_batches)
     train_utils.snapshots.file.os = _OsReplacingWithFault(fault)
     train_utils.report_run_finished = _first(fault, "finished", train_utils.report_run_finished)
+    train_utils.StopSignal.poll = _skippable(fault, "poll", train_utils.StopSignal.poll, False)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ launcher's store, the stop signals during start-up, and the one-line errors.
   launch             the store under torchrun or srun, side gloo groups
   rendezvous         a Slurm job's rendezvous port (also run by the Slurm wrappers)
   timeouts           start-up vs training time-out, which ranks did not arrive; the loop's Watch
+  hang_report        on a time-out every live rank's stack on disk, its host, file:line and collectives
   evaluation         rank 0's BatchNorm statistics everywhere; even forwards under FSDP; --eval_windows
   evaluations        when the run evaluates (by epochs or steps), the interval's loss, its records
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
@@ -48,11 +49,12 @@ from recipes import build_optimizer  # the recipe's meaning, which the rungs sha
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args, task_flag_values, task_models
 from .config import RunConfig, resolve_config
-from .devices import backend_for, describe_run, device_for, enable_nccl_diagnostics, share_cpu_cores
+from .devices import backend_for, describe_run, device_for, enable_flight_recorder, share_cpu_cores
 from .epoch import EpochBatches, evaluating
 from .errors import NothingToTrain, one_line_errors
 from .evaluation import batches_for_every_rank, broadcast_buffers, eval_subset, fewest_batches
 from .evaluations import Evaluations
+from .hang_report import answer_stack_requests, stack_folder, stop_answering
 from .fsdp import check_fsdp_backend, checkpoint_activations, contiguous_parameters, exit_skipping_teardown, \
     print_sharded_memory
 from .launch import launcher_store, raise_open_file_limit
@@ -82,9 +84,11 @@ __all__ = [
     "raise_open_file_limit",
     "device_for",
     "backend_for",
-    "enable_nccl_diagnostics",
+    "enable_flight_recorder",
     "share_cpu_cores",
     "watch_collectives",
+    "stack_folder",
+    "answer_stack_requests",
     "describe_run",
     "downloaders_first",
     "claim_snapshot_path",
@@ -136,6 +140,7 @@ __all__ = [
     "StepLog",
     "print_line",
     "report_run_finished",
+    "stop_answering",
     "exit_skipping_teardown",
     "throughput_figures",
     "print_sample",

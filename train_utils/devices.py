@@ -85,44 +85,45 @@ def device_for(local_rank: int) -> torch.device:
     return check_gpu_has_kernels(torch.device("cuda", local_rank))
 
 
-# NCCL's own diagnosis of a stuck collective, on unless the environment says
-# otherwise (torch's names, documented in docs/runs.md): the flight recorder
-# keeps the last collectives of each rank, and a time-out dumps them. How the
-# watchdog handles a time-out (TORCH_NCCL_ASYNC_ERROR_HANDLING) is left to
-# torch's default. Each name with the older names torch still reads for it
-# (deprecated: torch warns, and prefers the current name where both are set).
-NCCL_DIAGNOSTICS = MappingProxyType({
-    "TORCH_FR_BUFFER_SIZE": ("2000", ("TORCH_NCCL_TRACE_BUFFER_SIZE",)),
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": ("1", ()),
-})
+# torch's flight recorder: each rank's last 2,000 collectives (gloo's and NCCL's),
+# which the time-out report reads (hang_report.recent_collectives); under NCCL a
+# time-out also dumps them to files (torch's names, documented in docs/runs.md).
+# How NCCL's watchdog handles a time-out (TORCH_NCCL_ASYNC_ERROR_HANDLING) is
+# left to torch's default. Each name with the older names torch still reads for
+# it (deprecated: torch warns, and prefers the current name where both are set).
+FLIGHT_RECORDER = MappingProxyType({"TORCH_FR_BUFFER_SIZE": ("2000", ("TORCH_NCCL_TRACE_BUFFER_SIZE",))})
+NCCL_DIAGNOSTICS = MappingProxyType({"TORCH_NCCL_DUMP_ON_TIMEOUT": ("1", ())})
 # Where the dumps go: a path prefix, torch appends the rank. torch 2.8 to 2.14
 # read TORCH_FR_DUMP_TEMP_FILE first, then the deprecated TORCH_NCCL_DEBUG_INFO_TEMP_FILE.
 NCCL_DUMP_VARIABLE, NCCL_DUMP_VARIABLE_DEPRECATED = "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 
 
-def nccl_trace_prefix() -> str:
-    """Where the flight recorder's dumps go (``NCCL_DUMP_VARIABLE``, a path
-    prefix; torch appends the rank): an absolute path in the folder the job
-    was submitted from (SLURM_SUBMIT_DIR), ``nccl_trace_<job id>_rank_``, or
-    outside Slurm in the working folder, ``nccl_trace_rank_``. Not torch's
-    default, ``comm_lib_trace_rank_`` in ``$XDG_CACHE_HOME/torch`` or
-    ``~/.cache/torch``: a name without the job, so each job's dumps replace
-    the last one's, in the home folder of whichever node each rank ran on."""
-    if "SLURM_SUBMIT_DIR" in os.environ:
-        name = f"nccl_trace_{os.environ.get('SLURM_JOB_ID', 'job')}_rank_"
-        return os.path.join(os.path.abspath(os.environ["SLURM_SUBMIT_DIR"]), name)
-    return os.path.join(os.getcwd(), "nccl_trace_rank_")
+def nccl_trace_prefix(folder: str) -> str:
+    """Where the flight recorder's NCCL dumps go (``NCCL_DUMP_VARIABLE``, a path
+    prefix; torch appends the rank): in ``folder`` (the snapshot's, where the
+    time-out report's stack files go too: ``hang_report.stack_folder``),
+    ``nccl_trace_<job id>_rank_`` in a Slurm job (SLURM_JOB_ID), else
+    ``nccl_trace_rank_``. Not torch's default, ``comm_lib_trace_rank_`` in
+    ``$XDG_CACHE_HOME/torch`` or ``~/.cache/torch``: a name without the job, so
+    each job's dumps replace the last one's, in the home folder of whichever
+    node each rank ran on."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return os.path.join(os.path.abspath(folder), f"nccl_trace_{job + '_' if job else ''}rank_")
 
 
-def enable_nccl_diagnostics() -> None:
-    """Set ``NCCL_DIAGNOSTICS`` and ``NCCL_DUMP_VARIABLE`` (``nccl_trace_prefix``)
-    where the environment sets neither the variable nor a deprecated name of it
-    (a user's TORCH_NCCL_TRACE_BUFFER_SIZE=0 stays in force): before
+def enable_flight_recorder(folder: str, nccl: bool) -> None:
+    """Set ``FLIGHT_RECORDER`` and, for ``nccl``, ``NCCL_DIAGNOSTICS`` and
+    ``NCCL_DUMP_VARIABLE`` (``nccl_trace_prefix(folder)``), each where the
+    environment sets neither the variable nor a deprecated name of it (a
+    user's TORCH_NCCL_TRACE_BUFFER_SIZE=0 stays in force): before
     ``init_process_group``, which reads them."""
-    wanted = {name: value for name, (value, _) in NCCL_DIAGNOSTICS.items()}
-    wanted[NCCL_DUMP_VARIABLE] = nccl_trace_prefix()
-    older = {name: aliases for name, (_, aliases) in NCCL_DIAGNOSTICS.items()}
-    older[NCCL_DUMP_VARIABLE] = (NCCL_DUMP_VARIABLE_DEPRECATED,)
+    wanted = {name: value for name, (value, _) in FLIGHT_RECORDER.items()}
+    older = {name: aliases for name, (_, aliases) in FLIGHT_RECORDER.items()}
+    if nccl:
+        wanted |= {name: value for name, (value, _) in NCCL_DIAGNOSTICS.items()}
+        older |= {name: aliases for name, (_, aliases) in NCCL_DIAGNOSTICS.items()}
+        wanted[NCCL_DUMP_VARIABLE] = nccl_trace_prefix(folder)
+        older[NCCL_DUMP_VARIABLE] = (NCCL_DUMP_VARIABLE_DEPRECATED,)
     for name, value in wanted.items():
         if not any(alias in os.environ for alias in (name, *older[name])):
             os.environ[name] = value

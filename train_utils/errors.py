@@ -22,6 +22,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from common import ConfigError  # the task contract's one-line error (exit 2)
+from .hang_report import ANSWER_WAIT_S, finish_answer
 from .output import RunFailed, is_distributed, print_line
 from .snapshots.claims import release_claim
 from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, received_stop_signal, \
@@ -195,6 +196,7 @@ def _end_if_timeout(exc: RuntimeError) -> None:
     if line:
         print_line(f"error: {line}", sys.stderr)
         report_to_torchrun(f"error: {line}")
+    finish_answer(ANSWER_WAIT_S)  # this rank's stack file too, for the report some rank makes
     # The process group is broken now: leave without tearing it down.
     release_claim()  # os._exit skips atexit
     sys.stdout.flush()

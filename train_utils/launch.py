@@ -117,10 +117,19 @@ def store_prefix() -> str:
     return "run"
 
 
-def gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
+# The side groups made without a time-out of their own: they follow the run's
+# (timeouts.use_training_timeout sets it on each). Per process, as torch's own
+# table of groups is.
+FOLLOWING_RUN_TIMEOUT: list = []
+
+
+def gloo_group(timeout: Optional[timedelta] = None, description: Optional[str] = None) -> dist.ProcessGroup:
     """Collective: a new gloo (CPU) group of all ranks, also in NCCL jobs;
     its collectives, and the wait for every rank to make it, time out after
-    ``timeout`` (None: torch's default for gloo, 30 minutes).
+    ``timeout`` (None: torch's default for gloo, 30 minutes, until the
+    training time-out takes over: ``FOLLOWING_RUN_TIMEOUT``).
+    ``description`` names it in torch's flight recorder and the time-out
+    report (e.g. "stop signal").
 
     gloo finds its own address from this host's name, or from the interface
     GLOO_SOCKET_IFNAME names; on nodes where that name resolves to an address
@@ -129,7 +138,10 @@ def gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
     fault: the store's time-out (DistStoreError) is raised as it is.
     """
     try:
-        return dist.new_group(backend="gloo", timeout=timeout)
+        group = dist.new_group(backend="gloo", timeout=timeout, group_desc=description)
+        if timeout is None:
+            FOLLOWING_RUN_TIMEOUT.append(group)
+        return group
     except dist.DistStoreError:
         raise
     except RuntimeError as exc:

@@ -13,8 +13,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from .hang_report import hang_requested
 from .launch import barrier, gloo_group
 from .output import is_distributed, print_line, write_from_signal_handler
+from .snapshots.claims import release_claim
 
 
 # The signals that ask for a stop: Slurm's time-limit warning (the wrappers'
@@ -70,6 +72,9 @@ def _rank() -> int:
 def _handler(signum, frame) -> None:
     if os.getpid() != _STATE.pid:
         return  # a loader worker before its worker_init_fn ran: the rank decides
+    if hang_requested():  # a collective timed out and the job is ending: no snapshot can be saved now
+        release_claim()  # os._exit skips atexit
+        os._exit(128 + signum)
     if _STATE.received:
         if signal.SIGINT in (signum, _STATE.received):  # Ctrl-C twice, or after a stop signal
             if _rank() == 0:
@@ -186,7 +191,7 @@ class StopSignal:
         catch_stop_signals()  # installed already, unless the script did not call it
         self.rank = dist.get_rank()
         self.stopped_by = 0  # after a stop: the signal some rank got (the highest number)
-        self.group = gloo_group()
+        self.group = gloo_group(description="stop signal")
         self.flag = torch.zeros(2)  # (the stop signal's number, rank 0's snapshot request)
         self.requested = False  # the last poll's answer: rank 0 asked for a snapshot
         self.work = None

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-from .launch import barrier, gloo_group
+from . import hang_report
+from .launch import FOLLOWING_RUN_TIMEOUT, barrier, gloo_group
 from .output import is_distributed
 
 
@@ -47,7 +49,7 @@ def watch_collectives(timeout_s: float) -> None:
     if _WATCH.group is not None:
         return
     try:
-        _WATCH.group = gloo_group(timedelta(seconds=timeout_s))
+        _WATCH.group = gloo_group(timedelta(seconds=timeout_s), "time-out watch")
     except RuntimeError as exc:
         if is_timeout(exc):
             raise RanksStuck(startup_timeout_line(exc)) from None
@@ -113,8 +115,9 @@ def use_training_timeout(timeout_s: Optional[float]) -> None:
     # torch.distributed.set_timeout (newer releases) replaced the private _set_pg_timeout.
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     set_timeout(timeout)  # the default group
-    if _WATCH.group is not None:
-        set_timeout(timeout, _WATCH.group)
+    for group in (_WATCH.group, *FOLLOWING_RUN_TIMEOUT):  # the side groups (the stop signal's)
+        if group is not None:
+            set_timeout(timeout, group)
 
 
 class RanksStuck(RuntimeError):
@@ -155,11 +158,20 @@ def check_first_batches(timeout_s: Optional[float]) -> None:
                              f"to have its batch too, and rank 0 does not answer: it is stuck in its data "
                              f"loader or died; look at its output (--pg_timeout_s sets the wait)") from None
         found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(barrier))
-        missing = f"[{found.group(1)}]" if found else str(barrier).splitlines()[0]
+        if not found:
+            missing = str(barrier).splitlines()[0]
+        else:
+            stuck = [int(r) for r in found.group(1).split(",")]
+            store = hang_report.request_stacks(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks "
+                                               f"{stuck} to have their batch too")
+            answers = hang_report.collect_answers(store, dist.get_world_size(),
+                                                  time.monotonic() + hang_report.ANSWER_WAIT_S)
+            missing = f"{stuck}: {hang_report.describe_ranks(answers, None, stuck)}"
+        stacks = os.path.join(hang_report.stack_folder_in_use(), hang_report.stack_file_name("*", "*"))
         raise RanksStuck(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing} to have "
                          f"their batch too: a rank stuck in its data loader (a loader worker that never "
-                         f"started, a dataset's __getitem__ that does not return) holds up all; look at "
-                         f"its output (--pg_timeout_s sets the wait)") from None
+                         f"started, a dataset's __getitem__ that does not return) holds up all; every live "
+                         f"rank's stack: {stacks} (--pg_timeout_s sets the wait)") from None
 
 
 # How torch words a time-out, and only a time-out: a gloo collective's ("Timed
@@ -201,26 +213,68 @@ def timeout_diagnosis(exc: BaseException) -> str:
     """The one-line error for a collective that timed out on this rank, or ''
     when another rank reports it.
 
-    Rank 0 runs ``dist.monitored_barrier`` (gloo, ``wait_all_ranks``) on the
-    side group of ``watch_collectives``, which names the ranks that do not
-    arrive within 10 s: those are stuck or dead. Another rank reports only
-    when rank 0 itself does not answer.
+    First every rank is asked for its stack (``hang_report.request_stacks``:
+    each live rank writes its stack file and answers with its host, the
+    file:line it is at and the collectives it ran). Then rank 0 runs
+    ``dist.monitored_barrier`` (gloo, ``wait_all_ranks``) on the side group of
+    ``watch_collectives``, which names the ranks that do not arrive within
+    10 s: those are stuck or dead. The line names them with their answers
+    (``hang_report.describe_ranks``), and the collective this rank waited in
+    (the flight recorder's newest). Another rank reports only when rank 0
+    itself does not answer, and then one of them (the first to claim it).
     """
     rank, group = dist.get_rank(), _WATCH.group
     detail = str(exc).strip().splitlines()[-1].split("] ")[-1]
-    missing = "unknown (no monitor group)"
+    recent = hang_report.recent_collectives()
+    waiting = recent[-1] if recent else None  # what this rank was in: the one it started last
+    inside = "in a collective" + (f" (the last it started: {hang_report.describe_collective(waiting)})"
+                                  if waiting else "")
+    hang_report.note_timed_out(exc)
+    store = hang_report.request_stacks(f"rank {rank} timed out {inside} during {_WATCH.phase}")
+    deadline = time.monotonic() + hang_report.ANSWER_WAIT_S
+    stuck: Optional[list] = None  # ranks that did not arrive; None: unknown
+    rank0_answers = True
     if group is not None:
         try:
             dist.monitored_barrier(group=group, timeout=timedelta(seconds=10), wait_all_ranks=True)
-            missing = "none (all arrived later: raise --pg_timeout_s)"
+            stuck = []
         except RuntimeError as barrier:
-            found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(barrier))
             if rank != 0:
-                return (f"rank {rank} timed out in a collective during {_WATCH.phase} ({detail}), "
-                        f"and rank 0 does not answer: look at rank 0's output")
-            missing = f"[{found.group(1)}]" if found else str(barrier).splitlines()[0]
+                rank0_answers = False
+            else:
+                found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(barrier))
+                stuck = [int(r) for r in found.group(1).split(",")] if found else None
+    if rank != 0 and (rank0_answers or not _claim_report(store, rank)):
+        return ""  # rank 0 reports, or another rank claimed the report of rank 0's silence
+    answers = hang_report.collect_answers(store, dist.get_world_size(), deadline)
+    continued = hang_report.continue_stopped(answers)
+    if continued:  # they answer once running again
+        later = hang_report.collect_answers(store, dist.get_world_size(), time.monotonic() + 2)
+        answers.update({rank: later[rank] | {"continued": True} for rank in continued if rank in later})
+    stacks = os.path.join(hang_report.stack_folder_in_use(), hang_report.stack_file_name("*", "*"))
     if rank != 0:
-        return ""
-    return (f"rank 0 timed out waiting for the other ranks in a collective during {_WATCH.phase} "
-            f"({detail}); ranks that did not arrive: {missing}. A rank that is stuck or died "
-            f"holds up all: look at its output (--pg_timeout_s sets the wait)")
+        where = hang_report.describe_ranks(answers, waiting, [0]) if answers else "rank 0 does not answer"
+        return (f"rank {rank} timed out {inside} during {_WATCH.phase} ({detail}), and rank 0 did not "
+                f"arrive to report it: {where}. Every live rank's stack: {stacks} (--pg_timeout_s sets "
+                f"the wait)")
+    if stuck is None:
+        missing = "unknown (no monitor group)"
+    elif stuck:
+        missing = hang_report.describe_ranks(answers, waiting, stuck)
+    else:
+        mismatch = hang_report.describe_mismatch(answers)
+        missing = f"none; {mismatch}" if mismatch else "none (all arrived later: raise --pg_timeout_s)"
+    return (f"rank 0 timed out waiting for the other ranks {inside} during {_WATCH.phase} ({detail}); "
+            f"ranks that did not arrive: {missing}. A rank that is stuck or died holds up all; every live "
+            f"rank's stack: {stacks} (--pg_timeout_s sets the wait)")
+
+
+def _claim_report(store: Optional[dist.Store], rank: int) -> bool:
+    """Whether this rank (not rank 0) reports that rank 0 did not arrive: the
+    first to claim it in the store; every such rank without a store."""
+    if store is None:
+        return True
+    try:
+        return store.compare_set("reporter", "", str(rank)).decode() == str(rank)
+    except Exception:  # noqa: BLE001 - no store to agree through: each reports
+        return True

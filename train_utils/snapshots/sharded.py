@@ -49,7 +49,8 @@ class ShardedSnapshots:
     def __init__(self, root: str, asynchronous: bool = False, timeout_s: float = 600) -> None:
         self.root = root
         timeout = timedelta(seconds=timeout_s)
-        self.groups = (gloo_group(timeout), gloo_group(timeout)) if asynchronous else (None, None)
+        self.groups = (gloo_group(timeout, "snapshot save"), gloo_group(timeout, "snapshot save")) \
+            if asynchronous else (None, None)
         self.staging: Optional[DcpStaging] = None  # made at the first background save, by the state's device
 
     def folder(self, tag: str) -> str:

@@ -1,0 +1,158 @@
+"""A rank that hangs: the job ends within the time-out (--pg_timeout_s) plus
+30 s, with one line naming the stuck rank, its host and where it is
+(file:line, or that it is stopped), the collective the others waited in,
+and a stack file per live rank beside the snapshot.
+
+Three hangs, each driven as a user meets it, train.py under torchrun on 2
+CPU ranks: a task whose loss never returns on rank 1 (user code), a rank
+frozen by SIGSTOP mid-step, and a rank that skips one collective (the stop
+signal's all-reduce), so that the ranks end up in different collectives.
+The last two are injected from the test side (tests/train_with_fault.py)."""
+
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, error_lines, script_env
+
+TIMEOUT_S = 10  # --pg_timeout_s
+HOST = socket.gethostname()
+
+# A user's task whose loss sleeps for an hour on rank 1 at its 5th training step.
+STUCK_TASK = '''"""stuck_task.py: the synthetic task, its loss stuck on rank 1 at the 5th step."""
+import os
+import sys
+import time
+
+import torch.nn.functional as F
+
+import common
+
+calls = 0
+
+
+def loss(output, targets, reduction="mean"):
+    global calls
+    calls += 1
+    if calls == 5 and os.environ["RANK"] == "1":
+        print("stuck_task: rank 1 stuck", file=sys.stderr, flush=True)
+        time.sleep(3600)  # the hang
+    return F.mse_loss(output, targets, reduction=reduction)
+
+
+def build_task(args, download):
+    task = common.synthetic_task(args, download)
+    task.loss_fn = loss
+    return task
+'''
+
+
+def run_timed(cmd: list, cwd: Path, stuck_line: str, **env: str) -> tuple:
+    """Run ``cmd`` in ``cwd`` (stdout and stderr to cwd/log.txt); return (exit
+    status, the log, the seconds from ``stuck_line`` appearing in the log to
+    the job's end, and to the first ``error:`` line)."""
+    log = cwd / "log.txt"
+    with open(log, "w") as out:
+        job = subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=script_env(**env), stdout=out,
+                               stderr=subprocess.STDOUT, text=True)
+        stuck = error = None
+        deadline = time.monotonic() + 300
+        while job.poll() is None and time.monotonic() < deadline:
+            text = log.read_text()
+            now = time.monotonic()
+            if stuck is None and stuck_line in text:
+                stuck = now
+            if error is None and "\nerror: " in text:
+                error = now
+            time.sleep(0.1)
+        if job.poll() is None:
+            job.kill()
+        job.wait()
+    end = time.monotonic()
+    assert stuck is not None, log.read_text()[-3000:]
+    return job.returncode, log.read_text(), end - stuck, (error or end) - stuck
+
+
+def the_line(log: str) -> str:
+    """The one line the job ends with (each rank's error lines, deduplicated:
+    torchrun repeats the root cause)."""
+    lines = {line for line in error_lines(log) if "timed out" in line}
+    assert len(lines) == 1, log[-4000:]
+    return lines.pop()
+
+
+def test_a_rank_stuck_in_its_tasks_code_is_named_with_its_file_and_line(tmp_path):
+    """The stuck rank answers from a thread while its main thread sleeps in the
+    task's loss: the line names rank 1, its host and stuck_task.py's line of
+    the sleep; both ranks wrote their stacks beside the snapshot, rank 1's
+    showing the sleep; the whole job ends within the time-out + 30 s (the
+    stuck rank ends at torchrun's SIGTERM, the job being over)."""
+    (tmp_path / "stuck_task.py").write_text(STUCK_TASK)
+    sleep_line = STUCK_TASK.splitlines().index("        time.sleep(3600)  # the hang") + 1
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--dataset",
+                      "stuck_task:build_task", "--total_epochs", "2", "--pg_timeout_s", str(TIMEOUT_S)]
+    status, log, ended, _ = run_timed(cmd, tmp_path, "stuck_task: rank 1 stuck", PYTHONPATH=str(tmp_path))
+    assert status == 1
+    line = the_line(log)
+    assert line.startswith("error: rank 0 timed out waiting for the other ranks in a collective (the last "
+                           "it started: #"), line
+    assert re.search(r"#\d+ gloo:all_reduce Float\[\d+\] \(default group\)\) during epoch 1, training step 5 "
+                     r"of this start", line), line
+    assert (f"ranks that did not arrive: rank 1 (host {HOST}) is at stuck_task.py:{sleep_line} in loss, not in "
+            f"collective #") in line, line
+    assert f"every live rank's stack: {tmp_path}/stacks_rank*_*.txt" in line
+    stacks = {path.name: path.read_text() for path in tmp_path.glob("stacks_*.txt")}
+    assert sorted(stacks) == [f"stacks_rank0_{HOST}.txt", f"stacks_rank1_{HOST}.txt"]
+    assert "time.sleep(3600)  # the hang" in stacks[f"stacks_rank1_{HOST}.txt"]
+    assert f"main thread at: stuck_task.py:{sleep_line} in loss" in stacks[f"stacks_rank1_{HOST}.txt"]
+    assert "(where its collective timed out)" in stacks[f"stacks_rank0_{HOST}.txt"]
+    print(f"stuck rank: the job ended {ended:.1f} s after it stuck (time-out {TIMEOUT_S} s)")
+    assert ended <= TIMEOUT_S + 30
+
+
+def test_a_rank_frozen_by_sigstop_is_named_as_stopped(tmp_path):
+    """A frozen rank cannot answer: rank 0 finds it stopped (SIGSTOP) on its
+    host and continues it, as Slurm continues a task before it signals it;
+    the line names it, its host, pid and where it froze, and the collective
+    rank 0 waited in; both stacks are written; the job ends within the
+    time-out + 30 s (else torchrun would SIGKILL the stopped rank only after
+    its 30 s grace)."""
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, "--total_epochs", "1",
+                      "--pg_timeout_s", str(TIMEOUT_S)]
+    status, log, ended, reported = run_timed(cmd, tmp_path, "DDP_TEST_FAULT: sigstop at step 5 on rank 1",
+                                             DDP_TEST_FAULT="step:1:5:sigstop")
+    assert status == 1
+    line = the_line(log)
+    assert re.search(r"in a collective \(the last it started: #\d+ gloo:all_reduce Float\[\d+\] \(default "
+                     r"group\)\) during epoch 1, training step 5 of this start", line), line
+    assert re.search(rf"ranks that did not arrive: rank 1 \(host {re.escape(HOST)}, pid \d+\) was stopped "
+                     r"\(SIGSTOP\), at \S+:\d+ in \w+; continued now so that it can end\.", line), line
+    assert sorted(path.name for path in tmp_path.glob("stacks_*.txt")) == [f"stacks_rank0_{HOST}.txt",
+                                                                          f"stacks_rank1_{HOST}.txt"]
+    print(f"frozen rank: reported {reported:.1f} s after it froze, the job ended after {ended:.1f} s "
+          f"(time-out {TIMEOUT_S} s)")
+    assert ended <= TIMEOUT_S + 30
+
+
+def test_a_rank_that_skips_a_collective_is_named_as_a_mismatch(tmp_path):
+    """Rank 1 skips one of the stop signal's all-reduces: the ranks' later
+    collectives pair up wrongly until they wait in different ones. Both time
+    out; the line says so, naming each rank's collective and file:line; both
+    stacks are written; the job ends within the time-out + 30 s of the skip
+    (the rest of the epoch, 20 steps of a small model, takes a second)."""
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, "--total_epochs", "1",
+                      "--pg_timeout_s", str(TIMEOUT_S)]
+    status, log, ended, _ = run_timed(cmd, tmp_path, "DDP_TEST_FAULT: skip at poll 3 on rank 1",
+                                      DDP_TEST_FAULT="poll:1:3:skip")
+    assert status == 1
+    line = the_line(log)
+    assert "ranks that did not arrive: none; the ranks timed out in different collectives (a mismatch: a rank " \
+           "skipped or added one): rank 0 in #" in line, line
+    assert re.search(r"rank 0 in #\d+ gloo:\w+.* at \S+:\d+ in \w+; rank 1 in #\d+ gloo:\w+.* at \S+:\d+ in \w+\.",
+                     line), line
+    assert sorted(path.name for path in tmp_path.glob("stacks_*.txt")) == [f"stacks_rank0_{HOST}.txt",
+                                                                          f"stacks_rank1_{HOST}.txt"]
+    print(f"skipped collective: the job ended {ended:.1f} s after the skip (time-out {TIMEOUT_S} s)")
+    assert ended <= TIMEOUT_S + 30
