@@ -241,33 +241,36 @@ def test_no_gpu_files_means_nothing_to_report(monkeypatch, one_process_group):
                     "per process")
 
 
-def test_nccl_diagnostics_keep_torchs_error_handling_and_dump_where_the_job_was_submitted(monkeypatch,
-                                                                                           tmp_path):
+def test_the_flight_recorder_keeps_torchs_error_handling_and_dumps_beside_the_snapshot(monkeypatch, tmp_path):
     """torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (3, skip the communicator's
-    clean-up) is left alone; the flight recorder dumps into the submit folder (Slurm)
-    or the working folder, named in the variable torch reads first
+    clean-up) is left alone; the flight recorder records gloo's collectives too
+    (NCCL's variables set only for NCCL), and NCCL's dumps go into the
+    snapshot's folder, named by the job under Slurm, in the variable torch reads first
     (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE is its deprecated
     name); what the user set, under either name, is kept."""
     import os
 
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE",
                  "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-                 "SLURM_SUBMIT_DIR"):
+                 "SLURM_JOB_ID"):
         monkeypatch.setenv(name, "")  # so that monkeypatch also undoes what the call sets
         monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
-    train_utils.enable_nccl_diagnostics()
+    train_utils.enable_flight_recorder(str(tmp_path), nccl=False)
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    train_utils.enable_flight_recorder(str(tmp_path), nccl=True)
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
     assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ  # deprecated: torch would warn
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
     for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_FR_BUFFER_SIZE"):
         monkeypatch.delenv(name)
-    monkeypatch.setenv("SLURM_SUBMIT_DIR", str(tmp_path / "submit"))
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-    train_utils.enable_nccl_diagnostics()
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "submit" / "nccl_trace_4242_rank_")
+    train_utils.enable_flight_recorder(str(tmp_path / "snapshots"), nccl=True)
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "snapshots" / "nccl_trace_4242_rank_")
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     # A user's setting under the deprecated names stays in force: torch prefers the
     # current name where both are set, so setting it would override the user's.
@@ -275,7 +278,7 @@ def test_nccl_diagnostics_keep_torchs_error_handling_and_dump_where_the_job_was_
         monkeypatch.delenv(name)
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(tmp_path / "mine_"))
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
-    train_utils.enable_nccl_diagnostics()
+    train_utils.enable_flight_recorder(str(tmp_path), nccl=True)
     assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ and "TORCH_FR_BUFFER_SIZE" not in os.environ
 
 

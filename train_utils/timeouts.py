@@ -159,17 +159,16 @@ def check_first_batches(timeout_s: Optional[float]) -> None:
                              f"loader or died; look at its output (--pg_timeout_s sets the wait)") from None
         found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(barrier))
         if not found:
-            missing = str(barrier).splitlines()[0]
+            missing = f"{str(barrier).splitlines()[0]} to have their batch too"
         else:
             stuck = [int(r) for r in found.group(1).split(",")]
             store = hang_report.request_stacks(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks "
                                                f"{stuck} to have their batch too")
             answers = hang_report.collect_answers(store, dist.get_world_size(),
                                                   time.monotonic() + hang_report.ANSWER_WAIT_S)
-            missing = f"{stuck}: {hang_report.describe_ranks(answers, None, stuck)}"
+            missing = f"{stuck} to have their batch too ({hang_report.describe_ranks(answers, None, stuck)})"
         stacks = os.path.join(hang_report.stack_folder_in_use(), hang_report.stack_file_name("*", "*"))
-        raise RanksStuck(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing} to have "
-                         f"their batch too: a rank stuck in its data loader (a loader worker that never "
+        raise RanksStuck(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing}: a rank stuck in its data loader (a loader worker that never "
                          f"started, a dataset's __getitem__ that does not return) holds up all; every live "
                          f"rank's stack: {stacks} (--pg_timeout_s sets the wait)") from None
 
