@@ -75,11 +75,12 @@ def _child_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed_run(cmd: list, cwd: Path, threads: int) -> tuple[str, float]:
-    """``cmd``'s stdout and the CPU seconds it and its descendants used, with OMP_NUM_THREADS=``threads``."""
+def _timed_run(cmd: list, cwd: Path, threads: int, **env: str) -> tuple[str, float]:
+    """``cmd``'s stdout and the CPU seconds it and its descendants used, with OMP_NUM_THREADS=``threads``
+    and ``env`` added to the environment."""
     before = _child_cpu_seconds()
     out = subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, capture_output=True, text=True,
-                         env=script_env(OMP_NUM_THREADS=str(threads)))
+                         env=script_env(OMP_NUM_THREADS=str(threads), **env))
     return out.stdout, _child_cpu_seconds() - before
 
 

@@ -13,6 +13,9 @@ Sections:
   1  overhead: steps/s of train.py's Trainer.train_step over a bare
      zero_grad/forward/backward/step loop on the same DDP model, batch and
      data, in a 1-process gloo group; repetitions interleaved.
+  1c the time-out report's cost: CPU seconds a step of train.py at 2
+     processes on a step so small that the loop dominates, with torch's
+     flight recorder off and on (train.py's default).
   1b bf16 autocast on this CPU: samples/s with and without, per model (the
      measurement behind --amp's CPU rule).
   2  input pipeline: CIFAR-10-shaped images/s, read from the real on-disk
@@ -70,7 +73,7 @@ Sections:
      few seconds, and the cost of one a minute (target <= 2%).
      --snapshot_device cpu|cuda.
 
-Each section is a module of benchmarks/ (overhead.py, amp_cpu.py,
+Each section is a module of benchmarks/ (overhead.py, amp_cpu.py, hang_watch.py,
 input_pipeline.py, scaling.py, time_to_accuracy.py, gpu.py, fsdp_vs_ddp.py,
 node_traffic.py, snapshot_save.py, language_model.py, versus_nanogpt.py, snapshot_cost.py; what they share is
 harness.py); this file runs the ones asked for.
@@ -99,6 +102,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.amp_cpu import section_amp_cpu  # noqa: E402
 from benchmarks.fsdp_vs_ddp import section_fsdp  # noqa: E402
 from benchmarks.gpu import section_gpu  # noqa: E402
+from benchmarks.hang_watch import section_hang_watch  # noqa: E402
 from benchmarks.harness import machine  # noqa: E402
 from benchmarks.input_pipeline import section_input  # noqa: E402
 from benchmarks.keyed_draws import section_keyed_draws  # noqa: E402
@@ -165,7 +169,7 @@ def main() -> None:
     """The command line: run the sections asked for (``--only``; all by default),
     print each one's table and write every number to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 2 2b 3 4 5 6 6b 7 8 8c 8d 8e 9")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 1c 2 2b 3 4 5 6 6b 7 8 8c 8d 8e 9")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
@@ -183,7 +187,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "2", "2b", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "8e", "9"}
+    wanted = set(args.only) if args.only else {"1", "1b", "1c", "2", "2b", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "8e", "9"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -196,6 +200,7 @@ def main() -> None:
         except Absent as exc:  # the real MNIST digits are not there
             print(f"sections 3 and 4 skipped: real MNIST digits not found ({exc})", flush=True)
     sections = [("1", "overhead", section_overhead, 1), ("1b", "amp_cpu", section_amp_cpu, 1),
+                ("1c", "hang_watch", section_hang_watch, 2),
                 ("2", "input_pipeline", section_input, 1), ("2b", "keyed_draws", section_keyed_draws, 1),
                 ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}, 1),
                 ("4", "time_to_accuracy",
