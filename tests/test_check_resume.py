@@ -73,7 +73,8 @@ def test_the_built_in_tasks_resume_bitwise(task, strategy, tmp_path):
 
 
 # Each breaks exact resume its own way: (task function, the stream named, or None: none the check sees).
-UNRESTORED = {"own_generator_task": None, "global_random_task": "Python's global random",
+UNRESTORED = {"own_generator_task": "the task's torch.Generator task.train_transform.generator",
+              "global_random_task": "Python's global random",
               "counter_model_task": None}
 
 
@@ -82,9 +83,10 @@ def test_a_task_that_breaks_resume_is_not_bitwise_from_the_first_step_after_it(t
     """8 steps of the synthetic task changed as tests/unrestored_tasks.py says,
     stopped after step 4: not bitwise, exit status 1; the losses agree up to
     the stop (the two runs are the same run until then) and differ from step
-    5, the first after the resume; Python's global random, seeded anew as in
-    a fresh process, is named where the task draws from it, and no stream is
-    named where none the check sees is at fault; the weights at the end differ."""
+    5, the first after the resume; the stream at fault is named where the
+    check sees it (Python's global random, seeded anew as in a fresh process;
+    the transform's own generator, built anew), and none where the fault is
+    no stream (the model's counter); the weights at the end differ."""
     flags = ["--dataset", f"{REPO / 'tests' / 'unrestored_tasks.py'}:{task}", "--max_steps", "8"]
     result, _ = check_resume(flags, tmp_path)
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

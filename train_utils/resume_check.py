@@ -18,7 +18,8 @@ snapshots beside --snapshot_path (whose content it never reads or writes):
      afresh, resumed from that snapshot to the end;
 
 and compares every step's loss, the random streams it can see right before
-the first step after the resume, and at the end the model's parameters and
+the first step after the resume (the global ones, and the torch.Generators
+the task holds of its own: ``task_generators``), and at the end the model's parameters and
 buffers, the optimizer state, the loader position, the schedule and the loss
 scaler. Rank 0 prints ``check_resume: bitwise`` or ``check_resume: not
 bitwise`` and what differs, then the cost of each run.
@@ -27,12 +28,14 @@ bitwise`` and what differs, then the cost of each run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import shutil
 import signal
 import sys
 import time
+import types
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -97,7 +100,7 @@ def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespa
     stop_step = max(total // 2, lag + 1)
     straight = _Recorder(trainer, watch_steps=(1, stop_step + 1))
     _train(trainer, "A, straight through")
-    straight.at_end = _global_streams()
+    straight.at_end = {**_global_streams(), **task_generators(trainer.task)}
     a_state = _end_state(trainer)
     _close(trainer)
     del trainer
@@ -229,13 +232,13 @@ class _Recorder:
         self.at_end: Optional[dict] = None
         self.sent = False
         train_step, progress, accum = trainer.train_step, trainer.progress, trainer.config.grad_accum_steps
-        device = trainer.device
+        device, task = trainer.device, trainer.task
 
         def recording_step(source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             step = progress.step + 1  # the optimizer step this micro-batch belongs to
             if progress.steps_run % accum == 0:  # the step's first micro-batch
                 if step in watch_steps:
-                    self.streams[step] = _global_streams(device)
+                    self.streams[step] = {**_global_streams(device), **task_generators(task)}
                 if step == signal_step and not received_stop_signal():
                     os.kill(os.getpid(), signal.SIGTERM)  # the handler notes it, as any SIGTERM
                     self.sent = True
@@ -260,6 +263,46 @@ def _global_streams(device: Optional[torch.device] = None) -> dict:
     if numpy is not None:
         streams["NumPy's global generator"] = numpy.random.get_state()
     return streams
+
+
+def task_generators(task) -> dict:
+    """The states of the ``torch.Generator``s a task holds of its own, by
+    where they are ("the task's torch.Generator task.train_transform.generator"):
+    found in its training set, transforms, model, loss and batching, through
+    attributes, containers, bound methods, ``functools.partial`` and closures,
+    a few levels deep (a few hundred objects at most). No snapshot holds
+    them: a resumed run's start over from where the task made them."""
+    found: dict = {}
+    seen: set = set()
+
+    def walk(obj: Any, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 6 or len(seen) > 5000 or \
+                isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type, types.ModuleType)) or obj is None:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Generator):
+            found[f"the task's torch.Generator {path}"] = obj.get_state()
+            return
+        if isinstance(obj, functools.partial):
+            children = [("func", obj.func), *((f"args[{i}]", a) for i, a in enumerate(obj.args)),
+                        *obj.keywords.items()]
+        elif isinstance(obj, types.MethodType):
+            children = [("__self__", obj.__self__)]
+        elif isinstance(obj, types.FunctionType):  # a closure's cells
+            children = list(zip(obj.__code__.co_freevars, (cell.cell_contents for cell in obj.__closure__ or ())))
+        elif isinstance(obj, (list, tuple)):
+            children = [(f"[{i}]", item) for i, item in enumerate(obj[:100])]
+        elif isinstance(obj, dict):
+            children = [(f"[{key!r}]", item) for key, item in list(obj.items())[:100]]
+        else:
+            children = list(getattr(obj, "__dict__", {}).items())[:100]
+        for name, child in children:
+            joined = f"{path}{name}" if name.startswith("[") else f"{path}.{name}"
+            walk(child, joined, depth + 1)
+
+    for part in ("train_set", "train_transform", "model", "loss_fn", "collate_fn"):
+        walk(getattr(task, part, None), f"task.{part}", 0)
+    return found
 
 
 def _set_global_streams(streams: dict) -> None:
@@ -399,11 +442,12 @@ def _report(every: list, total: int, stop_step: int) -> tuple[bool, list]:
     else:
         lines.append("check_resume: every step's loss is equal")
     for name in streams:
-        lines.append(f"check_resume: random stream not restored at the resume: {name} ({STREAM_ADVICE[name]})")
+        advice = STREAM_ADVICE.get(name, TASK_GENERATOR_ADVICE)
+        lines.append(f"check_resume: random stream not restored at the resume: {name} ({advice})")
     if steps and not streams:
         lines.append("check_resume: no random stream the check sees was left unrestored: look for state the "
-                     "snapshot does not hold (a torch.Generator of the task's own, a counter or tensor of the "
-                     "model's outside its state_dict: docs/custom-task.md)")
+                     "snapshot does not hold (a torch.Generator of the task's own the check did not find, a counter "
+                     "or tensor of the model's outside its state_dict: docs/custom-task.md)")
     same = [kind for kind in KINDS.values() if kind not in differing]
     for kind, keys in differing.items():
         shown = ", ".join(keys[:SHOWN_KEYS]) + (f" (+{len(keys) - SHOWN_KEYS} more)" if len(keys) > SHOWN_KEYS else "")
@@ -413,6 +457,8 @@ def _report(every: list, total: int, stop_step: int) -> tuple[bool, list]:
     return False, lines
 
 
+TASK_GENERATOR_ADVICE = ("no snapshot holds a generator of the task's own; draw from torch's default generator, "
+                        "which the kit keys and restores")
 # What to do about a stream the resume did not restore (docs/custom-task.md says more).
 STREAM_ADVICE = {
     "torch CPU": "the kit restores it: something drew from it between the snapshot and the first step",
