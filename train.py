@@ -469,6 +469,28 @@ def finish(trainer: Trainer, test_data: Optional[DataLoader]) -> None:
         train_utils.report_run_finished()
 
 
+def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int, device: torch.device,
+              amp: Optional[str]) -> tuple[Trainer, Optional[DataLoader]]:
+    """Collective: a run of ``args`` built from scratch: the task and the
+    configuration (``build_task``; ``amp``: --amp as the job runs it), the
+    model and optimizer (``build_model``), the loaders, the checks before
+    training; rank 0 prints the start-up line. Returns the ``Trainer``
+    (``log`` its outputs) and the test split's loader (None: no test split).
+    Raises ConfigError (one line) as ``build_task`` and
+    ``check_before_training`` do."""
+    task, config = build_task(args, local_rank, amp)  # the configuration, resolved: frozen from here on
+    optimizer = build_model(task, config, dist.get_rank(), device)
+    val_set = train_utils.eval_subset(task.val_set, config.eval_windows, config.seed)  # --eval_windows: a few
+    train_data, val_data, test_data = (prepare_dataloader(data, config.batch_size, config.num_workers, train,
+                                                          config.seed, task.collate_fn)
+                                       for data, train in ((task.train_set, True), (val_set, False),
+                                                           (task.test_set, False)))
+    train_utils.check_before_training(config, device, train_data)
+    if dist.get_rank() == 0:
+        train_utils.print_line(train_utils.describe_run(device, config))
+    return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config), test_data
+
+
 @train_utils.one_line_errors
 def main(args: argparse.Namespace) -> None:
     """Train by ``args`` (``parse_args``), resuming from --snapshot_path when it
@@ -486,20 +508,16 @@ def main(args: argparse.Namespace) -> None:
     fsdp = args.strategy != "ddp"  # fsdp or hsdp: FSDP2, sharded snapshots
     if fsdp:
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written
-    # One live run per snapshot: another's is refused here, before any download.
-    train_utils.claim_snapshot_path(args.snapshot_path, fsdp)
+    # One live run per snapshot: another's is refused here, before any download. (The check
+    # claims its own side folder: --snapshot_path is neither read nor written.)
+    if not args.check_resume:
+        train_utils.claim_snapshot_path(args.snapshot_path, fsdp)
     amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
-    task, config = build_task(args, local_rank, amp)  # the configuration, resolved: frozen from here on
-    optimizer = build_model(task, config, rank, device)
-    val_set = train_utils.eval_subset(task.val_set, config.eval_windows, config.seed)  # --eval_windows: a few
-    train_data, val_data, test_data = (prepare_dataloader(data, config.batch_size, config.num_workers, train,
-                                                          config.seed, task.collate_fn)
-                                       for data, train in ((task.train_set, True), (val_set, False),
-                                                           (task.test_set, False)))
-    train_utils.check_before_training(config, device, train_data)
-    if rank == 0:
-        train_utils.print_line(train_utils.describe_run(device, config))
-    trainer = Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config)
+    if args.check_resume:  # trains twice, compares, and ends the process with the verdict's exit status
+        train_utils.check_resume(args, lambda run_args, run_log: build_run(run_args, run_log, local_rank, device,
+                                                                            amp)[0])
+    trainer, test_data = build_run(args, log, local_rank, device, amp)
+    task = trainer.task
     try:
         found = trainer.train()
         if found.finished:  # nothing to train: what a finished language model writes, then the line saying so

@@ -36,6 +36,7 @@ launcher's store, the stop signals during start-up, and the one-line errors.
   evaluations        when the run evaluates (by epochs or steps), the interval's loss, its records
   stop               SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step
   resume             Progress (position, samples trained, RNG states), DDP's buckets
+  resume_check       --check_resume: a run straight through and one stopped and resumed, compared bitwise
   sampler            the training sampler: an epoch part-way, at any world size
   fsdp               activation checkpointing, backend check, state per rank, the exit
   throughput         tokens/s, achieved FLOP/s (the model's FLOPs per sample, counted at start), MFU
@@ -64,6 +65,7 @@ from .output import print_line
 from .profiling import StepProfiler
 from .recipe import Recipe, batches_left
 from .resume import Progress, rebuild_ddp_buckets
+from .resume_check import check_resume
 from .sampler import ResumableDistributedSampler
 from .snapshots import Checkpointer, Found, claim_snapshot_path
 from .speed import amp_dtype, autocast, compile_blocks, compile_model, fp32, resolve_amp, training_loss
@@ -133,6 +135,7 @@ __all__ = [
     "print_sharded_memory",
     "Progress",
     "rebuild_ddp_buckets",
+    "check_resume",
     "Checkpointer",
     "Found",
     # output and the end of a run

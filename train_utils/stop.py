@@ -122,6 +122,14 @@ def received_stop_signal() -> int:
     return _STATE.received
 
 
+def forget_stop_signal() -> None:
+    """Forget the stop signal noted: ``received_stop_signal`` is 0 again, as
+    in a process just started. For a check that stops a run with its own
+    SIGTERM and then starts the next in this process
+    (``resume_check.check_resume``)."""
+    _STATE.received = 0
+
+
 def report_run_finished() -> None:
     """Tell the Slurm wrapper's batch shell that this run holds every epoch:
     create the file that TRAINING_FINISHED_FILE names (slurm/stop_and_requeue.sh
