@@ -49,6 +49,7 @@ from .metrics import RunLog
 from .output import print_line
 from .snapshots import claim_snapshot_path
 from .stop import Stopped, forget_stop_signal, received_stop_signal
+from .timeouts import watch_again
 
 # The check's length where --max_steps is not given: long enough for a few
 # steps on either side of the stop, short enough to cost seconds.
@@ -212,6 +213,7 @@ def _fresh_process_group(timeout_s: float) -> None:
     dist.destroy_process_group()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    watch_again(timeout_s)  # the time-out report's side group, of the new group
 
 
 # --------------------------------------------------------------------------

@@ -56,6 +56,17 @@ def watch_collectives(timeout_s: float) -> None:
         raise
 
 
+def watch_again(timeout_s: float) -> None:
+    """Collective, right after the process group was destroyed and made
+    again in the same process (``resume_check``'s fresh group): forget the
+    old group's side groups, make the side group of ``watch_collectives``
+    anew (``timeout_s``, --startup_timeout_s), and let the training time-out
+    take over again at the new run's second step."""
+    _WATCH.group, _WATCH.training = None, False
+    FOLLOWING_RUN_TIMEOUT.clear()
+    watch_collectives(timeout_s)
+
+
 def note_phase(phase: str) -> None:
     """Name where this process is (e.g. "epoch 2, training step 5 of this
     start"), for the time-out report."""
