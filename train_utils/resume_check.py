@@ -139,9 +139,10 @@ def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespa
     if rank == 0:
         for line in lines:
             print_line(line)
-        # Each run built and trained; the first build also pays what a process pays once (imports, caches).
-        print_line(f"check_resume: straight {straight_s:.1f} s, stopped and resumed {stopped_s:.1f} s (each run "
-                   f"built and trained)")
+        # The straight run is the plain run of these steps, what a process pays once (caches, the FLOP
+        # count) included: the check's cost is both runs over it.
+        print_line(f"check_resume: straight {straight_s:.1f} s, stopped and resumed {stopped_s:.1f} s: the "
+                   f"check cost {(straight_s + stopped_s) / straight_s:.2f}x the plain run of these steps")
     if not bitwise:
         report_to_torchrun(lines[0])
     _close(trainer)
