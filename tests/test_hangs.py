@@ -19,6 +19,9 @@ from helpers import FAULTY_TRAIN, REPO, TORCHRUN, error_lines, script_env
 
 TIMEOUT_S = 10  # --pg_timeout_s
 HOST = socket.gethostname()
+# One epoch of the synthetic task at 2 ranks, with the fault DDP_TEST_FAULT names.
+FAULTY_RUN = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, "--total_epochs", "1",
+                         "--pg_timeout_s", str(TIMEOUT_S)]
 
 # A user's task whose loss sleeps for an hour on rank 1 at its 5th training step.
 STUCK_TASK = '''"""stuck_task.py: the synthetic task, its loss stuck on rank 1 at the 5th step."""
@@ -119,9 +122,7 @@ def test_a_rank_frozen_by_sigstop_is_named_as_stopped(tmp_path):
     rank 0 waited in; both stacks are written; the job ends within the
     time-out + 30 s (else torchrun would SIGKILL the stopped rank only after
     its 30 s grace)."""
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, "--total_epochs", "1",
-                      "--pg_timeout_s", str(TIMEOUT_S)]
-    status, log, ended, reported = run_timed(cmd, tmp_path, "DDP_TEST_FAULT: sigstop at step 5 on rank 1",
+    status, log, ended, reported = run_timed(FAULTY_RUN, tmp_path, "DDP_TEST_FAULT: sigstop at step 5 on rank 1",
                                              DDP_TEST_FAULT="step:1:5:sigstop")
     assert status == 1
     line = the_line(log)
@@ -142,9 +143,7 @@ def test_a_rank_that_skips_a_collective_is_named_as_a_mismatch(tmp_path):
     out; the line says so, naming each rank's collective and file:line; both
     stacks are written; the job ends within the time-out + 30 s of the skip
     (the rest of the epoch, 20 steps of a small model, takes a second)."""
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, "--total_epochs", "1",
-                      "--pg_timeout_s", str(TIMEOUT_S)]
-    status, log, ended, _ = run_timed(cmd, tmp_path, "DDP_TEST_FAULT: skip at poll 3 on rank 1",
+    status, log, ended, _ = run_timed(FAULTY_RUN, tmp_path, "DDP_TEST_FAULT: skip at poll 3 on rank 1",
                                       DDP_TEST_FAULT="poll:1:3:skip")
     assert status == 1
     line = the_line(log)
