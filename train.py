@@ -104,7 +104,8 @@ class Trainer:
         self.checkpointer = train_utils.Checkpointer(
             config.snapshot_path, self.fsdp, task.model, optimizer, config.as_dict(), parts,
             asynchronous=not config.snapshot_sync, every_s=config.snapshot_every_s,
-            every_steps=config.snapshot_every_steps, timeout_s=config.pg_timeout_s)
+            every_steps=config.snapshot_every_steps, timeout_s=config.pg_timeout_s,
+            write_timeout_s=config.startup_timeout_s)
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.amp)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
@@ -164,7 +165,7 @@ class Trainer:
                 # saves after the first epoch and can skip the last one.
                 if (epoch + 1) % self.config.save_every == 0 or epoch + 1 == self.config.total_epochs:
                     self.checkpointer.save()
-            self.checkpointer.wait()  # the last snapshot written before the run reports its end
+            self.checkpointer.wait(together=True)  # the last snapshot written before the run reports its end
         except BaseException:
             with contextlib.suppress(BaseException):  # the run's own error is the one to report
                 self.checkpointer.wait()
@@ -281,7 +282,7 @@ class Trainer:
         """Collective, a stop signal reaching every rank at this step: the
         snapshot of it written, then ``train_utils.Stopped`` raised."""
         self.checkpointer.save()
-        self.checkpointer.wait()
+        self.checkpointer.wait(together=True)
         raise train_utils.Stopped()
 
 

@@ -7,7 +7,9 @@ Three hangs, each driven as a user meets it, train.py under torchrun on 2
 CPU ranks: a task whose loss never returns on rank 1 (user code), a rank
 frozen by SIGSTOP mid-step, and a rank that skips one collective (the stop
 signal's all-reduce), so that the ranks end up in different collectives.
-The last two are injected from the test side (tests/train_with_fault.py)."""
+The last two are injected from the test side (tests/train_with_fault.py),
+as is what must not be called a hang: a snapshot's write slower than the
+time-out."""
 
 import re
 import socket
@@ -19,9 +21,9 @@ from helpers import FAULTY_TRAIN, REPO, TORCHRUN, error_lines, script_env
 
 TIMEOUT_S = 10  # --pg_timeout_s
 HOST = socket.gethostname()
-# One epoch of the synthetic task at 2 ranks, with the fault DDP_TEST_FAULT names.
-FAULTY_RUN = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, "--total_epochs", "1",
-                         "--pg_timeout_s", str(TIMEOUT_S)]
+# The synthetic task at 2 ranks, with the fault DDP_TEST_FAULT names; one epoch.
+FAULTY = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN]
+FAULTY_RUN = FAULTY + ["--total_epochs", "1", "--pg_timeout_s", str(TIMEOUT_S)]
 
 # A user's task whose loss sleeps for an hour on rank 1 at its 5th training step.
 STUCK_TASK = '''"""stuck_task.py: the synthetic task, its loss stuck on rank 1 at the 5th step."""
@@ -155,3 +157,18 @@ def test_a_rank_that_skips_a_collective_is_named_as_a_mismatch(tmp_path):
                                                                           f"stacks_rank1_{HOST}.txt"]
     print(f"skipped collective: the job ended {ended:.1f} s after the skip (time-out {TIMEOUT_S} s)")
     assert ended <= TIMEOUT_S + 30
+
+
+def test_a_snapshot_write_slower_than_the_timeout_is_no_hang(tmp_path):
+    """Rank 0's first snapshot write (in the background, after epoch 1) takes
+    three time-outs; the next save waits for it on rank 0 while rank 1 has
+    nothing to write. The ranks wait for the write together, under
+    --startup_timeout_s, not in their next collective under --pg_timeout_s:
+    the run finishes, both epochs trained, no time-out line."""
+    result = subprocess.run([str(part) for part in FAULTY + ["--total_epochs", "2", "--pg_timeout_s", "5"]],
+                            cwd=tmp_path, env=script_env(DDP_TEST_FAULT="save:0:1:sleep15"), capture_output=True,
+                            text=True, timeout=300)
+    assert "DDP_TEST_FAULT: sleep15 at save 1 on rank 0" in result.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "epoch 2/2 |" in result.stdout
+    assert not [line for line in error_lines(result.stderr) if "timed out" in line]

@@ -31,8 +31,9 @@ by a debugger or a swapped-out node), ``raise`` (RuntimeError), ``skip`` (the
 point's call is skipped), ``hang`` (sleep
 an hour; a stop signal during start-up still ends it), ``wait_signal`` (sleep
 until this process got a stop signal, at most an hour, then go on) and
-``wait_signal_once``. ``kill``, ``raise``, ``hang`` and ``wait_signal_once``
-act in a job's first attempt only (TORCHELASTIC_RESTART_COUNT and
+``wait_signal_once``, and ``sleepN`` (sleep N seconds, then go on: a slow
+disk, a slow step). ``kill``, ``raise``, ``hang``, ``sleepN`` and
+``wait_signal_once`` act in a job's first attempt only (TORCHELASTIC_RESTART_COUNT and
 SLURM_RESTART_COUNT unset or 0), so a restart or a requeued job runs clean;
 ``wait_signal`` in every attempt. Before acting, it prints
 ``DDP_TEST_FAULT: ACTION at POINT N on rank R`` to stderr, the line the tests
@@ -85,6 +86,8 @@ class Fault:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.action == "hang":
             time.sleep(3600)
+        elif self.action.startswith("sleep"):
+            time.sleep(float(self.action[len("sleep"):]))
         elif self.action in ("wait_signal", "wait_signal_once"):
             deadline = time.monotonic() + 3600
             while not received_stop_signal() and time.monotonic() < deadline:

@@ -252,8 +252,9 @@ class RunConfig:
              "every waiting rank (SIGABRT) and the flight recorder's dumps name the collective (docs/runs.md) "
              "(default: 600)", group=RUN, type=positive(float))
     startup_timeout_s: float = flag(
-        1800, "the same during start-up and the first training step (downloads, compilation); a rank that "
-              "never joins ends the job with one line from every rank that waited (default: 1800)",
+        1800, "the same during start-up and the first training step (downloads, compilation), and for the "
+              "ranks waiting for a snapshot's write; a rank that never joins ends the job with one line from "
+              "every rank that waited (default: 1800)",
         group=RUN, type=positive(float))
 
     # The task's own flags (its module's FLAGS) and identity (common.Task.identity): no command-line flag

@@ -197,7 +197,7 @@ def _close(trainer) -> None:
     """Collective: a run's end, as train.py ends one, but the claim kept:
     the last snapshot written, the W&B run (none) finished, every rank past
     the stop poll's last all-reduce."""
-    trainer.checkpointer.wait()
+    trainer.checkpointer.wait(together=True)
     trainer.log.close()
     trainer.stop.close()
 

@@ -6,12 +6,14 @@ the last write, behind a few calls (``claim_snapshot_path``; ``load``,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from common import ConfigError
+from ..launch import gloo_group
 from ..output import first_error, output_path_error
 from .claims import claim_snapshot, release_claim
 from .file import START_AFRESH, SnapshotFile, remove_stale_temporary_files
@@ -108,13 +110,16 @@ class Checkpointer:
 
     ``every_s``: --snapshot_every_s, rank 0's clock; ``every_steps``:
     --snapshot_every_steps; ``timeout_s``: --pg_timeout_s for the background
-    saves' own groups (FSDP). Collective: every rank makes one (FSDP's
-    background saves make two gloo groups) and calls ``load``, ``save`` and
-    ``due`` alike.
+    saves' own groups (FSDP); ``write_timeout_s``: --startup_timeout_s, how
+    long the ranks wait for a snapshot's write together (``wait``).
+    Collective: every rank makes one (a gloo group for that wait; FSDP's
+    background saves make two more) and calls ``load``, ``save`` and ``due``
+    alike.
     """
 
     def __init__(self, path: str, sharded: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 config: dict, parts: Mapping[str, Part], *, asynchronous: bool = True, every_s: float = 0, every_steps: int = 0, timeout_s: float = 600) -> None:
+                 config: dict, parts: Mapping[str, Part], *, asynchronous: bool = True, every_s: float = 0,
+                 every_steps: int = 0, timeout_s: float = 600, write_timeout_s: float = 1800) -> None:
         self.path, self.sharded, self.every_steps = path, sharded, every_steps
         self.model, self.optimizer = model, optimizer
         self.rank = dist.get_rank()
@@ -124,6 +129,11 @@ class Checkpointer:
         self.config = dict(config, world_size=None if sharded else dist.get_world_size())
         self.store = ShardedSnapshots(path, asynchronous, timeout_s) if sharded else SnapshotFile(path)
         self.writer = SnapshotWriter(asynchronous)
+        # The ranks leave a snapshot's write together, under the write's own time-out: else those
+        # that do not write (DDP: all but rank 0) or finish first would wait for the writer in their
+        # next collective, whose --pg_timeout_s would call a slow disk a hang.
+        self.together = gloo_group(timedelta(seconds=write_timeout_s), "snapshot write") \
+            if dist.get_world_size() > 1 else None
         self.clock = SnapshotClock(every_s)
         self.found: Optional[str] = None  # the snapshot found by ``load``
         self.saved_at = ""  # the intact snapshot and its position, for a failed write's line; '' for none
@@ -197,7 +207,7 @@ class Checkpointer:
         returns, so training may go on changing it. Raises RunFailed (one
         line) when the system refuses the write (a full disk): the previous
         snapshot is the intact one."""
-        self.wait()
+        self.wait(together=True)
         self.clock.saved()  # --snapshot_every_s counts from here
         state = {"config": self.config}
         for name, part in self.parts.items():
@@ -213,12 +223,16 @@ class Checkpointer:
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             self._fail(exc)
         if not self.writer.asynchronous:
-            self.wait()
+            self.wait(together=True)
 
-    def wait(self) -> None:
+    def wait(self, together: bool = False) -> None:
         """Wait for the write in flight, if any: the snapshot it wrote is the
-        intact one from now on. Raises what it raised: RunFailed (one line)
-        for a write the system refused, naming the snapshot that stays intact."""
+        intact one from now on. ``together``: collective, every rank then
+        waits for the others too (a barrier of up to ``write_timeout_s``), so
+        that no rank goes on to a collective the writers are late for; not on
+        an error path, where a rank may be anywhere. Raises what the write
+        raised: RunFailed (one line) for a write the system refused, naming
+        the snapshot that stays intact."""
         done = None
         try:
             done = self.writer.wait()
@@ -226,6 +240,8 @@ class Checkpointer:
             self._fail(exc)
         if done:
             self.saved_at = done
+        if together and self.together is not None:
+            dist.barrier(group=self.together)
 
     def close(self) -> None:
         """The run's end: the last write waited for (``wait``), then the claim
