@@ -157,6 +157,32 @@ def test_a_resume_says_what_a_new_horizon_or_lr_changes_and_refuses_another_opti
     assert epochs(resumed.stdout)[0]["lr"] == pytest.approx(0.02 * factor(170), rel=1e-5)
 
 
+# A user's task with a flag of its own outside its identity, as the GPT tasks' --dropout is.
+DROPOUT_TASK = """
+import torch.nn as nn
+
+import common
+
+FLAGS = {"dropout": {"type": float, "default": 0.0, "help": "dropout probability (default: 0.0)"}}
+
+
+def build_task(args, download):
+    task = common.synthetic_task(args, download)
+    task.model = nn.Sequential(task.model, nn.Dropout(args.dropout))
+    return task
+"""
+
+
+def test_a_resume_names_a_changed_task_flag_outside_the_identity(tmp_path):
+    """--dropout raised at resume is taken, and said, as a recipe change is."""
+    (tmp_path / "dropout_task.py").write_text(DROPOUT_TASK)
+    flags = ["--dataset", "dropout_task:build_task"]
+    check(run(TORCHRUN_2 + flags + ["--total_epochs", "1"], tmp_path, PYTHONPATH=str(tmp_path)))
+    resumed = check(run(TORCHRUN_2 + flags + ["--total_epochs", "2", "--dropout", "0.1"], tmp_path,
+                        PYTHONPATH=str(tmp_path)))
+    assert "recipe changed at resume (total_epochs 1 -> 2, dropout 0.0 -> 0.1): " in resumed.stdout
+
+
 @pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                     reason=f"torch {torch.__version__}: FSDP on gloo needs torch 2.10")
 def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):

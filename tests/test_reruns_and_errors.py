@@ -104,14 +104,17 @@ def test_a_typo_under_torchrun_is_one_line_and_the_root_cause(tmp_path):
     assert line in root_cause and "To enable traceback" not in root_cause
 
 
-def test_flags_spelled_as_in_pytorch_examples_get_the_flag_meant(tmp_path):
-    """pytorch/examples (and tutorial 004) spell --batch-size and --epochs: the
-    error names the flags these scripts take; an unknown flag gets no guess."""
-    result = run([sys.executable, REPO / "train.py", "--batch-size", "64", "--epochs", "2"], tmp_path)
+def test_flags_spelled_as_in_pytorch_examples_or_nanogpt_get_the_flag_meant(tmp_path):
+    """pytorch/examples (and tutorial 004) spell --batch-size and --epochs,
+    nanoGPT --learning_rate and --eval_interval: the error names the flags
+    these scripts take; an unknown flag gets no guess."""
+    result = run([sys.executable, REPO / "train.py", "--batch-size", "64", "--epochs", "2", "--learning_rate",
+                  "6e-4", "--eval_interval=250"], tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1] == (
-        "train.py: error: unrecognized arguments: --batch-size 64 --epochs 2 "
-        "(did you mean: --batch-size -> --batch_size, --epochs -> --total_epochs?)")
+        "train.py: error: unrecognized arguments: --batch-size 64 --epochs 2 --learning_rate 6e-4 "
+        "--eval_interval=250 (did you mean: --batch-size -> --batch_size, --epochs -> --total_epochs, "
+        "--learning_rate -> --lr, --eval_interval -> --eval_every_steps?)")
     result = run([sys.executable, REPO / "train.py", "--bogus"], tmp_path)
     assert result.stderr.splitlines()[-1] == "train.py: error: unrecognized arguments: --bogus"
 

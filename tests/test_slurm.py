@@ -220,6 +220,43 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
     assert len(summary) == 1 and [e["epoch"] for e in epochs(summary[0])] == [1, 2]
 
 
+def pods(cluster, folder: Path, flags: list) -> list[tuple[int, str, str]]:
+    """train.py as a launcher that starts each process itself starts it (a
+    Kubernetes PyTorchJob's or JobSet's pods): one process on each host, with
+    RANK, WORLD_SIZE, MASTER_ADDR (the first host's address) and MASTER_PORT
+    alone, no torchrun and no LOCAL_RANK. Returns each one's (exit status,
+    stdout, stderr)."""
+    runs = []
+    for rank, node in enumerate(NETNS_NODES):  # output to files, as for the agents above
+        env = script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=NETNS_NODES["ddp-node1"], MASTER_PORT="29511",
+                         GLOO_SOCKET_IFNAME=NODE_IFACE)
+        with open(folder / f"{node}.out", "w") as out, open(folder / f"{node}.err", "w") as err:
+            runs.append(subprocess.Popen([str(part) for part in cluster.on_host(
+                node, [sys.executable, REPO / "train.py", *flags])], cwd=folder, env=env, stdout=out, stderr=err))
+    for run in runs:
+        run.wait(timeout=JOB_TIMEOUT_S)
+    return [(run.returncode, (folder / f"{node}.out").read_text(), (folder / f"{node}.err").read_text())
+            for run, node in zip(runs, NETNS_NODES)]
+
+
+def test_pods_with_the_plain_environment_train_and_resume(cluster, tmp_path):
+    """Two "pods", one process each on its own host: each derives its local
+    rank (0: alone on its host) and they train; the same command with more
+    epochs resumes from the snapshot rank 0 wrote."""
+    flags = ["--dataset", "synthetic", "--total_epochs", "1"]
+    first = pods(cluster, tmp_path, flags)
+    for code, _, stderr in first:
+        assert code == 0, stderr[-3000:]
+    seen = {(int(rank), int(local), host) for _, stdout, _ in first
+            for rank, local, host, _ in RANK_LINE.findall(stdout)}
+    assert seen == {(0, 0, "ddp-node1"), (1, 0, "ddp-node2")}
+    again = pods(cluster, tmp_path, flags[:-1] + ["2"])
+    for code, _, stderr in again:
+        assert code == 0, stderr[-3000:]
+    assert "resuming from snapshot snapshot_train.pt in epoch 2" in again[0][1]
+    assert [e["epoch"] for e in epochs(again[0][1])] == [2]
+
+
 # multi_node.sh elastic (ELASTIC_MIN_NODES, sbatch --no-kill) on the two
 # hosts, one worker each: 2,275 digits, 2,048 to train after the validation
 # split, 32 steps of 32 per rank; a snapshot every 20 steps. Rank 1 (on the

@@ -39,7 +39,8 @@ class _OneRankParser(argparse.ArgumentParser):
 
     def _did_you_mean(self, message: str) -> str:
         """For unrecognized flags, the flags meant: dashes for underscores
-        (pytorch/examples' ``--batch-size``), ``--epochs`` for ``--total_epochs``,
+        (pytorch/examples' ``--batch-size``), another tool's name for the same
+        setting (``OTHER_NAMES``: ``--epochs``, nanoGPT's ``--learning_rate``),
         or a close spelling (difflib); '' when none is close."""
         if not message.startswith("unrecognized arguments:"):
             return ""
@@ -52,14 +53,31 @@ class _OneRankParser(argparse.ArgumentParser):
             underscored = "--" + flag[2:].replace("-", "_")
             if underscored in known:
                 guess = underscored
-            elif flag == "--epochs":
-                guess = "--total_epochs"
+            elif flag in OTHER_NAMES:
+                guess = OTHER_NAMES[flag]
             else:
                 close = difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)
                 guess = close[0] if close else None
             if guess:
                 meant.append(f"{flag} -> {guess}")
         return f" (did you mean: {', '.join(meant)}?)" if meant else ""
+
+
+# The same settings under the names of the tools users come from: pytorch/examples'
+# --epochs, nanoGPT's train.py configuration (its names: karpathy/nanoGPT train.py).
+OTHER_NAMES = {
+    "--epochs": "--total_epochs",
+    "--learning_rate": "--lr",
+    "--max_iters": "--max_steps",
+    "--eval_interval": "--eval_every_steps",
+    "--eval_iters": "--eval_windows",
+    "--log_interval": "--log_every_steps",
+    "--warmup_iters": "--warmup_steps",
+    "--gradient_accumulation_steps": "--grad_accum_steps",
+    "--grad_clip": "--clip_grad_norm",
+    "--out_dir": "--snapshot_path",
+    "--dtype": "--amp",
+}
 
 
 def _task_name(tasks: tuple) -> Callable[[str], str]:

@@ -44,11 +44,15 @@ def launcher_store(timeout: timedelta) -> dist.Store:
     this node's share of SLURM_STEP_TASKS_PER_NODE LOCAL_WORLD_SIZE), and
     the rendezvous is the job's first host at ``rendezvous.slurm_port``
     (what the Slurm wrappers derive too) unless MASTER_ADDR/MASTER_PORT are
-    set. Rank 0 then hosts the store.
+    set. Rank 0 then hosts the store. A launcher that starts each process
+    itself with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT alone (a
+    Kubernetes PyTorchJob or JobSet) sets no LOCAL_RANK: ``set_local_ranks``
+    derives it; rank 0 hosts the store there too.
 
     The keys go under ``store_prefix()``: one per attempt where the store
     outlives the workers, so a restarted rank never reads what its failed
-    predecessor left there. Raises ConfigError when started by neither launcher.
+    predecessor left there. Raises ConfigError when started by none of them, or with RANK set but
+    not WORLD_SIZE, MASTER_ADDR or MASTER_PORT.
     """
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:  # a task of an srun step
         env = os.environ
@@ -66,10 +70,33 @@ def launcher_store(timeout: timedelta) -> dist.Store:
         raise ConfigError(f"start this script with torchrun (torchrun --standalone "
                           f"--nproc_per_node=gpu {script}; --nproc_per_node=2 on a CPU) or with "
                           f"srun, one task per GPU (srun --ntasks-per-node=GPUS python {script})")
+    missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ConfigError(f"RANK is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a "
+                          f"launcher that starts each process itself (a Kubernetes PyTorchJob or JobSet) sets "
+                          f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; set them, or start with torchrun")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_hosts_store(), timeout=timeout)
-    return dist.PrefixStore(store_prefix(), store)
+    store = dist.PrefixStore(store_prefix(), store)
+    if "LOCAL_RANK" not in os.environ:  # each process started by the launcher itself: a pod's
+        set_local_ranks(store, rank, world_size)
+    return store
+
+
+def set_local_ranks(store: dist.Store, rank: int, world_size: int) -> None:
+    """Collective (every rank, through ``store``): set LOCAL_RANK and
+    LOCAL_WORLD_SIZE for a launcher that starts each process itself and sets
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT alone (a Kubernetes
+    PyTorchJob's or JobSet's pods; the variables torch's env:// reads). Each
+    rank notes its host's name; its local rank is the number of lower ranks
+    on the same host (0 for one process per pod, whose host name is the
+    pod's), LOCAL_WORLD_SIZE the ranks there. Waits for every rank's note
+    up to the store's time-out (--startup_timeout_s)."""
+    store.set(f"host/{rank}", socket.gethostname())
+    hosts = [store.get(f"host/{other}").decode() for other in range(world_size)]
+    mine = [other for other, host in enumerate(hosts) if host == hosts[rank]]
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(mine.index(rank)), str(len(mine))
 
 
 def tasks_per_node(text: str) -> list[int]:

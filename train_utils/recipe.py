@@ -206,6 +206,9 @@ class Recipe:
                 group["betas"] = (self.config.beta1, self.config.beta2)
         changed = [f"{name} {config.get(name)} -> {getattr(self.config, name)}" for name in changeable_at_resume()
                    if config.get(name) != getattr(self.config, name)]
+        # The task's flags outside its identity (a changed identity was refused): --dropout, say.
+        changed += [f"{name} {config.get(name)} -> {value}" for name, value in self.config.task_flags.items()
+                    if name in config and config[name] != value and name not in self.config.task_identity]
         if changed and dist.get_rank() == 0:
             print_line(f"recipe changed at resume ({', '.join(changed)}): the {self.config.lr_schedule} "
                        f"schedule now runs to epoch {self.config.total_epochs}; the next step's "
