@@ -447,3 +447,17 @@ def test_a_newcomer_runs_the_readme_then_every_page_in_one_folder(docs_data, tmp
             if doc == page and not covered_elsewhere(block):
                 stdout = _run_block(doc, number, block, folder, env)
                 check_shown_output(block, stdout, doc)
+
+
+def test_every_flag_has_its_row_in_flags_md():
+    """docs/flags.md lists every flag of train.py (the kit's and the built-in
+    tasks' FLAGS) in its table, a row naming one flag or a few alike."""
+    import text_tasks
+    import vision_tasks
+    from train_utils.config import flags
+
+    first_cells = re.findall(r"^\| ([^|]+) \|", (REPO / "docs" / "flags.md").read_text(), re.M)
+    rows = {name for cell in first_cells for name in re.findall(r"`(--\w+)`", cell)}
+    names = {f"--{f.name}" for f in flags()} | {f"--{name}" for module in (text_tasks, vision_tasks)
+                                                  for name in getattr(module, "FLAGS", {})}
+    assert sorted(names - rows) == []
