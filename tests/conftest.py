@@ -143,7 +143,7 @@ QUICK = [
     "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",  # the kit, train.py:
     "test_reruns_and_errors.py::test_fewer_epochs_than_the_snapshot_holds_is_refused",
     "test_reruns_and_errors.py::test_a_typo_under_torchrun_is_one_line_and_the_root_cause",
-    "test_reruns_and_errors.py::test_flags_spelled_as_in_pytorch_examples_get_the_flag_meant",
+    "test_reruns_and_errors.py::test_flags_spelled_as_in_pytorch_examples_or_nanogpt_get_the_flag_meant",
     "test_fault_tolerance.py::test_truncated_snapshot_stops_with_one_line_and_is_kept",
     "test_language_model.py::test_split_vocabulary_and_windows_are_nanogpts",  # the LM: task, model, recipe
     "test_language_model.py::test_gpt_shapes_tying_initialisation_and_causality",

@@ -253,7 +253,7 @@ def test_pods_with_the_plain_environment_train_and_resume(cluster, tmp_path):
     again = pods(cluster, tmp_path, flags[:-1] + ["2"])
     for code, _, stderr in again:
         assert code == 0, stderr[-3000:]
-    assert "resuming from snapshot snapshot_train.pt in epoch 2" in again[0][1]
+    assert "resuming from snapshot snapshot_train.pt after epoch 1" in again[0][1]
     assert [e["epoch"] for e in epochs(again[0][1])] == [2]
 
 
