@@ -217,7 +217,11 @@ class Trainer:
             self.memory_reported = True
         if self.evaluations.due(self.progress.step, epoch_end=True):
             records.append(self._evaluate())
-        self.progress.end_epoch(epoch)
+        # A --max_steps run that ends inside this epoch stays inside it: its snapshot holds the
+        # position, so a higher --max_steps goes on from there.
+        if not (self.config.max_steps and self.progress.step >= self.config.max_steps
+                and self.progress.step < (epoch + 1) * self.progress.steps_per_epoch):
+            self.progress.end_epoch(epoch)
         return records
 
     def train_step(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

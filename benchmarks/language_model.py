@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -384,6 +385,7 @@ def section_token_sources(steps: int = 300, reps: int = 3, nproc: int = 2) -> di
     losses = {}
     names = list(sources)
     try:
+        fetch_us = {name: _fetch_us(source) for name, source in sources.items()}
         for round_ in range(reps):  # each round in another order: no source always runs first
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 losses[name], cpu_per_step = _per_step_cpu(runner(sources[name]), steps)
@@ -391,11 +393,40 @@ def section_token_sources(steps: int = 300, reps: int = 3, nproc: int = 2) -> di
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text_median = statistics.median(per_cpu_s["text (shakespeare_char)"])
+    step_us = 12 * 64 / text_median * 1e6  # one process's CPU microseconds a step, on the text
     rows = [[name, ", ".join(f"{v:,.0f}" for v in values), f"{statistics.median(values):,.0f}",
-             f"{statistics.median(values) / text_median:.3f}", f"{losses[name]:.6f}"]
+             f"{statistics.median(values) / text_median:.3f}", f"{fetch_us[name]:,.0f}",
+             f"{1 - (fetch_us[name] - fetch_us['text (shakespeare_char)']) / step_us:.3f}", f"{losses[name]:.6f}"]
             for name, values in per_cpu_s.items()]
-    return {"tokens_per_cpu_s": per_cpu_s, "train_loss": losses,
+    return {"tokens_per_cpu_s": per_cpu_s, "fetch_us_per_batch": fetch_us, "train_loss": losses,
             "table": table(f"8e. the same windows from the text, token files and shards: train.py, {nproc} "
                            f"processes x 1 thread, a 2-layer GPT, {steps} steps less {steps // 5}, {reps} "
-                           f"rounds, each in another order", ["source", "tokens per CPU s, each round", "median",
-                                                   "vs the text", "train loss at the end"], rows)}
+                           f"rounds, each in another order; a batch's fetch timed alone, in this process",
+                           ["source", "tokens per CPU s, each round", "median", "vs the text",
+                            "fetch us per batch", "vs the text, by the fetch", "train loss at the end"], rows)}
+
+
+def _fetch_us(source: list, batches: int = 2000) -> float:
+    """Microseconds to fetch one training batch of 12 windows (``SAME_WINDOWS``)
+    of ``source`` (its --dataset and --data_dir flags) as train.py fetches it:
+    the task's training set wrapped in ``train_utils.SeededFetches``, epoch 0,
+    a seeded random batch of indices at a time; the median of 5 rounds of
+    ``batches`` fetches, in this process. What a source changes in a step is
+    this fetch: the model's step is the same for all."""
+    import common
+    import train_utils
+    from support.trainer import task_args
+
+    flags = dict(zip(source[::2], source[1::2]))
+    args = task_args(flags["--dataset"], flags["--data_dir"], n_layer=2, n_head=4, n_embd=128, block_size=64,
+                     dropout=0.0, train_files=None, val_files=None)
+    data = train_utils.SeededFetches(common.load_task(args, download=False).train_set, 0)
+    data.set_epoch(0)
+    picks = torch.randint(len(data), (batches, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for indices in picks:
+            data.__getitems__(indices)
+        rounds.append((time.perf_counter() - start) / batches * 1e6)
+    return statistics.median(rounds)

@@ -213,7 +213,9 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     characters and the task's recipe (AdamW, warm-up, cosine to min_lr,
     clipping): --max_steps 100 is 70 steps of epoch 1 and 30 of epoch 2. SIGTERM
     in epoch 2, the same command resumes there and ends bitwise equal to the
-    uninterrupted run (weights, AdamW's moments, the schedule, RNG states)."""
+    uninterrupted run (weights, AdamW's moments, the schedule, RNG states).
+    The finished run then extends to --max_steps 150, and a third run of that
+    says nothing is left to train."""
     data = build_shakespeare_root(tmp_path / "data", chars=20000)
     flags = ["--dataset", "shakespeare_char", "--data_dir", data, *TINY, "--dropout", "0.1", "--batch_size", "8",
              "--max_steps", "100", "--warmup_steps", "10", "--metrics_path", "metrics.jsonl"]
@@ -239,13 +241,25 @@ def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
     steps_a, a = snapshot_tensors(straight_dir / "snapshot_train.pt", rng=True)
     steps_b, b = snapshot_tensors(stopped_dir / "snapshot_train.pt", rng=True)
-    assert steps_a == steps_b == 2 and a["lr_schedule.step"].item() == 100 and a.keys() == b.keys()
+    # Both stand inside epoch 2 (30 of its 70 steps): one epoch done.
+    assert steps_a == steps_b == 1 and a["lr_schedule.step"].item() == 100 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
     assert epochs(resumed.stdout)[-1]["val_loss"] == lines[-1]["val_loss"]  # the held-out loss at the end
     assert "test | loss" not in straight.stdout + resumed.stdout  # no test split: no test line
-    longer = run([*launch[:-2], "--max_steps", "150"], straight_dir)  # its epoch 2 was cut short at step 100
-    assert longer.returncode != 0 and "error: the snapshot holds a finished run of --max_steps 100, which ended " \
-        "inside an epoch; it cannot go on to --max_steps 150" in longer.stderr, longer.stderr
+    # The finished run extends: epoch 2 goes on from step 100, the cosine now over 150 steps.
+    longer = check(run([*launch[:-2], "--max_steps", "150"], straight_dir))
+    assert "recipe changed at resume (total_epochs 2 -> 3, max_steps 100 -> 150): the cosine schedule now runs " \
+           "to epoch 3" in longer.stdout, longer.stdout
+    assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 30\n" in longer.stdout
+    assert "] epoch 2 | batch_size 8 | steps 40" in longer.stdout and "] epoch 3 | batch_size 8 | steps 10" \
+        in longer.stdout  # epoch 2's last 40 steps, then 10 of epoch 3
+    assert [e["epoch"] for e in epochs(longer.stdout)] == [2, 3]
+    assert epochs(longer.stdout)[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 139 / 140)) * 9e-4,
+                                                            rel=1e-4)  # step 150's, as printed
+    again = check(run([*launch[:-2], "--max_steps", "150"], straight_dir))
+    assert "snapshot snapshot_train.pt already holds 150 optimizer steps of --max_steps 150: nothing to train " \
+           "(raise --max_steps to train on, or delete it or pass another --snapshot_path to start afresh)" \
+           in again.stdout, again.stdout
 
 
 def test_a_rung_trains_the_gpt_with_the_tasks_recipe(tmp_path):

@@ -188,6 +188,24 @@ def test_a_full_disk_at_a_save_is_one_line_naming_the_intact_snapshot(tmp_path):
     assert (tmp_path / "left.txt").read_text() == "two.pt\n"  # no temporary file, the claim given back
 
 
+def test_a_claim_that_cannot_be_written_on_a_full_disk_leaves_nothing(tmp_path):
+    """--snapshot_path on a one-page tmpfs already full: the claim file is
+    created but its line cannot be written; one line, exit 2, and no empty
+    claim left behind (it would hold the next run's claim check up)."""
+    (tmp_path / "full").mkdir()
+    if not _tmpfs_works(tmp_path / "full"):
+        pytest.skip("no mount namespace for a tmpfs here (unshare -rm refused)")
+    script = ('mount -t tmpfs -o size=4k tmpfs full && head -c 4096 /dev/zero > full/filler && '
+              '{ "$@"; status=$?; ls -A full > left.txt; exit $status; }')
+    result = run(["unshare", "-rm", "sh", "-c", script, "sh", *TORCHRUN_SCRIPT, "--total_epochs", "1",
+                  "--snapshot_path", "full/one.pt"], tmp_path)
+    assert result.returncode != 0, result.stderr
+    assert error_lines(result.stderr) == [
+        "error: cannot write full/one.pt.job (the snapshot's claim: No space left on device); free space "
+        "there, or pass another --snapshot_path"]
+    assert (tmp_path / "left.txt").read_text() == "filler\n"
+
+
 # --------------------------------------------------------------------------
 # One prefix for every error line the project prints
 # --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ would; the wrappers themselves are submitted as they are in the repo.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -255,6 +256,46 @@ def test_pods_with_the_plain_environment_train_and_resume(cluster, tmp_path):
         assert code == 0, stderr[-3000:]
     assert "resuming from snapshot snapshot_train.pt after epoch 1" in again[0][1]
     assert [e["epoch"] for e in epochs(again[0][1])] == [2]
+
+
+def skypilot_run_block() -> str:
+    """The ``run:`` commands of docs/launchers.md's SkyPilot task file."""
+    task = re.search(r"```yaml\n(.*?)```", (REPO / "docs" / "launchers.md").read_text(), re.S).group(1)
+    run = re.search(r"^run: \|\n((?:  .*\n)+)", task, re.M).group(1)
+    return "".join(line[2:] + "\n" for line in run.splitlines())
+
+
+def test_the_skypilot_task_files_run_commands_train_on_two_nodes(cluster, tmp_path):
+    """docs/launchers.md's ``run:`` block, as SkyPilot runs it on each node of
+    a 2-node cluster (its variables; the file's envs given as ``sky launch
+    --env`` would, a CPU node counting as one "GPU"), trains and resumes."""
+    run_block = skypilot_run_block()
+    assert "torchrun" in run_block and "$SKYPILOT_NODE_RANK" in run_block
+
+    def launch(flags: str) -> list[tuple[int, str, str]]:
+        started = []
+        for rank, node in enumerate(NETNS_NODES):
+            env = script_env(SKYPILOT_NODE_RANK=str(rank), SKYPILOT_NODE_IPS="\n".join(NETNS_NODES.values()) + "\n",
+                             SKYPILOT_NUM_NODES="2", SKYPILOT_NUM_GPUS_PER_NODE="1", TRAIN_FLAGS=flags,
+                             SNAPSHOT_DIR=str(tmp_path / "checkpoint"), GLOO_SOCKET_IFNAME=NODE_IFACE,
+                             PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+            with open(tmp_path / f"{node}.out", "w") as out, open(tmp_path / f"{node}.err", "w") as err:
+                started.append(subprocess.Popen(cluster.on_host(node, ["bash", "-c", run_block]), cwd=REPO,
+                                                env=env, stdout=out, stderr=err))
+        for job in started:
+            job.wait(timeout=JOB_TIMEOUT_S)
+        return [(job.returncode, (tmp_path / f"{node}.out").read_text(), (tmp_path / f"{node}.err").read_text())
+                for job, node in zip(started, NETNS_NODES)]
+
+    first = launch("--dataset synthetic --total_epochs 1")
+    for code, _, stderr in first:
+        assert code == 0, stderr[-3000:]
+    hosts = {host for _, stdout, _ in first for _, _, host, _ in RANK_LINE.findall(stdout)}
+    assert hosts == set(NETNS_NODES)
+    again = launch("--dataset synthetic --total_epochs 2")
+    summary = "".join(stdout for _, stdout, _ in again)
+    assert f"resuming from snapshot {tmp_path}/checkpoint/snapshot_train.pt after epoch 1" in summary
+    assert [e["epoch"] for e in epochs(summary)] == [2]
 
 
 # multi_node.sh elastic (ELASTIC_MIN_NODES, sbatch --no-kill) on the two

@@ -60,11 +60,13 @@ def batches_left(config: RunConfig, steps_per_epoch: int, epoch: int, batches_ru
 
 
 def check_max_steps(config: dict, args: RunConfig, steps_at_epoch_start: int) -> None:
-    """Raise ConfigError (one line) when a snapshot that ended a --max_steps run
-    inside an epoch (its ``config``; the epochs it holds make
-    ``steps_at_epoch_start`` steps, more than its max_steps) is resumed with
-    another --max_steps: the epoch it cut short counts as whole from then on,
-    so a longer run would miscount its steps and skip that epoch's rest."""
+    """Raise ConfigError (one line) when a snapshot that counts the epoch a
+    --max_steps run cut short as whole (its ``config``; the epochs it holds
+    make ``steps_at_epoch_start`` steps, more than its max_steps: a snapshot
+    of an earlier train.py) is resumed with another --max_steps: a longer run
+    would miscount its steps and skip that epoch's rest. train.py's own
+    snapshots of such a run stand inside the epoch (``Trainer.run_epoch``)
+    and go on to any --max_steps."""
     saved = config.get("max_steps") or 0
     if saved and steps_at_epoch_start > saved and args.max_steps != saved:
         raise ConfigError(f"the snapshot holds a finished run of --max_steps {saved}, which ended inside an "

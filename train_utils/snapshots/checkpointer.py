@@ -44,9 +44,10 @@ class Part(Protocol):
 class Found:
     """What ``Checkpointer.load`` found: ``path`` the snapshot (None: none, a
     fresh start); ``position`` where it stands ("after epoch 2", "in epoch 3
-    after step 40"); ``finished``: it holds every epoch asked for, and
-    nothing was loaded (``line`` says so; ``Checkpointer.load_model``
-    loads its weights); a snapshot resumed from: ``position`` in this run's
+    after step 40"); ``finished``: it holds every epoch (or, under
+    --max_steps, every step) asked for, ``line`` says so, and nothing was
+    loaded (the epochs) or all was (the steps; either way
+    ``Checkpointer.load_model`` loads its weights); a snapshot resumed from: ``position`` in this run's
     steps, ``note`` the resume line's end (another world size: what
     changes)."""
 
@@ -157,10 +158,11 @@ class Checkpointer:
             return Found()
         snapshot = self.store.read(self.found, self.config)
         where = position(snapshot["epochs_run"], snapshot["steps_run"])
+        longer = "--max_steps" if self.config.get("max_steps") else "--total_epochs"
         if snapshot["epochs_run"] == self.config["total_epochs"]:
             return Found(self.found, where, finished=True,
                          line=f"snapshot {self.found} already holds all {self.config['total_epochs']} epochs: "
-                              f"nothing to train (raise --total_epochs to train on, or {START_AFRESH})")
+                              f"nothing to train (raise {longer} to train on, or {START_AFRESH})")
         known = set(OWN_KEYS).union(*(part.KEYS for part in self.parts.values()))
         unknown = sorted(set(snapshot) - known)
         if unknown:
@@ -173,6 +175,12 @@ class Checkpointer:
         progress = self.parts.get("progress")
         if progress is None:
             return Found(self.found, where)
+        max_steps = self.config.get("max_steps") or 0
+        if max_steps and progress.step >= max_steps:  # a --max_steps run that ended inside an epoch
+            return Found(self.found, where, finished=True,
+                         line=f"snapshot {self.found} already holds {progress.step} optimizer steps of "
+                              f"--max_steps {max_steps}: nothing to train (raise --max_steps to train on, or "
+                              f"{START_AFRESH})")
         # Where this run goes on, in its own steps (another world size counts others), and what changed.
         return Found(self.found, progress.position(), note=self.store.resume_note(snapshot, progress, self.config))
 

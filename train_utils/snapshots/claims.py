@@ -152,7 +152,9 @@ def _lock(file) -> None:
 def take_claim(path: str, me: dict, ours: set) -> str:
     """Take the claim file ``path`` for ``me`` unless ``live_holder`` names
     someone; read and written under ``flock`` (the Slurm wrappers' lock).
-    Returns '' when taken, else the one-line refusal."""
+    Returns '' when taken, else the one-line refusal; a claim file this
+    call created and could not write (a full disk) is removed again."""
+    existed = os.path.exists(path)
     try:
         claim = open(path, "a+")
     except OSError as exc:
@@ -162,6 +164,9 @@ def take_claim(path: str, me: dict, ours: set) -> str:
         with claim:
             return _judge_and_write(claim, path, me, ours)
     except OSError as exc:  # a full disk, say
+        if not existed:  # no empty claim left behind
+            with contextlib.suppress(OSError):
+                os.remove(path)
         return (f"cannot write {path} (the snapshot's claim: {exc.strerror}); free space there, or pass "
                 f"another --snapshot_path")
 
