@@ -343,7 +343,7 @@ SAME_WINDOWS = ["--n_layer", "2", "--n_head", "4", "--n_embd", "128", "--block_s
                 "--eval_every_steps", "0", "--eval_windows", "0", "--log_every_steps", "100", "--num_workers", "0"]
 
 
-def section_token_sources(steps: int = 300, reps: int = 3, nproc: int = 2) -> dict:
+def section_token_sources(steps: int = 300, reps: int = 5, nproc: int = 2) -> dict:
     """train.py on ``nproc`` processes of one thread, a GPT of 2 layers on the
     same windows of Tiny Shakespeare read three ways: ``--dataset
     shakespeare_char`` (the text, a tensor in memory), ``--dataset tokens`` on
@@ -400,7 +400,7 @@ def section_token_sources(steps: int = 300, reps: int = 3, nproc: int = 2) -> di
             for name, values in per_cpu_s.items()]
     return {"tokens_per_cpu_s": per_cpu_s, "fetch_us_per_batch": fetch_us, "train_loss": losses,
             "table": table(f"8e. the same windows from the text, token files and shards: train.py, {nproc} "
-                           f"processes x 1 thread, a 2-layer GPT, {steps} steps less {steps // 5}, {reps} "
+                           f"process{'es' if nproc > 1 else ''} x 1 thread, a 2-layer GPT, {steps} steps less {steps // 5}, {reps} "
                            f"rounds, each in another order; a batch's fetch timed alone, in this process",
                            ["source", "tokens per CPU s, each round", "median", "vs the text",
                             "fetch us per batch", "vs the text, by the fetch", "train loss at the end"], rows)}

@@ -181,6 +181,8 @@ def main() -> None:
                         help="section 8: threads per process (the kit's and nanoGPT's)")
     parser.add_argument("--versus_pairs", type=int, default=3,
                         help="section 8d: alternating pairs of the kit and nanoGPT per case")
+    parser.add_argument("--token_processes", type=int, default=2,
+                        help="section 8e: processes per run (1: no all-reduce in the CPU time)")
     parser.add_argument("--snapshot_device", choices=("cpu", "cuda"), default=None,
                         help="section 9: where the model trains (default: cuda where there is a GPU, else cpu); "
                              "its snapshots go to $SNAPSHOT_BENCH_DIR (default: a temporary folder)")
@@ -211,7 +213,7 @@ def main() -> None:
                 ("8", "language_model", lambda: section_lm(args.nanogpt, args.lm_steps, threads=args.lm_threads), 1),
                 ("8c", "lm_loop", lambda: section_lm_loop(args.nanogpt, threads=args.lm_threads), 1),
                 ("8d", "versus_nanogpt", lambda: section_versus_nanogpt(args.nanogpt, args.versus_pairs), 1),
-                ("8e", "token_sources", section_token_sources, 2),
+                ("8e", "token_sources", lambda: section_token_sources(nproc=args.token_processes), 2),
                 ("9", "snapshot_cost", lambda: section_snapshot_cost(args.snapshot_device), 1)]
     run_sections([s for s in sections if s[0] in wanted], report, args.out)
     print(f"\nwrote {args.out}")

@@ -68,7 +68,7 @@ def answer_stack_requests(folder: str) -> None:
     """Collective-free, right after ``init_process_group`` (it needs the rank):
     start this rank's answering thread, which notes this rank's host and
     process id in the store, then waits there for ``request_stacks``. On a
-    request it writes this rank's stack file in ``folder`` (``stack_file``)
+    request it writes this rank's stack file in ``folder`` (``write_stack_file``)
     and answers (``collect_answers`` reads it); on ``DONE`` it ends. A daemon
     thread: it never holds the process up. Does nothing without a launcher's
     store (MASTER_ADDR, MASTER_PORT unset) or when started already."""
