@@ -164,19 +164,27 @@ def _tmpfs_works(folder) -> bool:
         capture_output=True).returncode == 0
 
 
+def run_on_a_tmpfs(tmp_path, size: str, before: str, after: str, flags: list):
+    """train.py at 2 ranks (``flags``) in ``tmp_path``, its folder ``full`` a
+    tmpfs of ``size`` in a mount namespace of the run's own: ``before`` (shell)
+    runs once it is mounted, ``after`` once the run ended, then ``ls -A full``
+    goes to left.txt. Skips where no such namespace can be made."""
+    (tmp_path / "full").mkdir()
+    if not _tmpfs_works(tmp_path / "full"):
+        pytest.skip("no mount namespace for a tmpfs here (unshare -rm refused)")
+    script = (f'mount -t tmpfs -o size={size} tmpfs full && {before}{{ "$@"; status=$?; {after}'
+              f'ls -A full > left.txt; exit $status; }}')
+    return run(["unshare", "-rm", "sh", "-c", script, "sh", *TORCHRUN_SCRIPT, *flags], tmp_path)
+
+
 def test_a_full_disk_at_a_save_is_one_line_naming_the_intact_snapshot(tmp_path):
     """--snapshot_path on a 64 KiB tmpfs (a real ENOSPC): the first snapshot
     (about 37 KB: 10 pages of 4 KiB, the claim file one more) fits, the
     second's temporary file beside it does not. One line on rank 0,
     also torchrun's root cause; the first snapshot stays whole, nothing else is
     left there. The tmpfs lives in a mount namespace of the run's own."""
-    (tmp_path / "full").mkdir()
-    if not _tmpfs_works(tmp_path / "full"):
-        pytest.skip("no mount namespace for a tmpfs here (unshare -rm refused)")
-    script = ('mount -t tmpfs -o size=64k tmpfs full && { "$@"; status=$?; cp full/two.pt kept.pt; '
-              'ls -A full > left.txt; exit $status; }')
-    result = run(["unshare", "-rm", "sh", "-c", script, "sh", *TORCHRUN_SCRIPT, "--total_epochs", "2",
-                  "--save_every", "1", "--snapshot_path", "full/two.pt"], tmp_path)
+    result = run_on_a_tmpfs(tmp_path, "64k", "", "cp full/two.pt kept.pt; ",
+                            ["--total_epochs", "2", "--save_every", "1", "--snapshot_path", "full/two.pt"])
     assert result.returncode == 1, result.stderr
     line = (f"error: cannot save snapshot full/two.pt: No space left on device (writing in {tmp_path}/full); "
             "snapshot full/two.pt (after epoch 1) is intact: free space on that disk, or pass a "
@@ -192,13 +200,8 @@ def test_a_claim_that_cannot_be_written_on_a_full_disk_leaves_nothing(tmp_path):
     """--snapshot_path on a one-page tmpfs already full: the claim file is
     created but its line cannot be written; one line, exit 2, and no empty
     claim left behind (it would hold the next run's claim check up)."""
-    (tmp_path / "full").mkdir()
-    if not _tmpfs_works(tmp_path / "full"):
-        pytest.skip("no mount namespace for a tmpfs here (unshare -rm refused)")
-    script = ('mount -t tmpfs -o size=4k tmpfs full && head -c 4096 /dev/zero > full/filler && '
-              '{ "$@"; status=$?; ls -A full > left.txt; exit $status; }')
-    result = run(["unshare", "-rm", "sh", "-c", script, "sh", *TORCHRUN_SCRIPT, "--total_epochs", "1",
-                  "--snapshot_path", "full/one.pt"], tmp_path)
+    result = run_on_a_tmpfs(tmp_path, "4k", "head -c 4096 /dev/zero > full/filler && ", "",
+                            ["--total_epochs", "1", "--snapshot_path", "full/one.pt"])
     assert result.returncode != 0, result.stderr
     assert error_lines(result.stderr) == [
         "error: cannot write full/one.pt.job (the snapshot's claim: No space left on device); free space "
