@@ -146,10 +146,10 @@ def print_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
         print_line(line)
 
 
-def exit_skipping_teardown() -> None:
-    """Flush stdout and stderr, then end the process with status 0 at once
-    (``os._exit``), skipping the interpreter's teardown: for the end of a
-    successful FSDP run, after ``destroy_process_group``, since once DTensors
+def exit_skipping_teardown(status: int = 0) -> None:
+    """Flush stdout and stderr, then end the process with ``status`` at once
+    (``os._exit``), skipping the interpreter's teardown: for the end of an
+    FSDP run (0, or --check_resume's verdict), after ``destroy_process_group``, since once DTensors
     exist the process group outlives it and gloo's threads can abort the
     teardown (docs/fsdp.md). Everything the scripts write is closed and
     fsynced before this point (train.py finishes the W&B run before: wandb's
@@ -157,4 +157,4 @@ def exit_skipping_teardown() -> None:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

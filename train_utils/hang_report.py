@@ -185,6 +185,18 @@ def collect_answers(store: Optional[dist.Store], world_size: int, deadline: floa
     return found
 
 
+def gather_answers(store: Optional[dist.Store], world_size: int, deadline: float) -> dict:
+    """``collect_answers``, then each rank found stopped on this host
+    continued (``continue_stopped``) and its answer read once it runs again
+    (2 s at most), marked ``"continued"``."""
+    answers = collect_answers(store, world_size, deadline)
+    continued = continue_stopped(answers)
+    if continued:
+        later = collect_answers(store, world_size, time.monotonic() + 2)
+        answers.update({rank: later[rank] | {"continued": True} for rank in continued if rank in later})
+    return answers
+
+
 def stack_folder(snapshot_path: str) -> str:
     """The folder of the stack files (and of NCCL's flight-recorder dumps):
     the one ``snapshot_path`` (--snapshot_path, a file or a folder) is in,
@@ -192,10 +204,10 @@ def stack_folder(snapshot_path: str) -> str:
     return os.path.dirname(os.path.abspath(snapshot_path))
 
 
-def stack_folder_in_use() -> str:
-    """The folder this rank's stack file goes to (``answer_stack_requests``'s;
-    the working folder before that)."""
-    return _STATE.folder or os.getcwd()
+def stacks_glob() -> str:
+    """The stack files of every rank, as a glob the report names: in the
+    folder ``answer_stack_requests`` was given (the working folder before)."""
+    return os.path.join(_STATE.folder or os.getcwd(), stack_file_name("*", "*"))
 
 
 def stack_file_name(rank: int, host: str) -> str:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from common import ConfigError
 from .errors import report_to_torchrun
+from .fsdp import exit_skipping_teardown
 from .launch import barrier
 from .metrics import RunLog
 from .output import print_line
@@ -152,10 +153,8 @@ def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespa
     del trainer
     dist.destroy_process_group()
     checkpointer.close()  # the side folder's claim given back
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if sharded:  # FSDP: the process group outlives destroy (fsdp.exit_skipping_teardown)
-        os._exit(0 if bitwise else 1)
+    if sharded:  # FSDP: the process group outlives destroy
+        exit_skipping_teardown(0 if bitwise else 1)
     sys.exit(0 if bitwise else 1)
 
 

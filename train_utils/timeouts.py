@@ -178,10 +178,10 @@ def check_first_batches(timeout_s: Optional[float]) -> None:
             answers = hang_report.collect_answers(store, dist.get_world_size(),
                                                   time.monotonic() + hang_report.ANSWER_WAIT_S)
             missing = f"{stuck} to have their batch too ({hang_report.describe_ranks(answers, None, stuck)})"
-        stacks = os.path.join(hang_report.stack_folder_in_use(), hang_report.stack_file_name("*", "*"))
-        raise RanksStuck(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing}: a rank stuck in its data loader (a loader worker that never "
-                         f"started, a dataset's __getitem__ that does not return) holds up all; every live "
-                         f"rank's stack: {stacks} (--pg_timeout_s sets the wait)") from None
+        raise RanksStuck(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing}: a rank "
+                         f"stuck in its data loader (a loader worker that never started, a dataset's "
+                         f"__getitem__ that does not return) holds up all; every live rank's stack: "
+                         f"{hang_report.stacks_glob()} (--pg_timeout_s sets the wait)") from None
 
 
 # How torch words a time-out, and only a time-out: a gloo collective's ("Timed
@@ -256,12 +256,8 @@ def timeout_diagnosis(exc: BaseException) -> str:
                 stuck = [int(r) for r in found.group(1).split(",")] if found else None
     if rank != 0 and (rank0_answers or not _claim_report(store, rank)):
         return ""  # rank 0 reports, or another rank claimed the report of rank 0's silence
-    answers = hang_report.collect_answers(store, dist.get_world_size(), deadline)
-    continued = hang_report.continue_stopped(answers)
-    if continued:  # they answer once running again
-        later = hang_report.collect_answers(store, dist.get_world_size(), time.monotonic() + 2)
-        answers.update({rank: later[rank] | {"continued": True} for rank in continued if rank in later})
-    stacks = os.path.join(hang_report.stack_folder_in_use(), hang_report.stack_file_name("*", "*"))
+    answers = hang_report.gather_answers(store, dist.get_world_size(), deadline)
+    stacks = hang_report.stacks_glob()
     if rank != 0:
         where = hang_report.describe_ranks(answers, waiting, [0]) if answers else "rank 0 does not answer"
         return (f"rank {rank} timed out {inside} during {_WATCH.phase} ({detail}), and rank 0 did not "
