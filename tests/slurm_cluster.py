@@ -20,7 +20,7 @@ configuration, spool and log folders under a temporary directory:
   stop-path tests: preemption is on (``PreemptType=preempt/partition_prio``,
   ``PreemptMode=REQUEUE``), and a job in ``urgent`` (``PriorityTier=10``, all
   nine hosts) preempts the ``stops`` jobs (tier 1, all but 7 and 8) on
-  its nodes after their ``GraceTime`` (60 s), the ``nograce`` jobs (tier 1,
+  its nodes after their ``GraceTime`` (300 s), the ``nograce`` jobs (tier 1,
   ``ddp-stop7``, ``8``, ``GraceTime=0``, many clusters' default) at once;
   ``KillWait`` (SIGTERM to SIGKILL) is 30 s, Slurm's default, set here.
 
@@ -59,7 +59,11 @@ NETNS_NODES = {"ddp-node1": "10.200.0.1", "ddp-node2": "10.200.0.2"}
 STOP_NODES = {f"ddp-stop{i}": f"10.200.0.{10 + i}" for i in range(1, 10)}
 NOGRACE_NODES = ("ddp-stop7", "ddp-stop8")  # partition nograce; the others: partition stops
 STOP_NODE_SIZE = 8  # CPUs and "GPUs" of each stop-path host
-GRACE_TIME_S = 60
+# Longer than the wrappers' time-limit warning (--signal=B:USR1@90, checked about
+# every 60 s): a preemption moves the job's end to the grace's end, so a shorter
+# grace brings that warning too, at a moment the test cannot choose, and the
+# SIGTERM path would not be the one tested. The jobs stop long before it ends.
+GRACE_TIME_S = 300
 KILL_WAIT_S = 30  # from SIGTERM to SIGKILL, when a job is stopped (Slurm's default)
 BRIDGE, BRIDGE_ADDR = "ddpbr0", "10.200.0.254"
 # The interface carrying each namespace host's address; the same name on both

@@ -257,7 +257,7 @@ def _reference_in_container(sandbox: Path, script: str, nproc: int, args: list, 
 
 
 def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
-    """slurm/multi_gpu.sh preempted (SIGTERM to the step, GraceTime 60 s, then
+    """slurm/multi_gpu.sh preempted (SIGTERM to the step, GraceTime 300 s, then
     the batch shell requeues) and slurm/multi_node_srun.sh (two hosts, a
     container per rank) sent back by scontrol requeue, both with
     CONTAINER_IMAGE and the default apptainer line: each stops with a

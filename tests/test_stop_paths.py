@@ -1,7 +1,7 @@
 """Every way a real Slurm cluster stops a job, driven by Slurm itself.
 
 The session's test cluster (slurm_cluster.py) has preemption on: partitions
-``stops`` (tier 1, GraceTime 60 s, seven hosts) and ``nograce`` (tier 1,
+``stops`` (tier 1, GraceTime 300 s, seven hosts) and ``nograce`` (tier 1,
 GraceTime 0, two hosts) under partition ``urgent`` (tier 10, all nine).
 No signal is sent by hand:
 
