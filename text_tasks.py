@@ -68,6 +68,9 @@ FLAGS = {
     "val_files": {"help": "--dataset tokens: a glob of the validation token files in --data_dir "
                   "(default: *val*.bin)"},
 }
+# The flags above that change only what a run prints, not what it trains: a run
+# submitted again with them changed is the same run (train_utils/identity.py).
+OUTPUT_FLAGS = ("sample_chars", "temperature", "top_k")
 
 # The model's sizes (the --n_layer ... --dropout flags) and the recipe where no flag
 # says otherwise: nanoGPT's CPU recipe for this corpus (its README, "I only have a

@@ -6,7 +6,7 @@
 #     sbatch --gres=gpu:2 --time=01:00:00 slurm/multi_gpu.sh   # override any #SBATCH line
 #     sbatch slurm/multi_gpu.sh --strategy fsdp                # FSDP: the snapshot is a folder
 # Watch: squeue --me; tail -f multi_gpu-<job id>.out. scancel <job id> stops it
-# with a snapshot (snapshot-<job name>-<hash>.pt); the same sbatch command resumes.
+# with a snapshot (snapshot-<job name>-<run identity>.pt); the same sbatch command resumes.
 # Edit: the #SBATCH lines (partition, account, GPUs, time); the environment in
 # slurm/env.sh. SCRIPT_NAME=multigpu_torchrun.py: a rung instead of train.py.
 
@@ -37,7 +37,7 @@ require_launcher torchrun
 
 # One worker per GPU granted on this node; on a node without GPUs, one CPU worker.
 NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-1}"
-# This submission's snapshot (its arguments' hash in the name), claimed for this job:
+# This submission's snapshot (the run's identity in its name), claimed for this job:
 # the same command resumes it; another live job holding it is refused.
 snapshot_for "$@"
 echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | $NPROC_PER_NODE processes | $SNAPSHOT | $(date -Is)"

@@ -49,7 +49,7 @@ PER_NODE=(bash -c 'exec "${@//@NPROC@/${SLURM_GPUS_ON_NODE:-1}}"' per-node)
 # port derived from the job id (slurm/env.sh), never a literal.
 RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 RDZV_PORT="$(rendezvous_port)"
-# This submission's snapshot (its arguments' hash in the name), claimed for this job:
+# This submission's snapshot (the run's identity in its name), claimed for this job:
 # the same command resumes it; another live job holding it is refused.
 snapshot_for "$@"
 # Fixed size: one node failing ends the step on all (--kill-on-bad-exit), and

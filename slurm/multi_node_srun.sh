@@ -36,7 +36,7 @@ PROJECT="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 source "$PROJECT/slurm/env.sh"
 require_launcher python
 
-# This submission's snapshot (its arguments' hash in the name), claimed for this job:
+# This submission's snapshot (the run's identity in its name), claimed for this job:
 # the same command resumes it; another live job holding it is refused.
 snapshot_for "$@"
 echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x ${SLURM_NTASKS_PER_NODE:-?} tasks | $SNAPSHOT | $(date -Is)"

@@ -5,7 +5,7 @@
 # srun python singlegpu.py). Submit from the project folder; arguments after
 # the name go to train.py:
 #     sbatch slurm/single_gpu.sh --dataset mnist --total_epochs 5
-# Output: single_gpu-<job id>.out and the snapshot (snapshot-single_gpu-<hash>.pt),
+# Output: single_gpu-<job id>.out and the snapshot (snapshot-single_gpu-<run identity>.pt),
 # in the folder you submitted from; the same sbatch command resumes it.
 # Edit: the #SBATCH lines (partition, account, time); the environment in
 # slurm/env.sh. SCRIPT_NAME=<script>: another script (a rung) instead of train.py.
@@ -35,7 +35,7 @@ PROJECT="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 source "$PROJECT/slurm/env.sh"
 require_launcher torchrun
 
-# This submission's snapshot (its arguments' hash in the name), claimed for this job:
+# This submission's snapshot (the run's identity in its name), claimed for this job:
 # the same command resumes it; another live job holding it is refused.
 snapshot_for "$@"
 echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | 1 processes | $SNAPSHOT | $(date -Is)"

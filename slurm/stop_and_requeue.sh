@@ -42,17 +42,20 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 
 # snapshot_for ARGS...: sets SNAPSHOT, the --snapshot_path of this submission,
 # relative to the working folder: snapshot-<job name>[-<array index>][-<8 hex
-# digits>].pt, the digits a hash of the training arguments (a --snapshot_path
-# among them wins); with --strategy fsdp or hsdp a folder, without the .pt (sharded
-# snapshots: one sub-folder per save). The same sbatch command submitted
-# again (or requeued) gets the same name and resumes; a sweep submitted from
-# one folder (other --lr, say) gets one snapshot per point, never another's;
-# any other change of arguments, a longer --total_epochs too, starts a new run
-# unless it names the snapshot to go on from (--snapshot_path). Then claims the snapshot for this
-# job (<snapshot>.job holds the job id, read and written under flock) and
-# exits 2 with one line when another job that is still queued or running holds
-# it: two live jobs must never write one snapshot. A claim of a run started
-# without Slurm (host and pid, no job) stays: train.py refuses it while that run lives.
+# digits>].pt, the digits the run's identity (train_utils/identity.py: the
+# flags that say what the run learns, as train.py parses them, in one order;
+# none when it has none; the rungs take the same flags); a --snapshot_path
+# among them wins. With --strategy fsdp or hsdp a folder,
+# without the .pt (sharded snapshots: one sub-folder per save). The same run
+# submitted again (or requeued) gets the same name and resumes, whatever the
+# order of its flags, and with a longer --total_epochs or --max_steps trains
+# on; a sweep submitted from one folder (other --lr, say) gets one snapshot
+# per point, never another's. A snapshot named by a hash of the arguments as
+# typed is resumed where the identity's name has none yet, with a note. Then claims the snapshot for this job (<snapshot>.job holds the job
+# id, read and written under flock) and exits 2 with one line when another
+# job that is still queued or running holds it: two live jobs must never write
+# one snapshot. A claim of a run started without Slurm (host and pid, no job)
+# stays: train.py refuses it while that run lives.
 snapshot_for() {
     local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" arg given="" after=""
     local strategy="" suffix=".pt"
@@ -71,13 +74,21 @@ snapshot_for() {
     case "$strategy" in fsdp|hsdp) suffix="" ;; esac
     if [ -n "$given" ]; then
         SNAPSHOT="$given"
-    elif [ "$#" -gt 0 ]; then
-        SNAPSHOT="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8)$suffix"
-        if [ -e "$name$suffix" ] && [ ! -e "$SNAPSHOT" ]; then
-            echo "note: $name$suffix (the name without arguments) is not resumed; this submission's is $SNAPSHOT (pass --snapshot_path $name$suffix to go on from that one)"
-        fi
     else
-        SNAPSHOT="$name$suffix"
+        local identity typed="$name$suffix"
+        [ "$#" -gt 0 ] && typed="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8)$suffix"
+        # "<digits> <flags>", or the digits alone; a flag train.py would refuse ends the job here, with its line.
+        identity="$(${CONTAINER[@]+"${CONTAINER[@]}"} python "$PROJECT/train_utils/identity.py" "$@")" || exit 2
+        if [[ "$identity" == *" "* ]]; then
+            SNAPSHOT="$name-${identity%% *}$suffix"
+            echo "run identity ${identity%% *}: ${identity#* }"
+        else
+            SNAPSHOT="$name$suffix"
+        fi
+        if [ "$typed" != "$SNAPSHOT" ] && [ ! -e "$SNAPSHOT" ] && [ -e "$typed" ]; then
+            echo "note: resuming $typed, this command's snapshot named by its arguments as typed (the run's identity names it $SNAPSHOT; pass --snapshot_path to choose)"
+            SNAPSHOT="$typed"
+        fi
     fi
     # The job as squeue and scontrol know it: an array task as <array job id>_<index>.
     local claim="$SNAPSHOT.job" job owner state lock

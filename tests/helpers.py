@@ -147,12 +147,23 @@ def held_at_step(step: int) -> tuple[dict, str]:
 def wrapper_snapshot(job_name: str, args: list = (), array_index=None) -> str:
     """The --snapshot_path a resumable Slurm wrapper gives a submission
     (slurm/stop_and_requeue.sh's snapshot_for): snapshot-<job name>[-<array
-    index>][-<first 8 hex digits of the SHA-256 of the training arguments,
-    each followed by a NUL byte>].pt."""
+    index>][-<the run's identity: train_utils/identity.py's digits, where
+    the arguments give any flag it counts>].pt."""
+    from train_utils import identity
+
     name = f"snapshot-{job_name}" + (f"-{array_index}" if array_index is not None else "")
-    if args:
-        name += "-" + hashlib.sha256("".join(f"{arg}\0" for arg in args).encode()).hexdigest()[:8]
+    words = identity.identity_of([str(arg) for arg in args])
+    if words:
+        name += "-" + identity.run_identity(words)
     return name + ".pt"
+
+
+def typed_snapshot(job_name: str, args: list) -> str:
+    """The name a snapshot of the wrappers has when named by a hash of the
+    arguments as typed: the first 8 hex digits of the SHA-256 of the
+    arguments, each followed by a NUL byte (resumed where the identity's name
+    does not exist yet)."""
+    return f"snapshot-{job_name}-" + hashlib.sha256("".join(f"{arg}\0" for arg in args).encode()).hexdigest()[:8] + ".pt"
 
 
 def run_together(cmds: list[list], cwds: list[Path], env: dict, timeout: float = 300) -> list[tuple]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAUNCHER_VARIABLES, wrapper_snapshot
+from helpers import LAUNCHER_VARIABLES, typed_snapshot, wrapper_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 WRAPPERS = ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"]
@@ -284,7 +284,9 @@ def _batch_shell(folder: Path, bin_dir: Path, job_id: str, job_name: str, comman
     slurm/stop_and_requeue.sh, as a wrapper's batch shell does, in job
     ``job_id`` named ``job_name``, in ``folder``, with ``bin_dir`` first on PATH."""
     script = f'set -euo pipefail; source "{REPO}/slurm/stop_and_requeue.sh"; {commands}'
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": job_name}
+    # The tests' python first after the stand-ins, as the environment block activates it.
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "SLURM_JOB_ID": job_id,
+           "SLURM_JOB_NAME": job_name, "PROJECT": str(REPO)}
     return subprocess.run(["bash", "-c", script, "bash", *args], cwd=folder, env=env, capture_output=True,
                           text=True, timeout=90)
 
@@ -373,21 +375,71 @@ def test_a_job_waits_for_the_claim_another_job_is_taking(tmp_path):
     assert claim.read_text() == "5\n"
 
 
-def test_a_submissions_snapshot_is_named_after_its_arguments_and_is_a_folder_under_fsdp(tmp_path):
-    """The same arguments, the same name (a requeued job, the same command
-    again); other arguments, another; --strategy fsdp (train.py's sharded
+def test_a_submissions_snapshot_is_named_by_the_runs_identity_and_is_a_folder_under_fsdp(tmp_path):
+    """The same run, the same name, however its flags are ordered or spelt and
+    however long it runs (a requeued job, the same command again, a raised
+    --total_epochs or --max_steps, another --num_workers); another point of a
+    sweep (another --lr, another --dropout), another name; a run that gives no
+    flag of its identity, the bare name; --strategy fsdp (train.py's sharded
     snapshots) a folder's name, without .pt; a --snapshot_path given wins."""
     bin_dir = tmp_path / "bin"
     _stand_in_squeue(bin_dir, "COMPLETED")
-    for args, name in ((["--lr", "0.1"], wrapper_snapshot("sweep", ["--lr", "0.1"])),
-                       ([], "snapshot-sweep.pt"),
-                       (["--strategy", "fsdp"], wrapper_snapshot("sweep", ["--strategy", "fsdp"])[:-3]),
-                       (["--strategy=fsdp", "--lr", "1"], wrapper_snapshot("sweep", ["--strategy=fsdp", "--lr", "1"])[:-3]),
-                       (["--strategy", "fsdp", "--strategy", "ddp"],
-                        wrapper_snapshot("sweep", ["--strategy", "fsdp", "--strategy", "ddp"])),
-                       (["--strategy", "fsdp", "--snapshot_path", "mine"], "mine")):
+
+    def chosen(*args: str) -> str:
         result = _snapshot_for(tmp_path, bin_dir, "6", *args)
-        assert result.returncode == 0 and result.stdout.splitlines()[-1] == f"SNAPSHOT={name}", (args, result)
+        assert result.returncode == 0, (args, result)
+        return result.stdout.splitlines()[-1].removeprefix("SNAPSHOT=")
+
+    first = chosen("--dataset", "shakespeare_char", "--lr", "3e-4", "--n_layer", "2", "--max_steps", "60")
+    assert first.startswith("snapshot-sweep-") and first.endswith(".pt") and len(first) == len("snapshot-sweep-.pt") + 8
+    assert first == wrapper_snapshot("sweep", ["--dataset", "shakespeare_char", "--lr", "3e-4", "--n_layer", "2"])
+    same = [("--n_layer=2", "--max_steps", "90", "--lr", "0.0003", "--dataset", "shakespeare_char", "--num_workers", "2"),
+            ("--dataset=shakespeare_char", "--total_epochs", "3", "--n_layer", "2", "--lr=.0003", "--sample_chars", "40")]
+    for args in same:
+        assert chosen(*args) == first, args
+    others = [("--dataset", "shakespeare_char", "--lr", "1e-3", "--n_layer", "2"),
+              ("--dataset", "shakespeare_char", "--lr", "3e-4", "--n_layer", "2", "--dropout", "0.1"),
+              ("--dataset", "shakespeare_char", "--lr", "3e-4", "--n_layer", "3")]
+    names = {chosen(*args) for args in others}
+    assert len(names) == len(others) and first not in names, names
+    assert chosen() == chosen("--total_epochs", "3", "--compile") == "snapshot-sweep.pt"
+    lr = wrapper_snapshot("sweep", ["--lr", "1"])
+    assert chosen("--strategy", "fsdp", "--lr", "1") == chosen("--lr=1", "--strategy=fsdp") == lr[:-3]
+    assert chosen("--strategy", "fsdp", "--strategy", "ddp", "--lr", "1") == lr
+    assert chosen("--strategy", "fsdp", "--snapshot_path", "mine") == "mine"
+    printed = _snapshot_for(tmp_path, bin_dir, "6", "--lr", "0.5", "--total_epochs", "3").stdout
+    assert "run identity " in printed and ": --lr 0.5\n" in printed, printed
+
+
+def test_a_snapshot_named_by_the_arguments_as_typed_is_resumed_with_a_note(tmp_path):
+    """A snapshot named by a hash of the arguments as typed, and none yet by
+    the run's identity: that one is resumed, with a note naming both; once
+    the identity's name exists, it is the one."""
+    bin_dir = tmp_path / "bin"
+    _stand_in_squeue(bin_dir, "COMPLETED")
+    args = ["--lr", "0.1", "--total_epochs", "4"]
+    typed, named = typed_snapshot("sweep", args), wrapper_snapshot("sweep", args)
+    assert typed != named
+    (tmp_path / typed).write_bytes(b"a snapshot")
+    result = _snapshot_for(tmp_path, bin_dir, "6", *args)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == f"SNAPSHOT={typed}", result
+    assert f"note: resuming {typed}, this command's snapshot named by its arguments as typed (the run's identity " \
+           f"names it {named}" in result.stdout
+    (tmp_path / named).write_bytes(b"a newer snapshot")
+    result = _snapshot_for(tmp_path, bin_dir, "6", *args)
+    assert result.stdout.splitlines()[-1] == f"SNAPSHOT={named}" and "note:" not in result.stdout, result
+
+
+def test_a_flag_train_py_refuses_ends_the_job_before_its_snapshot_is_named(tmp_path):
+    """--learning_rate (nanoGPT's name): the job ends with train.py's own line
+    and status 2, before any claim is written."""
+    bin_dir = tmp_path / "bin"
+    _stand_in_squeue(bin_dir, "COMPLETED")
+    result = _snapshot_for(tmp_path, bin_dir, "6", "--learning_rate", "0.1")
+    assert result.returncode == 2 and "SNAPSHOT=" not in result.stdout, result
+    assert result.stderr.splitlines()[-1].startswith("train.py: error: unrecognized arguments: --learning_rate 0.1 "
+                                                     "(did you mean: --learning_rate -> --lr?)"), result.stderr
+    assert not list(tmp_path.glob("*.job"))
 
 
 def test_a_claim_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):

@@ -1,0 +1,96 @@
+"""A run's identity: the flags that say what a run learns, parsed and in
+one order, so that one run submitted again under another spelling is known
+as the same run, and another point of a sweep as another.
+
+The Slurm wrappers name a submission's snapshot by it
+(``snapshot-<job name>-<8 hex digits>.pt``; slurm/stop_and_requeue.sh), run as
+a file, in the job's environment or container:
+
+    python train_utils/identity.py --dataset tokens --lr 3e-4 --total_epochs 4
+    # 5be3a0c1 --lr 0.0003 --dataset tokens
+
+What counts: every flag of train.py given with a value other than its
+default, except those that only say how long the run goes on (a longer run
+extends the same one), how fast its steps go, or what it prints and where it
+writes, and the task module's own flags except its ``OUTPUT_FLAGS``. The
+flags of the identity are ``IDENTITY_FLAGS``; docs/slurm.md lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from typing import Mapping
+
+if __name__ == "__main__":  # run as a file: the project folder, not this one, on the path
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402 - after the path above
+from train_utils import cli, config  # noqa: E402
+
+# Left out of the identity: how long the run goes on (a raised --total_epochs or
+# --max_steps extends the run it names), how fast its steps run, and where
+# figures, traces and snapshots go and how often.
+RUN_LENGTH = ("total_epochs", "max_steps", "save_every")
+SPEED_ONLY = ("compile", "no_tf32", "deterministic", "activation_checkpointing", "num_workers")
+IDENTITY_FLAGS = tuple(
+    spec.name for spec in config.flags()
+    if spec.metadata["group"] in (config.TRAINING, config.SPEED, config.RECIPE)
+    and spec.name not in RUN_LENGTH + SPEED_ONLY)
+
+
+def identity_flags(args: argparse.Namespace, task_flags: Mapping[str, dict] = {}) -> list:
+    """The run's identity as command-line words: ``--name value`` for each
+    flag of ``IDENTITY_FLAGS`` and of ``task_flags`` (the task module's
+    ``FLAGS`` that count, in their order) whose value in ``args``
+    (``cli.parse_args``'s) is not its default (None, for the flags the
+    task's recipe fills), in that order;
+    values as parsed (``--lr 3e-4`` and ``--lr 0.0003`` are one run), a
+    path normalised (``./data`` is ``data``)."""
+    defaults = {spec.name: None if spec.metadata["task_default"] else spec.default for spec in config.flags()}
+    defaults["data_dir"] = os.environ.get("DATA_DIR", "data")
+    defaults.update({name: options.get("default") for name, options in task_flags.items()})
+    words = []
+    for name in (*IDENTITY_FLAGS, *task_flags):
+        value = getattr(args, name, None)
+        if name == "data_dir" and value is not None:
+            value = os.path.normpath(value)
+        if value is not None and value != defaults.get(name):
+            words += [f"--{name}", str(value)]
+    return words
+
+
+def run_identity(words: list) -> str:
+    """The 8 hex digits that name a run: the start of the SHA-256 of
+    ``words`` (``identity_flags``'s), each followed by a NUL byte."""
+    return hashlib.sha256(b"".join(word.encode() + b"\0" for word in words)).hexdigest()[:8]
+
+
+def identity_of(argv: list) -> list:
+    """The identity (``identity_flags``'s words) of train.py's command-line
+    arguments ``argv``, parsed as train.py parses them. A flag train.py
+    would refuse ends the process as it would there: one line, status 2."""
+    saved = sys.argv
+    sys.argv = ["train.py", *argv]
+    try:
+        args = cli.parse_args(None, common.TASKS)
+    finally:
+        sys.argv = saved
+    module, flags = next(iter(cli.task_flags((args.dataset,)).items()), (None, {}))
+    output = getattr(sys.modules.get(module), "OUTPUT_FLAGS", ())
+    return identity_flags(args, {name: options for name, options in flags.items() if name not in output})
+
+
+def main(argv: list) -> int:
+    """``identity.py [train.py's flags]``: print the run's identity's digits
+    and its flags on one line ("5be3a0c1 --lr 0.0003 --dataset tokens"; the
+    digits alone for a run that gives none of them)."""
+    words = identity_of(argv)
+    print(run_identity(words), *words)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
