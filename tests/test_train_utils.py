@@ -482,6 +482,21 @@ def test_one_process_stops_at_the_first_poll_after_its_signal(tmp_path):
     assert "stopped by SIGUSR1 after this step on every rank" in result.stdout
 
 
+def test_a_slow_runs_speed_is_printed_in_significant_digits_not_as_zero():
+    """A GPT-2 step on a CPU takes minutes: its samples/s is a few
+    thousandths, which one decimal printed as 0.0. Below 1 the speed keeps
+    three significant digits, in the epoch line and the evaluation's alike."""
+    from train_utils.metrics import metrics_line
+
+    slow = {"train_loss": 9.5, "val_loss": 9.4, "samples_per_s": 0.0041666, "tokens_per_s": 4.2666, "lr": 6e-4}
+    epoch = metrics_line({"epoch": 1, "total_epochs": 1, **slow, "epoch_seconds": 2880.0})
+    step = metrics_line({"epoch": 1, "total_epochs": 1, "step": 20, "total_steps": 100, **slow,
+                         "interval_seconds": 2880.0})
+    for line in (epoch, step):
+        assert "| samples/s 0.00417 | tokens/s 4.3 |" in line, line
+    assert EPOCH_LINE.match(epoch), epoch
+
+
 def test_a_run_log_prints_the_parsable_line_and_writes_json(tmp_path, capsys, one_process_group):
     path = tmp_path / "m.jsonl"
     record = {"epoch": 3, "total_epochs": 10, "train_loss": 0.5, "samples_per_s": 1234.5,

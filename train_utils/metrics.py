@@ -36,18 +36,31 @@ def tensorboard_missing() -> str:
     return ""
 
 
-# The epoch line after "epoch E/N", in order: (record key, label, format spec);
+# The epoch line after "epoch E/N", in order: (record key, label, format spec or "rate": ``rate``);
 # a part whose key the record lacks, or holds as None, is left out.
 EPOCH_LINE_PARTS = (("train_loss", "train_loss", ".6f"), ("val_loss", "val_loss", ".6f"),
-                    ("val_accuracy", "val_acc", ".4f"), ("samples_per_s", "samples/s", ".1f"),
-                    ("tokens_per_s", "tokens/s", ".1f"), ("flops_per_s", "flop/s", ".3g"), ("mfu", "mfu", ".4f"),
+                    ("val_accuracy", "val_acc", ".4f"), ("samples_per_s", "samples/s", "rate"),
+                    ("tokens_per_s", "tokens/s", "rate"), ("flops_per_s", "flop/s", ".3g"), ("mfu", "mfu", ".4f"),
                     ("epoch_seconds", "epoch_s", ".2f"), ("lr", "lr", ".6g"), ("skipped_steps", "skipped_steps", ""),
                     ("peak_gpu_memory_mib", "peak_mem_mib", ".1f"))
+
+
+def rate(value: float) -> str:
+    """A speed (samples/s, tokens/s) as the lines print it: one decimal from
+    1 up (12345.6), three significant digits below (0.00417: a GPT-2 step on
+    a CPU takes minutes), never a rounded 0.0 for a run that trained."""
+    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.3g}"
+
+
+def _formatted(value, spec: str) -> str:
+    return rate(value) if spec == "rate" else f"{value:{spec}}"
+
+
 # The evaluation's line under --eval_every_steps after "step S/T | epoch E/N", likewise.
 STEP_LINE_PARTS = (("train_loss", "train_loss", ".6f"), ("val_loss", "val_loss", ".6f"),
                    ("val_accuracy", "val_acc", ".4f"), ("best_val_loss", "best_val_loss", ".6f"),
-                   ("best_step", "best_step", ""), ("samples_per_s", "samples/s", ".1f"),
-                   ("tokens_per_s", "tokens/s", ".1f"), ("flops_per_s", "flop/s", ".3g"), ("mfu", "mfu", ".4f"),
+                   ("best_step", "best_step", ""), ("samples_per_s", "samples/s", "rate"),
+                   ("tokens_per_s", "tokens/s", "rate"), ("flops_per_s", "flop/s", ".3g"), ("mfu", "mfu", ".4f"),
                    ("interval_seconds", "interval_s", ".2f"), ("lr", "lr", ".6g"),
                    ("skipped_steps", "skipped_steps", ""), ("peak_gpu_memory_mib", "peak_mem_mib", ".1f"))
 
@@ -89,10 +102,10 @@ def metrics_line(record: dict) -> str:
     if "step" in record:
         return " | ".join([f"step {record['step']}/{record['total_steps']}",
                            f"epoch {record['epoch']}/{record['total_epochs']}"]
-                          + [f"{label} {record[key]:{spec}}" for key, label, spec in STEP_LINE_PARTS
+                          + [f"{label} {_formatted(record[key], spec)}" for key, label, spec in STEP_LINE_PARTS
                              if record.get(key) is not None])
     return " | ".join([f"epoch {record['epoch']}/{record['total_epochs']}"]
-                      + [f"{label} {record[key]:{spec}}" for key, label, spec in EPOCH_LINE_PARTS
+                      + [f"{label} {_formatted(record[key], spec)}" for key, label, spec in EPOCH_LINE_PARTS
                          if record.get(key) is not None])
 
 
@@ -237,7 +250,7 @@ class StepLog:
         new = samples - samples_before
         if not new:
             return
-        rate = new * self.world_size / (now - then)
-        speed = f"tokens/s {rate * self.tokens_per_sample:.1f}" if self.tokens_per_sample else f"samples/s {rate:.1f}"
+        per_s = new * self.world_size / (now - then)
+        speed = f"tokens/s {rate(per_s * self.tokens_per_sample)}" if self.tokens_per_sample else f"samples/s {rate(per_s)}"
         print_line(f"step {step} | epoch {epoch + 1} | loss {(loss_sum - loss_before) / new:.6f} | "
                    f"lr {lr:.6g} | {speed} | ms/step {1000 * (now - then) / (step - step_before):.1f}")
