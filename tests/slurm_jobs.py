@@ -10,6 +10,7 @@ use them."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from helpers import REPO, epochs
+from helpers import REPO, epochs, wrapper_snapshot
 from slurm_cluster import NODE_IFACE
 
 SMALL = ["--mem=1G", "--cpus-per-task=1"]
@@ -45,6 +46,9 @@ class Scenario:
     # (script, processes[, flags added to the scenario's]) of the uninterrupted run it ends equal to
     reference: tuple = ("train.py", 2)
     resubmit: bool = False  # after it ends (scancel), submit the same command again
+    # after it ends, submit these arguments instead (the same run, respelt or extended); its snapshot
+    # as the first job left it is kept beside it, as <snapshot>.first
+    again: tuple = ()
     user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
     partition: str = "stops"
     # added to the job's environment: DDP_TEST_FAULT, with helpers.FAULTY_TRAIN_JOB_ENV (SCRIPT_NAME)
@@ -109,7 +113,21 @@ def submit(cluster, scenario: Scenario, folder: Path) -> int:
     """sbatch the scenario's wrapper from the project folder, with ``folder``
     as the job's working folder, on its nodes and partition (15 minutes unless
     its sbatch flags set a time); the job's environment: the tests' Python as
-    VENV_DIR, gloo's interface, then ``scenario.env``. Returns the job id."""
+    VENV_DIR, gloo's interface, then ``scenario.env``. A wrapper that is a
+    Python launcher (launchers/submitit_train.py) is run as a user runs it,
+    from ``folder``, its own flags in ``scenario.sbatch``. Returns the job id."""
+    if scenario.wrapper.endswith(".py"):
+        result = subprocess.run(
+            [sys.executable, str(REPO / scenario.wrapper), "--partition", scenario.partition, "--job_name",
+             scenario.name, "--folder", str(folder / "submitit"), "--cpus_per_task", "1", "--mem_gb", "1",
+             "--time_min", str(TIME_LIMIT_MIN), "--slurm", f"nodelist={scenario.nodes}", *scenario.sbatch,
+             "--", *map(str, scenario.args)],
+            cwd=folder, env=dict(cluster.env, GLOO_SOCKET_IFNAME=NODE_IFACE, **scenario.env), capture_output=True,
+            text=True, timeout=120)
+        submitted = re.search(r"^job (\d+) submitted", result.stdout, re.M)
+        if result.returncode or not submitted:
+            raise RuntimeError(f"{scenario.wrapper} failed: {result.stdout}{result.stderr}")
+        return int(submitted.group(1))
     time_limit = [] if any(a.startswith("--time") for a in scenario.sbatch) else [f"--time={TIME_LIMIT_MIN}"]
     return cluster.sbatch([f"--chdir={folder}", "-p", scenario.partition, f"--nodelist={scenario.nodes}", *SMALL,
                            *time_limit, f"--job-name={scenario.name}", *scenario.sbatch,
@@ -118,7 +136,9 @@ def submit(cluster, scenario: Scenario, folder: Path) -> int:
 
 
 def job_log(folder: Path, scenario: Scenario, job: int) -> str:
-    """The job's log so far ('' before it exists)."""
+    """The job's log so far ('' before it exists); a submitit job's: each task's, in task order."""
+    if scenario.wrapper.endswith(".py"):
+        return "".join(path.read_text() for path in sorted((folder / "submitit").glob(f"{job}_*_log.out")))
     path = folder / f"{scenario.name}-{job}.out"  # %x-%j.out; an array task's %j is its own job id
     return path.read_text() if path.exists() else ""
 
@@ -183,11 +203,16 @@ def drive(cluster, scenario: Scenario, folder: Path) -> None:
     scenario.infos.append(info)
     scenario.logs.append(job_log(folder, scenario, job))
     print(f"{scenario.name}: ended {time.monotonic() - deadline + SCENARIO_TIMEOUT_S:.0f} s after its submission")
-    # The same sbatch command again: it resumes (the tests' hold was for the first job; without
-    # DDP_TEST_FAULT, tests/train_with_fault.py runs train.py as it is).
-    if scenario.resubmit:
-        job = submit(cluster, replace(scenario, env={name: value for name, value in scenario.env.items()
-                                                     if name != "DDP_TEST_FAULT"}), folder)
+    # The same sbatch command again, or ``again``'s arguments: it resumes (the tests' hold was for the
+    # first job; without DDP_TEST_FAULT, tests/train_with_fault.py runs train.py as it is).
+    if scenario.resubmit or scenario.again:
+        if scenario.again:
+            snapshot = folder / wrapper_snapshot(scenario.name, scenario.args)
+            snapshot = snapshot if snapshot.exists() else snapshot.with_suffix("")
+            (shutil.copytree if snapshot.is_dir() else shutil.copy2)(snapshot, f"{snapshot}.first")
+        job = submit(cluster, replace(scenario, args=list(scenario.again or scenario.args),
+                                      env={name: value for name, value in scenario.env.items()
+                                           if name != "DDP_TEST_FAULT"}), folder)
         scenario.infos.append(cluster.wait(job, max(deadline - time.monotonic(), 1)))
         scenario.logs.append(job_log(folder, scenario, job))
 

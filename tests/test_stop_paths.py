@@ -42,6 +42,7 @@ signal lands.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -93,6 +94,12 @@ TOKEN_DATA = "tokens_data"
 TOKENS = ["--dataset", "tokens", "--data_dir", TOKEN_DATA, "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
           "--block_size", "16", "--dropout", "0.1", "--batch_size", "8", "--max_steps", "60", "--warmup_steps", "10",
           "--eval_every_steps", "20", "--eval_windows", "40", "--total_epochs", "1"]
+# The same run submitted again once it has ended: its flags in another order and spelling, and
+# 20 more steps (the run's identity names the same snapshot: it trains on from step 60).
+TOKENS_AGAIN = ("--total_epochs", "1", "--eval_windows=40", "--eval_every_steps", "20", "--warmup_steps", "10",
+                "--max_steps", "80", "--batch_size", "8", "--dropout", "0.10", "--block_size", "16",
+                "--n_embd=32", "--n_head", "2", "--n_layer", "1", "--data_dir", f"./{TOKEN_DATA}",
+                "--dataset", "tokens")
 SCENARIOS = [
     Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", *GPUS_2], HSDP,
              preempt, HSDP_REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HSDP_HELD_AT_STEP_30),
@@ -131,8 +138,15 @@ SCENARIOS = [
              trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                            "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
     # nanoGPT's token files, 2 hosts (partition multi: no preemption there), the time limit mid-interval
+    # launchers/submitit_train.py: a task per rank on two hosts, submitit's requeue after the kit's
+    # snapshot; the time-limit warning reaches every task (submitit's --signal, no B:)
+    Scenario("submitit", "launchers/submitit_train.py", "ddp-stop[6,9]",
+             ["--nodes", "2", "--gpus_per_node", "1", "--script", "tests/train_with_fault.py"], SHORT, warn_soon,
+             REFERENCE, env={"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}, trigger_when=HELD_AT_STEP_30),
+    # then submitted again with TOKENS_AGAIN
     Scenario("tokens-time-limit", "multi_node.sh", "ddp-node[1-2]", ["--nodes=2", "--gres=gpu:1"], TOKENS,
-             warn_soon, REFERENCE, partition="multi", env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
+             warn_soon, REFERENCE, partition="multi", env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30,
+             again=TOKENS_AGAIN),
 ]
 
 
@@ -361,6 +375,29 @@ def test_scancel_snapshots_and_the_same_command_resumes(stopped):
                          references[reference_key(scenario)])
 
 
+def test_a_submitit_job_warned_before_its_time_limit_snapshots_requeues_and_resumes_bitwise(stopped):
+    """launchers/submitit_train.py, two hosts, a task per rank: Slurm's
+    time-limit warning (SIGUSR1 to every task, submitit's --signal; the limit
+    brought near while every rank waits at step 30) stops every rank after
+    its step and rank 0 saves the snapshot; only then does rank 0 hand over
+    to submitit's requeue. The requeued job runs the pickled task again,
+    resumes at the step it stopped, and ends bitwise equal to an
+    uninterrupted run."""
+    scenarios, folders, references = stopped
+    scenario = scenarios["submitit"]
+    assert not scenario.error, show(scenario)
+    info, log = scenario.infos[-1], scenario.logs[-1]
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
+    assert info["NumNodes"] == "2", info
+    assert "stopped by SIGUSR1 after this step on every rank" in log, log
+    assert "rank 0: stopped by SIGUSR1, snapshot saved; requeueing" in log, log
+    stop, resumed = STOP.search(log), RESUME.search(log)
+    assert stop and resumed and (resumed.group(2), resumed.group(3)) == stop.group(1, 2), log
+    print(f"submitit: stopped at epoch {stop.group(1)} step {stop.group(2)}, requeued, resumed there")
+    assert_same_snapshot(folders["submitit"] / wrapper_snapshot("submitit", scenario.args),
+                         references[reference_key(scenario)])
+
+
 def test_a_stop_during_start_up_ends_cleanly_and_slurm_requeues(stopped):
     """scontrol requeue while every rank is still in start-up (held there, after
     the process group exists, by the injected fault): each rank ends at once with
@@ -496,7 +533,7 @@ def test_a_token_file_run_stopped_by_its_time_limit_between_evaluations_resumes_
     scenarios, folders, references = stopped
     scenario = scenarios["tokens-time-limit"]
     assert not scenario.error, show(scenario)
-    info, log = scenario.infos[-1], scenario.logs[-1]
+    info, log = scenario.infos[0], scenario.logs[0]
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
     texts = runs(log)
     assert "batch shell got SIGUSR1" in texts[0] and f"requeueing job {info['JobId']}" in texts[0], texts[0]
@@ -511,5 +548,31 @@ def test_a_token_file_run_stopped_by_its_time_limit_between_evaluations_resumes_
     assert [evaluations(text) for text in texts] == [evaluations(reference)[:1], evaluations(reference)[1:]], texts
     print(f"tokens-time-limit: stopped at {stops[0]}, {len(texts)} runs, {scenario.signal_to_exit_s:.1f} s from "
           f"the limit brought near to leaving RUNNING")
-    assert_same_snapshot(folders["tokens-time-limit"] / wrapper_snapshot("tokens-time-limit", scenario.args),
-                         references[reference_key(scenario)])
+    first = folders["tokens-time-limit"] / f"{wrapper_snapshot('tokens-time-limit', scenario.args)}.first"
+    assert_same_snapshot(first, references[reference_key(scenario)])
+
+
+def test_a_two_node_run_submitted_again_reordered_and_longer_trains_on_from_its_snapshot(stopped):
+    """The token-file run above, once it has ended (60 steps), submitted again
+    to its two hosts with its flags in another order and spelling
+    (``--n_embd=32``, ``--dropout 0.10``, ``./tokens_data``) and --max_steps
+    raised to 80: the run's identity names the same snapshot, so the job
+    resumes it at step 60 and trains steps 61-80, evaluating at 80, rather
+    than starting a fresh run."""
+    scenarios, folders, references = stopped
+    scenario = scenarios["tokens-time-limit"]
+    assert not scenario.error, show(scenario)
+    assert len(scenario.infos) == 2, show(scenario)
+    info, log = scenario.infos[1], scenario.logs[1]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}"
+    again = runs(log)[-1]
+    # each run of each job names the identity (before its first line: the snapshot's name needs it)
+    identities = re.findall(r"^run identity (\w{8}): ", scenario.logs[0] + log, re.M)
+    assert len(set(identities)) == 1 and len(identities) == len(runs(scenario.logs[0])) + len(runs(log)), log
+    name = wrapper_snapshot("tokens-time-limit", scenario.args)
+    assert name == wrapper_snapshot("tokens-time-limit", list(TOKENS_AGAIN)) and f"| {name} |" in again, again
+    resumed = RESUME.search(again)
+    assert resumed and int(resumed.group(3)) == 60, again
+    assert [e["step"] for e in evaluations(again)] == ["80"], again
+    snapshot = torch.load(folders["tokens-time-limit"] / name, weights_only=True)
+    assert snapshot["config"]["max_steps"] == 80, snapshot["config"]
