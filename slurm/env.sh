@@ -2,7 +2,8 @@
 # multi_node.sh, multi_node_srun.sh), its one source line; not run on its
 # own. The one file to edit for your cluster: the environment block (where
 # python and torch come from), the network block (nodes with several
-# networks), the container block's variables. In this order: the check that
+# networks), the container block's variables (an image for apptainer, or for
+# srun's pyxis). In this order: the check that
 # the wrapper runs under sbatch, the stop handling (its traps before anything
 # slow), those blocks, then what every wrapper needs from them: the script it
 # runs (SCRIPT), the multi-node jobs' data folder (DATA), the rendezvous port
@@ -25,7 +26,7 @@ set +u  # activation scripts (conda, some module systems) read unset variables
 # Default: the project's .venv (README set-up) or VENV_DIR's, where it exists and
 # no CONTAINER_IMAGE is set. A line below this one takes over from it:
 VENV="${VENV_DIR:-$SLURM_SUBMIT_DIR/.venv}"
-if [ -z "${CONTAINER_IMAGE:-}" ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
+if [ -z "${CONTAINER_IMAGE:-}${PYXIS_IMAGE:-}" ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
 # module load cuda/12.4 python/3.11                       # a module system, or
 # eval "$(conda shell.bash hook)" && conda activate ddp   # conda, or
 # CONTAINER_IMAGE=image.sif: a container instead (the container block below)
@@ -43,9 +44,19 @@ set -u
 # CONTAINER_RUN replaces the command before the image (split at spaces);
 # CONTAINER_BINDS: more folders to bind (comma-separated), beside the project,
 # the submission folder and DATA_DIR.
-CONTAINER=()
-if [ -n "${CONTAINER_IMAGE:-}" ]; then
-    BINDS="$SLURM_SUBMIT_DIR,$PROJECT${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+# PYXIS_IMAGE=nvcr.io#nvidia/pytorch:25.01-py3 (or a .sqsh file): instead, srun's own
+# --container-image (pyxis and enroot, on most NVIDIA clusters), the same folders
+# mounted; the batch shell's own python calls run there too, each a one-task step.
+CONTAINER=()       # runs a command of the batch shell in the container
+SRUN_CONTAINER=()  # the training step's srun options for it (pyxis)
+STEP_CONTAINER=()  # the command the training command runs under in the step (apptainer)
+BINDS="$SLURM_SUBMIT_DIR,$PROJECT${DATA_DIR:+,$DATA_DIR}${CONTAINER_BINDS:+,$CONTAINER_BINDS}"
+if [ -n "${PYXIS_IMAGE:-}" ]; then
+    # pyxis mounts SRC:DST; the job's environment reaches the container as it is.
+    SRUN_CONTAINER=(--container-image="$PYXIS_IMAGE" --container-name="ddp-$SLURM_JOB_ID"
+                    --container-mounts="$(sed -E 's/([^,]+)/\1:\1/g' <<< "$BINDS")" --container-workdir="$PWD")
+    CONTAINER=(srun --ntasks=1 --nodes=1 "${SRUN_CONTAINER[@]}")
+elif [ -n "${CONTAINER_IMAGE:-}" ]; then
     # The job's id reaches train.py in the container, which claims the snapshot
     # for this job (docs/slurm.md): apptainer passes the environment anyway,
     # podman and docker only what --env names.
@@ -55,6 +66,7 @@ if [ -n "${CONTAINER_IMAGE:-}" ]; then
     fi
     # shellcheck disable=SC2206  # word splitting of CONTAINER_RUN is the point
     CONTAINER=(${CONTAINER_RUN:-apptainer exec --nv --bind $BINDS} "${JOB_ENV[@]}" "$CONTAINER_IMAGE")
+    STEP_CONTAINER=("${CONTAINER[@]}")
 fi
 # ${CONTAINER[@]+"${CONTAINER[@]}"}: that command, or nothing (also under set -u in bash < 4.4).
 # --- end container ---

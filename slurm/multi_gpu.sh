@@ -45,6 +45,7 @@ echo "job $SLURM_JOB_ID on $(hostname) | restart ${SLURM_RESTART_COUNT:-0} | $NP
 # The training step: torchrun in an srun step (what a preemption signals), at a
 # free local port (--standalone), relaying the stop signals (TORCHRUN_STOP_FLAGS:
 # SIGUSR1 too, 80 s to save; docs/slurm.md). Defaults first: the same flag in "$@" overrides them.
-run_step srun --ntasks=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${CONTAINER[@]+"${CONTAINER[@]}"} \
+run_step srun --ntasks=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${SRUN_CONTAINER[@]+"${SRUN_CONTAINER[@]}"} \
+    ${STEP_CONTAINER[@]+"${STEP_CONTAINER[@]}"} \
     torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" "${TORCHRUN_STOP_FLAGS[@]}" \
     "$SCRIPT" --snapshot_path "$SNAPSHOT" "$@"

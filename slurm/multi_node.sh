@@ -92,7 +92,8 @@ echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NOD
 # The training step: one torchrun agent per node in an srun step; --rdzv-id:
 # the job id; the stop signals relayed as in multi_gpu.sh (docs/slurm.md).
 # Defaults first: the same flag in "$@" overrides them.
-run_step srun "${STEP_FLAGS[@]}" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" "${PER_NODE[@]}" \
-    ${CONTAINER[@]+"${CONTAINER[@]}"} ${ELASTIC_ENV[@]+"${ELASTIC_ENV[@]}"} torchrun --nnodes="$NNODES" --nproc_per_node=@NPROC@ \
+run_step srun "${STEP_FLAGS[@]}" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    ${SRUN_CONTAINER[@]+"${SRUN_CONTAINER[@]}"} "${PER_NODE[@]}" ${STEP_CONTAINER[@]+"${STEP_CONTAINER[@]}"} \
+    ${ELASTIC_ENV[@]+"${ELASTIC_ENV[@]}"} torchrun --nnodes="$NNODES" --nproc_per_node=@NPROC@ \
     --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     ${ELASTIC_FLAGS[@]+"${ELASTIC_FLAGS[@]}"} "${TORCHRUN_STOP_FLAGS[@]}" "$SCRIPT" --data_dir "$DATA" --snapshot_path "$SNAPSHOT" "$@"

@@ -46,5 +46,6 @@ echo "job $SLURM_JOB_ID | restart ${SLURM_RESTART_COUNT:-0} | $SLURM_JOB_NUM_NOD
 # Each rank finds the rendezvous itself (the job's first node; the port from
 # the job id, as slurm/env.sh's rendezvous_port), unless MASTER_ADDR and
 # MASTER_PORT are set. Defaults first: the same flag in "$@" overrides them.
-run_step srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${CONTAINER[@]+"${CONTAINER[@]}"} \
+run_step srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" ${SRUN_CONTAINER[@]+"${SRUN_CONTAINER[@]}"} \
+    ${STEP_CONTAINER[@]+"${STEP_CONTAINER[@]}"} \
     python "$SCRIPT" --data_dir "$DATA" --snapshot_path "$SNAPSHOT" "$@"

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from helpers import LAUNCHER_VARIABLES, typed_snapshot, wrapper_snapshot
+from train_utils.identity import run_identity
 
 REPO = Path(__file__).resolve().parent.parent
 WRAPPERS = ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"]
@@ -189,6 +190,57 @@ def test_env_sh_activates_the_venv_or_builds_the_container_command(tmp_path):
         "venv=0", f"script={REPO}/multinode.py", "data=/local",
         "[podman][run][--rm][--env][SLURM_JOB_ID=31337][--env][SLURM_ARRAY_JOB_ID=31330]"
         "[--env][SLURM_ARRAY_TASK_ID=7][ddp:latest]"], result.stderr
+
+
+# A stand-in srun: notes its arguments (NUL-separated) in a file of its own,
+# numbered, in the folder SRUN_CALLS names; a one-task step of the batch
+# shell's own (--ntasks=1 --nodes=1) runs its command here, as pyxis would in
+# the container; the training step is only noted.
+STAND_IN_SRUN = r"""
+printf '%s\0' "$@" > "$SRUN_CALLS/$(printf %03d "$(ls "$SRUN_CALLS" | wc -l)")"
+[ "$1 $2" = "--ntasks=1 --nodes=1" ] || exit 0
+while [ "${1#-}" != "$1" ]; do shift; done
+exec "$@"
+"""
+
+
+@pytest.mark.parametrize("wrapper", ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"])
+def test_pyxis_image_runs_the_training_step_with_sruns_container_flags(wrapper, tmp_path):
+    """PYXIS_IMAGE: no apptainer line and no venv; the training step's srun
+    gets --container-image, the submission and project folders (and
+    DATA_DIR) mounted at the same paths, the working folder, one container
+    per job and node; its command is the plain launcher. The batch shell's
+    own python (launcher check, run identity, rendezvous port) runs in
+    one-task steps with the same flags. pyxis is not installed here: a
+    stand-in srun notes each line the wrapper builds."""
+    bin_dir = tmp_path / "bin"
+    _stand_in(bin_dir, "srun", STAND_IN_SRUN)
+    _stand_in(bin_dir, "scontrol", 'case "$1 $2" in "show hostnames") echo node1; echo node2 ;; esac')
+    _stand_in(bin_dir, "squeue", "exit 0")
+    calls = tmp_path / "srun.calls"
+    calls.mkdir()
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "SLURM_JOB_ID": "31337",
+           "SLURM_JOB_NAME": "pyxis", "SLURM_SUBMIT_DIR": str(tmp_path), "PROJECT_DIR": str(REPO),
+           "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "node[1-2]", "SRUN_CALLS": str(calls), "USER": "someone",
+           "PYXIS_IMAGE": "nvcr.io#nvidia/pytorch:25.01-py3", "DATA_DIR": "/data", "VENV_DIR": "/nowhere"}
+    result = subprocess.run(["bash", str(REPO / "slurm" / wrapper), "--lr", "0.5"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [path.read_text().split("\0")[:-1] for path in sorted(calls.iterdir())]
+    flags = ["--container-image=nvcr.io#nvidia/pytorch:25.01-py3", "--container-name=ddp-31337",
+             f"--container-mounts={tmp_path}:{tmp_path},{REPO}:{REPO},/data:/data", f"--container-workdir={tmp_path}"]
+    *own, step = lines
+    assert own and all(line[:2] == ["--ntasks=1", "--nodes=1"] and line[2:6] == flags and line[6] == "python"
+                       for line in own), own
+    assert any("train_utils/identity.py" in " ".join(line) for line in own), own
+    assert step[:2] != ["--ntasks=1", "--nodes=1"] and "apptainer" not in step, step
+    at = step.index(flags[0])
+    assert step[at:at + 4] == flags, step
+    command = step[at + 4:]
+    launcher = {"multi_node_srun.sh": "python", "multi_node.sh": "bash"}.get(wrapper, "torchrun")
+    assert command[0] == launcher and f"{REPO}/train.py" in command and command[-2:] == ["--lr", "0.5"], step
+    assert f"snapshot-pyxis-{run_identity(['--lr', '0.5'])}.pt" in command, step
 
 
 def test_env_sh_traps_the_stop_signals_before_the_environment_block(tmp_path):
