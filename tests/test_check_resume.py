@@ -1,8 +1,9 @@
 """train.py --check_resume, driven as users drive it (torchrun on the CPU,
 gloo, 2 ranks): the built-in tasks resume bitwise under DDP and FSDP, and
 tasks that break exact resume (tests/unrestored_tasks.py) are caught, with
-the first step whose loss differs and the random stream not restored named;
-the check costs at most 2.2x the plain run of the same steps."""
+the first step whose loss differs and the random stream not restored named.
+What the check costs is printed by each built-in task's test (its line's
+two runs' seconds), never asserted: a wall-clock time is the benchmarks'."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from dataset_files import build_cifar10_root, build_mnist_root, build_shakespeare_root, build_token_files
-from helpers import REPO, TORCHRUN, check, error_lines, run
+from helpers import REPO, TORCHRUN, error_lines, run
 
 TWO_RANKS = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
 TINY_GPT = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--dropout", "0.1",
@@ -49,8 +50,10 @@ def task_flags(task: str, folder) -> tuple[list, object]:
     return ["--dataset", task, "--data_dir", root, *TINY_GPT, "--max_steps", "6"], None
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("task", ["mnist", "cifar10", "shakespeare_char", "tokens"])
+# Each built-in task once, FSDP's sharded snapshots on an image task and a language model
+# (the two language-model tasks share their model and windows; they differ in their files).
+@pytest.mark.parametrize("task,strategy", [("mnist", "ddp"), ("mnist", "fsdp"), ("cifar10", "ddp"),
+                                           ("shakespeare_char", "ddp"), ("tokens", "fsdp")])
 def test_the_built_in_tasks_resume_bitwise(task, strategy, tmp_path):
     """Each built-in task, a few steps: every step's loss, the random streams
     at the resume, and at the end the weights, optimizer state, position,
@@ -99,23 +102,6 @@ def test_a_task_that_breaks_resume_is_not_bitwise_from_the_first_step_after_it(t
         assert "no random stream the check sees was left unrestored" in out
     assert re.search(r"^check_resume: at the end, model parameters and buffers differ: \S", out, re.M), out
     assert "check_resume: not bitwise" in result.stderr  # torchrun's root cause
-
-
-def test_the_check_costs_at_most_2_2x_the_plain_run_of_the_same_steps(tmp_path):
-    """mnist, 6 steps, 2 ranks: the plain run (which also scores the test
-    split) and the check, each a whole torchrun command, timed on the wall."""
-    flags, _ = task_flags("mnist", tmp_path)
-    plain_dir = tmp_path / "plain"
-    plain_dir.mkdir()
-    started = time.monotonic()
-    check(run(TWO_RANKS + [REPO / "train.py", *flags], plain_dir, OMP_NUM_THREADS="1"))
-    plain_s = time.monotonic() - started
-    result, check_s = check_resume(flags, tmp_path)
-    assert BITWISE in check(result).stdout
-    straight_s, stopped_s = COST.search(result.stdout).groups()
-    print(f"mnist 6 steps: plain run {plain_s:.1f} s, --check_resume {check_s:.1f} s: {check_s / plain_s:.2f}x "
-          f"(its line: straight {straight_s} s, stopped and resumed {stopped_s} s)")
-    assert check_s <= 2.2 * plain_s
 
 
 def test_a_run_too_short_to_stop_in_the_middle_is_one_line(tmp_path):
