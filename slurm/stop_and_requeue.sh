@@ -79,6 +79,7 @@ snapshot_for() {
         [ "$#" -gt 0 ] && typed="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8)$suffix"
         # "<digits> <flags>", or the digits alone; a flag train.py would refuse ends the job here, with its line.
         identity="$(${CONTAINER[@]+"${CONTAINER[@]}"} python "$PROJECT/train_utils/identity.py" "$@")" || exit 2
+        identity="${identity##*$'\n'}"  # its last line: a container's own words may come first
         if [[ "$identity" == *" "* ]]; then
             SNAPSHOT="$name-${identity%% *}$suffix"
             echo "run identity ${identity%% *}: ${identity#* }"

@@ -21,6 +21,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import signal
 
 import pytest
@@ -31,8 +32,8 @@ import recipes
 import text_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from support.data import write_token_shard
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, evaluations, full_state, run,
-                     signal_when, snapshot_folder, snapshot_tensors, task_args)
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, error_lines, evaluations,
+                     full_state, run, signal_when, snapshot_folder, snapshot_tensors, task_args)
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
 # The character task's CPU recipe, every flag given, so that both tasks train by the same flags.
@@ -394,6 +395,32 @@ def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwi
     steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
     assert steps_a == steps_b == 1 and a["lr_schedule.step"].item() == 80 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_another_vocabulary_at_resume_is_one_line_and_the_snapshot_is_kept(uninterrupted, tmp_path):
+    """The finished run above, its meta.pkl replaced by another corpus's (the
+    whole of Tiny Shakespeare: 65 characters, the run's ids still valid),
+    extended with a raised --max_steps and asked for a sample: each ends
+    with one line naming the vocabulary sizes, exit status 2, rather than a
+    size-mismatch traceback from loading the embedding; the snapshot is
+    left as it was."""
+    runs, data = uninterrupted
+    straight, _ = runs["tokens"]
+    corpus, folder = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(data["tokens"], corpus)
+    shutil.copytree(straight, folder)
+    before = pickle.loads((corpus / "meta.pkl").read_bytes())["vocab_size"]
+    shutil.copy(build_token_files(tmp_path / "whole") / "meta.pkl", corpus / "meta.pkl")
+    assert before < 65 == pickle.loads((corpus / "meta.pkl").read_bytes())["vocab_size"]
+    saved = (folder / "snapshot_train.pt").read_bytes()
+    flags = step_flags(corpus)
+    for extra in (["--max_steps", "100"], ["--sample_chars", "20"]):
+        result = run(KIT + [REPO / "train.py", *flags, *extra], folder)
+        assert result.returncode == 2 and "size mismatch" not in result.stdout + result.stderr, result.stderr[-3000:]
+        assert error_lines(result.stderr) == [
+            f"error: snapshot snapshot_train.pt comes from a different run (vocab_size {before} -> 65); resume "
+            f"with its settings, or delete it or pass another --snapshot_path to start afresh"], result.stderr
+    assert (folder / "snapshot_train.pt").read_bytes() == saved
 
 
 def test_an_fsdp_token_run_stopped_mid_interval_resumes_bitwise(uninterrupted, tmp_path):
