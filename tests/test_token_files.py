@@ -401,7 +401,7 @@ def test_another_vocabulary_at_resume_is_one_line_and_the_snapshot_is_kept(unint
     """The finished run above, its meta.pkl replaced by another corpus's (the
     whole of Tiny Shakespeare: 65 characters, the run's ids still valid),
     extended with a raised --max_steps and asked for a sample: each ends
-    with one line naming the vocabulary sizes, exit status 2, rather than a
+    with one line naming the vocabulary sizes (exit status 2; torchrun's 1), rather than a
     size-mismatch traceback from loading the embedding; the snapshot is
     left as it was."""
     runs, data = uninterrupted
@@ -416,7 +416,7 @@ def test_another_vocabulary_at_resume_is_one_line_and_the_snapshot_is_kept(unint
     flags = step_flags(corpus)
     for extra in (["--max_steps", "100"], ["--sample_chars", "20"]):
         result = run(KIT + [REPO / "train.py", *flags, *extra], folder)
-        assert result.returncode == 2 and "size mismatch" not in result.stdout + result.stderr, result.stderr[-3000:]
+        assert result.returncode != 0 and "size mismatch" not in result.stdout + result.stderr, result.stderr[-3000:]
         assert error_lines(result.stderr) == [
             f"error: snapshot snapshot_train.pt comes from a different run (vocab_size {before} -> 65); resume "
             f"with its settings, or delete it or pass another --snapshot_path to start afresh"], result.stderr
