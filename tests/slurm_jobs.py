@@ -49,6 +49,7 @@ class Scenario:
     # after it ends, submit these arguments instead (the same run, respelt or extended); its snapshot
     # as the first job left it is kept beside it, as <snapshot>.first
     again: tuple = ()
+    after: str = ""  # the scenario whose job must have ended before this one is submitted (its nodes)
     user_signal: bool = False  # run alone, with preempt_send_user_signal switched on
     partition: str = "stops"
     # added to the job's environment: DDP_TEST_FAULT, with helpers.FAULTY_TRAIN_JOB_ENV (SCRIPT_NAME)

@@ -138,11 +138,12 @@ SCENARIOS = [
              trigger_when=("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                            "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")),
     # nanoGPT's token files, 2 hosts (partition multi: no preemption there), the time limit mid-interval
-    # launchers/submitit_train.py: a task per rank on two hosts, submitit's requeue after the kit's
-    # snapshot; the time-limit warning reaches every task (submitit's --signal, no B:)
-    Scenario("submitit", "launchers/submitit_train.py", "ddp-stop[6,9]",
-             ["--nodes", "2", "--gpus_per_node", "1", "--script", "tests/train_with_fault.py"], SHORT, warn_soon,
-             REFERENCE, env={"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}, trigger_when=HELD_AT_STEP_30),
+    # launchers/submitit_train.py: a task per rank on two hosts, preempted (SIGTERM to the tasks), submitit's
+    # requeue after the kit's snapshot; on preempt-srun's hosts once that job has ended
+    Scenario("submitit", "launchers/submitit_train.py", "ddp-stop[4-5]",
+             ["--nodes", "2", "--gpus_per_node", "1", "--script", "tests/train_with_fault.py"], SHORT, preempt,
+             REFERENCE, env={"DDP_TEST_FAULT": "step:*:30:wait_signal_once"}, trigger_when=HELD_AT_STEP_30,
+             after="preempt-srun"),
     # then submitted again with TOKENS_AGAIN
     Scenario("tokens-time-limit", "multi_node.sh", "ddp-node[1-2]", ["--nodes=2", "--gres=gpu:1"], TOKENS,
              warn_soon, REFERENCE, partition="multi", env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30,
@@ -242,6 +243,8 @@ def stopped(slurm_cluster, tmp_path_factory):
 
         def target(scenario=scenario, folder=folder):
             try:
+                if scenario.after:  # its nodes are that scenario's until its job has ended
+                    next(t for t in threads if t.name == scenario.after).join(SCENARIO_TIMEOUT_S + 60)
                 drive(slurm_cluster, scenario, folder)
             except BaseException as exc:  # noqa: BLE001 - reported by the scenario's test
                 scenario.error = f"{type(exc).__name__}: {exc}"
@@ -296,7 +299,8 @@ def stopped(slurm_cluster, tmp_path_factory):
     return {s.name: s for s in SCENARIOS}, folders, references
 
 
-@pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt and s.partition == "stops"])
+@pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt and s.partition == "stops"
+                                  and s.wrapper.endswith(".sh")])
 def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path):
     scenarios, folders, references = stopped
     scenario = scenarios[name]
@@ -375,12 +379,12 @@ def test_scancel_snapshots_and_the_same_command_resumes(stopped):
                          references[reference_key(scenario)])
 
 
-def test_a_submitit_job_warned_before_its_time_limit_snapshots_requeues_and_resumes_bitwise(stopped):
-    """launchers/submitit_train.py, two hosts, a task per rank: Slurm's
-    time-limit warning (SIGUSR1 to every task, submitit's --signal; the limit
-    brought near while every rank waits at step 30) stops every rank after
-    its step and rank 0 saves the snapshot; only then does rank 0 hand over
-    to submitit's requeue. The requeued job runs the pickled task again,
+def test_a_preempted_submitit_job_snapshots_requeues_and_resumes_bitwise(stopped):
+    """launchers/submitit_train.py, two hosts, a task per rank, preempted
+    while every rank waits at step 30 (SIGTERM to the tasks, GraceTime):
+    every rank stops after its step and rank 0 saves the snapshot; only then
+    does rank 0, seeing the job picked for preemption, hand over to
+    submitit's requeue. The requeued job runs the pickled task again,
     resumes at the step it stopped, and ends bitwise equal to an
     uninterrupted run."""
     scenarios, folders, references = stopped
@@ -389,8 +393,9 @@ def test_a_submitit_job_warned_before_its_time_limit_snapshots_requeues_and_resu
     info, log = scenario.infos[-1], scenario.logs[-1]
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
     assert info["NumNodes"] == "2", info
-    assert "stopped by SIGUSR1 after this step on every rank" in log, log
-    assert "rank 0: stopped by SIGUSR1, snapshot saved; requeueing" in log, log
+    # (preempt_send_user_signal is switched on only once this preemption is over)
+    assert "stopped by SIGTERM after this step on every rank" in log, log
+    assert "rank 0: stopped by SIGTERM, snapshot saved; requeueing" in log, log
     stop, resumed = STOP.search(log), RESUME.search(log)
     assert stop and resumed and (resumed.group(2), resumed.group(3)) == stop.group(1, 2), log
     print(f"submitit: stopped at epoch {stop.group(1)} step {stop.group(2)}, requeued, resumed there")
