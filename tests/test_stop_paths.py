@@ -94,9 +94,10 @@ TOKEN_DATA = "tokens_data"
 TOKENS = ["--dataset", "tokens", "--data_dir", TOKEN_DATA, "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
           "--block_size", "16", "--dropout", "0.1", "--batch_size", "8", "--max_steps", "60", "--warmup_steps", "10",
           "--eval_every_steps", "20", "--eval_windows", "40", "--total_epochs", "1"]
-# The same run submitted again once it has ended: its flags in another order and spelling, and
-# 20 more steps (the run's identity names the same snapshot: it trains on from step 60).
-TOKENS_AGAIN = ("--total_epochs", "1", "--eval_windows=40", "--eval_every_steps", "20", "--warmup_steps", "10",
+# The same run submitted again once it has ended: its flags in another order and spelling, a
+# longer --total_epochs and 20 more steps (the run's identity names the same snapshot: it trains
+# on from step 60 to the new --max_steps, which sets the epochs when given).
+TOKENS_AGAIN = ("--total_epochs", "2", "--eval_windows=40", "--eval_every_steps", "20", "--warmup_steps", "10",
                 "--max_steps", "80", "--batch_size", "8", "--dropout", "0.10", "--block_size", "16",
                 "--n_embd=32", "--n_head", "2", "--n_layer", "1", "--data_dir", f"./{TOKEN_DATA}",
                 "--dataset", "tokens")
@@ -560,8 +561,9 @@ def test_a_token_file_run_stopped_by_its_time_limit_between_evaluations_resumes_
 def test_a_two_node_run_submitted_again_reordered_and_longer_trains_on_from_its_snapshot(stopped):
     """The token-file run above, once it has ended (60 steps), submitted again
     to its two hosts with its flags in another order and spelling
-    (``--n_embd=32``, ``--dropout 0.10``, ``./tokens_data``) and --max_steps
-    raised to 80: the run's identity names the same snapshot, so the job
+    (``--n_embd=32``, ``--dropout 0.10``, ``./tokens_data``), --total_epochs
+    raised to 2 and --max_steps to 80: the run's identity names the same
+    snapshot, so the job
     resumes it at step 60 and trains steps 61-80, evaluating at 80, rather
     than starting a fresh run."""
     scenarios, folders, references = stopped
