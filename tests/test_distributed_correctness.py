@@ -74,8 +74,9 @@ def _eval_worker(rank, world_size, port, module_name, out_dir):
     torch.distributed.destroy_process_group()
 
 
+# 97 samples over 2 ranks are already uneven (49/48; 7 and 6 batches of 8): a third rank adds no path.
 @pytest.mark.parametrize("module_name", ["spawn", "train"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2])
 def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_path):
     dataset, model = eval_problem()
     loader = singlegpu.prepare_dataloader(dataset, 8, False, 0, common.collate)
