@@ -7,7 +7,7 @@ The Slurm wrappers name a submission's snapshot by it
 a file, in the job's environment or container:
 
     python train_utils/identity.py --dataset tokens --lr 3e-4 --total_epochs 4
-    # 5be3a0c1 --lr 0.0003 --dataset tokens
+    # 05fbcd44 --lr 0.0003 --dataset tokens
 
 What counts: every flag of train.py given with a value other than its
 default, except those that only say how long the run goes on (a longer run
@@ -85,7 +85,7 @@ def identity_of(argv: list) -> list:
 
 def main(argv: list) -> int:
     """``identity.py [train.py's flags]``: print the run's identity's digits
-    and its flags on one line ("5be3a0c1 --lr 0.0003 --dataset tokens"; the
+    and its flags on one line ("05fbcd44 --lr 0.0003 --dataset tokens"; the
     digits alone for a run that gives none of them)."""
     words = identity_of(argv)
     print(run_identity(words), *words)
