@@ -93,29 +93,27 @@ def _preempted(job_id: str) -> bool:
     return "PreemptTime=" in record and "PreemptTime=None" not in record
 
 
-def snapshot_name(job_name: str, args: list) -> str:
-    """The --snapshot_path the Slurm wrappers would give ``args`` in a job
-    named ``job_name``: snapshot-<job name>[-<the run's identity>].pt, a
-    folder (no .pt) under --strategy fsdp or hsdp. Ends the process with
-    train.py's one line for a flag train.py refuses."""
+def snapshot_path(job_name: str, args: list) -> str:
+    """The --snapshot_path train.py's ``args`` give, or else the one the
+    Slurm wrappers would give them in a job named ``job_name``:
+    snapshot-<job name>[-<the run's identity>].pt, a folder (no .pt) under
+    --strategy fsdp or hsdp. Ends the process with train.py's one line for
+    a flag train.py refuses."""
     sys.path.insert(0, str(PROJECT))
-    from train_utils import identity
+    from train_utils import identity  # here, not at the top: the job's tasks never import torch
 
+    parsed = identity.parse(args)
+    if parsed.snapshot_path is not None:
+        return parsed.snapshot_path
     words = identity.identity_of(args)
-    strategy = "ddp"
-    for i, arg in enumerate(args):  # train.py takes the last --strategy given
-        if arg == "--strategy" and i + 1 < len(args):
-            strategy = args[i + 1]
-        elif arg.startswith("--strategy="):
-            strategy = arg.split("=", 1)[1]
     name = f"snapshot-{job_name}" + (f"-{identity.run_identity(words)}" if words else "")
-    return name if strategy in ("fsdp", "hsdp") else f"{name}.pt"
+    return name if parsed.strategy in ("fsdp", "hsdp") else f"{name}.pt"
 
 
 def main(argv: list) -> int:
     """Parse the job's flags and train.py's (after ``--``), submit; print the job id."""
-    ours, _, train_args = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) if "--" in argv \
-        else (argv, None, [])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ours, train_args = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     parser.add_argument("--gpus_per_node", type=int, default=1, help="GPUs, and so tasks, per node (default: 1)")
@@ -132,8 +130,8 @@ def main(argv: list) -> int:
     parser.add_argument("--wait", action="store_true", help="wait for the job; print how it ended")
     args = parser.parse_args(ours)
     extra = {"requeue": True, **dict(option.split("=", 1) for option in args.slurm)}
-    if "--snapshot_path" not in train_args and not any(a.startswith("--snapshot_path=") for a in train_args):
-        train_args += ["--snapshot_path", snapshot_name(args.job_name, train_args)]
+    snapshot = snapshot_path(args.job_name, train_args)
+    train_args += ["--snapshot_path", snapshot]  # the one given, again (train.py takes the last), or the default
     executor = submitit.AutoExecutor(folder=args.folder, cluster="slurm")
     executor.update_parameters(
         name=args.job_name, nodes=args.nodes, tasks_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
@@ -142,8 +140,7 @@ def main(argv: list) -> int:
         slurm_gres=f"gpu:{args.gpus_per_node}" if args.gpus_per_node else None,
         slurm_additional_parameters=extra)
     job = executor.submit(KitTask(str(PROJECT / args.script), train_args, os.getcwd()))
-    print(f"job {job.job_id} submitted | {train_args[train_args.index('--snapshot_path') + 1]} | logs in "
-          f"{args.folder}/", flush=True)
+    print(f"job {job.job_id} submitted | {snapshot} | logs in {args.folder}/", flush=True)
     if args.wait:
         try:
             print(f"job {job.job_id} ended: status {job.result()}")

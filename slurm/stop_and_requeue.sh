@@ -45,16 +45,17 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 # digits>].pt, the digits the run's identity (train_utils/identity.py: the
 # flags that say what the run learns, as train.py parses them, in one order;
 # none when it has none; the rungs take the same flags); a --snapshot_path
-# among them wins. With --strategy fsdp or hsdp a folder,
-# without the .pt (sharded snapshots: one sub-folder per save). The same run
-# submitted again (or requeued) gets the same name and resumes, whatever the
-# order of its flags, and with a longer --total_epochs or --max_steps trains
-# on; a sweep submitted from one folder (other --lr, say) gets one snapshot
-# per point, never another's. A snapshot named by a hash of the arguments as
-# typed is resumed where the identity's name has none yet, with a note. Then claims the snapshot for this job (<snapshot>.job holds the job
-# id, read and written under flock) and exits 2 with one line when another
-# job that is still queued or running holds it: two live jobs must never write
-# one snapshot. A claim of a run started without Slurm (host and pid, no job)
+# among them wins. With --strategy fsdp or hsdp a folder, without the .pt
+# (sharded snapshots: one sub-folder per save). The same run submitted again
+# (or requeued) gets the same name and resumes, whatever the order of its
+# flags, and with a longer --total_epochs or --max_steps trains on; a sweep
+# submitted from one folder (other --lr, say) gets one snapshot per point,
+# never another's. A snapshot named by a hash of the arguments as typed is
+# resumed where the identity's name has none yet, with a note. Then claims
+# the snapshot for this job (<snapshot>.job holds the job id, read and
+# written under flock) and exits 2 with one line when another job that is
+# still queued or running holds it: two live jobs must never write one
+# snapshot. A claim of a run started without Slurm (host and pid, no job)
 # stays: train.py refuses it while that run lives.
 snapshot_for() {
     local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" arg given="" after=""

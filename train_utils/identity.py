@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import os
 import sys
-from typing import Mapping
 
 if __name__ == "__main__":  # run as a file: the project folder, not this one, on the path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,23 +40,17 @@ IDENTITY_FLAGS = tuple(
     and spec.name not in RUN_LENGTH + SPEED_ONLY)
 
 
-def identity_flags(args: argparse.Namespace, task_flags: Mapping[str, dict] = {}) -> list:
-    """The run's identity as command-line words: ``--name value`` for each
-    flag of ``IDENTITY_FLAGS`` and of ``task_flags`` (the task module's
-    ``FLAGS`` that count, in their order) whose value in ``args``
-    (``cli.parse_args``'s) is not its default (None, for the flags the
-    task's recipe fills), in that order;
-    values as parsed (``--lr 3e-4`` and ``--lr 0.0003`` are one run), a
-    path normalised (``./data`` is ``data``)."""
-    defaults = {spec.name: None if spec.metadata["task_default"] else spec.default for spec in config.flags()}
-    defaults["data_dir"] = os.environ.get("DATA_DIR", "data")
-    defaults.update({name: options.get("default") for name, options in task_flags.items()})
+def identity_flags(args: argparse.Namespace, defaults: argparse.Namespace, names) -> list:
+    """The run's identity as command-line words: ``--name value`` for each of
+    ``names`` (in their order) whose value in ``args`` differs from its value
+    in ``defaults`` (both ``parse``'s), values as parsed (``--lr 3e-4`` and
+    ``--lr 0.0003`` are one run), a path normalised (``./data`` is ``data``)."""
     words = []
-    for name in (*IDENTITY_FLAGS, *task_flags):
-        value = getattr(args, name, None)
-        if name == "data_dir" and value is not None:
-            value = os.path.normpath(value)
-        if value is not None and value != defaults.get(name):
+    for name in names:
+        value, default = getattr(args, name, None), getattr(defaults, name, None)
+        if name == "data_dir":
+            value, default = os.path.normpath(value), os.path.normpath(default)
+        if value != default:
             words += [f"--{name}", str(value)]
     return words
 
@@ -68,19 +61,32 @@ def run_identity(words: list) -> str:
     return hashlib.sha256(b"".join(word.encode() + b"\0" for word in words)).hexdigest()[:8]
 
 
-def identity_of(argv: list) -> list:
-    """The identity (``identity_flags``'s words) of train.py's command-line
-    arguments ``argv``, parsed as train.py parses them. A flag train.py
-    would refuse ends the process as it would there: one line, status 2."""
+def parse(argv: list) -> argparse.Namespace:
+    """train.py's command-line arguments ``argv`` parsed as train.py parses
+    them (``cli.parse_args``: the kit's flags and those of the task
+    --dataset names; unset, a flag the task's recipe fills is None, and
+    --snapshot_path too). A flag train.py would refuse ends the process as
+    it would there: one line, status 2."""
     saved = sys.argv
     sys.argv = ["train.py", *argv]
     try:
-        args = cli.parse_args(None, common.TASKS)
+        return cli.parse_args(None, common.TASKS)
     finally:
         sys.argv = saved
+
+
+def identity_of(argv: list) -> list:
+    """The identity (``identity_flags``'s words) of train.py's command-line
+    arguments ``argv``: the flags of ``IDENTITY_FLAGS`` and the task module's
+    own but its ``OUTPUT_FLAGS``, against their defaults (no flag given,
+    and the task's flags under ``argv``'s --dataset). Ends the process as
+    ``parse`` does."""
+    args = parse(argv)
+    defaults = parse(["--dataset", args.dataset])  # the task's own flags' defaults too
+    defaults.dataset = parse([]).dataset
     module, flags = next(iter(cli.task_flags((args.dataset,)).items()), (None, {}))
     output = getattr(sys.modules.get(module), "OUTPUT_FLAGS", ())
-    return identity_flags(args, {name: options for name, options in flags.items() if name not in output})
+    return identity_flags(args, defaults, [*IDENTITY_FLAGS, *(name for name in flags if name not in output)])
 
 
 def main(argv: list) -> int:
