@@ -1,5 +1,6 @@
-"""A rank that hangs: the job ends within the time-out (--pg_timeout_s) plus
-30 s, with one line naming the stuck rank, its host and where it is
+"""A rank that hangs: the job ends at the time-out (--pg_timeout_s), no rank
+left for torchrun's SIGKILL 30 s after its SIGTERM (the seconds are
+printed, never asserted: they follow the machine's load), with one line naming the stuck rank, its host and where it is
 (file:line, or that it is stopped), the collective the others waited in,
 and a stack file per live rank beside the snapshot.
 
@@ -80,6 +81,14 @@ def run_timed(cmd: list, cwd: Path, stuck_line: str, **env: str) -> tuple:
     return job.returncode, log.read_text(), end - stuck, (error or end) - stuck
 
 
+def killed_ranks(log: str) -> list:
+    """The exit codes of torchrun's failure report that are a SIGKILL (-9):
+    a rank still alive at the end of torchrun's 30 s grace after its
+    SIGTERM. [] when every rank ended by itself or at the SIGTERM (143). The
+    job's end is then bounded by the time-out, whatever the machine's speed."""
+    return [code for code in re.findall(r"exitcode\s*:\s*(-?\d+)", log) if code == "-9"]
+
+
 def the_line(log: str) -> str:
     """The one line the job ends with (each rank's error lines, deduplicated:
     torchrun repeats the root cause)."""
@@ -92,8 +101,8 @@ def test_a_rank_stuck_in_its_tasks_code_is_named_with_its_file_and_line(tmp_path
     """The stuck rank answers from a thread while its main thread sleeps in the
     task's loss: the line names rank 1, its host and stuck_task.py's line of
     the sleep; both ranks wrote their stacks beside the snapshot, rank 1's
-    showing the sleep; the whole job ends within the time-out + 30 s (the
-    stuck rank ends at torchrun's SIGTERM, the job being over)."""
+    showing the sleep; no rank is SIGKILLed (the stuck rank ends at
+    torchrun's SIGTERM, the job being over)."""
     (tmp_path / "stuck_task.py").write_text(STUCK_TASK)
     sleep_line = STUCK_TASK.splitlines().index("        time.sleep(3600)  # the hang") + 1
     cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--dataset",
@@ -114,7 +123,7 @@ def test_a_rank_stuck_in_its_tasks_code_is_named_with_its_file_and_line(tmp_path
     assert f"main thread at: stuck_task.py:{sleep_line} in loss" in stacks[f"stacks_rank1_{HOST}.txt"]
     assert "(where its collective timed out)" in stacks[f"stacks_rank0_{HOST}.txt"]
     print(f"stuck rank: the job ended {ended:.1f} s after it stuck (time-out {TIMEOUT_S} s)")
-    assert ended <= TIMEOUT_S + 30
+    assert re.search(r"exitcode\s*:", log) and killed_ranks(log) == [], log[-4000:]
 
 
 def test_a_rank_frozen_by_sigstop_is_named_as_stopped(tmp_path):
@@ -122,8 +131,8 @@ def test_a_rank_frozen_by_sigstop_is_named_as_stopped(tmp_path):
     host and continues it, as Slurm continues a task before it signals it;
     the line names it, its host, pid and where it froze, and the collective
     rank 0 waited in; both stacks are written; the job ends within the
-    time-out + 30 s (else torchrun would SIGKILL the stopped rank only after
-    its 30 s grace)."""
+    time-out, no rank SIGKILLed (else torchrun would SIGKILL the stopped rank
+    only after its 30 s grace)."""
     status, log, ended, reported = run_timed(FAULTY_RUN, tmp_path, "DDP_TEST_FAULT: sigstop at step 5 on rank 1",
                                              DDP_TEST_FAULT="step:1:5:sigstop")
     assert status == 1
@@ -136,15 +145,15 @@ def test_a_rank_frozen_by_sigstop_is_named_as_stopped(tmp_path):
                                                                           f"stacks_rank1_{HOST}.txt"]
     print(f"frozen rank: reported {reported:.1f} s after it froze, the job ended after {ended:.1f} s "
           f"(time-out {TIMEOUT_S} s)")
-    assert ended <= TIMEOUT_S + 30
+    assert re.search(r"exitcode\s*:", log) and killed_ranks(log) == [], log[-4000:]
 
 
 def test_a_rank_that_skips_a_collective_is_named_as_a_mismatch(tmp_path):
     """Rank 1 skips one of the stop signal's all-reduces: the ranks' later
     collectives pair up wrongly until they wait in different ones. Both time
     out; the line says so, naming each rank's collective and file:line; both
-    stacks are written; the job ends within the time-out + 30 s of the skip
-    (the rest of the epoch, 20 steps of a small model, takes a second)."""
+    stacks are written; no rank is SIGKILLed (the rest of the epoch, 20
+    steps of a small model, takes a second)."""
     status, log, ended, _ = run_timed(FAULTY_RUN, tmp_path, "DDP_TEST_FAULT: skip at poll 3 on rank 1",
                                       DDP_TEST_FAULT="poll:1:3:skip")
     assert status == 1
@@ -156,7 +165,7 @@ def test_a_rank_that_skips_a_collective_is_named_as_a_mismatch(tmp_path):
     assert sorted(path.name for path in tmp_path.glob("stacks_*.txt")) == [f"stacks_rank0_{HOST}.txt",
                                                                           f"stacks_rank1_{HOST}.txt"]
     print(f"skipped collective: the job ended {ended:.1f} s after the skip (time-out {TIMEOUT_S} s)")
-    assert ended <= TIMEOUT_S + 30
+    assert re.search(r"exitcode\s*:", log) and killed_ranks(log) == [], log[-4000:]
 
 
 def test_a_snapshot_write_slower_than_the_timeout_is_no_hang(tmp_path):
