@@ -15,10 +15,11 @@ time-out."""
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, error_lines, script_env
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, error_lines, free_port, script_env
 
 TIMEOUT_S = 10  # --pg_timeout_s
 HOST = socket.gethostname()
@@ -181,3 +182,39 @@ def test_a_snapshot_write_slower_than_the_timeout_is_no_hang(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "epoch 2/2 |" in result.stdout
     assert not [line for line in error_lines(result.stderr) if "timed out" in line]
+
+
+# One rank that makes the hang report, as rank 0 does when it found a rank
+# stuck: it asks for the stacks, reads the answers, and is sent torchrun's
+# SIGTERM before its line is out (torchrun sends it to every rank as soon as a
+# rank that left the report to rank 0 has exited).
+REPORTER = '''
+import os, signal, sys, time
+import torch.distributed as dist
+from train_utils import hang_report
+from train_utils.stop import catch_stop_signals, note_stop_signals_only, received_stop_signal
+
+catch_stop_signals()
+dist.init_process_group("gloo", rank=0, world_size=1)
+note_stop_signals_only()
+hang_report.answer_stack_requests(sys.argv[1])
+store = hang_report.request_stacks("a rank did not arrive")
+answers = hang_report.collect_answers(store, 1, time.monotonic() + 30)
+assert hang_report.hang_requested() and 0 in answers
+os.kill(os.getpid(), signal.SIGTERM)
+print("error: the report, after", signal.Signals(received_stop_signal()).name, flush=True)
+os._exit(1)
+'''
+
+
+def test_the_rank_writing_the_report_finishes_its_line_through_a_sigterm(tmp_path):
+    """The rank that asked for every rank's stack ends only once its line is
+    out: a SIGTERM meanwhile is noted, not the end of it (a stuck rank, which
+    makes no report, still ends at once on it: the tests above)."""
+    (tmp_path / "reporter.py").write_text(REPORTER)
+    result = subprocess.run([sys.executable, "reporter.py", str(tmp_path)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120,
+                            env=script_env(PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"))
+    assert (result.returncode, result.stdout) == (1, "error: the report, after SIGTERM\n"), result.stderr[-3000:]
+    assert [path.name for path in tmp_path.glob("stacks_*.txt")] == [f"stacks_rank0_{HOST}.txt"]

@@ -45,6 +45,7 @@ class _Answering:
     folder = ""  # where the stack files go (stack_folder)
     requested = threading.Event()  # set once a request came: the job is ending on a time-out
     answered = threading.Event()  # set once this rank's stack file is written and its answer given
+    reporting = False  # this rank asked for the stacks (request_stacks): it writes the job's one line
     failed_at: Optional[list] = None  # where this rank's own collective timed out (note_timed_out)
 
 
@@ -123,8 +124,19 @@ def stop_answering() -> None:
 def hang_requested() -> bool:
     """Whether a rank asked for every rank's stack: a collective timed out
     and the job is ending. A stop signal then ends this rank at once
-    (``stop._handler``): no snapshot can be saved over broken collectives."""
+    (``stop._handler``): no snapshot can be saved over broken collectives;
+    except on the rank making the report (``making_report``), which ends
+    once its line is out."""
     return _STATE.requested.is_set()
+
+
+def making_report() -> bool:
+    """Whether this rank asked for the stacks (``request_stacks``) and so
+    writes, or may write, the job's one line: a stop signal then must not end
+    it before the line is out (``stop._handler``). torchrun sends SIGTERM to
+    every rank as soon as one of them exits, and a rank that leaves the
+    report to rank 0 exits while rank 0 still reads the answers."""
+    return _STATE.reporting
 
 
 def note_timed_out(exc: BaseException) -> None:
@@ -150,7 +162,9 @@ def request_stacks(reason: str) -> Optional[dist.Store]:
     """Ask every rank's answering thread for its stack and answer (the first
     request counts; ``reason`` goes into each stack file). Returns the store
     client to read the answers with (``collect_answers``), or None where
-    there is none (no launcher's store, or it does not answer)."""
+    there is none (no launcher's store, or it does not answer). From now on
+    this rank is the one writing the report (``making_report``)."""
+    _STATE.reporting = True
     try:
         store = _store()
         if store is not None:

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .hang_report import hang_requested
+from .hang_report import hang_requested, making_report
 from .launch import barrier, gloo_group
 from .output import is_distributed, print_line, write_from_signal_handler
 from .snapshots.claims import release_claim
@@ -73,6 +73,9 @@ def _handler(signum, frame) -> None:
     if os.getpid() != _STATE.pid:
         return  # a loader worker before its worker_init_fn ran: the rank decides
     if hang_requested():  # a collective timed out and the job is ending: no snapshot can be saved now
+        if making_report():  # this rank writes the job's one line, then exits on its own
+            _STATE.received = _STATE.received or signum
+            return
         release_claim()  # os._exit skips atexit
         os._exit(128 + signum)
     if _STATE.received:
