@@ -41,7 +41,7 @@ def kit_run(tmp_path_factory):
     STRATEGY FLAGS...`` (OMP_NUM_THREADS=1, what torchrun sets for 2
     processes, set here whatever the environment holds) once per strategy
     and flags in the whole test session, each in a folder of its own: under
-    ``-n 2`` both test processes share the runs (a file lock, in the folder
+    ``-n 3`` the test processes share the runs (a file lock, in the folder
     of the session that holds theirs; a run is made in a temporary folder and
     renamed once it has succeeded). Returns (that folder, the run's stdout).
     For tests that compare with a finished run, or start from its snapshot;
@@ -170,7 +170,7 @@ def share_cores_between_test_processes() -> None:
     (OMP_NUM_THREADS, unless set already), as train.py shares them between
     ranks. Otherwise a one-process run (singlegpu.py, torchrun
     --nproc_per_node=1, mp.spawn's ranks: nothing sets their threads) takes
-    every core's thread while the other test process computes too, and its
+    every core's thread while the other test processes compute too, and its
     threads wait for each other: on 2 busy cores, singlegpu.py's 20 epochs
     took 45-56 s with 2 threads, 13-15 s with 1."""
     import os
@@ -189,11 +189,11 @@ def share_cores_between_test_processes() -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark the tests QUICK names ``quick``. An entry naming a file that was
     collected whole but none of its tests (a test renamed) is an error, not a
-    silently smaller tier. The cluster files go first, so that under ``-n 2``
+    silently smaller tier. The cluster files go first, so that under ``-n 3``
     their minutes of waiting overlap the other files' computing, the
     container's last of them, so that an image built in the background
     (.ci/run) is ready by then; the other files longest first (LONGEST_FIRST),
-    so that the last ones handed out are short and both test processes end
+    so that the last ones handed out are short and the test processes end
     together (a stable sort: each file's tests keep their order)."""
     def order(item) -> tuple:
         file_name = item.nodeid.split("::")[0].rpartition("/")[2]
@@ -215,17 +215,17 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 # --------------------------------------------------------------------------
-# Two test processes (pytest -n 2): what runs on which
+# Three test processes on 2 cores (pytest -n 3): what runs on which
 # --------------------------------------------------------------------------
 
 # The files that share the session's Slurm cluster (and the container image,
 # built once): one unit of work, so they run in one test process, one after
 # the other. They wait on Slurm's timers and on downloads for minutes while
-# the other process runs the rest.
+# the other processes run the rest.
 CLUSTER_FILES = ("test_container.py", "test_slurm.py", "test_stop_paths.py")
 # The other files, longest first (their CPU seconds in a fresh-clone CI run on
 # 2 cores): handed out in this order, a file not listed before them all.
-# Longest first ends the two test processes within a short file of each other.
+# Longest first ends the test processes within a short file of each other.
 LONGEST_FIRST = (
     "test_fault_tolerance.py", "test_fsdp.py", "test_docs.py", "test_performance.py", "test_recipes.py",
     "test_reruns_and_errors.py", "test_ladder.py", "test_output_paths.py", "test_token_files.py",
@@ -249,7 +249,7 @@ def _scope(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``-n 2``), hand out whole files, the cluster files
+    """Under pytest-xdist (``-n 3``), hand out whole files, the cluster files
     together as one, the cluster first (it is the longest); the files in
     collection order after it (pytest_collection_modifyitems: longest first)."""
     from xdist.scheduler import LoadScopeScheduling

@@ -19,7 +19,7 @@ def _readme_commands():
 def test_readme_opens_with_the_two_commands():
     run_job, run_tests = _readme_commands()
     assert run_job.endswith(".venv/bin/python singlegpu.py")
-    assert run_tests.endswith("-m pytest -v -n 2 tests")
+    assert run_tests.endswith("-m pytest -v -n 3 tests")
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
