@@ -72,7 +72,7 @@ def build_task(args, download):
 def run_job(cmd: list, cwd, timeout: float, **env: str) -> tuple:
     """Run ``cmd``; return (exit status, or None when it was still running after
     ``timeout`` seconds; stdout; stderr; seconds; the pids of its processes,
-    loader workers and fork servers included, still there 10 s after it ended).
+    loader workers and fork servers included, still there 30 s after it ended).
     Every process it started carries JOB_TAG in its environment: all are
     killed at the end."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
@@ -88,7 +88,7 @@ def run_job(cmd: list, cwd, timeout: float, **env: str) -> tuple:
         stdout, stderr = job.communicate()
         status = None
     seconds = time.monotonic() - start
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a bound for a busy machine: the wait ends when none is left
     while tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = tagged(tag)

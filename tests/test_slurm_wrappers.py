@@ -413,7 +413,7 @@ def test_a_job_waits_for_the_claim_another_job_is_taking(tmp_path):
     first = subprocess.Popen(["flock", str(claim), "bash", "-c", "touch held; sleep 1; echo 5 > snapshot-sweep.pt.job"],
                              cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not (tmp_path / "held").exists():  # job 5 holds the lock
             assert time.monotonic() < deadline and first.poll() is None, "flock never took the claim's lock"
             time.sleep(0.05)
