@@ -1,7 +1,8 @@
 """A rank that hangs: the job ends at the time-out (--pg_timeout_s), no rank
 left for torchrun's SIGKILL 30 s after its SIGTERM (the seconds are
-printed, never asserted: they follow the machine's load), with one line naming the stuck rank, its host and where it is
-(file:line, or that it is stopped), the collective the others waited in,
+printed, never asserted: they follow the machine's load), with one line
+naming the stuck rank, its host and where it is (file:line, or that it is
+stopped), the collective the others waited in,
 and a stack file per live rank beside the snapshot.
 
 Three hangs, each driven as a user meets it, train.py under torchrun on 2
@@ -82,12 +83,14 @@ def run_timed(cmd: list, cwd: Path, stuck_line: str, **env: str) -> tuple:
     return job.returncode, log.read_text(), end - stuck, (error or end) - stuck
 
 
-def killed_ranks(log: str) -> list:
-    """The exit codes of torchrun's failure report that are a SIGKILL (-9):
-    a rank still alive at the end of torchrun's 30 s grace after its
-    SIGTERM. [] when every rank ended by itself or at the SIGTERM (143). The
-    job's end is then bounded by the time-out, whatever the machine's speed."""
-    return [code for code in re.findall(r"exitcode\s*:\s*(-?\d+)", log) if code == "-9"]
+def assert_no_rank_killed(log: str) -> None:
+    """torchrun's failure report is in ``log`` and none of its exit codes is
+    a SIGKILL (-9), which a rank still alive at the end of torchrun's 30 s
+    grace after its SIGTERM gets: every rank ended by itself or at the
+    SIGTERM (143). The job's end is then bounded by the time-out, whatever
+    the machine's speed."""
+    killed = [code for code in re.findall(r"exitcode\s*:\s*(-?\d+)", log) if code == "-9"]
+    assert re.search(r"exitcode\s*:", log) and killed == [], log[-4000:]
 
 
 def the_line(log: str) -> str:
@@ -124,7 +127,7 @@ def test_a_rank_stuck_in_its_tasks_code_is_named_with_its_file_and_line(tmp_path
     assert f"main thread at: stuck_task.py:{sleep_line} in loss" in stacks[f"stacks_rank1_{HOST}.txt"]
     assert "(where its collective timed out)" in stacks[f"stacks_rank0_{HOST}.txt"]
     print(f"stuck rank: the job ended {ended:.1f} s after it stuck (time-out {TIMEOUT_S} s)")
-    assert re.search(r"exitcode\s*:", log) and killed_ranks(log) == [], log[-4000:]
+    assert_no_rank_killed(log)
 
 
 def test_a_rank_frozen_by_sigstop_is_named_as_stopped(tmp_path):
@@ -146,7 +149,7 @@ def test_a_rank_frozen_by_sigstop_is_named_as_stopped(tmp_path):
                                                                           f"stacks_rank1_{HOST}.txt"]
     print(f"frozen rank: reported {reported:.1f} s after it froze, the job ended after {ended:.1f} s "
           f"(time-out {TIMEOUT_S} s)")
-    assert re.search(r"exitcode\s*:", log) and killed_ranks(log) == [], log[-4000:]
+    assert_no_rank_killed(log)
 
 
 def test_a_rank_that_skips_a_collective_is_named_as_a_mismatch(tmp_path):
@@ -166,7 +169,7 @@ def test_a_rank_that_skips_a_collective_is_named_as_a_mismatch(tmp_path):
     assert sorted(path.name for path in tmp_path.glob("stacks_*.txt")) == [f"stacks_rank0_{HOST}.txt",
                                                                           f"stacks_rank1_{HOST}.txt"]
     print(f"skipped collective: the job ended {ended:.1f} s after the skip (time-out {TIMEOUT_S} s)")
-    assert re.search(r"exitcode\s*:", log) and killed_ranks(log) == [], log[-4000:]
+    assert_no_rank_killed(log)
 
 
 def test_a_snapshot_write_slower_than_the_timeout_is_no_hang(tmp_path):

@@ -311,9 +311,9 @@ def test_cifar10_default_recipe_trains(tmp_path):
     # 2 ranks through tests/md5_bypass.py: the synthetic files' checksums are not the official ones.
     launch = TORCHRUN_2[:-1] + [REPO / "tests" / "md5_bypass.py"]
     flags = ["--dataset", "cifar10", "--data_dir", data, "--batch_size", "16", "--lr", "0.02", "--total_epochs", "2"]
-    straight = check(run(launch + [REPO / "train.py"] + flags, tmp_path))
-    assert "device cpu" in straight.stdout
-    lines = epochs(straight.stdout)
+    result = check(run(launch + [REPO / "train.py"] + flags, tmp_path))
+    assert "device cpu" in result.stdout
+    lines = epochs(result.stdout)
     assert lines[1]["train_loss"] < lines[0]["train_loss"]
     config = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["config"]
     assert (config["model"], config["optimizer"], config["weight_decay"], config["lr_schedule"]) == \
