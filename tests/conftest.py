@@ -162,6 +162,7 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "quick: the few-minute tier (tests/conftest.py's QUICK): "
                                        "python -m pytest -m quick tests")
     share_cores_between_test_processes()
+    _record_launches()
 
 
 def share_cores_between_test_processes() -> None:
@@ -263,11 +264,15 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 # --------------------------------------------------------------------------
-# Each test file's time, printed at the end of the run
+# What each test costs, printed at the end of the run
 # --------------------------------------------------------------------------
 
 # Each test's [wall seconds, CPU seconds], its phases (setup, call, teardown) summed.
 _TEST_SECONDS: dict = {}
+# Each test's launches (``_launch``): the processes that run the project's scripts or
+# torch's workers, started by the test or by a fixture it was the first to need.
+_TEST_LAUNCHES: dict = {}
+_launches: list = []  # this test process's launches since its current test began
 
 
 def _cpu_seconds() -> float:
@@ -279,50 +284,131 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _launch(argv) -> str | None:
+    """What a command line runs, as one comparable string: the script (the
+    project's, relative to it, or a file's name) or ``torchrun``, and its
+    flags, with every other path shortened to its last part less trailing
+    digits (pytest's numbered folders); None for a command that starts no
+    Python script (ip, podman, Slurm's own commands, git)."""
+    import re
+
+    words = [str(word) for word in ([argv] if isinstance(argv, (str, bytes)) else argv)]
+    if not any(word.endswith((".py", ".sh")) or word == "torch.distributed.run" or word == "-c"
+               for word in words) or words[0].rpartition("/")[2] in ("git", "ip", "podman", "nsenter"):
+        return None
+    repo = str(Path(__file__).resolve().parent.parent) + "/"
+
+    def short(word: str) -> str:
+        word = word.replace(repo, "")
+        return re.sub(r"(?<![^\s=])/(?:[^\s/=]*/)*([^\s/=]+?)\d*(?=$|[\s=])", r"\1", word)
+
+    shown = [short(word) for word in words if not re.search(r"python[\d.]*$", word)]
+    text = " ".join(shown).replace("-m torch.distributed.run", "torchrun")
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def _record_launches() -> None:
+    """Note every process this test process starts (subprocess.Popen, and
+    torch.multiprocessing's spawn) in ``_launches``."""
+    import subprocess
+
+    popen_init = subprocess.Popen.__init__
+
+    def noting_init(self, args, *rest, **options):
+        launch = _launch(args)
+        if launch:
+            _launches.append(launch)
+        popen_init(self, args, *rest, **options)
+
+    subprocess.Popen.__init__ = noting_init
+    import torch.multiprocessing as torch_mp
+
+    start_processes = torch_mp.start_processes
+
+    def noting_start(fn, args=(), nprocs=1, *rest, **options):
+        _launches.append(f"mp.spawn {getattr(fn, '__name__', fn)} x{nprocs}")
+        return start_processes(fn, args, nprocs, *rest, **options)
+
+    torch_mp.start_processes = noting_start
+    torch_mp.spawn.__globals__["start_processes"] = noting_start  # spawn calls it by its module's name
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     item._cpu_mark = _cpu_seconds()  # where the setup phase's CPU seconds count from
+    _launches.clear()
     yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Attach each phase's CPU seconds to its report (user_properties travel
-    from pytest-xdist's test processes to the one that prints)."""
+    """Attach each phase's CPU seconds, and the processes it started, to its
+    report (user_properties travel from pytest-xdist's test processes to the
+    one that prints)."""
     outcome = yield
     now = _cpu_seconds()
-    outcome.get_result().user_properties.append(("cpu_s", now - item._cpu_mark))
+    report = outcome.get_result()
+    report.user_properties.append(("cpu_s", now - item._cpu_mark))
+    report.user_properties.append(("launches", list(_launches)))
+    _launches.clear()
     item._cpu_mark = now
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Add each test phase's duration and CPU seconds to its test's totals."""
+    """Add each test phase's duration, CPU seconds and launches to its test's totals."""
     cpu = sum(value for name, value in report.user_properties if name == "cpu_s")
     totals = _TEST_SECONDS.setdefault(report.nodeid, [0.0, 0.0])
     totals[0] += report.duration
     totals[1] += cpu
+    for name, value in report.user_properties:
+        if name == "launches":
+            _TEST_LAUNCHES.setdefault(report.nodeid, []).extend(value)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--cost-table", metavar="PATH", default=None,
+                     help="also write each test's wall and CPU seconds and launches to PATH (JSON)")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Print the seconds each test file took, longest first (fixtures
-    included), and the CPU seconds it used (its test process and the scripts
-    it ran; Slurm's jobs run outside it and are not counted)."""
+    """Print what the run cost: each test file's seconds and CPU seconds
+    (its test process and the scripts it ran; Slurm's jobs run outside it and
+    are not counted), then every test, most CPU first, with the processes it
+    started, then each launch that several tests start alike."""
+    import json
+
+    write = terminalreporter.write_line
     files: dict = {}
     for nodeid, (wall, cpu) in _TEST_SECONDS.items():
-        totals = files.setdefault(nodeid.split("::")[0], [0.0, 0.0])
+        totals = files.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0])
         totals[0] += wall
         totals[1] += cpu
-    terminalreporter.section("seconds per test file (wall, CPU)")
-    for path, (wall, cpu) in sorted(files.items(), key=lambda item: -item[1][0]):
-        terminalreporter.write_line(f"{wall:8.1f} s {cpu:8.1f} s CPU  {path}")
+        totals[2] += len(_TEST_LAUNCHES.get(nodeid, ()))
+    terminalreporter.section("seconds per test file (wall, CPU, processes started)")
+    for path, (wall, cpu, launches) in sorted(files.items(), key=lambda item: -item[1][1]):
+        write(f"{wall:8.1f} s {cpu:8.1f} s CPU {launches:4d}  {path}")
     workers = getattr(terminalreporter.config.option, "numprocesses", None)
     summed = " (summed over the test processes: more than the run's time)" if workers else ""
-    terminalreporter.write_line(f"{sum(w for w, _ in files.values()):8.1f} s "
-                                f"{sum(c for _, c in files.values()):8.1f} s CPU  in all{summed}")
-    terminalreporter.section("the 15 slowest tests (fixtures included; wall, CPU)")
-    for nodeid, (wall, cpu) in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1][0])[:15]:
-        terminalreporter.write_line(f"{wall:8.1f} s {cpu:8.1f} s CPU  {nodeid}")
+    write(f"{sum(w for w, _, _ in files.values()):8.1f} s {sum(c for _, c, _ in files.values()):8.1f} s CPU "
+          f"{sum(n for _, _, n in files.values()):4d}  in all{summed}")
     # On a machine whose cores are all busy, CPU seconds, not wall seconds, are what a test costs the run.
-    terminalreporter.section("the 30 tests that use the most CPU (fixtures included; wall, CPU)")
-    for nodeid, (wall, cpu) in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1][1])[:30]:
-        terminalreporter.write_line(f"{wall:8.1f} s {cpu:8.1f} s CPU  {nodeid}")
+    terminalreporter.section("every test, most CPU first (fixtures included; wall, CPU, processes started)")
+    for nodeid, (wall, cpu) in sorted(_TEST_SECONDS.items(), key=lambda item: -item[1][1]):
+        launches = _TEST_LAUNCHES.get(nodeid, [])
+        write(f"{wall:8.1f} s {cpu:8.1f} s CPU {len(launches):4d}  {nodeid}")
+        for launch in dict.fromkeys(launches):
+            count = launches.count(launch)
+            write(f"{'':32}{f'{count} x ' if count > 1 else ''}{launch}")
+    by_launch: dict = {}
+    for nodeid, launches in _TEST_LAUNCHES.items():
+        for launch in launches:
+            by_launch.setdefault(launch, set()).add(nodeid)
+    repeated = {launch: tests for launch, tests in by_launch.items() if len(tests) > 1}
+    terminalreporter.section("launches that several tests start alike")
+    for launch, tests in sorted(repeated.items(), key=lambda item: -len(item[1])):
+        write(f"{len(tests):3d} tests: {launch}")
+    path = terminalreporter.config.getoption("--cost-table")
+    if path:
+        with open(path, "w") as out:
+            json.dump({nodeid: {"wall_s": wall, "cpu_s": cpu, "launches": _TEST_LAUNCHES.get(nodeid, [])}
+                       for nodeid, (wall, cpu) in _TEST_SECONDS.items()}, out, indent=1)
