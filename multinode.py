@@ -76,8 +76,6 @@ class Trainer:
 
     def _load_snapshot(self, path: str) -> None:
         snapshot = torch.load(path, map_location=self.device)
-        if snapshot.get("task") != [self.args.dataset, self.args.model]:  # its weights would not fit
-            raise common.ConfigError(f"snapshot {path} is another run's; delete it (train.py says what differs)")
         self.model.module.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scheduler.load_state_dict(snapshot["lr_schedule"])
@@ -89,16 +87,13 @@ class Trainer:
         if self.rank != 0:  # every rank holds the same weights; global rank 0 alone writes the shared file
             return
         snapshot = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1,
-                    "task": [self.args.dataset, self.args.model]}
+                    "lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1}
         # A temporary file beside it, then a rename: a crash mid-save leaves the old snapshot whole.
         torch.save(snapshot, self.args.snapshot_path + ".tmp")
         os.replace(self.args.snapshot_path + ".tmp", self.args.snapshot_path)
         print(f"epoch {epoch + 1} | snapshot saved at {self.args.snapshot_path}", flush=True)
 
     def train(self, max_epochs: int) -> None:
-        if self.epochs_run >= max_epochs and self.rank == 0:  # the snapshot holds every epoch asked for
-            print(f"{self.args.snapshot_path} holds {self.epochs_run} epochs: nothing to train", flush=True)
         for epoch in range(self.epochs_run, max_epochs):
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model.module, self.val_data, self.task, self.device)

@@ -81,8 +81,6 @@ class Trainer:
 
     def _load_snapshot(self, path: str) -> None:
         snapshot = torch.load(os.path.join(path, "meta.pt"))
-        if snapshot.get("task") != [self.args.dataset, self.args.model]:  # its weights would not fit
-            raise common.ConfigError(f"snapshot {path} is another run's; delete it (train.py says what differs)")
         # DCP fills this rank's own shards in place, reading their pieces from whichever files hold them.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.load(model_state, checkpoint_id=os.path.join(path, "model"))
@@ -101,8 +99,7 @@ class Trainer:
         dcp.save(optimizer_state, checkpoint_id=os.path.join(folder, "optimizer"))  # returns once all wrote
         if self.rank != 0:  # global rank 0 alone completes the save, on storage every node shares
             return
-        snapshot = {"lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1,
-                    "task": [self.args.dataset, self.args.model]}
+        snapshot = {"lr_schedule": self.scheduler.state_dict(), "epochs_run": epoch + 1}
         # meta.pt, last, completes the folder: one without it is a torn save. Written whole or not at all.
         torch.save(snapshot, os.path.join(folder, "meta.pt.tmp"))
         os.replace(os.path.join(folder, "meta.pt.tmp"), os.path.join(folder, "meta.pt"))
@@ -112,8 +109,6 @@ class Trainer:
         print(f"epoch {epoch + 1} | snapshot saved at {folder}", flush=True)
 
     def train(self, max_epochs: int) -> None:
-        if self.epochs_run >= max_epochs and self.rank == 0:  # the snapshot holds every epoch asked for
-            print(f"{self.args.snapshot_path} holds {self.epochs_run} epochs: nothing to train", flush=True)
         for epoch in range(self.epochs_run, max_epochs):
             train_loss, samples, seconds = self._run_epoch(epoch)
             val_loss, val_acc = evaluate(self.model, self.val_data, self.task, self.device)
@@ -217,8 +212,6 @@ def main(args: argparse.Namespace) -> None:
     # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)
-    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # torch < 2.10: gloo sums, FSDP averages
-        raise common.ConfigError("FSDP on the CPU (gloo) needs torch 2.10 or newer (docs/install.md)")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if local_rank == 0:  # one download per node (--data_dir is on each node's disk) while the others wait

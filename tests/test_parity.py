@@ -48,7 +48,8 @@ def parity_mnist(tmp_path_factory) -> list:
 @pytest.mark.parametrize("script", RUNGS)
 def test_rung_prints_the_losses_the_kit_prints(script, kit_run, parity_mnist, tmp_path):
     if RUNGS[script] == "fsdp" and not torch.cuda.is_available() and torch.__version__ < "2.10":
-        pytest.skip("FSDP on the CPU needs torch 2.10 (gloo's reduce_scatter sums before): both refuse")
+        pytest.skip("FSDP on the CPU needs torch 2.10 (gloo's reduce_scatter sums before): the rung is not run, "
+                    "train.py refuses")
     cmd, env = launch(script)
     rung = epoch_losses(check(run(cmd + FLAGS + parity_mnist, tmp_path, **env)).stdout)
     assert len(rung) == 1 and rung == epoch_losses(kit_run(RUNGS[script], *FLAGS, *parity_mnist)[1])
