@@ -135,7 +135,7 @@ TASKS: dict[str, str] = {
     "mnist": "vision_tasks:mnist_task",
     "cifar10": "vision_tasks:cifar10_task",
     "shakespeare_char": "text_tasks:shakespeare_char_task",
-    "tokens": "text_tasks:token_file_task",
+    "tokens": "token_tasks:token_file_task",
 }
 
 

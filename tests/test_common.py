@@ -94,7 +94,7 @@ def test_built_in_tasks_are_found_the_way_a_users_task_is(tmp_path, monkeypatch)
     assert common.TASKS == {"synthetic": "common:synthetic_task", "mnist": "vision_tasks:mnist_task",
                             "cifar10": "vision_tasks:cifar10_task",
                             "shakespeare_char": "text_tasks:shakespeare_char_task",
-                            "tokens": "text_tasks:token_file_task"}
+                            "tokens": "token_tasks:token_file_task"}
     assert list(common.TASKS)[0] == "synthetic"  # the default of --dataset
     assert common.task_function(common.TASKS["mnist"]) is vision_tasks.mnist_task
     assert common.task_function(common.TASKS["cifar10"]) is vision_tasks.cifar10_task

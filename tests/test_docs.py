@@ -453,11 +453,12 @@ def test_every_flag_has_its_row_in_flags_md():
     """docs/flags.md lists every flag of train.py (the kit's and the built-in
     tasks' FLAGS) in its table, a row naming one flag or a few alike."""
     import text_tasks
+    import token_tasks
     import vision_tasks
     from train_utils.config import flags
 
     first_cells = re.findall(r"^\| ([^|]+) \|", (REPO / "docs" / "flags.md").read_text(), re.M)
     rows = {name for cell in first_cells for name in re.findall(r"`(--\w+)`", cell)}
-    names = {f"--{f.name}" for f in flags()} | {f"--{name}" for module in (text_tasks, vision_tasks)
+    names = {f"--{f.name}" for f in flags()} | {f"--{name}" for module in (text_tasks, token_tasks, vision_tasks)
                                                   for name in getattr(module, "FLAGS", {})}
     assert sorted(names - rows) == []

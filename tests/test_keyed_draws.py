@@ -3,9 +3,10 @@ loader's worker count never changes a run, and a run stopped and resumed with
 another worker count ends bitwise as the uninterrupted one.
 
 The language-model tasks key their windows' random offsets themselves
-(text_tasks.TokenWindows, common.draw_key); a task of the user's that draws
-from torch's default generator while loading (torchvision's RandomCrop in
-``__getitem__``) gets that generator seeded around each fetch by the kit
+(text_tasks.TokenWindows, and token_tasks.TokenFileWindows for token files;
+common.draw_key); a task of the user's that draws from torch's default
+generator while loading (torchvision's RandomCrop in ``__getitem__``) gets
+that generator seeded around each fetch by the kit
 (train_utils.SeededFetches)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 import common
 import text_tasks
+import token_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, evaluations, held_at_step, run, signal_when, \
     snapshot_tensors
@@ -35,10 +37,10 @@ def test_a_windows_offset_is_its_own_whatever_batch_fetches_it(tmp_path):
     from nanoGPT's token file; another epoch or seed draws others; torch's
     default generator is not drawn from."""
     data = build_token_files(tmp_path / "tokens", chars=20000)
-    file = text_tasks.TokenFile(str(data / "train.bin"))
+    file = token_tasks.TokenFile(str(data / "train.bin"))
     tokens = file.rows(torch.zeros(1, dtype=torch.int64), len(file))[0]
     in_memory = text_tasks.TokenWindows(tokens, 16, shift=True, seed=7)
-    on_disk = text_tasks.TokenWindows(file, 16, shift=True, seed=7)
+    on_disk = token_tasks.TokenFileWindows(file, 16, shift=True, seed=7)
     for windows in (in_memory, on_disk):
         windows.set_epoch(3)
     before = torch.random.get_rng_state()
@@ -198,8 +200,8 @@ def test_a_token_run_resumed_at_another_world_size_trains_each_window_once(ranks
            f"world_size 2, resumed by {ranks}:" in resumed.stdout, resumed.stdout[-3000:]
     trained = Counter(line for folder in (first, second) for path in folder.glob("rank*.txt")
                       for line in path.read_text().splitlines())
-    windows = len(text_tasks.TokenWindows([text_tasks.TokenFile(str(p)) for p in
-                                           sorted((tmp_path / "shards").glob("*train*.bin"))], 16, shift=True))
+    windows = len(token_tasks.TokenFileWindows([token_tasks.TokenFile(str(p)) for p in
+                                                sorted((tmp_path / "shards").glob("*train*.bin"))], 16, shift=True))
     assert max(trained.values()) == 1, [line for line, n in trained.items() if n > 1][:5]
     assert {line.split()[0] for line in trained} == {"0"}  # epoch 1 (0-based)
     never = windows - len(trained)

@@ -20,8 +20,8 @@ SAVED = {"singlegpu.py": "checkpoint_singlegpu.pt", "multigpu_spawn.py": "checkp
          "multinode_fsdp.py": "snapshot_multinode_fsdp"}
 # What a rung may import: a few standard modules, torch, torchvision, tqdm, the task modules
 # and what a recipe means (recipes.py).
-ALLOWED = {"argparse", "os", "shutil", "socket", "sys", "time", "typing",
-           "torch", "torchvision", "tqdm", "common", "vision_tasks", "fast_images", "recipes"}
+ALLOWED = {"argparse", "os", "shutil", "socket", "sys", "time", "typing", "torch", "torchvision", "tqdm",
+           "common", "vision_tasks", "fast_images", "text_tasks", "token_tasks", "gpt", "recipes"}
 # Before torch 2.10, gloo's reduce_scatter sums where FSDP averages: on the CPU the FSDP rung
 # needs torch 2.10 (docs/install.md), and is not run on an older one.
 FSDP_TOO_OLD = not torch.cuda.is_available() and torch.__version__ < "2.10"

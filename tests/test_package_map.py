@@ -164,3 +164,23 @@ def test_the_rungs_never_import_train_utils():
             if any(name.split(".")[0] == "train_utils" for name in names):
                 importing.append(rung)
     assert importing == []
+
+
+def test_the_character_task_needs_no_token_file_code():
+    """A rung trains --dataset shakespeare_char with common.py, recipes.py,
+    text_tasks.py and gpt.py beside it: of the repository's modules,
+    text_tasks and gpt import common and each other only, never the token
+    files' task (token_tasks.py, which builds on text_tasks)."""
+    ours = {path.stem for path in REPO.glob("*.py")}
+
+    def imports(module: str) -> set:
+        found = set()
+        for node in ast.walk(tree(REPO / f"{module}.py")):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.add((node.module or "").split(".")[0])
+        return found & ours - {module}
+
+    assert imports("text_tasks") == {"common", "gpt"} and imports("gpt") == {"common"}
+    assert "text_tasks" in imports("token_tasks")

@@ -29,7 +29,7 @@ import torch
 
 import common
 import recipes
-import text_tasks
+import token_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from support.data import write_token_shard
 from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, error_lines, evaluations,
@@ -84,7 +84,7 @@ def test_token_files_are_the_character_tasks_text_read_where_the_windows_are(tmp
     assert all(torch.equal(a, b) for a, b in zip(char_task.model.state_dict().values(),
                                                  token_task.model.state_dict().values()))
     [train_file] = token_task.train_set.shards
-    assert isinstance(train_file, text_tasks.TokenFile) and len(train_file) == int(1115394 * 0.9)
+    assert isinstance(train_file, token_tasks.TokenFile) and len(train_file) == int(1115394 * 0.9)
     sent = pickle.dumps(train_file)
     assert len(sent) < 500 and str(tokens / "train.bin").encode() in sent
     again = pickle.loads(sent)
@@ -93,7 +93,7 @@ def test_token_files_are_the_character_tasks_text_read_where_the_windows_are(tmp
     assert torch.equal(again.rows(starts, 3), train_file.rows(starts, 3))
     assert token_task.test_set is None and token_task.tokens_per_sample == 16
     recipes.set_recipe_flags(args, token_task.recipe)  # as every script does after loading the task
-    assert {name: getattr(args, name) for name in text_tasks.TOKEN_RECIPE} == text_tasks.TOKEN_RECIPE
+    assert {name: getattr(args, name) for name in token_tasks.TOKEN_RECIPE} == token_tasks.TOKEN_RECIPE
 
 
 def _write(path, ids) -> None:

@@ -130,7 +130,9 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
 
 def _parser(description: Optional[str], tasks: tuple, models: Mapping[str, Iterable[str]],
             snapshot_paths: Mapping[str, str], flags_of: Mapping[str, dict]) -> argparse.ArgumentParser:
-    """train.py's parser: the kit's flags, and each task module's of ``flags_of`` in a group of its own."""
+    """train.py's parser: the kit's flags, and each task module's of ``flags_of`` in a group of its own.
+    A flag two modules declare (token_tasks.py's GPT flags are text_tasks.py's) is listed once, in the
+    group of the first, whose title names the other's tasks too."""
     # allow_abbrev=False: a misspelt flag (--total_epoch) is an error naming the one meant, not taken for it.
     parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                             allow_abbrev=False)
@@ -141,10 +143,16 @@ def _parser(description: Optional[str], tasks: tuple, models: Mapping[str, Itera
                        default=None if spec.metadata["task_default"] else spec.default)
         options.update(_dynamic(spec.name, tasks, models, snapshot_paths))
         group.add_argument(f"--{spec.name}", **options)
+    listed: set = set()
     for module, flags in flags_of.items():
-        group = parser.add_argument_group(f"flags of {module}.py's tasks ({', '.join(_tasks_of(module, tasks))})")
-        for name, options in flags.items():
-            group.add_argument(f"--{name}", **{"default": None, **options})
+        own = [name for name in flags if name not in listed]
+        sharing = [task for other, its in flags_of.items() if other != module and set(own) & set(its)
+                   for task in _tasks_of(other, tasks)]
+        too = f"; {', '.join(sharing)} too" if sharing else ""
+        group = parser.add_argument_group(f"flags of {module}.py's tasks ({', '.join(_tasks_of(module, tasks))}{too})")
+        for name in own:
+            group.add_argument(f"--{name}", **{"default": None, **flags[name]})
+        listed.update(own)
     return parser
 
 
@@ -223,13 +231,16 @@ def task_flag_values(args: argparse.Namespace) -> dict:
     own = next(iter(task_flags((args.dataset,)).values()), {})
     kit = {spec.name for spec in config.flags()}
     if set(vars(args)) - kit - set(own):  # parsed with every task's flags: one of them given?
-        for name, flags in task_flags(tuple(common.TASKS)).items():
+        every = task_flags(tuple(common.TASKS))
+        for name, flags in every.items():
             given = [flag for flag, options in flags.items()
                      if flag not in own and getattr(args, flag, None) not in (None, options.get("default"))]
             if given:
+                readers = [task for module, its in every.items() if given[0] in its
+                           for task in _tasks_of(module, tuple(common.TASKS))]
                 raise common.ConfigError(f"--{given[0]} is a flag of {name}.py's tasks, which --dataset "
                                          f"{args.dataset} does not read; leave it out, or train one of "
-                                         f"{', '.join(_tasks_of(name, tuple(common.TASKS)))}")
+                                         f"{', '.join(readers)}")
     return {flag: getattr(args, flag) for flag in own}
 
 
