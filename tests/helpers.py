@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
 sys.path.insert(0, str(REPO))  # so tests can import common, the scripts and support
 
 # What the benchmark uses too lives in the project's support package.

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from helpers import REPO, TORCHRUN, check, epochs, error_lines, parse_test, run
+from walk import commands
 
 ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 
@@ -24,20 +25,22 @@ def guide_task_module(folder) -> None:
         (folder / name).write_text(block)
 
 
-def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(tmp_path):
-    """A loss that is not F.cross_entropy itself (label smoothing) still gets
-    accuracy, because the task says it is a classification."""
-    guide_task_module(tmp_path)
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
-                                   "--dataset", "my_task:build_task", "--total_epochs", "3"],
-                       tmp_path, PYTHONPATH=str(tmp_path)))
-    lines = epochs(result.stdout)
+def test_custom_task_trains_under_torchrun_with_accuracy_from_the_task(newcomer_walk):
+    """The guide's own command (its first block, in the newcomer's walk): a loss
+    that is not F.cross_entropy itself (label smoothing) still gets accuracy,
+    because the task says it is a classification."""
+    block = newcomer_walk.block("docs/custom-task.md", 0)
+    command = next(command for command in commands(block.text) if "train.py" in command)
+    assert "--nproc_per_node=2" in command and "--dataset my_task:build_task" in command
+    kit = block.stdout[block.stdout.index("\ndevice "):]  # the kit's run, after the rung's
+    lines = epochs(kit)
     assert [int(e["epoch"]) for e in lines] == [1, 2, 3]
     assert all("val_acc" in e for e in lines)
     assert lines[-1]["train_loss"] < lines[0]["train_loss"]
-    assert parse_test(result.stdout)["acc"] >= 0.9
-    assert "world_size 2" in result.stdout
-    snapshot = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)
+    assert parse_test(kit)["acc"] >= 0.9
+    assert "world_size 2" in kit
+    path = re.search(r"--snapshot_path (\S+)", command).group(1)
+    snapshot = torch.load(newcomer_walk.saved("docs/custom-task.md", 0, path), weights_only=True)
     assert snapshot["config"]["dataset"] == "my_task:build_task"
     assert snapshot["model"]["2.weight"].shape == (3, 32)  # the guide's model, 3 classes
 

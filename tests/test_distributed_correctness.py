@@ -5,6 +5,7 @@ bitwise from a snapshot. (Rungs 3-5 resume at an epoch's end: test_ladder.py;
 they compute what the kit computes: test_parity.py.)"""
 
 import os
+import re
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from helpers import N_EVAL, REPO, plain_task, TORCHRUN, check, error_lines, eval_problem, free_port, run, snapshot_tensors
+from helpers import N_EVAL, README, REPO, plain_task, TORCHRUN, check, error_lines, eval_problem, free_port, run, snapshot_tensors
 
 import common
 import multigpu_spawn
@@ -101,21 +102,23 @@ def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_p
 # 6. The kit's resume from a snapshot == an uninterrupted run, bitwise
 # --------------------------------------------------------------------------
 
-def test_resume_equals_uninterrupted_run(kit_run, tmp_path):
-    """train.py stopped after epoch 2, started again asking for 4: the result
-    is bitwise the 4-epoch run's (weights, optimizer, every rank's RNG state).
-    A model with dropout, which needs those RNG states, resumes bitwise in
-    test_fault_tolerance.py's killed-worker test (MNIST's CNN, mid-epoch)."""
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
-    first = check(run(launch + ["--total_epochs", "2"], tmp_path))
-    assert "resuming" not in first.stdout
-    second = check(run(launch + ["--total_epochs", "4"], tmp_path))
-    assert "resuming from snapshot snapshot_train.pt after epoch 2" in second.stdout
-    assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
+def test_resume_equals_uninterrupted_run(newcomer_walk, kit_run):
+    """train.py stopped after epoch 2, started again asking for 4 (the README's
+    block, in the newcomer's walk): the result is bitwise the 4-epoch run's
+    (weights, optimizer, every rank's RNG state). A model with dropout, which
+    needs those RNG states, resumes bitwise in test_fault_tolerance.py's
+    killed-worker test (MNIST's CNN, mid-epoch)."""
+    number = next(number for number, block in enumerate(re.findall(r"```bash\n(.*?)```", README.read_text(), re.S))
+                  if "train.py --total_epochs 2" in block)
+    block = newcomer_walk.block("README.md", number)
+    first, second = block.stdout.split("\ndevice ")[:2] if block.stdout.startswith("device ") else (None, None)
+    assert first is not None and "resuming" not in first, block.stdout
+    assert "resuming from snapshot snapshot_train.pt after epoch 2" in second
+    assert "epoch 1/4" not in second and "epoch 3/4" in second
 
     straight_folder, _ = kit_run("ddp", "--total_epochs", 4)  # the same run, never stopped
     epochs_a, straight = snapshot_tensors(straight_folder / "snapshot_train.pt", rng=True)
-    epochs_b, resumed = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
+    epochs_b, resumed = snapshot_tensors(newcomer_walk.saved("README.md", number, "snapshot_train.pt"), rng=True)
     assert epochs_a == epochs_b == 4
     assert straight.keys() == resumed.keys()
     unequal = [name for name in straight if not torch.equal(straight[name], resumed[name])]

@@ -8,7 +8,6 @@ task's model, memory per rank, HSDP's mesh on two torchrun agents as two nodes.
 import json
 import os
 import re
-import shutil
 import signal
 
 import pytest
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from helpers import (FAULTY_TRAIN, N_EVAL, REPO, TORCHRUN, assert_bitwise, check, epochs, eval_problem, free_port,
                      full_state, held_at_step, load_task, parse_test, plain_task, run, run_together, script_env,
                      snapshot_folder, signal_when, stdout_lines)
+from walk import walked_blocks
 
 import common
 import train_utils
@@ -282,39 +282,37 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
 
 
-def test_resume_with_another_world_size(tmp_path, monkeypatch):
-    """A world-size-2 snapshot resumed by 3 processes: each rank loads its new shard
-    (DCP reshards), and gathered again the weights and momentum buffers are bitwise
-    the saved ones; training goes on at world size 3, its step schedule at epoch 2
-    (x0.5 once), though an epoch now has 19 optimizer steps, not 28. (A snapshot
-    taken inside an epoch: test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back.)"""
-    (tmp_path / "two").mkdir()
-    halving = ["--lr_schedule", "step", "--lr_gamma", "0.5"]
-    first = check(run(fsdp(2, "--total_epochs", 1, *halving), tmp_path / "two"))
-    shutil.copytree(tmp_path / "two", tmp_path / "three")
-    saved = snapshot_folder(tmp_path / "two" / "snapshot_train_fsdp")
-    weights, tensors = full_state(saved, tmp_path / "gathered")
+def test_resume_with_another_world_size(newcomer_walk, tmp_path):
+    """docs/fsdp.md's commands (the newcomer's walk): a world-size-2 run of one
+    epoch resumed by 3 processes, each loading its new shard (DCP reshards),
+    trains epoch 2, though an epoch now has 19 optimizer steps, not 28; the
+    resume line says what changed. And the other way, the 3 processes'
+    snapshot loaded by train.py's own Trainer in 2: gathered again, the
+    weights and momentum buffers are bitwise the saved ones. (A snapshot
+    taken inside an epoch: test_hsdp_stopped_mid_epoch_resumes_and_moves_to_fsdp_and_back.)"""
+    number = next(number for doc, number, block in walked_blocks()
+                  if doc == "docs/fsdp.md" and "--nproc_per_node=3" in block)
+    block = newcomer_walk.block("docs/fsdp.md", number)
+    more = block.stdout[block.stdout.index("resuming from snapshot"):]
+    assert ("resuming from snapshot snapshot_train_fsdp/epoch-1 after epoch 1 (saved by world_size 2, "
+            "resharded to 3: weights and optimizer state exact; global batch size 64 -> 96 at the same --lr, "
+            "steps per epoch 28 -> 19; random streams restored on ranks 0-1, rank 2 starts from its "
+            "seed)") in stdout_lines(more), more
+    first, second = epochs(block.stdout)
+    assert (first["epoch"], second["epoch"]) == (1, 2) and second["train_loss"] < first["train_loss"]
+    assert "] epoch 2 | batch_size 32 | steps 19" in more
+    saved = newcomer_walk.saved("docs/fsdp.md", number, SNAPSHOT)
+    assert sorted(os.listdir(saved)) == ["epoch-2"]
+    weights, tensors = full_state(snapshot_folder(saved), tmp_path / "gathered")
 
-    # Loaded by train.py's own Trainer in 3 processes, gathered again: bitwise.
+    # Loaded by train.py's own Trainer in 2 processes, gathered again: bitwise.
     out = tmp_path / "loaded.pt"
-    mp.spawn(_resharded_load_worker, args=(3, free_port(), str(tmp_path / "two" / "snapshot_train_fsdp"), str(out)),
-             nprocs=3)
+    mp.spawn(_resharded_load_worker, args=(2, free_port(), str(saved), str(out)), nprocs=2)
     loaded = torch.load(out, weights_only=True)
-    assert loaded["epochs_run"] == 1
+    assert loaded["epochs_run"] == 2
     assert_bitwise(weights, loaded["weights"])
     assert_bitwise({k: v for k, v in tensors.items() if k.startswith("optimizer.")},
                    {f"optimizer.{k}": v["momentum_buffer"] for k, v in loaded["optimizer"]["state"].items()})
-
-    # End to end: 3 ranks resume and train epoch 2 on.
-    more = check(run(fsdp(3, "--total_epochs", 2, *halving), tmp_path / "three"))
-    assert ("resuming from snapshot snapshot_train_fsdp/epoch-1 after epoch 1 (saved by world_size 2, "
-            "resharded to 3: weights and optimizer state exact; global batch size 64 -> 96 at the same --lr, "
-            "steps per epoch 28 -> 19; the step lr schedule, counted in epochs, goes on at step 19 of 38; "
-            "random streams restored on ranks 0-1, rank 2 starts from its seed)") in more.stdout, more.stdout
-    assert [e["epoch"] for e in epochs(more.stdout)] == [2]
-    assert epochs(first.stdout)[0]["lr"] == 0.05 and epochs(more.stdout)[0]["lr"] == 0.025
-    assert epochs(more.stdout)[0]["train_loss"] < epochs(first.stdout)[0]["train_loss"]
-    assert sorted(os.listdir(tmp_path / "three" / "snapshot_train_fsdp")) == ["epoch-2"]
 
 
 # --------------------------------------------------------------------------
@@ -377,18 +375,16 @@ def hsdp(nproc: int, *flags, script=FSDP) -> list:
                        "--shard_size", "2", *map(str, flags)]
 
 
-def test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back(tmp_path):
+def test_hsdp_stopped_mid_epoch_resumes_and_moves_to_fsdp_and_back(tmp_path):
     """torchrun relays SIGUSR1 in epoch 2 of an HSDP run (replicate 2 x shard
     2); every rank stops after the same step and a mid-epoch snapshot folder is
-    saved; the same command resumes it bitwise like the uninterrupted run. A
-    copy of the same snapshot goes on under FSDP on 2 ranks (DCP reshards the
-    2-D mesh's shards to a 1-D mesh of another size; the rest of epoch 2's
-    permutation is split over 2 ranks) and trains each remaining sample once
-    (counted), then HSDP on 4 ranks again trains epoch 3 from FSDP's snapshot."""
-    (tmp_path / "reference").mkdir()
-    check(run(hsdp(4, *HSDP_FLAGS), tmp_path / "reference"))
-    reference = full_state(snapshot_folder(tmp_path / "reference" / SNAPSHOT), tmp_path / "g0")[1]
-
+    saved. It goes on under FSDP on 2 ranks (DCP reshards the 2-D mesh's
+    shards to a 1-D mesh of another size; the rest of epoch 2's permutation
+    is split over 2 ranks) and trains each remaining sample once (counted),
+    then HSDP on 4 ranks again trains epoch 3 from FSDP's snapshot. (The same
+    mesh resumes bitwise from a stop on the Slurm test cluster:
+    tests/test_stop_paths.py's preempted HSDP job; FSDP's snapshots resume
+    bitwise in tests/test_check_resume.py and tests/test_recipes.py.)"""
     hold_env, held = held_at_step(57 + 13)  # epoch 2's 13th step
     launch = hsdp(4, *HSDP_FLAGS, script=FAULTY_TRAIN)
     launch.insert(launch.index(FAULTY_TRAIN), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
@@ -397,23 +393,16 @@ def test_hsdp_stopped_mid_epoch_resumes_bitwise_and_moves_to_fsdp_and_back(tmp_p
     epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at", text.split("stopped by SIGUSR1")[1],
                             re.M).groups()
     assert (epoch, step) == ("2", "14")
-    (tmp_path / "fsdp").mkdir()
-    shutil.copytree(tmp_path / SNAPSHOT, tmp_path / "fsdp" / SNAPSHOT)
 
-    resumed = check(run(hsdp(4, *HSDP_FLAGS), tmp_path))
-    assert f"resuming from snapshot {SNAPSHOT}/epoch-2-step-14 in epoch 2 after step 14\n" in resumed.stdout
-    assert_bitwise(reference, full_state(snapshot_folder(tmp_path / SNAPSHOT), tmp_path / "g1")[1])
-
-    moved = check(run(fsdp(2, *HSDP_FLAGS, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
+    moved = check(run(fsdp(2, *HSDP_FLAGS, "--metrics_path", "m.jsonl"), tmp_path))
     assert (f"resuming from snapshot {SNAPSHOT}/epoch-2-step-14 in epoch 2 after step 28 (saved by world_size 4 "
             f"as HSDP replicate 2 x shard 2, resharded to 2 as FSDP: weights and optimizer state exact; global "
             f"batch size 32 -> 16 at the same --lr, steps per epoch 57 -> 115; epoch 2 goes on after 448 of its "
             f"1844 samples") in moved.stdout, moved.stdout[-2000:]
-    back = check(run(hsdp(4, *HSDP_FLAGS[2:], "--total_epochs", 3, "--metrics_path", "m.jsonl"),
-                     tmp_path / "fsdp"))
+    back = check(run(hsdp(4, *HSDP_FLAGS[2:], "--total_epochs", 3, "--metrics_path", "m.jsonl"), tmp_path))
     assert (f"resuming from snapshot {SNAPSHOT}/epoch-2 after epoch 2 (saved by world_size 2 as FSDP, "
             f"resharded to 4 as HSDP replicate 2 x shard 2:") in back.stdout, back.stdout[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "fsdp" / "m.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     # epoch 2: 448 samples before the stop, the other 1396 in steps of 2 x 8; epoch 3: 57 steps of 32
     assert [(r["epoch"], r["samples"]) for r in records if "epoch" in r] == [(2, 448 + 1396 // 16 * 16),
                                                                             (3, 57 * 32)]

@@ -1,18 +1,24 @@
-"""The ladder's five rungs end to end, on the default synthetic task, each in a
-copy of the repository without train_utils/ and train.py (the rungs stand
-alone), launched the way its docstring says; rungs 2-5 print the losses the
-kit prints for the same flags (the parity of tests/test_parity.py, here on
-the synthetic task); rungs 3-5 also stopped and resumed from their
-snapshots. Bad input gets one line and exit status 2."""
+"""The ladder's five rungs end to end, on the default synthetic task, as the
+README's steps run them (the newcomer's walk, tests/walk.py, runs each
+step's block as written, in the one folder a newcomer uses): each trains,
+prints a line per epoch and the test split's once, and saves what a plain
+model loads; rungs 2-5 print, digit for digit, the losses the kit prints for
+the same flags (the parity of tests/test_parity.py, here on the synthetic
+task); rungs 3 and 5 are stopped after their first command and resumed by the
+second. A rung needs no kit: its imports (here), its files (the README's list
+to copy: tests/test_start_and_stop.py). Bad input gets one line and exit
+status 2."""
 
 import ast
+import re
 import shutil
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run
+from helpers import REPO, TORCHRUN, epochs, error_lines, parse_test, run
+from walk import commands
 
 RUNGS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode.py", "multinode_fsdp.py"]
 SAVED = {"singlegpu.py": "checkpoint_singlegpu.pt", "multigpu_spawn.py": "checkpoint_multigpu_spawn.pt",
@@ -25,27 +31,9 @@ ALLOWED = {"argparse", "os", "shutil", "socket", "sys", "time", "typing", "torch
 # Before torch 2.10, gloo's reduce_scatter sums where FSDP averages: on the CPU the FSDP rung
 # needs torch 2.10 (docs/install.md), and is not run on an older one.
 FSDP_TOO_OLD = not torch.cuda.is_available() and torch.__version__ < "2.10"
-
-
-def launch(script: str, folder) -> tuple[list, dict]:
-    """The command (and extra environment) that starts ``script`` of ``folder`` with 2 processes."""
-    if script == "singlegpu.py":
-        return [sys.executable, folder / script], {}
-    if script == "multigpu_spawn.py":
-        return [sys.executable, folder / script, "--world_size", "2"], {"MASTER_PORT": str(free_port())}
-    return TORCHRUN + ["--standalone", "--nproc_per_node=2", folder / script], {}
-
-
-@pytest.fixture(scope="module")
-def standalone(tmp_path_factory):
-    """The repository's top-level files without train.py and train_utils/: what a
-    learner copies to run a rung."""
-    folder = tmp_path_factory.mktemp("standalone")
-    for path in REPO.glob("*.py"):
-        if path.name != "train.py":
-            shutil.copy(path, folder)
-    assert not (folder / "train_utils").exists()
-    return folder
+# The kit's runs the rungs' losses are compared with (conftest's kit_run, which other tests share):
+# the README's steps train at most 4 epochs of DDP and 2 of FSDP.
+KIT_EPOCHS = {"ddp": 4, "fsdp": 2}
 
 
 @pytest.mark.parametrize("script", RUNGS)
@@ -63,65 +51,90 @@ def _losses(stdout: str) -> list[tuple[str, str]]:
             for line in stdout.splitlines() if line.startswith("epoch ") and "train_loss" in line]
 
 
+def readme_step(script: str) -> tuple:
+    """(number of the README's ```bash block, its commands) of the step that runs ``script``."""
+    readme = (REPO / "README.md").read_text()
+    for number, block in enumerate(re.findall(r"```bash\n(.*?)```", readme, re.S)):
+        if number and re.search(rf"(?:^|\s){re.escape(script)}(?:\s|$)", block, re.M):
+            return number, commands(block)
+    raise AssertionError(f"no README step runs {script}")
+
+
+def runs_of(stdout: str) -> list:
+    """A block's output cut into its runs: each run prints its epochs and then its
+    test line (a resumed run that has nothing left prints neither)."""
+    ends = [match.end() for match in re.finditer(r"^test \| loss .*$", stdout, re.M)]
+    return [stdout[start:end] for start, end in zip([0, *ends], ends)]
+
+
 @pytest.mark.parametrize("script", RUNGS)
-def test_rung_trains_standalone_and_resumes(script, standalone, kit_run, tmp_path):
-    """4 epochs saving every 3rd: the loss falls, one summary line per epoch, what
-    was saved loads into a plain model; rungs 2-5 print, digit for digit, the
-    losses train.py prints for the same flags (DDP, or FSDP for the FSDP rung).
-    Rungs 3-5 run the 4 epochs as a newcomer does (the README's two commands):
-    2 epochs, then the same command asking for 4 resumes after epoch 2, and
-    the two runs' epochs are, digit for digit, the kit's uninterrupted run's."""
-    cmd, env = launch(script, standalone)
-    env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for 2 processes (mp.spawn sets nothing), as for the kit
-    folder = tmp_path / "run"
-    folder.mkdir()
+def test_rung_trains_resumes_and_prints_the_kits_losses(script, newcomer_walk, kit_run):
+    """The README step's commands as a newcomer runs them: the loss falls, one
+    summary line per epoch (rank 0 prints), the test split's line once a run,
+    a save every --save_every epochs and after the last, and what was saved
+    loads into a plain model (the FSDP rung: a folder per save, the older
+    ones removed). Rungs 2-5 print, digit for digit, the losses train.py
+    prints for the same flags (DDP, or FSDP for the FSDP rung) never stopped;
+    where the step is two commands (rungs 3 and 5), the second resumes after
+    the first's last epoch, and the two runs' epochs are the kit's
+    uninterrupted run's: the rung resumes exactly."""
     if script == "multinode_fsdp.py" and FSDP_TOO_OLD:
         pytest.skip(f"torch {torch.__version__}: FSDP on the CPU (gloo) needs torch 2.10 (docs/install.md)")
-    resumes = script not in ("singlegpu.py", "multigpu_spawn.py")
-    if resumes:
-        first = check(run(cmd + ["--total_epochs", "2", "--save_every", "3"], folder, **env))
-        assert "resuming" not in first.stdout and first.stdout.count("test | loss") == 1
-        runs = [first.stdout]
-    else:
-        runs = []
-    result = check(run(cmd + ["--total_epochs", "4", "--save_every", "3"], folder, **env))
-    runs.append(result.stdout)
-    if resumes:
-        assert "resuming from snapshot " in result.stdout and " after epoch 2" in result.stdout
+    number, steps = readme_step(script)
+    block = newcomer_walk.block("README.md", number)
+    launches = list(dict.fromkeys(command.rstrip(" &") for command in steps if script in command))  # nodes: one
+    totals = [int(re.search(r"--total_epochs (\d+)", command).group(1)) if "--total_epochs" in command else 10
+              for command in launches]
+    runs = runs_of(block.stdout)
+    assert len(runs) == len(launches), block.stdout
     lines = [line for stdout in runs for line in epochs(stdout)]
-    if script != "singlegpu.py":  # the kit never trains differently from the ladder
-        strategy = "fsdp" if script == "multinode_fsdp.py" else "ddp"
-        assert [loss for stdout in runs for loss in _losses(stdout)] == \
-            _losses(kit_run(strategy, "--total_epochs", 4)[1])
-    assert [int(e["epoch"]) for e in lines] == [1, 2, 3, 4], runs
+    assert [int(e["epoch"]) for e in lines] == list(range(1, totals[-1] + 1)), block.stdout
+    if len(totals) > 1:  # the second command resumes where the first saved
+        assert "resuming" not in runs[0] and f"resuming from snapshot {SAVED[script]}" in runs[1], runs
+        assert f" after epoch {totals[0]}" in runs[1]
     assert lines[-1]["train_loss"] < 0.2 * lines[0]["train_loss"]  # Var(y) ~ 1, noise floor 0.01
-    assert lines[-1]["val_loss"] < 0.05 and parse_test(result.stdout)["loss"] < 0.05
+    assert lines[-1]["val_loss"] < 0.05 and parse_test(runs[-1])["loss"] < 0.05
     assert all(e["samples_per_s"] > 0 and e["epoch_s"] > 0 and e["lr"] == 0.05 for e in lines)
-    assert result.stdout.count("test | loss") == 1  # rank 0 alone prints
-    assert "epoch 3 | " in result.stdout and "epoch 4 | " in result.stdout  # saved every 3rd and after the last
-    saved = folder / SAVED[script]
+    assert all(stdout.count("test | loss") == 1 for stdout in runs)  # rank 0 alone prints
+    saves = [int(epoch) for epoch in re.findall(r"^epoch (\d+) \| (?:checkpoint|snapshot) saved", block.stdout,
+                                                re.M)]
+    every = 5  # --save_every's default
+    assert saves == [epoch for epoch in range(1, totals[-1] + 1) if epoch % every == 0 or epoch in totals], saves
+    saved = newcomer_walk.saved("README.md", number, SAVED[script])
     if script == "multinode_fsdp.py":  # a folder per save; the older ones removed
-        assert [p.name for p in saved.iterdir()] == ["epoch-4"]
-        assert (saved / "epoch-4" / "meta.pt").exists()
+        assert [p.name for p in saved.iterdir()] == [f"epoch-{totals[-1]}"]
+        assert (saved / f"epoch-{totals[-1]}" / "meta.pt").exists()
     else:
         state = torch.load(saved, weights_only=True)
         import common
         common.synthetic_model("mlp").load_state_dict(state.get("model", state))  # no DDP prefix
-    if script == "multinode.py":  # every rank says where it runs, once per epoch
+    if script == "multinode.py":  # every rank says where it runs, once per epoch; global rank 0 prints
         for rank in (0, 1):
-            assert [stdout.count(f"[rank {rank} | local_rank {rank} | host ") for stdout in runs] == [2, 2]
-        assert "] epoch 1 | batch_size 32 | steps 28" in runs[0]  # 1844 samples / 2 ranks / 32
-    if script in ("singlegpu.py", "multigpu_spawn.py", "multinode.py"):
-        return  # multinode.py's snapshot code is multigpu_torchrun.py's, checked below
-    # The snapshot holds another model than the one asked for: loading it fails before any
-    # training, and the file is kept (train.py names what differs; a rung leaves that to torch).
-    kept = sorted((p.relative_to(folder), p.read_bytes()) for p in folder.rglob("*") if p.is_file())
-    other = run(cmd + ["--total_epochs", "4", "--model", "linear"], folder, **env)
+            assert block.stdout.count(f"[rank {rank} | local_rank 0 | host ") == totals[-1]
+        assert "] epoch 1 | batch_size 32 | steps 28" in block.stdout  # 1844 samples / 2 ranks / 32
+    if script != "singlegpu.py":  # the kit never trains differently from the ladder
+        strategy = "fsdp" if script == "multinode_fsdp.py" else "ddp"
+        kit = _losses(kit_run(strategy, "--total_epochs", KIT_EPOCHS[strategy])[1])
+        rung = [loss for stdout in runs for loss in _losses(stdout)]
+        assert rung == kit[:len(rung)]
+
+
+@pytest.mark.parametrize("script", ["multigpu_torchrun.py", "multinode_fsdp.py"])
+def test_a_snapshot_of_another_model_fails_before_training_and_is_kept(script, newcomer_walk, tmp_path):
+    """The step's snapshot resumed with --model linear: the load fails before any
+    epoch is trained and every saved file is left as it was (the kit names what
+    differs in one line; a rung leaves that to torch)."""
+    if script == "multinode_fsdp.py" and FSDP_TOO_OLD:
+        pytest.skip(f"torch {torch.__version__}: FSDP on the CPU (gloo) needs torch 2.10 (docs/install.md)")
+    number, _ = readme_step(script)
+    saved = newcomer_walk.saved("README.md", number, SAVED[script])
+    copy = shutil.copytree if saved.is_dir() else shutil.copy
+    copy(saved, tmp_path / SAVED[script])
+    kept = sorted((p.relative_to(tmp_path), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    other = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / script, "--total_epochs", "6",
+                            "--model", "linear"], tmp_path)
     assert other.returncode != 0 and epochs(other.stdout) == [], other.stderr
-    assert sorted((p.relative_to(folder), p.read_bytes()) for p in folder.rglob("*") if p.is_file()) == kept
-    if script == "multigpu_torchrun.py":  # all 4 epochs held already: it resumes after epoch 4, trains none
-        again = check(run(cmd + ["--total_epochs", "4"], folder, **env))
-        assert f"resuming from snapshot {SAVED[script]} after epoch 4" in again.stdout and epochs(again.stdout) == []
+    assert sorted((p.relative_to(tmp_path), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == kept
 
 
 def test_torchrun_rung_refuses_plain_python(tmp_path):

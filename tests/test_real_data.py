@@ -1,34 +1,18 @@
 """Real input: the CIFAR-10 path through torchvision's own CIFAR10 class
-reading files in CIFAR-10's on-disk format. (The CNN on real MNIST digits:
-tests/test_performance.py, through both input paths.)"""
+reading files in CIFAR-10's on-disk format: its views. (Trained end to end
+through it: tests/test_recipes.py's default recipe; the CNN on real MNIST
+digits: tests/test_performance.py, through both input paths.)"""
 
 import pytest
 import torch
 
 from dataset_files import build_cifar10_root
-from helpers import REPO, load_task, TORCHRUN, check, epochs, run, parse_test
-
-MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
+from helpers import load_task
 
 
 @pytest.fixture
 def cifar_root(tmp_path):
     return build_cifar10_root(tmp_path / "cifar")
-
-
-def test_cifar10_trains_under_torchrun(cifar_root, tmp_path):
-    """ResNet-18 through the real torchvision CIFAR10 reader (md5 check bypassed: the
-    files are ours, not the official ones), two ranks, two epochs."""
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", MD5_BYPASS,
-                                   REPO / "train.py", "--dataset", "cifar10",
-                                   "--data_dir", cifar_root, "--total_epochs", "2",
-                                   "--batch_size", "8"], tmp_path))
-    lines = epochs(result.stdout)
-    assert len(lines) == 2 and all(0 <= e["val_acc"] <= 1 for e in lines)
-    assert 0 <= parse_test(result.stdout)["acc"] <= 1
-    snapshot = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)
-    assert snapshot["config"]["model"] == "resnet18"
-    assert snapshot["model"]["fc.weight"].shape == (10, 512)
 
 
 def test_cifar10_views(cifar_root, monkeypatch):

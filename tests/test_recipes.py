@@ -23,7 +23,7 @@ from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots.file import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, kit_trainer, run
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, kit_trainer, parse_test, run
 
 TORCHRUN_1 = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
@@ -300,12 +300,15 @@ def test_cifar_resnets_have_the_cifar_stem_and_the_published_parameter_counts():
     assert seen["shape"] == (2, 64, 8, 8)
 
 
-def test_cifar10_default_recipe_trains(tmp_path):
+def test_cifar10_default_recipe_trains_through_torchvisions_reader(tmp_path):
     """The cifar10 defaults (ResNet-18 with the CIFAR stem, SGD 0.1, weight
     decay 5e-4, cosine) on CIFAR-shaped synthetic images in the real file
-    format, 2 ranks, 2 epochs: the training loss falls, and the snapshot
-    names the recipe. (A stop inside an epoch resumes bitwise on this task
-    too, its augmentation on the device's generator included:
+    format, read by torchvision's own CIFAR10 class (its md5 check of the
+    official archive bypassed: the files are ours), 2 ranks, 2 epochs: the
+    training loss falls, each epoch's validation accuracy and the test
+    accuracy are fractions, and the snapshot names the recipe and holds the
+    10-class head. (A stop inside an epoch resumes bitwise on this task too,
+    its augmentation on the device's generator included:
     tests/test_check_resume.py.)"""
     data = build_cifar10_root(tmp_path / "data", per_batch=32, n_test=20)  # 144 to train: 5 steps of 16 a rank
     # 2 ranks through tests/md5_bypass.py: the synthetic files' checksums are not the official ones.
@@ -314,10 +317,13 @@ def test_cifar10_default_recipe_trains(tmp_path):
     result = check(run(launch + [REPO / "train.py"] + flags, tmp_path))
     assert "device cpu" in result.stdout
     lines = epochs(result.stdout)
-    assert lines[1]["train_loss"] < lines[0]["train_loss"]
-    config = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["config"]
+    assert len(lines) == 2 and lines[1]["train_loss"] < lines[0]["train_loss"]
+    assert all(0 <= e["val_acc"] <= 1 for e in lines) and 0 <= parse_test(result.stdout)["acc"] <= 1
+    snapshot = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)
+    config = snapshot["config"]
     assert (config["model"], config["optimizer"], config["weight_decay"], config["lr_schedule"]) == \
         ("resnet18", "sgd", 5e-4, "cosine")
+    assert snapshot["model"]["fc.weight"].shape == (10, 512)
 
 
 # --------------------------------------------------------------------------
@@ -352,7 +358,7 @@ def documented_cifar10_commands() -> list:
     train --dataset cifar10 (the sbatch lines pass the same flags to the wrappers)."""
     import re
 
-    from test_docs import commands
+    from walk import commands
 
     blocks = re.findall(r"```bash\n(.*?)```", (REPO / "docs" / "recipes.md").read_text(), re.S)
     return [command for block in blocks for command in commands(block)
