@@ -7,8 +7,6 @@ model is built, the same lines in every rung from step 2 on) and the fast
 input path's batches. (Every rung on the synthetic task, against the kit's
 DDP or FSDP: tests/test_ladder.py, on the README's own steps.)"""
 
-
-
 import pytest
 import torch
 
