@@ -19,6 +19,8 @@ import common
 import multigpu_spawn
 import singlegpu
 import train
+from train_utils.devices import torch_version
+from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 
 
 def _weights(path):
@@ -57,28 +59,47 @@ def test_ddp_matches_single_process_with_the_global_batch(tmp_path):
 
 
 
-def _eval_worker(rank, world_size, port, module_name, out_dir):
+def _eval_worker(rank, world_size, port, out_dir):
+    """Each way of evaluating over a process group, on the same problem: the
+    rungs' (multigpu_spawn.evaluate), the kit's (train.evaluate), and the
+    kit's over an FSDP-sharded copy of the model (torch 2.10 on gloo)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    dataset, model = eval_problem()
-    if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
-        model.norm.running_mean.add_(rank)
-    if module_name == "spawn":  # the rungs 2-4 share this code; the kit has its own
-        loader = multigpu_spawn.prepare_dataloader(dataset, 8, False, 0, common.collate)
-        evaluate = multigpu_spawn.evaluate
-    else:
-        loader = train.prepare_dataloader(dataset, 8, 0, False, 0, common.collate)
-        evaluate = train.evaluate
-    counted = sum(len(y) for _, y in loader)
-    loss, accuracy = evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
-    torch.save({"loss": loss, "accuracy": accuracy, "counted": counted}, os.path.join(out_dir, f"{rank}.pt"))
+    import train_utils
+
+    results = {}
+    for way in EVALUATIONS:
+        dataset, model = eval_problem()
+        if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
+            model.norm.running_mean.add_(rank)
+        if way == "spawn":  # the rungs 2-4 share this code; the kit has its own
+            loader = multigpu_spawn.prepare_dataloader(dataset, 8, False, 0, common.collate)
+            scores = multigpu_spawn.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"))
+        else:
+            loader = train.prepare_dataloader(dataset, 8, 0, False, 0, common.collate)
+            if way == "train fsdp":
+                if FSDP_TOO_OLD:
+                    continue
+                model = train.shard_model(model, torch.device("cpu"), dtype=None)
+            scores = train.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"),
+                                    fsdp=way == "train fsdp")
+        results[way] = {"scores": scores, "counted": sum(len(y) for _, y in loader), "batches": len(loader)}
+    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
+    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
 
 
-# 97 samples over 2 ranks are already uneven (49/48; 7 and 6 batches of 8): a third rank adds no path.
-@pytest.mark.parametrize("module_name", ["spawn", "train"])
-@pytest.mark.parametrize("world_size", [2])
-def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_path):
+EVALUATIONS = ("spawn", "train", "train fsdp")
+FSDP_TOO_OLD = torch_version() < GLOO_AVG_REDUCE_SCATTER
+
+
+def test_sharded_evaluation_equals_single_process(tmp_path):
+    """97 samples over 2 ranks, batch 8: shards of 49 and 48 (7 and 6
+    batches), each sample counted once, no padding; the rungs', the kit's
+    and the kit's FSDP evaluation (where the rank with fewer batches runs
+    extra forwards, counted nowhere, to join the others' all-gathers) return
+    on every rank the single-process loss and accuracy of rank 0's model."""
+    world_size = 2
     dataset, model = eval_problem()
     loader = singlegpu.prepare_dataloader(dataset, 8, False, 0, common.collate)
     expected_loss, expected_accuracy = singlegpu.evaluate(model, loader, plain_task(F.cross_entropy, True),
@@ -90,12 +111,15 @@ def test_sharded_evaluation_equals_single_process(module_name, world_size, tmp_p
     assert expected_loss == pytest.approx(F.cross_entropy(logits, dataset.tensors[1]).item(), abs=1e-6)
     assert expected_accuracy == (logits.argmax(1) == dataset.tensors[1]).sum().item() / N_EVAL
 
-    mp.spawn(_eval_worker, args=(world_size, free_port(), module_name, str(tmp_path)), nprocs=world_size)
+    mp.spawn(_eval_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world_size)]
-    assert sum(r["counted"] for r in results) == N_EVAL  # every sample once: no padding
-    for r in results:  # every rank returns the same, exact values
-        assert abs(r["loss"] - expected_loss) <= 1e-6
-        assert abs(r["accuracy"] - expected_accuracy) <= 1e-6
+    ways = [way for way in EVALUATIONS if not (way == "train fsdp" and FSDP_TOO_OLD)]
+    for way in ways:
+        assert sum(r[way]["counted"] for r in results) == N_EVAL, way  # every sample once: no padding
+        assert len({r[way]["batches"] for r in results}) == 2, way  # uneven shards
+        for r in results:  # every rank returns the same, exact values
+            loss, accuracy = r[way]["scores"]
+            assert abs(loss - expected_loss) <= 1e-6 and abs(accuracy - expected_accuracy) <= 1e-6, way
 
 
 # --------------------------------------------------------------------------

@@ -15,9 +15,9 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from helpers import (FAULTY_TRAIN, N_EVAL, REPO, TORCHRUN, assert_bitwise, check, epochs, eval_problem, free_port,
-                     full_state, held_at_step, load_task, parse_test, plain_task, run, run_together, script_env,
-                     snapshot_folder, signal_when, stdout_lines)
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state,
+                     held_at_step, load_task, parse_test, run, run_together, script_env, snapshot_folder, signal_when,
+                     stdout_lines)
 from walk import walked_blocks
 
 import common
@@ -152,43 +152,14 @@ def test_mnist_cnn_reaches_95_percent_on_held_out_real_digits(mnist_root, tmp_pa
 
 
 # --------------------------------------------------------------------------
-# Exact evaluation with the FSDP model over uneven shards; bf16 policy
+# The bf16 policy; channels-last weights (exact evaluation with the FSDP model over
+# uneven shards: tests/test_distributed_correctness.py, with the rungs' and the kit's)
 # --------------------------------------------------------------------------
 
-def _fsdp_eval_worker(rank, world_size, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
-
-    dataset, model = eval_problem()
-    if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
-        model.norm.running_mean.add_(rank)
-    model = train.shard_model(model, torch.device("cpu"), dtype=None)
-    loader = train.prepare_dataloader(dataset, 8, 0, False, 0, common.collate)
-    loss, accuracy = train.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"),
-                                    fsdp=True)
-    torch.save({"loss": loss, "accuracy": accuracy, "counted": sum(len(y) for _, y in loader),
-                "batches": len(loader)}, os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
-
-
-@pytest.mark.parametrize("world_size", [2])
-def test_fsdp_evaluation_equals_single_process(world_size, tmp_path):
-    """97 samples, batch 8: shards of 49/48 (7 and 6 batches): the rank with
-    fewer batches runs extra forwards, counted nowhere."""
-    dataset, model = eval_problem()
-    expected = one_process_evaluation(model, dataset, plain_task(F.cross_entropy, True))
-    mp.spawn(_fsdp_eval_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
-    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world_size)]
-    assert sum(r["counted"] for r in results) == N_EVAL  # every sample once
-    assert len({r["batches"] for r in results}) == 2  # uneven: the padding forward is exercised
-    for r in results:
-        assert abs(r["loss"] - expected[0]) <= 1e-6
-        assert abs(r["accuracy"] - expected[1]) <= 1e-6
-
-
-def _bf16_worker(rank, world_size, port, out_dir):
+def _sharding_worker(rank, world_size, port, out_dir):
+    """shard_model in a process group of ``world_size``: ResNet-18 trained one
+    SGD step without and with the bf16 policy; a channels-last ResNet-18
+    sharded and run. Saves what each gave, per rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     import train
@@ -197,7 +168,7 @@ def _bf16_worker(rank, world_size, port, out_dir):
     for bf16 in (False, True):
         torch.manual_seed(0)
         model = train.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
-                                           torch.device("cpu"), torch.bfloat16 if bf16 else None)
+                                  torch.device("cpu"), torch.bfloat16 if bf16 else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
         x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -207,30 +178,6 @@ def _bf16_worker(rank, world_size, port, out_dir):
         optimizer.step()
         losses[bf16] = (loss.item(), output.dtype, {p.dtype for p in model.parameters()},
                         {p.grad.dtype for p in model.parameters()})
-    torch.save(losses, os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
-
-
-def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path):
-    """--amp's MixedPrecisionPolicy on ResNet-18 (20 BatchNorm layers) on a CPU: an SGD
-    step runs, the output stays in the compute dtype (bf16: the loss casts it,
-    inside its compiled graph under --compile), the sharded weights and
-    gradients stay fp32, and the loss, computed in fp32, is fp32's to bf16
-    precision (1-2% apart here, through 18 bf16 layers)."""
-    mp.spawn(_bf16_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        losses = torch.load(tmp_path / f"{rank}.pt")
-        (fp32_loss, *_), (bf16_loss, dtype, params, grads) = losses[False], losses[True]
-        print(f"rank {rank}: loss fp32 {fp32_loss:.5f}, bf16 {bf16_loss:.5f}")
-        assert dtype == torch.bfloat16 and params == grads == {torch.float32}
-        assert abs(bf16_loss - fp32_loss) <= 0.03 * fp32_loss
-
-
-def _channels_last_worker(rank, world_size, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
 
     torch.manual_seed(0)
     model = vision_tasks.build_model("cifar10", "resnet18").to(memory_format=torch.channels_last)
@@ -243,19 +190,41 @@ def _channels_last_worker(rank, world_size, port, out_dir):
         result = sharded(x.contiguous(memory_format=torch.channels_last)).sum().item()
     except NotImplementedError as exc:
         result = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    torch.save({"expected": expected, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    torch.save({"losses": losses, "channels_last": {"expected": expected, "result": result}},
+               os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
     train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
 
 
-def test_shard_model_takes_a_channels_last_resnet(tmp_path):
+@pytest.fixture(scope="module")
+def sharded_resnets(tmp_path_factory) -> list:
+    """What ``_sharding_worker`` gave on each of 2 ranks."""
+    out = tmp_path_factory.mktemp("sharded_resnets")
+    mp.spawn(_sharding_worker, args=(2, free_port(), str(out)), nprocs=2)
+    return [torch.load(out / f"{rank}.pt") for rank in range(2)]
+
+
+def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(sharded_resnets):
+    """--amp's MixedPrecisionPolicy on ResNet-18 (20 BatchNorm layers) on a CPU: an SGD
+    step runs, the output stays in the compute dtype (bf16: the loss casts it,
+    inside its compiled graph under --compile), the sharded weights and
+    gradients stay fp32, and the loss, computed in fp32, is fp32's to bf16
+    precision (1-2% apart here, through 18 bf16 layers)."""
+    for rank, outcome in enumerate(sharded_resnets):
+        (fp32_loss, *_), (bf16_loss, dtype, params, grads) = outcome["losses"][False], outcome["losses"][True]
+        print(f"rank {rank}: loss fp32 {fp32_loss:.5f}, bf16 {bf16_loss:.5f}")
+        assert dtype == torch.bfloat16 and params == grads == {torch.float32}
+        assert abs(bf16_loss - fp32_loss) <= 0.03 * fp32_loss
+
+
+def test_shard_model_takes_a_channels_last_resnet(sharded_resnets):
     """vision_tasks makes ResNets channels-last where CUDA is available (the GPU-only
     condition, applied here by hand): fully_shard refuses parameters with those strides,
     so shard_model makes them contiguous first, and the output is the unsharded model's."""
-    mp.spawn(_channels_last_worker, args=(1, free_port(), str(tmp_path)), nprocs=1)
-    outcome = torch.load(tmp_path / "0.pt")
-    assert isinstance(outcome["result"], float), outcome["result"]
-    assert abs(outcome["result"] - outcome["expected"]) <= 1e-4 * abs(outcome["expected"])
+    for outcome in sharded_resnets:
+        result, expected = outcome["channels_last"]["result"], outcome["channels_last"]["expected"]
+        assert isinstance(result, float), result
+        assert abs(result - expected) <= 1e-4 * abs(expected)
 
 
 # --------------------------------------------------------------------------
