@@ -64,6 +64,18 @@ def run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+def one_process(flags: list, cwd: Path, script: Path = REPO / "train.py", timeout: float = 600,
+                **env: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (train.py) ``flags`` as the one process of a job that its
+    launcher started itself with the plain environment (RANK 0, WORLD_SIZE
+    1, MASTER_ADDR, MASTER_PORT: a Kubernetes pod's), in ``cwd``: one
+    process, no torchrun agent beside it. For what a run does whatever
+    launched it; what torchrun adds (its restarts, its relayed signals, its
+    root cause) is tested under torchrun."""
+    return run([sys.executable, script, *flags], cwd, timeout, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), **env)
+
+
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert exit status 0, showing the output tail when not."""
     assert result.returncode == 0, (

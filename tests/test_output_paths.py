@@ -3,7 +3,9 @@ before training with one wording, files that are not the run's never
 overwritten, damaged snapshots refused by their zip archive's CRCs, and the
 --help text a user reads around them.
 
-Every run is train.py, the kit, under torchrun on the CPU, from a folder other than the repository."""
+Every run is train.py, the kit, on the CPU, from a folder other than the
+repository: one process of a launcher's job (``helpers.one_process``) where
+what is checked is the run's, whatever launched it; the rest in process."""
 
 import io
 import os
@@ -11,26 +13,20 @@ import shlex
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, TORCHRUN, check, error_lines, run, task_args
+from helpers import REPO, check, error_lines, one_process, run, task_args
 
 import common
 from train_utils.cli import task_models
 from train_utils.devices import torch_version
 from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots.sharded import ShardedSnapshots
+from train_utils.output import output_path_error
 from train_utils.snapshots.file import read_snapshot
-
-ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1"]
-# Both with the snapshot path spelled out, so the messages below read the same for DDP and FSDP.
-TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
-                              "--snapshot_path", "snapshot.pt"]
-FSDP_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--strategy", "fsdp",
-                          "--snapshot_path", "snapshot.pt"]
-
 
 def refused_before_training(result: subprocess.CompletedProcess) -> str:
     """The one error line of a run that stopped before its first epoch; run
@@ -48,70 +44,69 @@ def refused_before_training(result: subprocess.CompletedProcess) -> str:
 # Output paths: checked up front, one wording
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag", ["--metrics_path"])  # --snapshot_path: the next test
-def test_a_folder_given_as_an_output_file_is_refused_before_training(flag, tmp_path):
+def test_a_folder_given_as_an_output_file_is_refused_before_training(tmp_path):
+    """train.py's checks before training, end to end: one line, nothing written."""
     (tmp_path / "runs").mkdir()
-    result = run(ONE_RANK + [flag, "runs"], tmp_path)
+    result = one_process(["--total_epochs", "1", "--metrics_path", "runs"], tmp_path)
     assert refused_before_training(result) == (
-        f"error: cannot write {flag} runs: it is a folder, where a file is expected; pass another {flag}")
+        "error: cannot write --metrics_path runs: it is a folder, where a file is expected; pass another "
+        "--metrics_path")
     assert os.listdir(tmp_path / "runs") == []
 
 
 def test_a_folder_given_as_a_snapshot_file_is_refused_before_training(tmp_path):
-    """DDP's --snapshot_path is a file (FSDP's is a folder)."""
+    """DDP's --snapshot_path is a file (FSDP's is a folder): the snapshot's
+    claim, end to end: one line, the folder left as it is."""
     (tmp_path / "snapshot.pt").mkdir()
-    error = refused_before_training(run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path))
+    error = refused_before_training(one_process(["--total_epochs", "1", "--snapshot_path", "snapshot.pt"],
+                                                tmp_path))
     assert error == ("error: cannot write --snapshot_path snapshot.pt: it is a folder, where a snapshot "
                      "file is expected; pass another --snapshot_path")
-
-
-@pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
-                    reason="FSDP on gloo needs torch 2.10")
-def test_a_file_where_the_fsdp_snapshot_folder_goes_is_refused_and_kept(tmp_path):
-    (tmp_path / "snapshot.pt").write_bytes(b"a DDP snapshot file")
-    error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "1"], tmp_path))
-    assert error == ("error: cannot write --snapshot_path snapshot.pt: it is a file, where a snapshot "
-                     "folder is expected; pass another --snapshot_path")
-    assert (tmp_path / "snapshot.pt").read_bytes() == b"a DDP snapshot file"
-
-
-def test_a_file_given_as_the_tensorboard_folder_is_refused_before_training(tmp_path):
-    (tmp_path / "tb").write_text("notes")
-    error = refused_before_training(run(ONE_RANK + ["--tensorboard_dir", "tb"], tmp_path))
-    assert error == ("error: cannot write --tensorboard_dir tb: it is a file, where a folder is expected; "
-                     "pass another --tensorboard_dir")
-    assert (tmp_path / "tb").read_text() == "notes"
-
-
-def test_a_file_in_the_path_is_named_as_a_file_not_an_unwritable_folder(tmp_path):
-    (tmp_path / "notes").write_text("not a folder")
-    error = refused_before_training(run(ONE_RANK + ["--snapshot_path", "notes/run1/snapshot.pt"], tmp_path))
-    assert error == ("error: cannot write --snapshot_path notes/run1/snapshot.pt: notes is a file, "
-                     "not a folder; pass another --snapshot_path")
-    assert (tmp_path / "notes").read_text() == "not a folder"
+    assert os.listdir(tmp_path / "snapshot.pt") == []
 
 
 def test_missing_folders_of_the_output_paths_are_created(tmp_path):
-    check(run(ONE_RANK + ["--total_epochs", "1", "--snapshot_path", "runs/a/snapshot.pt",
-                          "--metrics_path", "runs/exp2/m.jsonl"], tmp_path))
+    check(one_process(["--total_epochs", "1", "--snapshot_path", "runs/a/snapshot.pt",
+                       "--metrics_path", "runs/exp2/m.jsonl"], tmp_path))
     assert (tmp_path / "runs" / "a" / "snapshot.pt").exists()
     assert (tmp_path / "runs" / "exp2" / "m.jsonl").read_text().count('"epoch": 1') == 1
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
-def test_a_folder_that_takes_no_files_says_what_fails(tmp_path):
-    """/proc exists and is listable; creating a file there fails with ENOENT,
-    not with 'not writable'."""
-    error = refused_before_training(run(ONE_RANK + ["--snapshot_path", "/proc/x.pt"], tmp_path))
-    assert error == ("error: cannot write --snapshot_path /proc/x.pt: folder /proc takes no new files "
-                     "(creating one fails: No such file or directory); pass another --snapshot_path")
+@pytest.mark.parametrize("flag, path, folder, made, line", [
+    # FSDP's --snapshot_path is a folder
+    ("snapshot_path", "snapshot.pt", True, "file", "cannot write --snapshot_path snapshot.pt: it is a file, where a "
+                                                   "snapshot folder is expected; pass another --snapshot_path"),
+    ("tensorboard_dir", "tb", True, "file", "cannot write --tensorboard_dir tb: it is a file, where a folder is "
+                                            "expected; pass another --tensorboard_dir"),
+    ("snapshot_path", "notes/run1/snapshot.pt", False, "notes", "cannot write --snapshot_path "
+                                                                "notes/run1/snapshot.pt: notes is a file, not a "
+                                                                "folder; pass another --snapshot_path"),
+    # /proc exists and is listable; creating a file there fails with ENOENT, not "not writable"
+    ("snapshot_path", "/proc/x.pt", False, None, "cannot write --snapshot_path /proc/x.pt: folder /proc takes no new "
+                                                 "files (creating one fails: No such file or directory); pass "
+                                                 "another --snapshot_path"),
+], ids=["fsdp-snapshot-file", "tensorboard-file", "file-in-the-path", "proc"])
+def test_what_stands_in_an_output_paths_way_is_named(flag, path, folder, made, line, tmp_path, monkeypatch):
+    """The line each output path that cannot be written gets (the check the
+    runs above make before training, and the snapshot's claim), and what was
+    in the way is left as it was."""
+    if path.startswith("/proc") and not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    monkeypatch.chdir(tmp_path)
+    if made == "file":
+        (tmp_path / path).write_text("notes")
+    elif made:
+        (tmp_path / made).write_text("notes")
+    assert output_path_error(flag, path, folder) == line
+    if made:
+        assert (tmp_path / (path if made == "file" else made)).read_text() == "notes"
 
 
 def test_a_file_torch_save_did_not_write_is_never_overwritten(tmp_path):
     """A snapshot path is read before it is written: a file that is not a
     snapshot is refused, never replaced by a fresh start."""
     (tmp_path / "notes.txt").write_text("my notes\n")
-    error = refused_before_training(run(ONE_RANK + ["--snapshot_path", "notes.txt"], tmp_path))
+    error = refused_before_training(one_process(["--total_epochs", "1", "--snapshot_path", "notes.txt"], tmp_path))
     assert error.startswith("error: cannot read snapshot notes.txt (not a zip archive as torch.save writes")
     assert (tmp_path / "notes.txt").read_text() == "my notes\n"
 
@@ -146,7 +141,8 @@ def zero_inside_largest_tensor_of(path) -> str:
 
 # A damaged snapshot stops train.py before training, in one line, and is kept:
 # tests/test_fault_tolerance.py (a truncated one, end to end). What the line
-# says of each kind of damage, in process:
+# says of each kind of damage, in process (a sharded snapshot read as FSDP's
+# Checkpointer reads it, this process a group of one):
 
 def test_a_snapshot_damaged_inside_its_tensors_is_refused_naming_the_entry(finished_run, tmp_path, monkeypatch):
     path = finished_run(tmp_path, "snapshot.pt")
@@ -162,29 +158,40 @@ def test_a_snapshot_damaged_inside_its_tensors_is_refused_naming_the_entry(finis
     assert path.read_bytes() == damaged
 
 
+def read_sharded(root: Path, folder: str) -> dict:
+    """``ShardedSnapshots.read`` of ``root``/``folder``, as --strategy fsdp's
+    Checkpointer reads a snapshot to resume (this process a group of one),
+    with the config it was saved with."""
+    meta = torch.load(root / folder / ShardedSnapshots.META, weights_only=True)
+    return ShardedSnapshots(str(root)).read(str(root / folder), meta["config"])
+
+
 @pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
-def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(finished_run, tmp_path):
+def test_a_damaged_fsdp_meta_file_is_refused_naming_the_entry(finished_run, tmp_path, one_process_group):
     finished_run(tmp_path, "snapshot.pt", strategy="fsdp")
     (folder,) = os.listdir(tmp_path / "snapshot.pt")
     meta = tmp_path / "snapshot.pt" / folder / ShardedSnapshots.META
+    config = torch.load(meta, weights_only=True)["config"]
     entry = zero_inside_largest_tensor_of(meta)
     damaged = meta.read_bytes()
-    error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "2"], tmp_path))
-    assert error.startswith(f"error: cannot read snapshot snapshot.pt/{folder}/meta.pt (damaged: its entry "
-                            f"{entry} fails its CRC-32 check)")
+    with pytest.raises(common.ConfigError) as info:
+        ShardedSnapshots(str(tmp_path / "snapshot.pt")).read(str(meta.parent), config)
+    assert str(info.value).startswith(f"cannot read snapshot {meta} (damaged: its entry {entry} fails its "
+                                      f"CRC-32 check)")
     assert meta.read_bytes() == damaged
 
 
 @pytest.mark.skipif(torch_version() < GLOO_AVG_REDUCE_SCATTER,
                     reason="FSDP on gloo needs torch 2.10")
-def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(finished_run, tmp_path):
+def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(finished_run, tmp_path, one_process_group):
     """DCP keeps no checksum; each tensor in its .distcp files is a torch.save
     archive, whose CRCs catch what dcp.load would load without a word."""
     from torch.distributed.checkpoint import FileSystemReader
 
     finished_run(tmp_path, "snapshot.pt", strategy="fsdp")
     (folder,) = os.listdir(tmp_path / "snapshot.pt")
+    read_sharded(tmp_path / "snapshot.pt", folder)  # whole: read without a word
     model = tmp_path / "snapshot.pt" / folder / "model"
     index, item = max(FileSystemReader(str(model)).read_metadata().storage_data.items(),
                       key=lambda pair: pair[1].length)
@@ -192,11 +199,12 @@ def test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item(finished_run, 
     data = bytearray(shard.read_bytes())
     entry = zero_inside_largest_tensor(data, item.offset, item.length)
     shard.write_bytes(bytes(data))
-    error = refused_before_training(run(FSDP_SCRIPT + ["--total_epochs", "2"], tmp_path))
-    assert error == (f"error: cannot read snapshot snapshot.pt/{folder} (a damaged shard: model/"
-                     f"{item.relative_path} item {index.fqn}: its entry {entry} fails its CRC-32 "
-                     f"check); move it away to start afresh (or put back a good copy), or pass another "
-                     f"--snapshot_path")
+    with pytest.raises(common.ConfigError) as info:
+        read_sharded(tmp_path / "snapshot.pt", folder)
+    assert str(info.value) == (f"cannot read snapshot {tmp_path / 'snapshot.pt' / folder} (a damaged shard: model/"
+                               f"{item.relative_path} item {index.fqn}: its entry {entry} fails its CRC-32 "
+                               f"check); move it away to start afresh (or put back a good copy), or pass another "
+                               f"--snapshot_path")
     assert shard.read_bytes() == bytes(data)
 
 

@@ -11,11 +11,10 @@ import sys
 
 import pytest
 
-from helpers import (REPO, TORCHRUN, check, epochs, error_lines, free_port, run, run_together,
+from helpers import (REPO, TORCHRUN, check, epochs, error_lines, free_port, one_process, run, run_together,
                      script_env, snapshot_tensors, stdout_lines)
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
-ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 
 
 # --------------------------------------------------------------------------
@@ -25,7 +24,7 @@ ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 def test_rerunning_a_finished_run_says_nothing_to_train(finished_run, tmp_path):
     finished_run(tmp_path, total_epochs=2)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
-    again = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "2", "--lr", "0.01"], tmp_path))
+    again = check(one_process(["--total_epochs", "2", "--lr", "0.01"], tmp_path))
     assert stdout_lines(again.stdout.strip())[-1] == (
         "snapshot snapshot_train.pt already holds all 2 epochs: nothing to train (raise --total_epochs "
         "to train on, or delete it or pass another --snapshot_path to start afresh)")
@@ -36,7 +35,7 @@ def test_rerunning_a_finished_run_says_nothing_to_train(finished_run, tmp_path):
 def test_fewer_epochs_than_the_snapshot_holds_is_refused(finished_run, tmp_path):
     finished_run(tmp_path, total_epochs=2)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
-    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "1"], tmp_path)
+    result = one_process(["--total_epochs", "1"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
         "error: --total_epochs 1 is below the 2 epochs snapshot snapshot_train.pt already holds; raise "
@@ -55,7 +54,7 @@ def test_fewer_epochs_than_the_snapshot_holds_is_refused(finished_run, tmp_path)
 def test_a_snapshot_of_other_data_or_seed_is_refused_naming_the_fix(flags, line, finished_run, tmp_path):
     finished_run(tmp_path)
     before = (tmp_path / "snapshot_train.pt").read_bytes()
-    result = run(TORCHRUN_SCRIPT + ["--total_epochs", "2", *flags], tmp_path)
+    result = one_process(["--total_epochs", "2", *flags], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [line]
     assert (tmp_path / "snapshot_train.pt").read_bytes() == before
@@ -150,8 +149,9 @@ def test_a_config_error_is_torchruns_root_cause(finished_run, tmp_path):
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_saved_files_honour_the_umask(umask, mode, tmp_path):
     """As torch.save's own files do: a group that shares a project folder can read them."""
-    cmd = [str(part) for part in ONE_RANK + ["--total_epochs", "1"]]
-    result = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True,
+    cmd = [sys.executable, str(REPO / "train.py"), "--total_epochs", "1"]
+    env = script_env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                             preexec_fn=lambda: os.umask(umask))
     check(result)
     assert stat.S_IMODE((tmp_path / "snapshot_train.pt").stat().st_mode) == mode
