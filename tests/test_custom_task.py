@@ -7,10 +7,9 @@ import sys
 
 import torch
 
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, parse_test, run
+from helpers import REPO, check, epochs, error_lines, one_process, parse_test, run
 from walk import commands
 
-ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 
 
 def guide_task_module(folder) -> None:
@@ -60,7 +59,7 @@ def test_a_task_without_a_test_split_trains_and_prints_no_test_line(tmp_path):
         "    return task\n")
     task = ["--dataset", "no_test_task.py:build", "--total_epochs", "1"]
     rung = check(run([sys.executable, REPO / "singlegpu.py", *task], tmp_path))
-    kit = check(run(ONE_RANK + [*task, "--metrics_path", "metrics.jsonl"], tmp_path))
+    kit = check(one_process([*task, "--metrics_path", "metrics.jsonl"], tmp_path))
     for result in (rung, kit):
         assert [e["epoch"] for e in epochs(result.stdout)] == [1] and "test |" not in result.stdout, result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -71,7 +70,7 @@ def test_a_task_without_a_test_split_trains_and_prints_no_test_line(tmp_path):
 
 def test_unknown_task_module_is_one_line(tmp_path):
     """The line names where the module was looked for."""
-    result = run(ONE_RANK + ["--dataset", "no_such_module:build"], tmp_path, PYTHONPATH="")
+    result = one_process(["--dataset", "no_such_module:build"], tmp_path, PYTHONPATH="")
     assert result.returncode != 0
     assert len(error_lines(result.stderr)) == 1, result.stderr
     assert "cannot load task function 'build' from module 'no_such_module'" in result.stderr
@@ -83,7 +82,7 @@ def test_task_module_in_the_current_folder_needs_no_pythonpath(tmp_path):
     """torchrun ... /path/to/train.py --dataset my_task:build_task, run from the
     folder holding my_task.py: found, though Python searches only the script's folder."""
     guide_task_module(tmp_path)
-    result = check(run(ONE_RANK + ["--dataset", "my_task:build_task", "--total_epochs", "1"], tmp_path,
+    result = check(one_process(["--dataset", "my_task:build_task", "--total_epochs", "1"], tmp_path,
                        PYTHONPATH=""))
     assert [int(e["epoch"]) for e in epochs(result.stdout)] == [1]
     assert "val_acc" in result.stdout  # the guide's task: a classification
@@ -93,7 +92,7 @@ def test_module_that_fails_to_import_is_named_without_the_placement_hint(tmp_pat
     """A task module that is there but imports something missing: the error
     names what is missing, not where to put the task module."""
     (tmp_path / "broken_task.py").write_text("import no_such_dependency\n")
-    result = run(ONE_RANK + ["--dataset", "broken_task:build"], tmp_path)
+    result = one_process(["--dataset", "broken_task:build"], tmp_path)
     assert result.returncode != 0
     assert "No module named 'no_such_dependency'" in result.stderr
     assert "beside the scripts" not in result.stderr

@@ -19,7 +19,7 @@ import torch
 
 from dataset_files import build_mnist_root
 from helpers import (FAULTY_TRAIN, REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs,
-                     error_lines, held_at_step, parse_test, run, script_env, stdout_lines)
+                     error_lines, held_at_step, one_process, parse_test, run, script_env, stdout_lines)
 
 import train_utils
 from common import ConfigError
@@ -202,7 +202,7 @@ def test_a_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path):
     stopped = run(FAULTY_SCRIPT + flags + ["--snapshot_every_steps", "4"], tmp_path,
                   DDP_TEST_FAULT="step:0:6:raise")  # after the snapshot at step 4
     assert stopped.returncode != 0
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", *flags], tmp_path))
+    result = check(one_process(flags, tmp_path))
     assert ("resuming from snapshot snapshot_train.pt in epoch 1 after step 8 (saved by world_size 2, resumed "
             "by 1: global batch size 64 -> 64 at the same --lr, steps per epoch 28 -> 28; epoch 1 goes on "
             "after 256 of its 1844 samples (step 4 by world_size 2) at step 8, the rest split over 1 rank; "

@@ -21,8 +21,8 @@ from train_utils.speed import check_amp, peak_memory_mib
 from train_utils.throughput import GPU_PEAKS, gpu_peak
 import vision_tasks
 from dataset_files import build_cifar10_root, build_mnist_root
-from helpers import (FAULTY_TRAIN, load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,
-                     kit_trainer, snapshot_tensors)
+from helpers import (FAULTY_TRAIN, load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, one_process,
+                     parse_test, run, kit_trainer, snapshot_tensors)
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
 ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
@@ -274,7 +274,7 @@ def test_snapshot_written_with_compile_loads_without_it(tmp_path):
 
 
 def test_amp_on_cpu_is_refused_in_one_line_where_it_does_not_help(tmp_path):
-    result = run(ONE_RANK + ["--amp"], tmp_path)
+    result = one_process(["--amp"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
         "error: --amp on a CPU: bf16 autocast does not speed up --model mlp on a CPU (measured, "
@@ -414,7 +414,7 @@ def test_amp_on_cpu_follows_the_measurement_for_the_cnn(tmp_path):
     # ...and it trains: one epoch of bf16 autocast on 2,250 real digits (0.75 held-out accuracy
     # with torch 2.14 on a CPU; chance is 0.1).
     data = build_mnist_root(tmp_path / "data", n_train=2500, n_test=500)
-    result = check(run(ONE_RANK + ["--dataset", "mnist", "--data_dir", data, "--total_epochs", "1", "--amp"],
+    result = check(one_process(["--dataset", "mnist", "--data_dir", data, "--total_epochs", "1", "--amp"],
                        tmp_path))
     assert parse_test(result.stdout)["acc"] >= 0.6
 

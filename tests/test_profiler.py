@@ -5,7 +5,7 @@ plugin open; the profiled run trains bitwise as an unprofiled one."""
 import collections
 import json
 
-from helpers import REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, run
+from helpers import REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, one_process, run
 
 PROFILED_STEPS = [f"ProfilerStep#{n}" for n in range(2, 7)]  # training steps 3-7
 
@@ -50,8 +50,7 @@ def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(tmp
 
 def test_an_unwritable_profile_dir_stops_before_training_in_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--profile_dir", "a_file/prof"],
-                 tmp_path)
+    result = one_process(["--profile_dir", "a_file/prof"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
         "error: cannot write --profile_dir a_file/prof: a_file is a file, not a folder; pass another --profile_dir"]

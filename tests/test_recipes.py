@@ -23,9 +23,8 @@ from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots.file import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, kit_trainer, parse_test, run
+from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, kit_trainer, one_process, parse_test, run
 
-TORCHRUN_1 = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
 
 
@@ -115,7 +114,7 @@ def test_a_snapshot_from_before_the_optimizer_flag_is_sgds(tmp_path):
 def test_epoch_line_metrics_and_tensorboard_show_the_learning_rate(tmp_path):
     """Step decay x0.5 per epoch: the epoch line, the JSON record and TensorBoard's
     "lr" scalar give each epoch's learning rate."""
-    result = check(run(TORCHRUN_1 + ["--total_epochs", "3", "--lr", "0.08",
+    result = check(one_process(["--total_epochs", "3", "--lr", "0.08",
                         "--lr_schedule", "step", "--lr_gamma", "0.5", "--metrics_path", "m.jsonl",
                         "--tensorboard_dir", "tb"], tmp_path))
     assert [e["lr"] for e in epochs(result.stdout)] == [0.08, 0.04, 0.02]

@@ -1,18 +1,21 @@
-"""--wandb_project, offline (WANDB_MODE=offline, WANDB_DIR in the test's
-folder): what wandb wrote is read back from its run file, run-<id>.wandb, and
-must hold the flags, one row per epoch with the run's own figures, and the
-test figures; a stopped and resumed run continues the same W&B run."""
+"""--wandb_project, offline (WANDB_MODE=offline, in the test's folder or in
+docs/runs.md's, as the newcomer's walk runs it): what wandb wrote is read
+back from its run file, run-<id>.wandb, and must hold the flags, one row per
+epoch with the run's own figures, and the test figures; a stopped and
+resumed run continues the same W&B run."""
 
 import json
+import re
 import signal
 import struct
 
 import pytest
 import torch
 
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, error_lines, held_at_step, run, signal_when, without_package
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, error_lines, held_at_step, one_process, run,
+                     signal_when, without_package)
+from walk import walked_blocks
 
-ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
 
 wandb = pytest.importorskip("wandb", reason="pip install wandb (requirements-test.txt)")
 
@@ -89,37 +92,41 @@ def metrics(path) -> tuple[dict, dict]:
 FIGURES = ("train_loss", "val_loss", "lr", "samples_per_s", "epoch_seconds")
 
 
-def test_a_run_logs_its_flags_each_epoch_and_the_test_figures(tmp_path):
-    """One W&B run: the flags as its config, one row per epoch at step =
-    epoch holding the figures of the epoch line and the metrics file, the
-    test figures in its summary. Another run gets another id."""
-    flags = ["--total_epochs", "3", "--wandb_project", "ladder", "--metrics_path", "m.jsonl"]
-    result = check(run(ONE_RANK + flags, tmp_path, **offline(tmp_path)))
-    (logged,) = wandb_runs(tmp_path)
-    assert logged["config"]["total_epochs"] == 3 and logged["config"]["wandb_project"] == "ladder"
-    assert logged["config"]["dataset"] == "synthetic" and logged["config"]["world_size"] == 1
-    assert [row["_step"] for row in logged["rows"]] == [1, 2, 3]
-    per_epoch, test = metrics(tmp_path / "m.jsonl")
-    for row, line in zip(logged["rows"], epochs(result.stdout)):
+def test_a_run_logs_its_flags_each_epoch_and_the_test_figures_and_a_resume_goes_on_in_it(newcomer_walk):
+    """docs/runs.md's two commands, offline (the newcomer's walk): one W&B run
+    for both, the flags as its config, one row per epoch at step = epoch
+    holding the figures of the epoch line, the test figures in each start's
+    summary; the resumed start logs epochs 3 and 4 to the same run."""
+    number = next(number for doc, number, block in walked_blocks()
+                  if doc == "docs/runs.md" and "--wandb_project" in block)
+    block = newcomer_walk.block("docs/runs.md", number)
+    first, second = wandb_runs(newcomer_walk.saved("docs/runs.md", number, "wandb").parent)
+    assert first["id"] == second["id"]
+    for logged in (first, second):
+        assert logged["config"]["wandb_project"] == "ladder" and logged["config"]["dataset"] == "synthetic"
+        assert logged["config"]["world_size"] == 2
+    assert (first["config"]["total_epochs"], second["config"]["total_epochs"]) == (2, 4)
+    assert [row["_step"] for row in first["rows"] + second["rows"]] == [1, 2, 3, 4]
+    for row, line in zip(first["rows"] + second["rows"], epochs(block.stdout)):
         assert row["epoch"] == line["epoch"]
-        assert {key: row[key] for key in FIGURES} == {key: per_epoch[row["epoch"]][key] for key in FIGURES}
-        assert row["train_loss"] == pytest.approx(line["train_loss"], abs=1e-6)
+        assert set(FIGURES) <= set(row)
+        for key in ("train_loss", "val_loss", "lr"):
+            assert row[key] == pytest.approx(line[key], abs=1e-6), key
         assert "val_accuracy" not in row  # None (regression) is left out
-    assert logged["summary"]["test_loss"] == test["test_loss"]
-
-    again = tmp_path / "again"
-    again.mkdir()
-    check(run(ONE_RANK + flags, again, **offline(again)))
-    assert wandb_runs(again)[0]["id"] != logged["id"]  # a fresh run, a fresh W&B run
+    tests = [float(loss) for loss in re.findall(r"^test \| loss (\S+)$", block.stdout, re.M)]
+    assert [logged["summary"]["test_loss"] for logged in (first, second)] == pytest.approx(tests, abs=1e-6)
 
 
-@pytest.mark.parametrize("strategy, snapshot", [("ddp", "snapshot_train.pt"), ("fsdp", "snapshot_train_fsdp")])
-def test_a_stopped_and_resumed_run_continues_the_same_wandb_run(strategy, snapshot, tmp_path, monkeypatch):
+# DDP resumes at an epoch's end in docs/runs.md's commands (above); the W&B run's id comes from the
+# snapshot alike inside an epoch.
+@pytest.mark.parametrize("strategy, snapshot", [("fsdp", "snapshot_train_fsdp")])
+def test_a_stopped_and_resumed_run_continues_the_same_wandb_run(strategy, snapshot, newcomer_walk, tmp_path,
+                                                                 monkeypatch):
     """SIGTERM (a preemption, a requeue) stops the run inside an epoch after a
     snapshot; the same command resumes it. Both starts log to one W&B run,
     and between them every epoch once, with the figures the metrics file
     holds. --strategy fsdp ends its process with os._exit: the rows must
-    be written all the same."""
+    be written all the same. Another run gets another W&B run."""
     for name, value in offline(tmp_path).items():
         monkeypatch.setenv(name, value)  # signal_when runs with this environment
     total = 3
@@ -144,6 +151,10 @@ def test_a_stopped_and_resumed_run_continues_the_same_wandb_run(strategy, snapsh
         assert {key: row[key] for key in FIGURES} == {key: per_epoch[row["epoch"]][key] for key in FIGURES}
     assert "test_loss" not in first["summary"] and second["summary"]["test_loss"] == test["test_loss"]
     assert second["config"]["world_size"] == 2
+    number = next(number for doc, number, block in walked_blocks()
+                  if doc == "docs/runs.md" and "--wandb_project" in block)
+    (another, _) = wandb_runs(newcomer_walk.saved("docs/runs.md", number, "wandb").parent)
+    assert another["id"] != first["id"]  # another run (docs/runs.md's), another W&B run
 
 
 def test_a_snapshot_without_a_wandb_id_resumes_into_a_new_wandb_run(finished_run, tmp_path):
@@ -153,8 +164,7 @@ def test_a_snapshot_without_a_wandb_id_resumes_into_a_new_wandb_run(finished_run
     snapshot = torch.load(path, weights_only=True)
     snapshot.pop("wandb_run_id", None)
     torch.save(snapshot, path)
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--wandb_project", "ladder"]
-    resumed = check(run(launch + ["--total_epochs", "2"], tmp_path, **offline(tmp_path)))
+    resumed = check(one_process(["--wandb_project", "ladder", "--total_epochs", "2"], tmp_path, **offline(tmp_path)))
     assert "resuming from snapshot snapshot_train.pt after epoch 1" in resumed.stdout
     (fresh,) = wandb_runs(tmp_path)
     assert fresh["id"] and [row["_step"] for row in fresh["rows"]] == [2]
@@ -162,7 +172,7 @@ def test_a_snapshot_without_a_wandb_id_resumes_into_a_new_wandb_run(finished_run
 
 def test_missing_wandb_is_one_line(tmp_path):
     """wandb is optional: without it --wandb_project stops before training, in one line."""
-    result = run(ONE_RANK + ["--wandb_project", "ladder"], tmp_path, **without_package(tmp_path, "wandb"))
+    result = one_process(["--wandb_project", "ladder"], tmp_path, **without_package(tmp_path, "wandb"))
     assert result.returncode != 0
     assert len(error_lines(result.stderr)) == 1, result.stderr
     assert "--wandb_project needs the wandb package" in result.stderr
