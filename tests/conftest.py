@@ -43,26 +43,32 @@ def kit_run(tmp_path_factory):
     and flags in the whole test session, each in a folder of its own: under
     ``-n 3`` the test processes share the runs (a file lock, in the folder
     of the session that holds theirs; a run is made in a temporary folder and
-    renamed once it has succeeded). Returns (that folder, the run's stdout).
-    For tests that compare with a finished run, or start from its snapshot;
-    they read the folder and never write in it."""
+    renamed once it has succeeded). ``processes=1``: train.py as the one
+    process of a launcher's job (``helpers.one_process``) instead. Returns
+    (that folder, the run's stdout). For tests that compare with a finished
+    run, or start from its snapshot; they read the folder and never write in
+    it."""
     import hashlib
     import tempfile
 
     from filelock import FileLock
 
-    from helpers import REPO, TORCHRUN, check, run
+    from helpers import REPO, TORCHRUN, check, one_process, run
 
     shared = session_folder(tmp_path_factory)
 
-    def kit(strategy: str = "ddp", *flags) -> tuple[Path, str]:
-        key = "\0".join((strategy, *map(str, flags)))
+    def kit(strategy: str = "ddp", *flags, processes: int = 2) -> tuple[Path, str]:
+        key = "\0".join((strategy, *map(str, flags), *([f"processes={processes}"] if processes != 2 else [])))
         folder = shared / f"kit_{strategy}_run_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         with FileLock(f"{folder}.lock"):
             if not folder.exists():
                 making = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=shared))
-                result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
-                                               "--strategy", strategy, *flags], making, OMP_NUM_THREADS="1"))
+                if processes == 1:
+                    result = check(one_process(["--strategy", strategy, *map(str, flags)], making))
+                else:
+                    result = check(run(TORCHRUN + ["--standalone", f"--nproc_per_node={processes}",
+                                                   REPO / "train.py", "--strategy", strategy, *flags], making,
+                                       OMP_NUM_THREADS="1"))
                 (making / "stdout.txt").write_text(result.stdout)
                 making.rename(folder)
         return folder, (folder / "stdout.txt").read_text()

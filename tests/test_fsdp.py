@@ -84,21 +84,24 @@ def expected_state_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, 
 
 # World size 2 without accumulation: test_hsdp_on_two_nodes_shards_within_a_node_and_matches_one_process
 # matches one process with 2-way shards.
+# The one-process run both parity tests compare with: one epoch at a global batch of 24.
+ONE_PROCESS_REFERENCE = ("ddp", "--total_epochs", 1, "--batch_size", 24)
+
+
 @pytest.mark.parametrize("world_size, batch_size, accum", [(3, 4, 2)])
-def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, accum, tmp_path):
+def test_fsdp_matches_one_process_with_the_global_batch(world_size, batch_size, accum, kit_run, tmp_path):
     """One epoch of SGD steps (76 at world size 3, each accumulating 2
     micro-batches through set_requires_gradient_sync). The MLP's last layer has 1
     output row and its first 64, which 3 does not divide: FSDP pads their
     shards. The reference is train.py's DDP with one process, which is plain
     training; the FSDP snapshot is gathered with DCP's converter."""
     global_batch = batch_size * accum * world_size
-    (tmp_path / "one").mkdir()
     (tmp_path / "fsdp").mkdir()
-    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py",
-                          "--total_epochs", "1", "--batch_size", str(global_batch)], tmp_path / "one"))
+    one, _ = kit_run(*ONE_PROCESS_REFERENCE, processes=1)
+    assert global_batch == ONE_PROCESS_REFERENCE[-1]
     result = check(run(fsdp(world_size, "--total_epochs", 1, "--batch_size", batch_size,
                             "--grad_accum_steps", accum, "--metrics_path", "m.jsonl"), tmp_path / "fsdp"))
-    reference = torch.load(tmp_path / "one" / "snapshot_train.pt", weights_only=True)["model"]
+    reference = torch.load(one / "snapshot_train.pt", weights_only=True)["model"]
     weights, _ = full_state(snapshot_folder(tmp_path / "fsdp" / "snapshot_train_fsdp"), tmp_path / "gathered")
     start = common.synthetic_model("mlp").state_dict()
     assert weights.keys() == reference.keys()
@@ -297,21 +300,19 @@ def two_nodes(port: int, *flags) -> list:
             for node in range(2)]
 
 
-def test_hsdp_on_two_nodes_shards_within_a_node_and_matches_one_process(tmp_path):
+def test_hsdp_on_two_nodes_shards_within_a_node_and_matches_one_process(kit_run, tmp_path):
     """4 ranks as 2 nodes x 2 (two torchrun agents): the default mesh is one
     replica per node (replicate 2 x shard 2), so each rank holds half of every
-    parameter, not a quarter as FSDP over 4 ranks would; one epoch of 57 SGD
-    steps ends at the weights of one process with the global batch of 32 within
+    parameter, not a quarter as FSDP over 4 ranks would; one epoch of 76 SGD
+    steps ends at the weights of one process with the global batch of 24 within
     1e-5 (the float tolerance of the FSDP parity test: gradients summed in
     another order); the snapshot holds each shard once, not once per replica."""
-    (tmp_path / "one").mkdir()
-    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--total_epochs", "1",
-                          "--batch_size", "32"], tmp_path / "one"))
-    outputs = run_together(two_nodes(free_port(), "--total_epochs", 1, "--batch_size", 8),
+    one, _ = kit_run(*ONE_PROCESS_REFERENCE, processes=1)
+    outputs = run_together(two_nodes(free_port(), "--total_epochs", 1, "--batch_size", 6),
                            [tmp_path, tmp_path], script_env())
     assert all(code == 0 for code, _, _ in outputs), [err[-3000:] for _, _, err in outputs]
     stdout = "".join(out for _, out, _ in outputs)
-    assert "| world_size 4 | global batch size 32 = batch_size 8 x grad_accum_steps 1 x world_size 4 | " \
+    assert "| world_size 4 | global batch size 24 = batch_size 6 x grad_accum_steps 1 x world_size 4 | " \
            "HSDP mesh replicate 2 x shard 2 |" in stdout, stdout[-2000:]
     mem = memory(stdout)
     largest, full = expected_state_bytes(common.synthetic_model("mlp"), 2)  # shards of 2 ranks, not of 4
@@ -319,7 +320,7 @@ def test_hsdp_on_two_nodes_shards_within_a_node_and_matches_one_process(tmp_path
 
     folder = snapshot_folder(tmp_path / SNAPSHOT)
     weights, _ = full_state(folder, tmp_path / "gathered")
-    reference = torch.load(tmp_path / "one" / "snapshot_train.pt", weights_only=True)["model"]
+    reference = torch.load(one / "snapshot_train.pt", weights_only=True)["model"]
     worst = max((weights[name] - reference[name]).abs().max().item() for name in reference)
     print(f"HSDP 2 x 2: max |HSDP - one process| = {worst:.2e}")
     assert weights.keys() == reference.keys() and worst <= 1e-5
