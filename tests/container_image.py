@@ -1,11 +1,17 @@
 """The container test's image: the repository's Dockerfile built with rootful
 podman on a Debian base made by debootstrap, all of podman's state in one
-folder. Standard library only, so that .ci/run can start the build with the
-system's python3 before the test environment exists:
+folder. The base carries torch, as the Dockerfile's default base (an official
+PyTorch image) does: the distributions requirements.txt needs, copied from
+the test environment where its Python is the base's (else the build
+installs them from the package index, as on a plain Python base). Standard
+library only, so that .ci/run can start the build with the system's python3
+before the test environment exists:
 
-    python3 tests/container_image.py ROOT    # builds into ROOT/podman, writes ROOT/result.json
+    python3 tests/container_image.py ROOT [PYTHON]    # builds into ROOT/podman, writes ROOT/result.json
 
-and the test (tests/test_container.py) takes the image from there when
+(PYTHON: the test environment's interpreter, whose packages the base takes
+once its installation is complete; it is waited for.) The test
+(tests/test_container.py) takes the image from there when
 DDP_TEST_IMAGE_ROOT names ROOT, or builds it itself.
 """
 
@@ -196,17 +202,21 @@ def _checked(result: subprocess.CompletedProcess, what: str) -> subprocess.Compl
     return result
 
 
-def _make_base(podman: Podman, rootfs: Path) -> None:
+def _make_base(podman: Podman, rootfs: Path, packages_from: Optional[str] = None) -> None:
     """A Debian + Python base image, no registry: debootstrap from the mirror
-    apt uses, then podman import; the root file system is removed after."""
+    apt uses, the distributions requirements.txt needs from ``packages_from``'s
+    environment (``copy_packages``), then podman import; the root file system
+    is removed after."""
     mirror, suite = debian_mirror()
     _checked(_timed(f"debootstrap {suite} from {mirror}", subprocess.run,
                     [_tool("debootstrap"), "--variant=minbase", "--include=python3,python3-pip,ca-certificates",
                      suite, rootfs, mirror], capture_output=True, text=True, timeout=900), "debootstrap")
+    if packages_from:
+        print(_timed("packages", copy_packages, packages_from, rootfs))
     started = time.monotonic()
     tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
     try:
-        imported = podman("import", "-", BASE_TAG, stdin=tar.stdout, timeout=300)
+        imported = podman("import", "-", BASE_TAG, stdin=tar.stdout, timeout=600)
     finally:
         tar.stdout.close()
         tar.wait()
@@ -215,11 +225,100 @@ def _make_base(podman: Podman, rootfs: Path) -> None:
     shutil.rmtree(rootfs)
 
 
+# Run by the test environment's Python: every file of the distributions requirements.txt
+# names and of what they require there (markers evaluated as pip does), as
+# [{"name", "complete": its RECORD is written, "files": [absolute paths]}]; what is missing, by name.
+_CLOSURE = r"""
+import importlib.metadata as md, json, os, sys
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+wanted, seen, found, missing = [], set(), [], []
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        wanted.append(Requirement(line))
+while wanted:
+    requirement = wanted.pop()
+    name = canonicalize_name(requirement.name)
+    if name in seen:
+        continue
+    seen.add(name)
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        missing.append(name)
+        continue
+    files = [str(dist.locate_file(f).resolve()) for f in dist.files or []]
+    found.append({"name": name, "complete": any(f.endswith(".dist-info/RECORD") and os.path.exists(f)
+                                                for f in files), "files": files})
+    for text in dist.requires or []:
+        needed = Requirement(text)
+        if needed.marker is None or needed.marker.evaluate({"extra": ""}):
+            wanted.append(needed)
+print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "prefix": sys.prefix, "found": found,
+                  "missing": missing}))
+"""
+PACKAGES_WAIT_S = 1200
 
 
-def build(root: Path) -> Image:
-    """Build the image into ``root``/podman (a new folder): a debootstrap base,
-    then the Dockerfile; prints each step's time and the image's size.
+def copy_packages(python: str, rootfs: Path, wait_s: float = PACKAGES_WAIT_S) -> str:
+    """Copy into ``rootfs`` the distributions requirements.txt needs, as the
+    environment of ``python`` holds them: its modules into the base Python's
+    site folder (/usr/local/lib/python3.X/dist-packages), its scripts
+    (torchrun) into /usr/local/bin, started by the base's python3. Waits
+    (up to ``wait_s`` seconds) until that environment holds every one of
+    them whole (its pip writes a distribution's RECORD last). Copies nothing
+    where ``python``'s version is not the base's (the build then installs
+    them from the package index). Returns what it did, in a line."""
+    base = sorted(p.name for p in (rootfs / "usr" / "lib").glob("python3.*") if (p / "os.py").exists())
+    deadline = time.monotonic() + wait_s
+    while True:
+        probe = subprocess.run([python, "-c", _CLOSURE, str(REPO / "requirements.txt")], capture_output=True,
+                               text=True) if os.path.exists(python) else None
+        if probe and probe.returncode == 0:
+            closure = json.loads(probe.stdout)
+            if not closure["missing"] and all(dist["complete"] for dist in closure["found"]):
+                break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{python}'s environment did not hold requirements.txt's packages within "
+                               f"{wait_s:.0f} s" + (f": {probe.stderr[-500:]}" if probe else ""))
+        time.sleep(5)
+    if base != [f"python{closure['python']}"]:
+        return f"packages: none copied ({python} is Python {closure['python']}, the base's {base})"
+    site = rootfs / "usr" / "local" / "lib" / f"python{closure['python']}" / "dist-packages"
+    scripts = rootfs / "usr" / "local" / "bin"
+    prefix_bin = os.path.join(closure["prefix"], "bin") + os.sep
+    copied = 0
+    for dist in closure["found"]:
+        # With their bytecode (the same Python, the sources' times kept): no container compiles them again.
+        compiled = [str(path) for source in dist["files"] if source.endswith(".py")
+                    for path in Path(source).parent.glob(f"__pycache__/{Path(source).stem}.*.pyc")]
+        for source in dict.fromkeys(dist["files"] + compiled):
+            if not os.path.isfile(source):
+                continue
+            if source.startswith(prefix_bin):  # a console script: its first line names the environment's python
+                lines = Path(source).read_bytes().split(b"\n", 1)
+                target = scripts / os.path.basename(source)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(b"#!/usr/bin/python3\n" + (lines[1] if len(lines) > 1 else b""))
+                target.chmod(0o755)
+            elif "site-packages" in Path(source).parts:
+                parts = Path(source).parts
+                index = max(i for i, part in enumerate(parts) if part == "site-packages")
+                target = site.joinpath(*parts[index + 1:])
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+            else:  # data files outside the site folder (a man page, a header): not needed to run
+                continue
+            copied += 1
+    names = ", ".join(sorted(dist["name"] for dist in closure["found"]))
+    return f"packages: {copied} files of {len(closure['found'])} distributions from {python} ({names})"
+
+
+def build(root: Path, packages_from: Optional[str] = None) -> Image:
+    """Build the image into ``root``/podman (a new folder): a debootstrap base
+    (with ``packages_from``'s packages: ``copy_packages``), then the
+    Dockerfile; prints each step's time and the image's size.
     Raises RuntimeError when the disk lacks DISK_NEEDED bytes, AssertionError
     (with the command's output) when a step fails; the caller cleans up
     (``Podman.cleanup``) either way."""
@@ -228,7 +327,7 @@ def build(root: Path) -> Image:
         raise RuntimeError(f"the image build needs about {DISK_NEEDED / 1e9:.0f} GB free disk at its peak; "
                            f"{root} has {free / 1e9:.1f} GB")
     podman = Podman(root / "podman")
-    _make_base(podman, root / "rootfs")
+    _make_base(podman, root / "rootfs", packages_from)
     command = ["build", "--pull=never", "--network=host", "--file", REPO / "Dockerfile",
                "--build-arg", f"BASE={BASE_TAG}", "--tag", IMAGE_TAG]
     if CA_BUNDLE.is_file():
@@ -241,7 +340,7 @@ def build(root: Path) -> Image:
     return Image(podman, IMAGE_TAG)
 
 
-def prebuilt(root: Path, timeout_s: float = BUILD_TIMEOUT_S + 300) -> Image:
+def prebuilt(root: Path, timeout_s: float = PACKAGES_WAIT_S + BUILD_TIMEOUT_S + 300) -> Image:
     """The image a background ``python3 tests/container_image.py root`` builds:
     waits for its ``result.json``; raises RuntimeError with the build's error
     (or when none came within ``timeout_s`` seconds)."""
@@ -258,9 +357,10 @@ def prebuilt(root: Path, timeout_s: float = BUILD_TIMEOUT_S + 300) -> Image:
     return Image(Podman(root / "podman"), IMAGE_TAG)
 
 
-def main(root: Path) -> int:
-    """Build into ``root`` and write ``root``/result.json ({"ok", "error",
-    "log"}: what ``prebuilt`` reads) with a rename, so it is whole when seen."""
+def main(root: Path, packages_from: Optional[str] = None) -> int:
+    """Build into ``root`` (``packages_from``: ``build``'s) and write
+    ``root``/result.json ({"ok", "error", "log"}: what ``prebuilt`` reads)
+    with a rename, so it is whole when seen."""
     import contextlib
     import io
 
@@ -270,7 +370,7 @@ def main(root: Path) -> int:
         if reason:
             raise RuntimeError(f"cannot build the image here: {reason}")
         with contextlib.redirect_stdout(log):
-            build(root)
+            build(root, packages_from)
         outcome = {"ok": True, "error": "", "log": log.getvalue()}
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "log": log.getvalue()}
@@ -281,4 +381,4 @@ def main(root: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -81,7 +82,7 @@ def image(tmp_path_factory, removals) -> Image:
     ready = None
     root = Path(os.environ[PREBUILT_VAR]) if os.environ.get(PREBUILT_VAR) else tmp_path_factory.mktemp("container")
     try:
-        ready = prebuilt(root) if os.environ.get(PREBUILT_VAR) else build(root)
+        ready = prebuilt(root) if os.environ.get(PREBUILT_VAR) else build(root, sys.executable)
         yield ready
     except RuntimeError as exc:
         pytest.fail(str(exc))
