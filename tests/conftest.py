@@ -129,6 +129,28 @@ def newcomer_walk(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> dict:
+    """The first 20,000 characters of Tiny Shakespeare as each language-model
+    task reads them, made once per test session: {"shakespeare_char": its
+    --data_dir (input.txt), "tokens": nanoGPT's token files of the same text}."""
+    from filelock import FileLock
+
+    from dataset_files import build_shakespeare_root, build_token_files
+
+    root = session_folder(tmp_path_factory) / "tiny_corpus"
+    with FileLock(f"{root}.lock"):
+        if not root.exists():
+            making = root.with_name(root.name + ".making")
+            import shutil
+
+            shutil.rmtree(making, ignore_errors=True)
+            build_shakespeare_root(making / "chars", chars=20000)
+            build_token_files(making / "tokens", chars=20000)
+            making.rename(root)
+    return {"shakespeare_char": root / "chars", "tokens": root / "tokens"}
+
+
+@pytest.fixture(scope="session")
 def finished_run(kit_run):
     """Puts a finished run's snapshot in a folder: what ``torchrun --standalone
     --nproc_per_node=2 train.py --total_epochs TOTAL_EPOCHS --strategy

@@ -48,6 +48,21 @@ STEP_LINE = re.compile(
     r"lr (?P<lr>\S+)$", re.M)
 
 
+# A tiny GPT with dropout and the character task's CPU recipe, every flag given (so that
+# both language-model tasks train by the same flags), on tiny_corpus (conftest): 1,124
+# training windows of 16, 70 steps an epoch at 2 ranks x 8; --max_steps 80 (70 in epoch 1),
+# evaluated after steps 25, 50, 75 and 80 over 40 held-out windows.
+TINY_GPT = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
+TINY_GPT_RECIPE = ["--batch_size", "8", "--lr", "1e-3", "--beta2", "0.99", "--min_lr", "1e-4", "--warmup_steps", "10",
+                   "--dropout", "0.1", "--log_every_steps", "0"]
+
+
+def tiny_gpt_run(dataset: str, data_dir) -> list:
+    """The flags of the tiny GPT's run above on ``dataset`` in ``data_dir`` (its metrics in metrics.jsonl)."""
+    return ["--dataset", dataset, "--data_dir", str(data_dir), *TINY_GPT, *TINY_GPT_RECIPE, "--max_steps", "80",
+            "--eval_every_steps", "25", "--eval_windows", "40", "--metrics_path", "metrics.jsonl"]
+
+
 def without_package(folder: Path, name: str) -> dict:
     """Environment entries under which importing the package ``name`` raises
     ImportError, as where it is not installed: a stand-in package in

@@ -20,7 +20,7 @@ import torch
 import common
 import text_tasks
 import token_tasks
-from dataset_files import build_shakespeare_root, build_token_files
+from dataset_files import build_token_files
 from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, evaluations, held_at_step, run, signal_when, \
     snapshot_tensors
 
@@ -119,32 +119,21 @@ def build_task(args, download):
 '''
 
 
-def _task_flags(task: str, folder) -> list:
-    if task == "crop":  # 512 images, 16 steps an epoch at 2 ranks x 16
-        (folder / "crop_task.py").write_text(CROP_TASK)
-        return ["--dataset", "crop_task.py:build_task", "--total_epochs", "2", "--batch_size", "16"]
-    # The first 20,000 characters: 1,124 windows, 70 steps an epoch at 2 ranks x 8; a tiny GPT with dropout
-    data = ["--dataset", "shakespeare_char", "--data_dir", str(build_shakespeare_root(folder / "data", chars=20000))]
-    return [*data, "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--dropout",
-            "0.1", "--batch_size", "8", "--max_steps", "30", "--warmup_steps", "5", "--eval_every_steps", "15",
-            "--eval_windows", "32"]
-
-
-# (--dataset tokens cuts the same windows from files: test_token_files.py; and resumes with
-# other workers at another world size below.)
-@pytest.mark.parametrize("task", ["shakespeare_char", "crop"])
-def test_the_worker_count_never_changes_a_run_nor_a_resume_with_another(task, tmp_path):
-    """2 ranks. Straight through with 0 loader workers; then with 2 workers,
-    stopped by SIGTERM after step 21 (rank 0 held before step 20) and resumed
-    with 4: the weights, optimizer state, schedule and every rank's RNG state
-    at the end are bitwise the same. (Before the draws were keyed, each
-    worker count drew other offsets or crops, and a resume others again.)"""
-    flags = _task_flags(task, tmp_path)
+# (A language model's windows and dropout: tests/test_language_model.py stops its run with 2
+# workers and resumes it with 4, bitwise the run without; --dataset tokens cuts the same
+# windows from files, and resumes with other workers at another world size below.)
+def test_the_worker_count_never_changes_a_run_nor_a_resume_with_another(tmp_path):
+    """A task whose random crops are drawn while loading, 2 ranks. Straight
+    through with 0 loader workers; then with 2 workers, stopped by SIGTERM
+    after step 21 (rank 0 held before step 20) and resumed with 4: the
+    weights, optimizer state, schedule and every rank's RNG state at the end
+    are bitwise the same. (Before the draws were keyed, each worker count
+    drew other crops, and a resume others again.)"""
+    flags = ["--dataset", "crop_task.py:build_task", "--total_epochs", "2", "--batch_size", "16"]  # 16 steps an epoch
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     for folder in (straight, stopped):
         folder.mkdir()
-        if task == "crop":
-            (folder / "crop_task.py").write_text(CROP_TASK)
+        (folder / "crop_task.py").write_text(CROP_TASK)
     two = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
     check(run(two + [REPO / "train.py", *flags, "--num_workers", "0"], straight))
     hold_env, held = held_at_step(20)

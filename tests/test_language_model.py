@@ -12,6 +12,7 @@ import io
 import json
 import math
 import re
+import shutil
 import signal
 import urllib.error
 
@@ -23,7 +24,8 @@ import recipes
 import gpt
 import text_tasks
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, run, signal_when, snapshot_tensors, task_args
+from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, evaluations, run, signal_when, snapshot_tensors,
+                     task_args, tiny_gpt_run)
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
 
@@ -208,58 +210,57 @@ def test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule():
 # The kit: --max_steps, stopped by SIGTERM, resumed bitwise; a rung trains the GPT
 # --------------------------------------------------------------------------
 
-def test_max_steps_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
+def test_max_steps_run_stopped_in_its_last_epoch_resumes_bitwise_with_other_workers_and_extends(
+        kit_run, tiny_corpus, tmp_path):
     """train.py, 2 ranks, a tiny GPT with dropout on the corpus's first 20,000
     characters and the task's recipe (AdamW, warm-up, cosine to min_lr,
-    clipping): --max_steps 100 is 70 steps of epoch 1 and 30 of epoch 2. SIGTERM
-    in epoch 2, the same command resumes there and ends bitwise equal to the
-    uninterrupted run (weights, AdamW's moments, the schedule, RNG states).
-    The finished run then extends to --max_steps 150, and a third run of that
-    says nothing is left to train."""
-    data = build_shakespeare_root(tmp_path / "data", chars=20000)
-    flags = ["--dataset", "shakespeare_char", "--data_dir", data, *TINY, "--dropout", "0.1", "--batch_size", "8",
-             "--max_steps", "100", "--warmup_steps", "10", "--metrics_path", "metrics.jsonl"]
+    clipping), evaluated every 25 steps: --max_steps 80 is 70 steps of epoch 1
+    and 10 of epoch 2 (helpers.tiny_gpt_run; the uninterrupted run loads
+    without workers). SIGTERM in epoch 2 to the same command with 2 loader
+    workers; resumed with 4, it ends bitwise equal to the uninterrupted run
+    (weights, AdamW's moments, the schedule, every rank's RNG state), each
+    evaluation line printed once and as it printed: the windows' offsets and
+    the dropout masks are keyed by sample, not by worker. The finished run
+    then extends to --max_steps 150: epoch 2 goes on from step 80, the
+    cosine over 150 steps."""
+    straight_dir, straight = kit_run("ddp", *tiny_gpt_run("shakespeare_char", tiny_corpus["shakespeare_char"]))
+    flags = ["--strategy", "ddp", *tiny_gpt_run("shakespeare_char", tiny_corpus["shakespeare_char"])]
     launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", *flags]
     held = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, *flags]  # held by DDP_TEST_FAULT
-    straight_dir, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
-    straight_dir.mkdir()
-    stopped_dir.mkdir()
-    straight = check(run(launch, straight_dir))
-    lines = epochs(straight.stdout)
     records = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["total_epochs"], r["samples"]) for r in records if "epoch" in r] == [(1, 2, 1120), (2, 2, 480)]
-    assert records[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 89 / 90)) * 9e-4)  # step 100's
-    assert lines[1]["val_loss"] < 3.5 < math.log(65)  # it learns (a uniform guess: ln 65 = 4.17 nats/char)
-    # The per-rank line gives the steps each epoch runs: epoch 2's 30 of its 70.
-    assert "] epoch 1 | batch_size 8 | steps 70" in straight.stdout
-    assert "] epoch 2 | batch_size 8 | steps 30" in straight.stdout, straight.stdout
-    text = signal_when(held, stopped_dir, "DDP_TEST_FAULT: wait_signal at step 85", signal.SIGTERM,
-                       DDP_TEST_FAULT="step:*:85:wait_signal")
-    assert text.count("stopped by SIGTERM") == 1 and "epoch 2/2 |" not in text, text  # stopped, not finished
-    resumed = check(run(launch, stopped_dir))
-    assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 2 after step 1\d\b", resumed.stdout)
-    assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
+    evaluated = [r for r in records if "val_loss" in r]
+    assert [(r["step"], r["epoch"]) for r in evaluated] == [(25, 1), (50, 1), (75, 2), (80, 2)]
+    assert evaluated[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 69 / 70)) * 9e-4)  # step 80's
+    assert evaluated[-1]["val_loss"] < 3.5 < math.log(65)  # it learns (a uniform guess: ln 65 = 4.17 nats/char)
+    # The per-rank line gives the steps each epoch runs: epoch 2's 10 of its 70.
+    assert "] epoch 1 | batch_size 8 | steps 70" in straight
+    assert "] epoch 2 | batch_size 8 | steps 10" in straight, straight
+    text = signal_when([*held, "--num_workers", "2"], tmp_path, "DDP_TEST_FAULT: wait_signal at step 75",
+                       signal.SIGTERM, DDP_TEST_FAULT="step:*:75:wait_signal")
+    assert text.count("stopped by SIGTERM") == 1 and "step 80/80" not in text, text  # stopped, not finished
+    resumed = check(run([*launch, "--num_workers", "4"], tmp_path))
+    assert re.search(r"resuming from snapshot snapshot_train.pt in epoch 2 after step [56]\b", resumed.stdout)
+    assert evaluations(text) + evaluations(resumed.stdout) == evaluations(straight)
     steps_a, a = snapshot_tensors(straight_dir / "snapshot_train.pt", rng=True)
-    steps_b, b = snapshot_tensors(stopped_dir / "snapshot_train.pt", rng=True)
-    # Both stand inside epoch 2 (30 of its 70 steps): one epoch done.
-    assert steps_a == steps_b == 1 and a["lr_schedule.step"].item() == 100 and a.keys() == b.keys()
+    steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
+    # Both stand inside epoch 2 (10 of its 70 steps): one epoch done.
+    assert steps_a == steps_b == 1 and a["lr_schedule.step"].item() == 80 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
-    assert epochs(resumed.stdout)[-1]["val_loss"] == lines[-1]["val_loss"]  # the held-out loss at the end
-    assert "test | loss" not in straight.stdout + resumed.stdout  # no test split: no test line
-    # The finished run extends: epoch 2 goes on from step 100, the cosine now over 150 steps.
-    longer = check(run([*launch[:-2], "--max_steps", "150"], straight_dir))
-    assert "recipe changed at resume (total_epochs 2 -> 3, max_steps 100 -> 150): the cosine schedule now runs " \
+    assert "test | loss" not in straight + resumed.stdout  # no test split: no test line
+    # The finished run extends: epoch 2 goes on from step 80, the cosine now over 150 steps.
+    longer_dir = tmp_path / "longer"
+    longer_dir.mkdir()
+    shutil.copy(straight_dir / "snapshot_train.pt", longer_dir)
+    longer = check(run([*launch, "--max_steps", "150"], longer_dir))
+    assert "recipe changed at resume (total_epochs 2 -> 3, max_steps 80 -> 150): the cosine schedule now runs " \
            "to epoch 3" in longer.stdout, longer.stdout
-    assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 30\n" in longer.stdout
-    assert "] epoch 2 | batch_size 8 | steps 40" in longer.stdout and "] epoch 3 | batch_size 8 | steps 10" \
-        in longer.stdout  # epoch 2's last 40 steps, then 10 of epoch 3
-    assert [e["epoch"] for e in epochs(longer.stdout)] == [2, 3]
-    assert epochs(longer.stdout)[-1]["lr"] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 139 / 140)) * 9e-4,
-                                                            rel=1e-4)  # step 150's, as printed
-    again = check(run([*launch[:-2], "--max_steps", "150"], straight_dir))
-    assert "snapshot snapshot_train.pt already holds 150 optimizer steps of --max_steps 150: nothing to train " \
-           "(raise --max_steps to train on, or delete it or pass another --snapshot_path to start afresh)" \
-           in again.stdout, again.stdout
+    assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 10\n" in longer.stdout
+    assert "] epoch 2 | batch_size 8 | steps 60" in longer.stdout and "] epoch 3 | batch_size 8 | steps 10" \
+        in longer.stdout  # epoch 2's last 60 steps, then 10 of epoch 3
+    later = evaluations(longer.stdout)
+    assert [(e["step"], e["epoch"]) for e in later] == [("100", "2"), ("125", "2"), ("150", "3")]
+    assert float(later[-1]["lr"]) == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 139 / 140)) * 9e-4,
+                                                   rel=1e-4)  # step 150's, as printed
 
 
 def test_a_rung_trains_the_gpt_with_the_tasks_recipe(tmp_path):

@@ -33,12 +33,8 @@ import token_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from support.data import write_token_shard
 from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, error_lines, evaluations,
-                     full_state, run, signal_when, snapshot_folder, snapshot_tensors, task_args)
+                     full_state, run, signal_when, snapshot_folder, snapshot_tensors, task_args, tiny_gpt_run)
 
-TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
-# The character task's CPU recipe, every flag given, so that both tasks train by the same flags.
-RECIPE = ["--batch_size", "8", "--lr", "1e-3", "--beta2", "0.99", "--min_lr", "1e-4", "--warmup_steps", "10",
-          "--dropout", "0.1", "--log_every_steps", "0"]
 KIT = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
 CHARS = 20000  # the corpus's first 20,000 characters: 1,124 training windows of 16, 70 steps an epoch at 2 x 8
 
@@ -313,31 +309,24 @@ def test_eval_windows_are_a_fixed_subset_and_step_evaluations_keep_the_best(one_
 # --------------------------------------------------------------------------
 
 def step_flags(data, dataset: str = "tokens", strategy: str = "ddp") -> list:
-    """A run of the first 20,000 characters evaluated every 25 steps over 40 held-out windows: 80 steps, 70 in
-    epoch 1; evaluations after steps 25, 50, 75 and 80 (the last)."""
-    return ["--dataset", dataset, "--data_dir", data, *TINY, *RECIPE, "--max_steps", "80",
-            "--eval_every_steps", "25", "--eval_windows", "40", "--strategy", strategy,
-            "--metrics_path", "metrics.jsonl"]
+    """The tiny GPT's run (helpers.tiny_gpt_run: 80 steps, 70 in epoch 1; evaluations after
+    steps 25, 50, 75 and 80) on ``dataset`` in ``data``, under ``strategy``."""
+    return [*tiny_gpt_run(dataset, data), "--strategy", strategy]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(kit_run, tiny_corpus):
     """The data and the uninterrupted runs the tests below compare with: the
-    token files and the text of the corpus's first 20,000 characters, and
-    train.py (2 ranks) on each with ``step_flags``, DDP, and on the token
-    files under FSDP: {name: (folder, stdout)}, names "shakespeare_char",
-    "tokens", "tokens-fsdp"; and the two data folders."""
-    root = tmp_path_factory.mktemp("token_runs")
-    data = {"shakespeare_char": build_shakespeare_root(root / "chars", chars=CHARS),
-            "tokens": build_token_files(root / "tokens", chars=CHARS)}
+    token files and the text of the corpus's first 20,000 characters
+    (tiny_corpus), and train.py (2 ranks) on each with ``step_flags``, DDP,
+    and on the token files under FSDP: {name: (folder, stdout)}, names
+    "shakespeare_char", "tokens", "tokens-fsdp" (conftest's kit_run: the
+    session's tests share them); and the two data folders."""
     runs = {}
     for name, dataset, strategy in (("shakespeare_char", "shakespeare_char", "ddp"), ("tokens", "tokens", "ddp"),
                                     ("tokens-fsdp", "tokens", "fsdp")):
-        folder = root / f"run_{name}"
-        folder.mkdir()
-        result = check(run(KIT + [REPO / "train.py", *step_flags(data[dataset], dataset, strategy)], folder))
-        runs[name] = (folder, result.stdout)
-    return runs, data
+        runs[name] = kit_run(strategy, *tiny_gpt_run(dataset, tiny_corpus[dataset]))
+    return runs, tiny_corpus
 
 
 def test_token_files_train_as_the_character_task_does(uninterrupted):
