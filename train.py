@@ -333,59 +333,6 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype],
-                compile_blocks: bool = False, shard_size: int = 0) -> torch.nn.Module:
-    """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
-
-    Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
-    parameters left; a unit's are all-gathered just before its forward and backward.
-    ``shard_size`` 0: over every rank (FSDP). Else HSDP (--strategy hsdp): a 2-D
-    device mesh of world_size / shard_size replicas x ``shard_size`` ranks, each
-    unit sharded within its replica's ranks (all-gathers and reduce-scatters
-    among them) and replicated across replicas (gradients all-reduced among the
-    ranks holding the same shard): ``hsdp_mesh``.
-    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32, the
-    root's output left in it (the loss casts it: ``train_utils.training_loss``);
-    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU).
-    ``compile_blocks`` (--compile): each unit compiled first, then sharded (torchtitan's
-    order, ``train_utils.compile_blocks``), so FSDP's hooks run between compiled blocks."""
-    # FSDP and DCP are imported where --strategy fsdp uses them (here and the sharded
-    # snapshots): with DTensor and sympy they cost every DDP process 0.5 s of start-up.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    train_utils.contiguous_parameters(model)  # fully_shard refuses channels-last weights
-    # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
-    mesh = hsdp_mesh(device, shard_size) if shard_size else init_device_mesh(device.type, (dist.get_world_size(),))
-    if dtype:
-        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        for norm in norms:
-            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
-    units = common.fsdp_units(model)
-    if compile_blocks:
-        train_utils.compile_blocks(units)
-    for block in units:
-        if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
-            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
-    # The root's output stays in the compute dtype: the loss casts it (train_utils.fp32), inside its
-    # compiled graph under --compile, not as a separate copy of the whole (B x T, vocab) logits.
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
-    return model
-
-
-def hsdp_mesh(device: torch.device, shard_size: int):
-    """HSDP's 2-D ``DeviceMesh`` of ``device``'s type: (world_size / shard_size
-    replicas, ``shard_size`` ranks), dimensions named "replicate" and "shard"
-    (the FSDP2 docs' and torchtitan's names). Consecutive ranks form a replica:
-    torchrun and srun number a node's ranks consecutively, so with a node's
-    ranks as ``shard_size`` (the default) a parameter's shards stay within a
-    node and only the gradients' all-reduce crosses nodes."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    replicas = dist.get_world_size() // shard_size
-    return init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
-
-
 def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers: int, train: bool,
                        seed: int, collate_fn: Callable) -> Optional[DataLoader]:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
@@ -453,8 +400,10 @@ def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
     if config.activation_checkpointing:  # before DDP and FSDP wrap the blocks
         train_utils.checkpoint_activations(task.model)
     if config.strategy != "ddp":  # before the optimizer: fully_shard replaces the parameters
-        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, config.amp), config.compile,
-                                 config.shard_size)
+        if config.compile:  # torchtitan's order: each FSDP unit compiled, then sharded
+            train_utils.compile_blocks(common.fsdp_units(task.model))
+        task.model = train_utils.shard_model(task.model, device, train_utils.amp_dtype(device, config.amp),
+                                             config.shard_size)
     torch.manual_seed(config.seed + rank)
     return train_utils.build_optimizer(task.model, config)  # --optimizer, --lr, --weight_decay
 

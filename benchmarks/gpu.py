@@ -9,7 +9,7 @@ the timed steps.
 
 Reading the table: "achieved TFLOP/s" is the step's FLOPs over its seconds;
 "fraction of peak" divides that by the GPU's dense data-sheet peak
-(``train_utils.throughput.gpu_peak``: bf16 for the bf16 rows, TF32 for fp32), "unknown"
+(``train_utils.logs.throughput.gpu_peak``: bf16 for the bf16 rows, TF32 for fp32), "unknown"
 for a GPU the kit's table does not know or a MIG slice. A variant that raises
 shows its error instead of a number.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import fast_images
 import train_utils
-from train_utils.throughput import gpu_peak
+from train_utils.logs.throughput import gpu_peak
 import vision_tasks
 from benchmarks.harness import build_model, synchronize, table, timed, train_step
 

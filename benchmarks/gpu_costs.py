@@ -141,7 +141,7 @@ def resnet_versus_bare(setting: Setting, budget: Budget) -> dict:
     import common
     import vision_tasks
     from benchmarks.harness import interleaved, timed
-    from train_utils.throughput import counted_flops_per_sample, gpu_peak
+    from train_utils.logs.throughput import counted_flops_per_sample, gpu_peak
 
     sizes, device, cuda = setting.sizes, setting.device, setting.cuda
     with one_process_group():

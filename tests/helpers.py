@@ -37,7 +37,7 @@ FAULTY_TRAIN = REPO / "tests" / "train_with_fault.py"
 FAULTY_TRAIN_JOB_ENV = {"SCRIPT_NAME": str(FAULTY_TRAIN.relative_to(REPO))}
 
 TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)
-# An evaluation's line under --eval_every_steps (train_utils.metrics.STEP_LINE_PARTS), as
+# An evaluation's line under --eval_every_steps (train_utils.logs.metrics.STEP_LINE_PARTS), as
 # the tiny GPTs of the tests print it on a CPU: no val_acc, no mfu; no speed figures on an
 # evaluation a resumed run redoes before training.
 STEP_LINE = re.compile(

@@ -23,9 +23,9 @@ from helpers import (FAULTY_TRAIN, REPO, load_task, signal_when, TORCHRUN, asser
 
 import train_utils
 from common import ConfigError
-from train_utils.devices import torch_version
+from train_utils.distributed.devices import torch_version
 from train_utils.snapshots.file import read_snapshot
-from train_utils.speed import check_amp
+from train_utils.loop.speed import check_amp
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
 # The same with a fault injected: FAULTY_TRAIN, for the runs given DDP_TEST_FAULT.

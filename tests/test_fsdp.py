@@ -22,8 +22,8 @@ from helpers import (FAULTY_TRAIN, N_EVAL, REPO, TORCHRUN, assert_bitwise, check
 
 import common
 import train_utils
-from train_utils.devices import torch_version
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.devices import torch_version
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
 import vision_tasks
 
 FSDP = REPO / "train.py"
@@ -163,7 +163,7 @@ def _fsdp_eval_worker(rank, world_size, port, out_dir):
     dataset, model = eval_problem()
     if rank != 0:  # other ranks drifted; rank 0's buffers are the ones saved
         model.norm.running_mean.add_(rank)
-    model = train.shard_model(model, torch.device("cpu"), dtype=None)
+    model = train_utils.shard_model(model, torch.device("cpu"), dtype=None)
     loader = train.prepare_dataloader(dataset, 8, 0, False, 0, common.collate)
     loss, accuracy = train.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"),
                                     fsdp=True)
@@ -191,13 +191,11 @@ def test_fsdp_evaluation_equals_single_process(world_size, tmp_path):
 def _bf16_worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
-
     losses = {}
     for bf16 in (False, True):
         torch.manual_seed(0)
-        model = train.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
-                                           torch.device("cpu"), torch.bfloat16 if bf16 else None)
+        model = train_utils.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
+                                        torch.device("cpu"), torch.bfloat16 if bf16 else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
         x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -230,7 +228,6 @@ def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path)
 def _channels_last_worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
 
     torch.manual_seed(0)
     model = vision_tasks.build_model("cifar10", "resnet18").to(memory_format=torch.channels_last)
@@ -239,7 +236,7 @@ def _channels_last_worker(rank, world_size, port, out_dir):
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     expected = plain(x).sum().item()
     try:
-        sharded = train.shard_model(model, torch.device("cpu"), dtype=None)
+        sharded = train_utils.shard_model(model, torch.device("cpu"), dtype=None)
         result = sharded(x.contiguous(memory_format=torch.channels_last)).sum().item()
     except NotImplementedError as exc:
         result = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

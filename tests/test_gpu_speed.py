@@ -20,10 +20,10 @@ import train_utils
 from common import ConfigError
 from gpt import GPT, GPTConfig
 from helpers import free_port, kit_trainer
-from train_utils import numerics
+from train_utils.loop import numerics
 from train_utils.snapshots.writer import CpuStaging
 from train_utils.snapshots.file import SnapshotFile
-from train_utils.throughput import GPU_PEAKS, counted_flops_per_sample, flops_per_sample
+from train_utils.logs.throughput import GPU_PEAKS, counted_flops_per_sample, flops_per_sample
 
 GPU = torch.device("cuda", 0)
 CUDA = torch.cuda.is_available()
@@ -483,8 +483,8 @@ def test_fsdp_background_snapshots_stage_into_buffers_kept_from_one_save_to_the_
     from train_utils.snapshots.sharded import ShardedSnapshots
 
     torch.manual_seed(0)
-    model = train.shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
-                              torch.device("cpu"), dtype=None)
+    model = train_utils.shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+                                    torch.device("cpu"), dtype=None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     store = ShardedSnapshots(str(tmp_path / "snapshots"), asynchronous=True)
     staged_memory, saved = [], []

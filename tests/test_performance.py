@@ -17,8 +17,9 @@ import common
 import fast_images
 import train_utils
 from common import ConfigError
-from train_utils.speed import check_amp, peak_memory_mib
-from train_utils.throughput import GPU_PEAKS, gpu_peak
+from train_utils.distributed.devices import peak_memory_mib
+from train_utils.loop.speed import check_amp
+from train_utils.logs.throughput import GPU_PEAKS, gpu_peak
 import vision_tasks
 from dataset_files import build_cifar10_root, build_mnist_root
 from helpers import (FAULTY_TRAIN, load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, parse_test, run,

@@ -1,4 +1,4 @@
-"""The training recipe (train_utils/recipe.py): optimizer and weight decay by
+"""The training recipe (train_utils/loop/recipe.py): optimizer and weight decay by
 flag, learning-rate schedules with warm-up, gradient clipping over all ranks,
 fp16 with a loss scaler, the task's defaults, the CIFAR-stem ResNet, and an
 FSDP run killed while saving that resumes all of it bitwise."""
@@ -18,8 +18,8 @@ import recipes
 import train_utils
 from common import ConfigError
 from recipes import lr_factor
-from train_utils.devices import torch_version
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.devices import torch_version
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots.file import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
@@ -226,8 +226,6 @@ MAX_NORM = 0.05
 def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
-
     x, y = torch.load(os.path.join(out, "batch.pt"))
     mine = slice(rank * 8, rank * 8 + 8)  # each rank its half of the global batch of 16
     # DDP, as train.py's Trainer runs it: 2 micro-batches of 4, then one clipped step.
@@ -240,7 +238,7 @@ def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     ddp = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
     # FSDP: the same model sharded, the same half batch, one step through the Recipe.
     torch.manual_seed(0)
-    model = train.shard_model(
+    model = train_utils.shard_model(
         torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
         torch.device("cpu"), dtype=None)
     recipe = train_utils.Recipe(torch.optim.SGD(model.parameters(), lr=1.0),
@@ -332,7 +330,7 @@ def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     assert train_utils.backend_for(torch.device("cpu")) == "gloo"
     if not hasattr(torch, "accelerator"):
         pytest.skip(f"torch {torch.__version__} has no torch.accelerator")
-    monkeypatch.setattr(train_utils.devices, "cuda_available", lambda: False)
+    monkeypatch.setattr(train_utils.distributed.devices, "cuda_available", lambda: False)
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("xpu"))

@@ -297,7 +297,7 @@ def test_the_shell_and_each_srun_rank_derive_the_same_rendezvous_port(tmp_path, 
     """multi_node.sh's torchrun rendezvous (rendezvous_port in slurm/env.sh)
     and multi_node_srun.sh's ranks (train_utils.launcher_store under srun, no
     torchrun) meet at the same port for a job: 15000 + job id % 15000, the
-    formula train_utils/rendezvous.py holds for both. The
+    formula train_utils/distributed/rendezvous.py holds for both. The
     srun rank also takes rank, local rank, world size and the first host from
     Slurm's variables."""
     import train_utils

@@ -11,12 +11,12 @@ import torch
 
 import train_utils
 from common import ConfigError
-from train_utils.devices import torch_version, unusable_gpu_reason
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
-from train_utils.launch import first_host
+from train_utils.distributed.devices import torch_version, unusable_gpu_reason
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.launch import first_host
 from train_utils.snapshots.writer import SnapshotClock, SnapshotWriter, cpu_copy
 from train_utils.snapshots.file import atomic_save
-from train_utils.stop import STOP_SIGNALS, ignore_stop_signal
+from train_utils.loop.stop import STOP_SIGNALS, ignore_stop_signal
 from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
 
 
@@ -189,7 +189,7 @@ def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
     """torch warns about an unusable driver once per process, at the first
     is_available() call, which the scripts make in device_for, before the start-up
     line: the note still names torch's reason, not "is_available() is False"."""
-    from train_utils import devices
+    from train_utils.distributed import devices
 
     calls = []
 
@@ -219,7 +219,7 @@ def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
     ({}, True),
 ])
 def test_gpus_hidden_on_purpose_get_no_note(monkeypatch, env, noted):
-    from train_utils import devices
+    from train_utils.distributed import devices
 
     for name in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE"):
         monkeypatch.delenv(name, raising=False)
@@ -322,7 +322,7 @@ def _side_group_worker(rank, port, out_dir):
 
     import torch.distributed as dist
 
-    from train_utils import timeouts
+    from train_utils.distributed import timeouts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -380,7 +380,7 @@ def test_is_timeout_matches_time_outs_only(text, timeout):
     NCCL network error, whose text says "failed or timed out", does not."""
     import torch.distributed as dist
 
-    from train_utils.timeouts import is_timeout
+    from train_utils.distributed.timeouts import is_timeout
 
     for kind in (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError):
         assert is_timeout(kind(text)) == timeout, (kind, text)
@@ -424,7 +424,7 @@ PEER_GONE_AFTER_SIGTERM = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import train_utils
-from train_utils.stop import note_stop_signals_only
+from train_utils.loop.stop import note_stop_signals_only
 
 @train_utils.one_line_errors
 def main():
@@ -486,7 +486,7 @@ def test_a_slow_runs_speed_is_printed_in_significant_digits_not_as_zero():
     """A GPT-2 step on a CPU takes minutes: its samples/s is a few
     thousandths, which one decimal printed as 0.0. Below 1 the speed keeps
     three significant digits, in the epoch line and the evaluation's alike."""
-    from train_utils.metrics import metrics_line
+    from train_utils.logs.metrics import metrics_line
 
     slow = {"train_loss": 9.5, "val_loss": 9.4, "samples_per_s": 0.0041666, "tokens_per_s": 4.2666, "lr": 6e-4}
     epoch = metrics_line({"epoch": 1, "total_epochs": 1, **slow, "epoch_seconds": 2880.0})
@@ -587,7 +587,7 @@ def test_first_host_of_a_slurm_hostlist():
 @pytest.mark.parametrize("backend, device_ids", [("nccl", [3]), ("gloo", None)])
 def test_the_kits_barrier_names_its_gpu_under_nccl(monkeypatch, backend, device_ids):
     # Without device_ids, an NCCL barrier guesses the GPU and warns on every rank.
-    from train_utils import launch
+    from train_utils.distributed import launch
     calls = []
     monkeypatch.setattr(launch.dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 3)
@@ -798,7 +798,7 @@ def test_hsdp_shard_size_defaults_to_a_node_and_must_divide_the_world():
     without hsdp, is one line naming the fix. srun's tasks per node give a
     node's ranks where torchrun's LOCAL_WORLD_SIZE is absent."""
     from train_utils.config import hsdp_shard_size
-    from train_utils.launch import tasks_per_node
+    from train_utils.distributed.launch import tasks_per_node
 
     assert hsdp_shard_size("hsdp", 0, 8, 4) == 4 and hsdp_shard_size("hsdp", 2, 8, 4) == 2
     assert hsdp_shard_size("fsdp", 0, 8, 4) == 0 and hsdp_shard_size("ddp", 0, 8, 4) == 0

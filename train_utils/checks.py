@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 
 from common import ConfigError
 from .config import RunConfig, per_process
-from .metrics import tensorboard_missing
+from .logs import tensorboard_missing
+from .loop import check_amp
 from .output import first_error, output_path_error
-from .speed import check_amp
 
 
 def downloaders_first(load: Callable[..., object], args: argparse.Namespace, download: bool):

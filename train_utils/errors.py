@@ -22,12 +22,12 @@ from typing import Callable
 import torch.distributed as dist
 
 from common import ConfigError  # the task contract's one-line error (exit 2)
-from .hang_report import ANSWER_WAIT_S, finish_answer
-from .output import RunFailed, is_distributed, print_line
-from .snapshots.claims import release_claim
-from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, received_stop_signal, \
+from .distributed import ANSWER_WAIT_S, RanksStuck, finish_answer, is_timeout, startup_timeout_line, \
+    timeout_diagnosis
+from .loop import StopDuringStartup, end_startup_stop, note_stop_signals_only, received_stop_signal, \
     report_run_finished
-from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diagnosis
+from .output import RunFailed, is_distributed, print_line
+from .snapshots import release_claim
 
 class NothingToTrain(Exception):
     """The snapshot already holds every epoch asked for: not an error, one

@@ -43,14 +43,12 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
+from .distributed import barrier, exit_skipping_teardown, watch_again
 from .errors import report_to_torchrun
-from .fsdp import exit_skipping_teardown
-from .launch import barrier
-from .metrics import RunLog
+from .logs import RunLog
+from .loop import Stopped, forget_stop_signal, received_stop_signal
 from .output import print_line
 from .snapshots import claim_snapshot_path
-from .stop import Stopped, forget_stop_signal, received_stop_signal
-from .timeouts import watch_again
 
 # The check's length where --max_steps is not given: long enough for a few
 # steps on either side of the stop, short enough to cost seconds.

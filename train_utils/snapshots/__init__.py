@@ -1,6 +1,8 @@
 """Snapshots: what a run writes so that any stop resumes exactly, and reads
 back. Its face is the ``Checkpointer`` (``checkpointer.py``), given the run's
-stateful parts, and ``claim_snapshot_path``, the claim taken at start-up.
+stateful parts; ``claim_snapshot_path``, the claim taken at start-up, and
+``release_claim``, which gives it back; ``position`` and ``position_tag``,
+where a snapshot stands in words.
 
   module        concern
   checkpointer  the Checkpointer: find, load, save, wait, close; the parts it is given
@@ -13,5 +15,7 @@ stateful parts, and ``claim_snapshot_path``, the claim taken at start-up.
 """
 
 from .checkpointer import Checkpointer, Found, claim_snapshot_path
+from .claims import release_claim
+from .position import position, position_tag
 
-__all__ = ["Checkpointer", "Found", "claim_snapshot_path"]
+__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "position", "position_tag"]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from ..launch import gloo_group
+from ..distributed import gloo_group
 from ..output import first_error, output_path_error
 from .claims import claim_snapshot, release_claim
 from .file import START_AFRESH, SnapshotFile, remove_stale_temporary_files

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from ..evaluation import broadcast_buffers
-from ..launch import gloo_group
+from ..distributed import broadcast_buffers, gloo_group
 from ..output import first_error, print_line
 from .position import position_tag
 from .file import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .output import print_line
+from ..output import print_line
 from .wandb_run import WandbRun
 
 # TensorBoard's tag for each figure of a record.

@@ -14,15 +14,6 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from common import ConfigError
 
 
-def broadcast_buffers(model: torch.nn.Module) -> None:
-    """Collective: every rank takes rank 0's buffers (BatchNorm running
-    statistics), the ones rank 0 saves. Each rank's drift apart in training
-    (DDP broadcasts them only at a forward, FSDP never): scoring with rank 0's
-    makes the evaluation that of the saved model."""
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
-
-
 def most_batches(loader: DataLoader, device: torch.device) -> int:
     """Collective: the most batches any rank's ``loader`` gives (evaluation
     shards differ by up to one sample, so by up to one batch).

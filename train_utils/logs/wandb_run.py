@@ -15,7 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import first_error
+from ..output import first_error
 
 
 def wandb_missing() -> str:

@@ -5,6 +5,7 @@ the peak GPU memory figure.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import socket
 from typing import Callable, Optional
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import print_line
+from ..output import print_line
 from .stop import STOP_SIGNALS
 
 
@@ -216,16 +217,29 @@ def _compile_workers_spared():
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def peak_memory_mib(device: torch.device) -> dict:
-    """{"peak_gpu_memory_mib": MiB} on CUDA, {} on a CPU.
+def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """--activation_checkpointing: make each transformer block of ``model`` (its
+    ``blocks`` ModuleList) keep only its input in the forward pass and recompute
+    its activations in the backward pass (``torch.utils.checkpoint``,
+    non-reentrant, the RNG state kept: the same dropout masks, so the same
+    losses and gradients). Less memory per block (its input instead of every
+    activation inside it), about one more forward pass of time. In place,
+    before DDP or ``fully_shard`` wrap it: parameters and state_dict keys
+    stay as they are, so snapshots load with or without it. Returns ``model``.
+    Raises ConfigError for a model without transformer blocks."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        raise ConfigError(f"--activation_checkpointing recomputes each transformer block of the model "
+                          f"(a `blocks` ModuleList, as --dataset shakespeare_char's gpt has); "
+                          f"{type(model).__name__} has none: leave the flag out")
+    for block in blocks:
+        block.forward = functools.partial(_recomputed, block.forward)  # the block's own forward, bound
+    return model
 
-    The most memory tensors held on ``device`` since the last
-    ``torch.cuda.reset_peak_memory_stats`` (``torch.cuda.max_memory_allocated``,
-    MiB = 2**20 bytes), the maximum over all ranks under a process group: a
-    collective on CUDA, so every rank must call it.
-    """
-    if device.type != "cuda":
-        return {}
-    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"peak_gpu_memory_mib": peak.item()}
+
+def _recomputed(forward, *args, **kwargs):
+    """``forward(*args, **kwargs)`` under ``torch.utils.checkpoint``: its
+    activations are recomputed in the backward pass instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

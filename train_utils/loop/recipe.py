@@ -21,8 +21,8 @@ import torch.distributed as dist
 from common import ConfigError
 from recipes import lr_factor
 
-from .config import RunConfig, changeable_at_resume
-from .output import print_line
+from ..config import RunConfig, changeable_at_resume
+from ..output import print_line
 from .speed import amp_dtype
 
 

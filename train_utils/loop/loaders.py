@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common import TASK_FILE_FOLDERS, ConfigError, draw_key
-from .output import print_line
+from ..output import print_line
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
 

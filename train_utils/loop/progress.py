@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .sampler import batches_per_epoch
-from .snapshots.position import position, position_tag
+from ..snapshots import position, position_tag
 
 
 def rebuild_ddp_buckets(model: torch.nn.Module, data: DataLoader, loss_fn: Callable,

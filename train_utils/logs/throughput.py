@@ -83,7 +83,7 @@ def flops_per_sample(task, device: torch.device) -> Optional[float]:
         return counted_flops_per_sample(task, device)
     except Exception as exc:  # a model that cannot run two samples alone: no flop/s, the run goes on
         if dist.is_initialized() and dist.get_rank() == 0:
-            from .output import print_line
+            from ..output import print_line
 
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             print_line(f"note: the model's FLOPs per sample could not be counted ({type(exc).__name__}: "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import hang_report
 from .launch import FOLLOWING_RUN_TIMEOUT, barrier, gloo_group
-from .output import is_distributed
+from ..output import is_distributed
 
 
 class _Watch:

@@ -13,10 +13,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .hang_report import hang_requested, making_report
-from .launch import barrier, gloo_group
-from .output import is_distributed, print_line, write_from_signal_handler
-from .snapshots.claims import release_claim
+from ..distributed import barrier, gloo_group, hang_requested, making_report
+from ..output import is_distributed, print_line, write_from_signal_handler
+from ..snapshots import release_claim
 
 
 # The signals that ask for a stop: Slurm's time-limit warning (the wrappers'
