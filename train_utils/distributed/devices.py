@@ -1,4 +1,5 @@
-"""This process's device and CPU threads, and the line that says what runs where.
+"""This process's device and CPU threads, the flight recorder's settings,
+why GPUs go unused, the peak GPU memory, and the installed torch's version.
 """
 
 from __future__ import annotations

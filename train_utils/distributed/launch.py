@@ -1,5 +1,5 @@
-"""Meeting the other processes: the store under torchrun or srun, and the
-side gloo groups, a barrier that names its GPU.
+"""Meeting the other processes: the store under torchrun or srun, the side
+gloo groups, a barrier that names its GPU, and rank 0's buffers on every rank.
 """
 
 from __future__ import annotations

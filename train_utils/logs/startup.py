@@ -36,7 +36,7 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
             f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
             f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
-    if args.strategy == "hsdp":  # the 2-D device mesh (train.hsdp_mesh): replicas x ranks per shard group
+    if args.strategy == "hsdp":  # the 2-D device mesh (distributed.fsdp.hsdp_mesh): replicas x ranks per shard group
         line += f" | HSDP mesh replicate {world_size // args.shard_size} x shard {args.shard_size}"
     if device.type == "cpu":
         line += f" | cpu threads {torch.get_num_threads()} per process"

@@ -1,6 +1,6 @@
-"""Evaluation across ranks: the same BatchNorm statistics on every rank, and
-as many forwards on every rank where the forward is a collective (FSDP);
-which held-out samples are scored (--eval_windows).
+"""Evaluation across ranks: as many forwards on every rank where the forward
+is a collective (FSDP); which held-out samples are scored (--eval_windows).
+(Rank 0's BatchNorm statistics everywhere: ``distributed.broadcast_buffers``.)
 """
 
 from __future__ import annotations

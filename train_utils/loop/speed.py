@@ -1,5 +1,6 @@
-"""Speed switches: bf16 or fp16 autocast (--amp), torch.compile (--compile), and
-the peak GPU memory figure.
+"""How the steps run: bf16 or fp16 autocast (--amp), torch.compile (--compile),
+and a transformer's activations recomputed instead of kept
+(--activation_checkpointing).
 """
 
 from __future__ import annotations

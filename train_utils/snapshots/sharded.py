@@ -107,7 +107,7 @@ class ShardedSnapshots:
         its META, ``read``'s) into this model's and optimizer's own sharded
         state dicts, in place: each rank reads its shards' pieces from
         whichever files hold them."""
-        import torch.distributed.checkpoint as dcp  # imported where FSDP uses it: see train.shard_model
+        import torch.distributed.checkpoint as dcp  # imported where FSDP uses it: see distributed.shard_model
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -327,7 +327,7 @@ def _position(name: str) -> Optional[tuple]:
 
 def mesh_name(config: dict, world_size: int) -> str:
     """How a run of ``config`` on ``world_size`` ranks shards its model:
-    "FSDP", or "HSDP replicate R x shard S" (--strategy hsdp, ``train.hsdp_mesh``)."""
+    "FSDP", or "HSDP replicate R x shard S" (--strategy hsdp, ``distributed.fsdp.hsdp_mesh``)."""
     shard_size = config.get("shard_size") or 0
     if config.get("strategy") != "hsdp" or not shard_size:
         return "FSDP"
