@@ -19,9 +19,12 @@ its own file (docs/custom-task.md).
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import os
 import signal
 import socket
+import sys
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -141,17 +144,24 @@ class Trainer:
         """Collective: load the snapshot to resume from, if any, then train up
         to --total_epochs, evaluating and printing as ``run_epoch`` does,
         snapshotting every --save_every epochs and after the last. Returns
-        what the checkpointer found (``train_utils.Found``); for a snapshot
-        that already holds every epoch nothing is trained (``finished``).
-        Raises ``train_utils.Stopped`` when a stop signal ended it, its
-        snapshot written; ConfigError (one line) for a snapshot of another run
-        or a damaged one, and when the training loss is not finite, before
+        the snapshot resumed from (``train_utils.Found``; its ``path`` None
+        for a fresh start); for one that already holds every epoch, or every
+        step of --max_steps, nothing is trained: ``finished``, its ``line``
+        saying so (``train_utils.nothing_to_train``). Raises
+        ``train_utils.Stopped`` when a stop signal ended it, its snapshot
+        written; ConfigError (one line) for a snapshot of another run or a
+        damaged one, and when the training loss is not finite, before
         anything is saved. Whatever ends the run, a snapshot write in flight
         completes first: a rank that fails because a peer was lost keeps its
-        last snapshot."""
-        found = self.checkpointer.load()
-        if found.finished:
-            return found
+        last snapshot. Once it returns, or raises Stopped, every rank has
+        passed the stop signal's last poll (``StopSignal.close``)."""
+        found = self.checkpointer.find()
+        if found.path and found.epochs_run < self.config.total_epochs:
+            found = self.checkpointer.load()  # weights, optimizer, every part: where this run goes on
+        finished = train_utils.nothing_to_train(found, self.config, self.progress.step)
+        if finished:
+            self.stop.close()
+            return dataclasses.replace(found, finished=True, line=finished)
         if found.path and self.rank == 0:
             self.log.resumed(found.path, found.position, found.note)
         if isinstance(self.model, DDP) and self.progress.resumed:  # DDP's gradient buckets as if it never stopped
@@ -166,6 +176,7 @@ class Trainer:
                 if (epoch + 1) % self.config.save_every == 0 or epoch + 1 == self.config.total_epochs:
                     self.checkpointer.save()
             self.checkpointer.wait(together=True)  # the last snapshot written before the run reports its end
+            self.stop.close()
         except BaseException:
             with contextlib.suppress(BaseException):  # the run's own error is the one to report
                 self.checkpointer.wait()
@@ -209,7 +220,7 @@ class Trainer:
                 self._stop()
             if self.evaluations.due(self.progress.step, epoch_end=False):
                 records.append(self._evaluate())
-            if self.checkpointer.due(self.progress.steps_run, self.stop.requested) and batches.left:
+            if self.checkpointer.due(self.progress.step, self.stop.requested) and batches.left:
                 self.checkpointer.save()  # not at the epoch's end: that snapshot comes next
         self.watch.after_steps(epoch)
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
@@ -284,10 +295,29 @@ class Trainer:
 
     def _stop(self) -> None:
         """Collective, a stop signal reaching every rank at this step: the
-        snapshot of it written, then ``train_utils.Stopped`` raised."""
+        snapshot of it written, every rank past the stop signal's last poll,
+        then ``train_utils.Stopped`` raised."""
         self.checkpointer.save()
         self.checkpointer.wait(together=True)
+        self.stop.close()
         raise train_utils.Stopped()
+
+    def close(self) -> None:
+        """The run's end, whatever ended it (train.py's ``main`` calls it in a
+        ``finally``), in this order: the snapshot write in flight waited for
+        and the format's buffers freed (``Checkpointer.close``); the W&B run
+        finished, marked failed when an exception is ending the run, and
+        TensorBoard closed (``RunLog.close``: wandb's own exit hook does not
+        run where the process ends at once); DDP's wrapper let go and
+        collected, so that it goes before its process group does (torch 2.8
+        can deadlock otherwise). No collective: on an error path the ranks
+        may be anywhere. The process group and the snapshot's claim are the
+        process's: ``ending.end_process`` ends them."""
+        failed = sys.exc_info()[0] not in (None, train_utils.Stopped)  # an exception on its way out
+        self.checkpointer.close()
+        self.log.close(failed)
+        self.model = self.compiled = self.plain_model
+        gc.collect()  # DDP's reducer holds reference cycles
 
 
 @torch.no_grad()
@@ -408,18 +438,27 @@ def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
     return train_utils.build_optimizer(task.model, config)  # --optimizer, --lr, --weight_decay
 
 
-def finish(trainer: Trainer, test_data: Optional[DataLoader]) -> None:
-    """The run holds every epoch: the test figures (none for a task without a
-    test split: ``test_data`` None), what the model writes (a language
-    model's sample: ``Task.sample_text``), then (rank 0) tell a Slurm wrapper
-    that nothing is left to train, so a late stop signal does not requeue it."""
-    if test_data is not None:
-        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
+def finish(trainer: Trainer, found: train_utils.Found, test_data: Optional[DataLoader]) -> None:
+    """Collective: the run holds every epoch (``trainer.train`` returned
+    ``found``). A run that trained now: the test figures (none for a task
+    without a test split: ``test_data`` None). Then what the model writes (a
+    language model's sample: ``Task.sample_text``; a finished snapshot's
+    weights loaded first), rank 0's line that nothing was left to train
+    (``found.line``, for a finished snapshot), and rank 0 tells a Slurm
+    wrapper that nothing is left to train, so a late stop signal does not
+    requeue it."""
+    task = trainer.task
+    if found.finished and task.sample_text is not None:
+        trainer.checkpointer.load_model()
+    elif not found.finished and test_data is not None:
+        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, task, trainer.device, trainer.fsdp)
         if trainer.rank == 0:
             trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
     # FSDP: every rank runs the forwards; rank 0 prints
-    train_utils.print_sample(trainer.plain_model, trainer.task, trainer.device, trainer.fsdp)
+    train_utils.print_sample(trainer.plain_model, task, trainer.device, trainer.fsdp)
     if trainer.rank == 0:
+        if found.finished:
+            train_utils.print_line(found.line)
         train_utils.report_run_finished()
 
 
@@ -446,13 +485,15 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
 
 
 @train_utils.one_line_errors
-def main(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> Optional[int]:
     """Train by ``args`` (``parse_args``), resuming from --snapshot_path when it
     holds a snapshot. Collective: every rank calls it, and runs under a
-    process group from ``setup`` on. Bad input ends the process with one
-    line and exit status 2 (``one_line_errors``); a collective time-out
-    with one line naming the ranks that did not arrive, exit status 1; a
-    stop signal after its snapshot with exit status 0."""
+    process group from ``setup`` on. Returns the exit status (None: 0;
+    --check_resume's verdict), with which ``one_line_errors`` ends the
+    process: 0 for a run trained, finished already, or stopped by a stop
+    signal after its snapshot. Bad input ends it with one line and exit
+    status 2; a collective time-out with one line naming the ranks that did
+    not arrive, exit status 1."""
     # Its start time: the metrics file's start record.
     log = train_utils.RunLog(args.metrics_path, args.tensorboard_dir, args.wandb_project)
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
@@ -467,30 +508,18 @@ def main(args: argparse.Namespace) -> None:
     if not args.check_resume:
         train_utils.claim_snapshot_path(args.snapshot_path, fsdp)
     amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
-    if args.check_resume:  # trains twice, compares, and ends the process with the verdict's exit status
-        train_utils.check_resume(args, lambda run_args, run_log: build_run(run_args, run_log, local_rank, device,
-                                                                            amp)[0])
+    if args.check_resume:  # trains twice, compares: its verdict is the exit status
+        return train_utils.check_resume(args, lambda run_args, run_log: build_run(run_args, run_log, local_rank,
+                                                                                   device, amp)[0])
     trainer, test_data = build_run(args, log, local_rank, device, amp)
-    task = trainer.task
     try:
         found = trainer.train()
-        if found.finished:  # nothing to train: what a finished language model writes, then the line saying so
-            if task.sample_text is not None:
-                trainer.checkpointer.load_model()
-                train_utils.print_sample(trainer.plain_model, task, device, fsdp)
-            raise train_utils.NothingToTrain(found.line)
-        finish(trainer, test_data)
+        finish(trainer, found, test_data)
     except train_utils.Stopped:
         pass  # every rank stopped at the same step, its snapshot written: the same command resumes
-    log.close()  # the W&B run ends here: the FSDP exit below skips wandb's own exit hook
-    trainer.stop.close()
-    train_utils.stop_answering()  # no time-out report from here on
-    checkpointer = trainer.checkpointer
-    del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
-    dist.destroy_process_group()
-    checkpointer.close()  # the claim given back: outside Slurm the next run may take the snapshot, on any host
-    if fsdp:
-        train_utils.exit_skipping_teardown()  # FSDP: the process group outlives destroy (torch 2.15)
+    finally:
+        trainer.close()
+    return 0
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def trainer_as_train_py_builds_it(argv: list, rank: int, device: torch.device = 
     (downloading nothing), the configuration resolved, the model (sharded
     under --strategy fsdp, compiled under --compile) and the optimizer, the
     loaders. Nothing claimed and nothing loaded yet: ``train()`` loads the
-    snapshot, ``checkpointer.load()`` alone too. Returns (trainer, its
+    snapshot, ``checkpointer.find()`` then ``checkpointer.load()`` alone too. Returns (trainer, its
     training loader)."""
     import sys
 

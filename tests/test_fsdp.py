@@ -24,6 +24,7 @@ import common
 import train_utils
 from train_utils.distributed.devices import torch_version
 from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.ending import end_process
 import vision_tasks
 
 FSDP = REPO / "train.py"
@@ -169,8 +170,7 @@ def _fsdp_eval_worker(rank, world_size, port, out_dir):
                                     fsdp=True)
     torch.save({"loss": loss, "accuracy": accuracy, "counted": sum(len(y) for _, y in loader),
                 "batches": len(loader)}, os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -206,8 +206,7 @@ def _bf16_worker(rank, world_size, port, out_dir):
         losses[bf16] = (loss.item(), output.dtype, {p.dtype for p in model.parameters()},
                         {p.grad.dtype for p in model.parameters()})
     torch.save(losses, os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 def test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm(tmp_path):
@@ -241,8 +240,7 @@ def _channels_last_worker(rank, world_size, port, out_dir):
     except NotImplementedError as exc:
         result = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     torch.save({"expected": expected, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 def test_shard_model_takes_a_channels_last_resnet(tmp_path):
@@ -268,6 +266,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
 
     # Seeded, sharded and loaded as train.py does.
     trainer, _ = trainer_as_train_py_builds_it(["--strategy", "fsdp", "--snapshot_path", snapshot_path], rank)
+    trainer.checkpointer.find()
     trainer.checkpointer.load()
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,
@@ -275,8 +274,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     if rank == 0:
         torch.save({"weights": weights, "optimizer": optimizer_state, "epochs_run": trainer.progress.epochs_run}, out)
     trainer.stop.close()
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 def test_resume_with_another_world_size(tmp_path, monkeypatch):

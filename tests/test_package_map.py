@@ -23,10 +23,10 @@ WINGS = {
     "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
     "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "writer"],
 }
-TOP = ["checks", "cli", "config", "errors", "identity", "output", "resume_check"]
+TOP = ["checks", "cli", "config", "ending", "errors", "identity", "output", "resume_check"]
 # The rooms from the ground up: a module imports only from rooms below its own (or its own wing's modules).
-ROOMS = ["config", "output", "distributed", "snapshots", "loop", "logs", "checks", "errors", "cli", "identity",
-         "resume_check", "__init__"]
+ROOMS = ["config", "output", "distributed", "snapshots", "ending", "loop", "logs", "checks", "errors", "cli",
+         "identity", "resume_check", "__init__"]
 
 
 def module_paths() -> dict:

@@ -20,6 +20,7 @@ from common import ConfigError
 from recipes import lr_factor
 from train_utils.distributed.devices import torch_version
 from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.ending import end_process
 from train_utils.snapshots.file import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
@@ -248,8 +249,7 @@ def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     fsdp = {name: p.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
         torch.save({"ddp": ddp, "fsdp": fsdp}, os.path.join(out, "result.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py's FSDP run ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 def test_clip_grad_norm_clips_the_global_norm_under_ddp_accumulation_and_fsdp(tmp_path):
@@ -429,6 +429,7 @@ def test_a_snapshot_holding_keys_no_part_reads_is_refused_in_one_line(tmp_path, 
             raise AssertionError("loaded despite a key no part reads")
 
     checkpointer = train_utils.Checkpointer(str(path), False, model, optimizer, config, {"position": Position()})
+    checkpointer.find()
     with pytest.raises(ConfigError) as info:
         checkpointer.load()
     assert str(info.value) == (f"snapshot {path} holds ema, which this train.py does not read: a snapshot of "

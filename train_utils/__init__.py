@@ -15,14 +15,15 @@ the top what the run is (configuration, command line) and how it begins
 and ends (checks, errors, output). An arrow A -> B reads "A imports B";
 none runs back up:
 
-  top: checks, errors -> logs -> loop -> snapshots -> distributed -> config, output
-  top: cli -> errors; config and output import no other module of the package
+  cli -> errors -> checks -> logs -> loop -> ending -> snapshots -> distributed -> output, config
+  (each room may skip those below it; config and output import no other module of the package)
 
   module / wing      concern
   config             the run's configuration: every flag a field of one frozen RunConfig, resolved once
   cli                train.py's command line (RunConfig's flags, the task modules'); one error line under torchrun
   checks             downloads first, checks before training
-  errors             a user error, a finished run, a time-out, a full disk, the unexpected: one line, exit status
+  errors             a user error, a time-out, a full disk, the unexpected: one line, exit status
+  ending             how a process ends, whatever ended it: one door (end_process)
   output             one-write lines from several processes; the first error of any rank; output paths
   distributed/       launch, rendezvous, devices, kernels, timeouts, hang report, FSDP (distributed/__init__.py)
   loop/              progress, sampler, epoch, loaders, evaluation(s), recipe, speed, numerics, stop (loop/__init__.py)
@@ -40,15 +41,15 @@ from .checks import check_before_training, downloaders_first
 from .cli import parse_args, task_flag_values, task_models
 from .config import RunConfig, resolve_config
 from .distributed import Watch, answer_stack_requests, backend_for, broadcast_buffers, check_fsdp_backend, \
-    device_for, enable_flight_recorder, exit_skipping_teardown, launcher_store, print_sharded_memory, \
-    raise_open_file_limit, shard_model, share_cpu_cores, stack_folder, stop_answering, watch_collectives
-from .errors import NothingToTrain, one_line_errors
+    device_for, enable_flight_recorder, launcher_store, print_sharded_memory, raise_open_file_limit, shard_model, \
+    share_cpu_cores, stack_folder, watch_collectives
+from .errors import one_line_errors
 from .logs import RunLog, StepLog, StepProfiler, describe_run, flops_per_sample, print_sample, throughput_figures
 from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progress, Recipe, \
     ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, amp_dtype, autocast, batches_for_every_rank, \
     batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, compile_model, compute_precision, \
-    eval_subset, evaluating, fewest_batches, fp32, loader_workers, rebuild_ddp_buckets, report_run_finished, \
-    resolve_amp, set_deterministic, set_fp32_precision, training_loss
+    eval_subset, evaluating, fewest_batches, fp32, loader_workers, nothing_to_train, rebuild_ddp_buckets, \
+    report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss
 from .output import print_line
 from .resume_check import check_resume
 from .snapshots import Checkpointer, Found, claim_snapshot_path
@@ -84,6 +85,7 @@ __all__ = [
     "build_optimizer",
     "Recipe",
     "batches_left",
+    "nothing_to_train",
     "resolve_amp",
     "amp_dtype",
     "autocast",
@@ -121,9 +123,6 @@ __all__ = [
     "StepLog",
     "print_line",
     "report_run_finished",
-    "stop_answering",
-    "exit_skipping_teardown",
     "throughput_figures",
     "print_sample",
-    "NothingToTrain",
 ]

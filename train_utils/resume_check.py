@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .distributed import barrier, exit_skipping_teardown, watch_again
+from .distributed import barrier, watch_again
 from .errors import report_to_torchrun
 from .logs import RunLog
 from .loop import Stopped, forget_stop_signal, received_stop_signal
@@ -57,11 +57,11 @@ SIDE_SUFFIX = ".check_resume"  # the side folder beside --snapshot_path holding 
 SHOWN_KEYS = 3  # differing keys named per kind
 
 
-def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespace, RunLog], Any]) -> None:
+def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespace, RunLog], Any]) -> int:
     """Collective: run the check of ``args`` (train.py's parsed command line
-    with --check_resume) and end the process: exit status 0 when the run
-    stopped and resumed is bitwise the run straight through, 1 when not
-    (rank 0 prints what differs; torchrun's root cause says so too).
+    with --check_resume); return the exit status: 0 when the run stopped and
+    resumed is bitwise the run straight through, 1 when not (rank 0 prints
+    what differs; torchrun's root cause says so too).
 
     ``build_run(run_args, log)``: train.py's task, model, optimizer,
     loaders and Trainer for ``run_args``, freshly built (collective).
@@ -102,7 +102,7 @@ def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespa
     _train(trainer, "A, straight through")
     straight.at_end = {**_global_streams(), **task_generators(trainer.task)}
     a_state = _end_state(trainer)
-    _close(trainer)
+    trainer.close()
     del trainer
     straight_s = time.perf_counter() - started
 
@@ -118,7 +118,7 @@ def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespa
         if not stopped.sent or trainer.progress.step != stop_step:
             raise ConfigError(f"a stop signal from outside the check stopped run B after step "
                               f"{trainer.progress.step}: no verdict; run the check again") from None
-    _close(trainer)
+    trainer.close()
     del trainer
 
     # ... then resumed as a fresh process resumes it.
@@ -144,16 +144,10 @@ def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespa
                    f"check cost {(straight_s + stopped_s) / straight_s:.2f}x the plain run of these steps")
     if not bitwise:
         report_to_torchrun(lines[0])
-    _close(trainer)
-    checkpointer = trainer.checkpointer
-    if rank == 0:
+    trainer.close()
+    if rank == 0:  # every rank is done with it: the run's end waited for every rank (StopSignal.close)
         shutil.rmtree(side, ignore_errors=True)
-    del trainer
-    dist.destroy_process_group()
-    checkpointer.close()  # the side folder's claim given back
-    if sharded:  # FSDP: the process group outlives destroy
-        exit_skipping_teardown(0 if bitwise else 1)
-    sys.exit(0 if bitwise else 1)
+    return 0 if bitwise else 1
 
 
 def _check_length(steps: int, lag: int) -> None:
@@ -188,15 +182,6 @@ def _train(trainer, phase: str, stop_expected: bool = False) -> None:
             raise
         raise ConfigError(f"a stop signal from outside the check stopped run {phase.split(',')[0]} after step "
                           f"{trainer.progress.step}: no verdict; run the check again") from None
-
-
-def _close(trainer) -> None:
-    """Collective: a run's end, as train.py ends one, but the claim kept:
-    the last snapshot written, the W&B run (none) finished, every rank past
-    the stop poll's last all-reduce."""
-    trainer.checkpointer.wait(together=True)
-    trainer.log.close()
-    trainer.stop.close()
 
 
 def _fresh_process_group(timeout_s: float) -> None:

@@ -6,8 +6,6 @@ holds. Which modules become FSDP units is the task contract's rule,
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Optional
 
 import torch
@@ -20,6 +18,18 @@ from .devices import peak_memory_mib, torch_version
 
 # The first torch whose gloo averages in reduce_scatter(ReduceOp.AVG); older ones sum.
 GLOO_AVG_REDUCE_SCATTER = (2, 10)
+
+
+class _Sharded:
+    """Whether this process sharded a model (``shard_model``). Per process on
+    purpose, as the process group it concerns is: ``model_sharded`` is read
+    at the process's end (``ending.end_process``), after train.py's objects
+    are gone."""
+
+    model = False
+
+
+_SHARDED = _Sharded()
 
 
 def check_fsdp_backend() -> None:
@@ -66,7 +76,16 @@ def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[to
     # The root's output stays in the compute dtype: the loss casts it (loop.fp32), inside its
     # compiled graph under --compile, not as a separate copy of the whole (B x T, vocab) logits.
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
+    _SHARDED.model = True
     return model
+
+
+def model_sharded() -> bool:
+    """Whether this process sharded a model with ``shard_model``: its DTensors
+    keep the process group alive past ``destroy_process_group`` (torch 2.15),
+    and gloo's threads can then abort the interpreter's teardown, so the
+    process ends without it (``ending.end_process``)."""
+    return _SHARDED.model
 
 
 def hsdp_mesh(device: torch.device, shard_size: int):
@@ -167,17 +186,3 @@ def print_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
         line += f" | peak GPU memory {peak['peak_gpu_memory_mib']:.1f} MiB"
     if dist.get_rank() == 0:
         print_line(line)
-
-
-def exit_skipping_teardown(status: int = 0) -> None:
-    """Flush stdout and stderr, then end the process with ``status`` at once
-    (``os._exit``), skipping the interpreter's teardown: for the end of an
-    FSDP run (0, or --check_resume's verdict), after ``destroy_process_group``, since once DTensors
-    exist the process group outlives it and gloo's threads can abort the
-    teardown (docs/fsdp.md). Everything the scripts write is closed and
-    fsynced before this point (train.py finishes the W&B run before: wandb's
-    own exit hook does not run after ``os._exit``).
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common import TASK_FILE_FOLDERS, ConfigError, draw_key
+from ..ending import end_process
 from ..output import print_line
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
@@ -85,8 +86,10 @@ def worker_started(worker_id: int) -> None:
 
 
 def _exit_when_ready(sentinel: int) -> None:
+    """The worker's watcher thread: once ``sentinel`` is ready (the rank is
+    gone, or let go of this worker), the worker ends at once."""
     multiprocessing.connection.wait([sentinel])
-    os._exit(0)
+    end_process(0, at_once=True)
 
 
 def _fork_server(dataset: Dataset) -> Optional[multiprocessing.context.BaseContext]:

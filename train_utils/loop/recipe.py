@@ -23,6 +23,7 @@ from recipes import lr_factor
 
 from ..config import RunConfig, changeable_at_resume
 from ..output import print_line
+from ..snapshots import START_AFRESH, Found
 from .speed import amp_dtype
 
 
@@ -57,6 +58,22 @@ def batches_left(config: RunConfig, steps_per_epoch: int, epoch: int, batches_ru
     if not config.max_steps:
         return None
     return (config.max_steps - epoch * steps_per_epoch) * config.grad_accum_steps - batches_run
+
+
+def nothing_to_train(found: Found, config: RunConfig, step: int) -> str:
+    """'' when the run ``config`` asks for has something left to train after
+    the snapshot ``found`` (``Checkpointer.find``: none, or one holding
+    fewer epochs than --total_epochs), at its optimizer step ``step`` (once
+    loaded: ``Progress.step``); else the line saying that the snapshot holds
+    every epoch, or under --max_steps every step, asked for, and what to do."""
+    longer = "--max_steps" if config.max_steps else "--total_epochs"
+    if found.path and found.epochs_run == config.total_epochs:
+        return (f"snapshot {found.path} already holds all {config.total_epochs} epochs: nothing to train (raise "
+                f"{longer} to train on, or {START_AFRESH})")
+    if found.path and config.max_steps and step >= config.max_steps:  # a run that ended inside an epoch
+        return (f"snapshot {found.path} already holds {step} optimizer steps of --max_steps {config.max_steps}: "
+                f"nothing to train (raise --max_steps to train on, or {START_AFRESH})")
+    return ""
 
 
 def check_max_steps(config: dict, args: RunConfig, steps_at_epoch_start: int) -> None:
