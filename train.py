@@ -94,7 +94,7 @@ class Trainer:
                  config: train_utils.RunConfig) -> None:
         self.task, self.model, self.optimizer, self.config = task, task.model, optimizer, config
         self.device, self.rank, self.local_rank = device, dist.get_rank(), local_rank
-        self.fsdp = config.strategy != "ddp"  # FSDP2 shards the model: fsdp, and hsdp on a 2-D mesh
+        self.fsdp = config.sharded  # FSDP2 shards the model: fsdp, and hsdp on a 2-D mesh
         self.train_data, self.val_data, self.log = train_data, val_data, log
         self.progress = train_utils.Progress(device, train_data, self.rank, config.grad_accum_steps)
         self.recipe = train_utils.Recipe(optimizer, config, self.progress.steps_per_epoch,
@@ -110,13 +110,13 @@ class Trainer:
             every_steps=config.snapshot_every_steps, timeout_s=config.pg_timeout_s,
             write_timeout_s=config.startup_timeout_s)
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
-        self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.amp)
+        self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.compute_dtype)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
         # What MFU divides by: the peak of the precision the matrix products run in (bf16, fp16, tf32, fp32).
-        self.precision = train_utils.compute_precision(device, train_utils.amp_dtype(device, config.amp))
+        self.precision = train_utils.compute_precision(device, config.compute_dtype)
         if not self.fsdp and dist.get_world_size() > 1:
             # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward()
             # (one process has none to average: the wrapper would only copy them into its buckets and
@@ -220,7 +220,7 @@ class Trainer:
                 self._stop()
             if self.evaluations.due(self.progress.step, epoch_end=False):
                 records.append(self._evaluate())
-            if self.checkpointer.due(self.progress.step, self.stop.requested) and batches.left:
+            if self.checkpointer.due(self.progress.epoch_step, self.stop.requested) and batches.left:
                 self.checkpointer.save()  # not at the epoch's end: that snapshot comes next
         self.watch.after_steps(epoch)
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
@@ -403,17 +403,20 @@ def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) ->
     """Collective: the task (one download per node: local rank 0 first, the
     others after) and the run's configuration, resolved from ``args`` and
     the task (``train_utils.resolve_config``; ``amp``: --amp as the job runs
-    it). The model comes from --seed, the same on every rank. Raises
-    ConfigError (one line, on every rank) when the task cannot load, or for
-    a task flag the task does not read."""
+    it). The model comes from --seed, the same on every rank. ``args``
+    stays as parsed: the task function gets a copy, in which it names the
+    model it chose (``common.choose_model``). Raises ConfigError (one line,
+    on every rank) when the task cannot load, or for a task flag the task
+    does not read."""
     # One seed for the initial weights on every rank (DDP copies rank 0's to all anyway;
     # FSDP keeps each rank's slice of its own copy).
     torch.manual_seed(args.seed)
-    task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
+    task_args = argparse.Namespace(**vars(args))
+    task = train_utils.downloaders_first(common.load_task, task_args, local_rank == 0)  # --data_dir is per node
     # A node's ranks (torchrun's, or srun's: train_utils.launcher_store): HSDP's default shard size.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args),
-                                            local_world_size)
+                                            local_world_size, model=task_args.model)
 
 
 def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
@@ -429,11 +432,10 @@ def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
         task.flops_per_sample = train_utils.flops_per_sample(task, device)
     if config.activation_checkpointing:  # before DDP and FSDP wrap the blocks
         train_utils.checkpoint_activations(task.model)
-    if config.strategy != "ddp":  # before the optimizer: fully_shard replaces the parameters
+    if config.sharded:  # before the optimizer: fully_shard replaces the parameters
         if config.compile:  # torchtitan's order: each FSDP unit compiled, then sharded
             train_utils.compile_blocks(common.fsdp_units(task.model))
-        task.model = train_utils.shard_model(task.model, device, train_utils.amp_dtype(device, config.amp),
-                                             config.shard_size)
+        task.model = train_utils.shard_model(task.model, device, config.compute_dtype, config.shard_size)
     torch.manual_seed(config.seed + rank)
     return train_utils.build_optimizer(task.model, config)  # --optimizer, --lr, --weight_decay
 
@@ -497,16 +499,16 @@ def main(args: argparse.Namespace) -> Optional[int]:
     # Its start time: the metrics file's start record.
     log = train_utils.RunLog(args.metrics_path, args.tensorboard_dir, args.wandb_project)
     train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
-    train_utils.set_deterministic(args)  # --deterministic: before the process group, which reads it (NCCL)
+    train_utils.set_deterministic(args.deterministic, args.compile)  # before the process group, which reads it (NCCL)
     rank, local_rank, device = setup(args.startup_timeout_s, args.snapshot_path)
     train_utils.set_fp32_precision(device, args.no_tf32)  # on GPUs TF32 unless --no_tf32, before the first matmul
-    fsdp = args.strategy != "ddp"  # fsdp or hsdp: FSDP2, sharded snapshots
-    if fsdp:
+    sharded = train_utils.is_sharded(args.strategy)  # fsdp or hsdp: FSDP2, sharded snapshots
+    if sharded:
         train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written
     # One live run per snapshot: another's is refused here, before any download. (The check
     # claims its own side folder: --snapshot_path is neither read nor written.)
     if not args.check_resume:
-        train_utils.claim_snapshot_path(args.snapshot_path, fsdp)
+        train_utils.claim_snapshot_path(args.snapshot_path, sharded)
     amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
     if args.check_resume:  # trains twice, compares: its verdict is the exit status
         return train_utils.check_resume(args, lambda run_args, run_log: build_run(run_args, run_log, local_rank,

@@ -40,7 +40,8 @@ def section_amp_cpu(reps: int = 3) -> dict:
         x = torch.randn(shape)
         y = torch.randn(shape[0], 1) if dataset == "synthetic" else torch.randint(0, 10, (shape[0],))
         loss_fn = F.mse_loss if dataset == "synthetic" else F.cross_entropy
-        step = {amp: train_step(model, opt, loss_fn, x, y, train_utils.autocast(CPU, "bf16" if amp else None))
+        step = {amp: train_step(model, opt, loss_fn, x, y,
+                                train_utils.autocast(CPU, torch.bfloat16 if amp else None))
                 for amp in (False, True)}
         for amp in (False, True, False, True):  # warm-up
             step[amp]()

@@ -43,7 +43,7 @@ def _gpu_variant(amp: bool, channels_last: bool, compiled: bool, x8, y, steps: i
     transform = fast_images.DeviceTransform((vision_tasks.CIFAR10_MEAN, vision_tasks.CIFAR10_STD), 4,
                                             channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    autocast = train_utils.autocast(device, "bf16" if amp else None)
+    autocast = train_utils.autocast(device, torch.bfloat16 if amp else None)
     step = train_step(train_utils.compile_model(model, compiled), opt, F.cross_entropy, x8, y,
                       autocast, transform)
     for _ in range(5 if not compiled else 10):  # warm-up (and compile)

@@ -440,7 +440,7 @@ def _bucket_layout_worker(rank, world_size, port, out):
             return default_hooks.allreduce_hook(state, bucket)
 
         model.register_comm_hook(None, hook)
-        amp = train_utils.autocast(cpu, "bf16")
+        amp = train_utils.autocast(cpu, torch.bfloat16)
         if rebuild:
             train_utils.rebuild_ddp_buckets(model, loader, F.cross_entropy, lambda t: t, cpu, amp)
         for _ in range(2 if rebuild else 3):

@@ -56,14 +56,7 @@ def show_gpu(monkeypatch, name: str = "NVIDIA H100 80GB HBM3", capability: tuple
 
 def flags(*argv: str) -> argparse.Namespace:
     """train.py's flags as its command line ``argv`` gives them."""
-    import sys
-
-    saved = sys.argv
-    sys.argv = ["train.py", *argv]
-    try:
-        return train_utils.parse_args(None, common.TASKS)
-    finally:
-        sys.argv = saved
+    return train_utils.parse_args(None, common.TASKS, argv=list(argv))
 
 
 # --------------------------------------------------------------------------
@@ -77,7 +70,7 @@ def test_fp32_matmuls_run_on_tf32_on_a_gpu_unless_no_tf32(monkeypatch, torch_swi
     follows (tf32 or fp32; bf16 under --amp). A GPU before Ampere has no TF32;
     a CPU is left alone (there "high" would let oneDNN round)."""
     show_gpu(monkeypatch)
-    args = flags("--batch_size", "32")
+    config = train_utils.RunConfig(batch_size=32)
     torch.set_float32_matmul_precision("highest")
     train_utils.set_fp32_precision(torch.device("cpu"), False)
     assert torch.get_float32_matmul_precision() == "highest"
@@ -87,18 +80,18 @@ def test_fp32_matmuls_run_on_tf32_on_a_gpu_unless_no_tf32(monkeypatch, torch_swi
     assert train_utils.compute_precision(GPU, None) == "tf32"
     assert train_utils.compute_precision(GPU, torch.bfloat16) == "bf16"
     assert train_utils.compute_precision(GPU, torch.float16) == "fp16"
-    assert " | fp32 matmuls on TF32 (--no_tf32: full fp32)" in train_utils.describe_run(GPU, args)
+    assert " | fp32 matmuls on TF32 (--no_tf32: full fp32)" in train_utils.describe_run(GPU, config)
 
     train_utils.set_fp32_precision(GPU, True)
     assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
     assert train_utils.compute_precision(GPU, None) == "fp32"
-    assert " | fp32 matmuls in full fp32 (--no_tf32)" in train_utils.describe_run(GPU, args)
+    assert " | fp32 matmuls in full fp32 (--no_tf32)" in train_utils.describe_run(GPU, config)
 
     train_utils.set_fp32_precision(GPU, False)
     show_gpu(monkeypatch, "Tesla V100-SXM2-32GB", (7, 0))
     assert train_utils.compute_precision(GPU, None) == "fp32"
-    assert "fp32 matmuls in full fp32 (no TF32 before Ampere)" in train_utils.describe_run(GPU, args)
-    assert "fp32 matmuls" not in train_utils.describe_run(torch.device("cpu"), args)
+    assert "fp32 matmuls in full fp32 (no TF32 before Ampere)" in train_utils.describe_run(GPU, config)
+    assert "fp32 matmuls" not in train_utils.describe_run(torch.device("cpu"), config)
 
 
 def test_mfu_divides_by_the_peak_of_the_precision_the_step_runs_in(monkeypatch, one_process_group):
@@ -129,24 +122,23 @@ def test_deterministic_sets_torchs_switches_and_refuses_what_would_break_it(monk
     the start-up line says that runs there are repeatable without it."""
     monkeypatch.delenv(numerics.CUBLAS_WORKSPACE_VARIABLE, raising=False)
     torch.use_deterministic_algorithms(False)
-    numerics.set_deterministic(flags())
+    numerics.set_deterministic(False)
     assert not torch.are_deterministic_algorithms_enabled()
     assert numerics.CUBLAS_WORKSPACE_VARIABLE not in os.environ
 
-    numerics.set_deterministic(flags("--deterministic"))
+    numerics.set_deterministic(True)
     assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
     assert not torch.backends.cudnn.benchmark
     assert os.environ[numerics.CUBLAS_WORKSPACE_VARIABLE] == ":4096:8"
 
     monkeypatch.setenv(numerics.CUBLAS_WORKSPACE_VARIABLE, ":16:8")
-    numerics.set_deterministic(flags("--deterministic"))
+    numerics.set_deterministic(True)
     assert os.environ[numerics.CUBLAS_WORKSPACE_VARIABLE] == ":16:8"
     monkeypatch.setenv(numerics.CUBLAS_WORKSPACE_VARIABLE, ":0:0")
     with pytest.raises(ConfigError, match=r"^--deterministic: CUBLAS_WORKSPACE_CONFIG=:0:0 lets cuBLAS"):
-        numerics.set_deterministic(flags("--deterministic"))
+        numerics.set_deterministic(True)
 
-    args = flags("--deterministic")
-    assert numerics.numerics_description(torch.device("cpu"), args) == \
+    assert numerics.numerics_description(torch.device("cpu"), train_utils.RunConfig(deterministic=True)) == \
         " | deterministic (CPU runs are bitwise repeatable without it too)"
 
 

@@ -194,7 +194,7 @@ def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):
     from helpers import FAULTY_TRAIN, assert_bitwise, full_state, snapshot_folder
     from test_fsdp import fsdp
 
-    flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "40",
+    flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "20",
              "--optimizer", "adamw", "--lr", "0.01", "--weight_decay", "0.05", "--lr_schedule", "cosine",
              "--warmup_epochs", "0.5", "--clip_grad_norm", "0.5", "--amp", "fp16"]
     (tmp_path / "a").mkdir()
@@ -243,7 +243,8 @@ def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
         torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
         torch.device("cpu"), dtype=None)
     recipe = train_utils.Recipe(torch.optim.SGD(model.parameters(), lr=1.0),
-                                recipe_args(lr=1.0, clip_grad_norm=MAX_NORM), 1, lambda: 0, torch.device("cpu"))
+                                train_utils.RunConfig(lr=1.0, clip_grad_norm=MAX_NORM, total_epochs=4), 1, lambda: 0,
+                                torch.device("cpu"))
     recipe.backward(F.mse_loss(model(x[mine]), y[mine]))
     recipe.step()
     fsdp = {name: p.full_tensor() for name, p in model.named_parameters()}

@@ -17,7 +17,7 @@ from train_utils.distributed.launch import first_host
 from train_utils.snapshots.writer import SnapshotClock, SnapshotWriter, cpu_copy
 from train_utils.snapshots.file import atomic_save
 from train_utils.loop.stop import STOP_SIGNALS, ignore_stop_signal
-from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
+from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run
 
 
 def show_gpus(monkeypatch, count: int, capability: tuple = (9, 0), arches: str = "sm_75 sm_80 sm_86 sm_90"):
@@ -177,8 +177,7 @@ def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch, one_
     monkeypatch.setattr(torch.cuda, "is_available", unavailable)
     reason = unusable_gpu_reason()
     assert reason.startswith("CUDA initialization: The NVIDIA driver on your system is too old")
-    line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=32,
-                                                               grad_accum_steps=1, amp=None, deterministic=False, strategy="ddp"))
+    line = train_utils.describe_run(torch.device("cpu"), train_utils.RunConfig(batch_size=32))
     note, start = line.split("\n")
     assert note.startswith("note: this machine has NVIDIA GPUs, but torch cannot use them (CUDA")
     assert "training on the CPU" in note
@@ -234,8 +233,7 @@ def test_gpus_hidden_on_purpose_get_no_note(monkeypatch, env, noted):
 def test_no_gpu_files_means_nothing_to_report(monkeypatch, one_process_group):
     monkeypatch.setattr(glob, "glob", lambda pattern: [])
     assert unusable_gpu_reason() is None
-    line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=8,
-                                                               grad_accum_steps=4, amp=None, deterministic=False, strategy="ddp"))
+    line = train_utils.describe_run(torch.device("cpu"), train_utils.RunConfig(batch_size=8, grad_accum_steps=4))
     assert line == ("device cpu | backend gloo | world_size 1 | global batch size 32 = "
                     f"batch_size 8 x grad_accum_steps 4 x world_size 1 | cpu threads {torch.get_num_threads()} "
                     "per process")
@@ -632,10 +630,10 @@ def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
 
 
 def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch, one_process_group):
-    args = task_args("synthetic", batch_size=32, grad_accum_steps=1, amp=None, deterministic=False, strategy="ddp")
-    plain = train_utils.describe_run(torch.device("cpu"), args)
+    config = train_utils.RunConfig(batch_size=32)
+    plain = train_utils.describe_run(torch.device("cpu"), config)
     monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
-    assert train_utils.describe_run(torch.device("cpu"), args).splitlines() == [
+    assert train_utils.describe_run(torch.device("cpu"), config).splitlines() == [
         "note: torch 2.7.1+cpu is untested here (oldest tested: torch 2.8); older ones can hang at exit, "
         "see docs/install.md", *plain.splitlines()]
 

@@ -39,14 +39,14 @@ docs/custom-task.md.
 from recipes import build_optimizer  # the recipe's meaning, which the rungs share
 from .checks import check_before_training, downloaders_first
 from .cli import parse_args, task_flag_values, task_models
-from .config import RunConfig, resolve_config
+from .config import RunConfig, is_sharded, resolve_config
 from .distributed import Watch, answer_stack_requests, backend_for, broadcast_buffers, check_fsdp_backend, \
     device_for, enable_flight_recorder, launcher_store, print_sharded_memory, raise_open_file_limit, shard_model, \
     share_cpu_cores, stack_folder, watch_collectives
 from .errors import one_line_errors
 from .logs import RunLog, StepLog, StepProfiler, describe_run, flops_per_sample, print_sample, throughput_figures
 from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progress, Recipe, \
-    ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, amp_dtype, autocast, batches_for_every_rank, \
+    ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, autocast, batches_for_every_rank, \
     batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, compile_model, compute_precision, \
     eval_subset, evaluating, fewest_batches, fp32, loader_workers, nothing_to_train, rebuild_ddp_buckets, \
     report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss
@@ -75,6 +75,7 @@ __all__ = [
     "claim_snapshot_path",
     "resolve_config",
     "RunConfig",
+    "is_sharded",
     "check_before_training",
     "loader_workers",
     "DenseBatches",
@@ -87,7 +88,6 @@ __all__ = [
     "batches_left",
     "nothing_to_train",
     "resolve_amp",
-    "amp_dtype",
     "autocast",
     "compile_model",
     "compile_blocks",

@@ -29,15 +29,7 @@ if __name__ == "__main__":  # run as a file: the project folder, not this one, o
 import common  # noqa: E402 - after the path above
 from train_utils import cli, config  # noqa: E402
 
-# Left out of the identity: how long the run goes on (a raised --total_epochs or
-# --max_steps extends the run it names), how fast its steps run, and where
-# figures, traces and snapshots go and how often.
-RUN_LENGTH = ("total_epochs", "max_steps", "save_every")
-SPEED_ONLY = ("compile", "no_tf32", "deterministic", "activation_checkpointing", "num_workers")
-IDENTITY_FLAGS = tuple(
-    spec.name for spec in config.flags()
-    if spec.metadata["group"] in (config.TRAINING, config.SPEED, config.RECIPE)
-    and spec.name not in RUN_LENGTH + SPEED_ONLY)
+IDENTITY_FLAGS = config.identity_flags()  # the fields of RunConfig marked identity=True
 
 
 def identity_flags(args: argparse.Namespace, defaults: argparse.Namespace, names) -> list:

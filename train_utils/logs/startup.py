@@ -6,16 +6,15 @@ restarted nodes cannot rejoin).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 
+from ..config import RunConfig
 from ..distributed import OLDEST_TORCH, rejoin_note, torch_version, unusable_gpu_reason
-from ..loop import amp_dtype, numerics_description
+from ..loop import numerics_description
 
 
-def describe_run(device: torch.device, args: argparse.Namespace) -> str:
+def describe_run(device: torch.device, config: RunConfig) -> str:
     """The start-up line: what runs where, and the global batch size.
 
     E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
@@ -34,17 +33,16 @@ def describe_run(device: torch.device, args: argparse.Namespace) -> str:
     world_size, backend = dist.get_world_size(), dist.get_backend()
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
-            f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
-            f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
-    if args.strategy == "hsdp":  # the 2-D device mesh (distributed.fsdp.hsdp_mesh): replicas x ranks per shard group
-        line += f" | HSDP mesh replicate {world_size // args.shard_size} x shard {args.shard_size}"
+            f"size {config.batch_size * config.grad_accum_steps * world_size} = batch_size "
+            f"{config.batch_size} x grad_accum_steps {config.grad_accum_steps} x world_size {world_size}")
+    if config.strategy == "hsdp":  # the 2-D device mesh (distributed.fsdp.hsdp_mesh): replicas x ranks per shard group
+        line += f" | HSDP mesh replicate {world_size // config.shard_size} x shard {config.shard_size}"
     if device.type == "cpu":
         line += f" | cpu threads {torch.get_num_threads()} per process"
 
-    dtype = amp_dtype(device, args.amp)
-    if dtype is not None:  # what plain --amp chose on this device
-        line += " | amp bf16" if dtype == torch.bfloat16 else " | amp fp16 with a loss scaler"
-    line += numerics_description(device, args)
+    if config.compute_dtype is not None:  # what plain --amp chose on this job's devices
+        line += " | amp bf16" if config.compute_dtype == torch.bfloat16 else " | amp fp16 with a loss scaler"
+    line += numerics_description(device, config)
     reason = unusable_gpu_reason() if device.type == "cpu" else None
     if reason:
         line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "

@@ -23,7 +23,7 @@ from .numerics import compute_precision, numerics_description, set_deterministic
 from .progress import Progress, rebuild_ddp_buckets
 from .recipe import Recipe, batches_left, nothing_to_train
 from .sampler import ResumableDistributedSampler
-from .speed import amp_dtype, autocast, check_amp, checkpoint_activations, compile_blocks, compile_model, fp32, \
+from .speed import autocast, check_amp, checkpoint_activations, compile_blocks, compile_model, fp32, \
     resolve_amp, training_loss
 from .stop import StopDuringStartup, StopSignal, Stopped, catch_stop_signals, forget_stop_signal, \
     note_stop_signals_only, received_stop_signal, report_run_finished
@@ -33,7 +33,7 @@ __all__ = [
     "DenseBatches", "HostToDevice", "SeededFetches", "loader_workers",
     "compute_precision", "numerics_description", "set_deterministic", "set_fp32_precision",
     "Progress", "rebuild_ddp_buckets", "Recipe", "batches_left", "nothing_to_train", "ResumableDistributedSampler",
-    "amp_dtype", "autocast", "check_amp", "checkpoint_activations", "compile_blocks", "compile_model", "fp32",
+    "autocast", "check_amp", "checkpoint_activations", "compile_blocks", "compile_model", "fp32",
     "resolve_amp", "training_loss",
     "StopDuringStartup", "StopSignal", "Stopped", "catch_stop_signals", "forget_stop_signal",
     "note_stop_signals_only", "received_stop_signal", "report_run_finished",

@@ -247,6 +247,12 @@ class Progress:
                 f"{len(self.loader.sampler.dataset)} samples (step {self.saved_steps_run} by world_size "
                 f"{saved}) at step {self.steps_run}, the rest split over {now} rank{'s' if now > 1 else ''}")
 
+    @property
+    def epoch_step(self) -> int:
+        """The optimizer steps finished in epoch ``epochs_run`` (``steps_run``
+        micro-batches, ``grad_accum_steps`` a step)."""
+        return self.steps_run // self.accum
+
     def position(self) -> str:
         """``position`` of this progress: "after epoch 2", "in epoch 3 after step 40"."""
         return position(self.epochs_run, self.steps_run)

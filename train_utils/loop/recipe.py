@@ -24,7 +24,6 @@ from recipes import lr_factor
 from ..config import RunConfig, changeable_at_resume
 from ..output import print_line
 from ..snapshots import START_AFRESH, Found
-from .speed import amp_dtype
 
 
 def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
@@ -76,19 +75,19 @@ def nothing_to_train(found: Found, config: RunConfig, step: int) -> str:
     return ""
 
 
-def check_max_steps(config: dict, args: RunConfig, steps_at_epoch_start: int) -> None:
+def check_max_steps(saved_config: dict, config: RunConfig, steps_at_epoch_start: int) -> None:
     """Raise ConfigError (one line) when a snapshot that counts the epoch a
-    --max_steps run cut short as whole (its ``config``; the epochs it holds
+    --max_steps run cut short as whole (its ``saved_config``; the epochs it holds
     make ``steps_at_epoch_start`` steps, more than its max_steps: a snapshot
     of an earlier train.py) is resumed with another --max_steps: a longer run
     would miscount its steps and skip that epoch's rest. train.py's own
     snapshots of such a run stand inside the epoch (``Trainer.run_epoch``)
-    and go on to any --max_steps."""
-    saved = config.get("max_steps") or 0
-    if saved and steps_at_epoch_start > saved and args.max_steps != saved:
+    and go on to any --max_steps (``config``'s)."""
+    saved = saved_config.get("max_steps") or 0
+    if saved and steps_at_epoch_start > saved and config.max_steps != saved:
         raise ConfigError(f"the snapshot holds a finished run of --max_steps {saved}, which ended inside an "
-                          f"epoch; it cannot go on to --max_steps {args.max_steps}: start afresh (another "
-                          f"--snapshot_path) with --max_steps {args.max_steps}")
+                          f"epoch; it cannot go on to --max_steps {config.max_steps}: start afresh (another "
+                          f"--snapshot_path) with --max_steps {config.max_steps}")
 
 
 class Recipe:
@@ -115,7 +114,7 @@ class Recipe:
                  position: Callable[[], int], device: torch.device) -> None:
         self.optimizer, self.config, self.steps_per_epoch, self.position = optimizer, config, steps_per_epoch, position
         self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, steps_per_epoch))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, config.amp) == torch.float16)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=config.compute_dtype == torch.float16)
         # This epoch's steps the scaler skipped (inf/nan gradients): an int, or a tensor on the device
         # counting them there (read at the epoch's end and in snapshots, not at every step).
         self._skipped = 0

@@ -32,31 +32,18 @@ def _native_bf16(device: torch.device) -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def amp_dtype(device: torch.device, amp: Optional[str]) -> Optional[torch.dtype]:
-    """The autocast dtype --amp asks for on ``device``: None without --amp;
-    ``bf16`` or ``fp16`` when forced; ``auto`` (plain --amp): on CUDA bf16
-    where the GPU runs it natively, else fp16 (with a loss scaler, see
-    ``Recipe``); elsewhere bf16 (on a CPU without native bf16 ``check_amp``
-    refuses it). Per device: a job passes the value ``resolve_amp`` gave, the
-    same on every rank. Raises ValueError for another value of ``amp``."""
-    if amp is None:
-        return None
-    if amp not in ("auto", "bf16", "fp16"):
-        raise ValueError(f"amp must be None, 'auto', 'bf16' or 'fp16', not {amp!r}")
-    if amp == "auto":
-        amp = "bf16" if device.type != "cuda" or _native_bf16(device) else "fp16"
-    return torch.bfloat16 if amp == "bf16" else torch.float16
-
-
 def resolve_amp(amp: Optional[str], device: torch.device) -> Optional[str]:
-    """--amp as the whole job runs it: ``amp`` itself (None, "auto", "bf16" or
-    "fp16"), except on CUDA, where "auto" becomes "bf16" when every rank's GPU
-    has native bf16 (``_native_bf16``) and "fp16" (with a loss scaler) when
-    any has not. Per rank, a job on a mixed partition (Ampere and older GPUs)
-    would train some ranks in bf16 and others in fp16: DDP would average
-    scaled with unscaled gradients, and under FSDP the loss scaler's inf check
-    of the fp16 ranks would wait for partners that never come. On the mixed
-    job rank 0 prints a ``note:`` line naming the GPUs without bf16.
+    """--amp as the whole job runs it (the dtype it means:
+    ``RunConfig.compute_dtype``): ``amp`` itself (None, "auto", "bf16" or
+    "fp16"), except on CUDA, where "auto" becomes "bf16" when every rank's
+    GPU has native bf16 (``_native_bf16``) and "fp16" (with a loss scaler)
+    when any has not; elsewhere "auto" is bf16 (on a CPU without native bf16
+    ``check_amp`` refuses it). Per rank, a job on a mixed partition (Ampere
+    and older GPUs) would train some ranks in bf16 and others in fp16: DDP
+    would average scaled with unscaled gradients, and under FSDP the loss
+    scaler's inf check of the fp16 ranks would wait for partners that never
+    come. On the mixed job rank 0 prints a ``note:`` line naming the GPUs
+    without bf16.
 
     Collective on CUDA under a process group: every rank's answer is gathered
     (all_gather_object). Raises ConfigError on every rank for a forced
@@ -122,14 +109,13 @@ def check_amp(amp: Optional[str], device: torch.device, model: str) -> None:
                           "--amp is for GPUs (--amp bf16 or fp16 forces it). Run without --amp")
 
 
-def autocast(device: torch.device, amp: Optional[str]):
-    """Autocast on ``device`` to ``amp_dtype(device, amp)`` (the forward pass
-    and the loss; backward follows the forward's dtypes), or, without --amp,
-    a context that does nothing.
+def autocast(device: torch.device, dtype: Optional[torch.dtype]):
+    """Autocast on ``device`` to ``dtype`` (--amp's: ``RunConfig.compute_dtype``;
+    the forward pass and the loss; backward follows the forward's dtypes),
+    or, for None (no --amp), a context that does nothing.
 
     Reusable, one ``with`` after another (not nested): make it once, not per step.
     """
-    dtype = amp_dtype(device, amp)
     if dtype is None:
         return contextlib.nullcontext()  # cheaper than an autocast(enabled=False) per step
     return torch.autocast(device.type, dtype=dtype)

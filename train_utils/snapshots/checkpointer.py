@@ -199,10 +199,11 @@ class Checkpointer:
 
     def due(self, step: int, requested: bool) -> bool:
         """Collective in effect: whether a snapshot is due after optimizer step
-        ``step`` (the run's, 1-based), the same answer on every rank:
-        ``requested`` (the poll's answer to rank 0's ``request``) unless a
-        snapshot was taken since it was sent, or every --snapshot_every_steps
-        optimizer steps. Call it on every rank after every poll."""
+        ``step`` of this epoch (``Progress.epoch_step``, 1-based), the same
+        answer on every rank: ``requested`` (the poll's answer to rank 0's
+        ``request``) unless a snapshot was taken since it was sent, or every
+        --snapshot_every_steps optimizer steps of the epoch. Call it on every
+        rank after every poll."""
         due = self.clock.due(requested)
         return due or bool(self.every_steps) and step % self.every_steps == 0
 
