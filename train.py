@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 if __name__ == "__main__":
     # Ctrl-C in the seconds torch takes to import ends this process quietly (nothing is
@@ -40,6 +40,10 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import common
 import train_utils
+
+# --snapshot_path's default by --strategy: a file for DDP, a folder of sharded saves (one sub-folder per
+# save) for FSDP and HSDP.
+SNAPSHOT_PATHS = {"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp", "hsdp": "snapshot_train_fsdp"}
 
 
 def setup(timeout_s: float, snapshot_path: str) -> tuple[int, int, torch.device]:
@@ -68,6 +72,18 @@ def setup(timeout_s: float, snapshot_path: str) -> tuple[int, int, torch.device]
     return rank, local_rank, device
 
 
+class StepHook(Protocol):
+    """A watcher of the training steps, the Trainer's one seam for a tool
+    that checks a run (tools/check_resume.py): ``before(step)`` right before
+    the first micro-batch of optimizer step ``step`` (the run's, 1-based),
+    ``after(step, loss)`` right after each of its micro-batches, ``loss``
+    the micro-batch's mean loss (0-dim, on the device)."""
+
+    def before(self, step: int) -> None: ...
+
+    def after(self, step: int, loss: torch.Tensor) -> None: ...
+
+
 class Trainer:
     """Runs the epochs: trains, evaluates and prints a summary line per
     evaluation (after every epoch, or every --eval_every_steps optimizer
@@ -86,13 +102,15 @@ class Trainer:
     counter is ``progress.step``, its optimizer steps. Collective: every
     rank makes one (the stop signal's gloo group, DDP's first broadcast)
     and calls ``train``; ``train_step`` and ``run_epoch`` are its parts,
-    public for those who drive them.
+    public for those who drive them. ``hook``: a ``StepHook`` the loop
+    calls around every training micro-batch (None: none).
     """
 
     def __init__(self, task: common.Task, optimizer: torch.optim.Optimizer, train_data: DataLoader,
                  val_data: DataLoader, log: train_utils.RunLog, device: torch.device, local_rank: int,
-                 config: train_utils.RunConfig) -> None:
+                 config: train_utils.RunConfig, hook: Optional[StepHook] = None) -> None:
         self.task, self.model, self.optimizer, self.config = task, task.model, optimizer, config
+        self.hook = hook
         self.device, self.rank, self.local_rank = device, dist.get_rank(), local_rank
         self.fsdp = config.sharded  # FSDP2 shards the model: fsdp, and hsdp on a 2-D mesh
         self.train_data, self.val_data, self.log = train_data, val_data, log
@@ -209,7 +227,12 @@ class Trainer:
                                f"| batch_size {self.train_data.batch_size} | steps {batches.total}")
         for source, targets in batches:
             self.watch.step(epoch, batches.done)  # where this rank is; until training runs, every rank's batch
+            step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
+            if self.hook and self.progress.steps_run % self.config.grad_accum_steps == 0:
+                self.hook.before(step)
             loss = self.train_step(source, targets)
+            if self.hook:
+                self.hook.after(step, loss)
             self.evaluations.add(loss, len(targets))
             self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
             if self.progress.steps_run % self.config.grad_accum_steps:
@@ -465,14 +488,14 @@ def finish(trainer: Trainer, found: train_utils.Found, test_data: Optional[DataL
 
 
 def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int, device: torch.device,
-              amp: Optional[str]) -> tuple[Trainer, Optional[DataLoader]]:
+              amp: Optional[str], hook: Optional[StepHook] = None) -> tuple[Trainer, Optional[DataLoader]]:
     """Collective: a run of ``args`` built from scratch: the task and the
     configuration (``build_task``; ``amp``: --amp as the job runs it), the
     model and optimizer (``build_model``), the loaders, the checks before
     training; rank 0 prints the start-up line. Returns the ``Trainer``
-    (``log`` its outputs) and the test split's loader (None: no test split).
-    Raises ConfigError (one line) as ``build_task`` and
-    ``check_before_training`` do."""
+    (``log`` its outputs, ``hook`` its ``StepHook``) and the test split's
+    loader (None: no test split). Raises ConfigError (one line) as
+    ``build_task`` and ``check_before_training`` do."""
     task, config = build_task(args, local_rank, amp)  # the configuration, resolved: frozen from here on
     optimizer = build_model(task, config, dist.get_rank(), device)
     val_set = train_utils.eval_subset(task.val_set, config.eval_windows, config.seed)  # --eval_windows: a few
@@ -483,36 +506,43 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
     train_utils.check_before_training(config, device, train_data)
     if dist.get_rank() == 0:
         train_utils.print_line(train_utils.describe_run(device, config))
-    return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config), test_data
+    return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config, hook), test_data
+
+
+def start(args: argparse.Namespace) -> tuple[int, torch.device, Optional[str]]:
+    """Collective: this process's start, up to building a run: the stop
+    signals caught (from here a stop signal ends start-up cleanly, at once),
+    --deterministic set (before the process group, which reads it under
+    NCCL), the process group joined (``setup``), fp32's precision on GPUs
+    set before the first matmul (TF32 unless --no_tf32), FSDP's backend
+    checked (refused on gloo before torch 2.10, before anything is
+    written), and --amp resolved, one dtype for the whole job (collective
+    on CUDA). Returns (local_rank, device, --amp as the job runs it).
+    Raises ConfigError (one line) as ``setup`` does, and for FSDP on a
+    gloo that cannot average."""
+    train_utils.catch_stop_signals()
+    train_utils.set_deterministic(args.deterministic, args.compile)
+    _, local_rank, device = setup(args.startup_timeout_s, args.snapshot_path)
+    train_utils.set_fp32_precision(device, args.no_tf32)
+    if train_utils.is_sharded(args.strategy):
+        train_utils.check_fsdp_backend()
+    return local_rank, device, train_utils.resolve_amp(args.amp, device)
 
 
 @train_utils.one_line_errors
-def main(args: argparse.Namespace) -> Optional[int]:
+def main(args: argparse.Namespace) -> None:
     """Train by ``args`` (``parse_args``), resuming from --snapshot_path when it
     holds a snapshot. Collective: every rank calls it, and runs under a
-    process group from ``setup`` on. Returns the exit status (None: 0;
-    --check_resume's verdict), with which ``one_line_errors`` ends the
-    process: 0 for a run trained, finished already, or stopped by a stop
-    signal after its snapshot. Bad input ends it with one line and exit
-    status 2; a collective time-out with one line naming the ranks that did
-    not arrive, exit status 1."""
+    process group from ``setup`` on. ``one_line_errors`` then ends the
+    process: exit status 0 for a run trained, finished already, or stopped
+    by a stop signal after its snapshot; bad input ends it with one line and
+    exit status 2, a collective time-out with one line naming the ranks that
+    did not arrive, exit status 1."""
     # Its start time: the metrics file's start record.
     log = train_utils.RunLog(args.metrics_path, args.tensorboard_dir, args.wandb_project)
-    train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
-    train_utils.set_deterministic(args.deterministic, args.compile)  # before the process group, which reads it (NCCL)
-    rank, local_rank, device = setup(args.startup_timeout_s, args.snapshot_path)
-    train_utils.set_fp32_precision(device, args.no_tf32)  # on GPUs TF32 unless --no_tf32, before the first matmul
-    sharded = train_utils.is_sharded(args.strategy)  # fsdp or hsdp: FSDP2, sharded snapshots
-    if sharded:
-        train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written
-    # One live run per snapshot: another's is refused here, before any download. (The check
-    # claims its own side folder: --snapshot_path is neither read nor written.)
-    if not args.check_resume:
-        train_utils.claim_snapshot_path(args.snapshot_path, sharded)
-    amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
-    if args.check_resume:  # trains twice, compares: its verdict is the exit status
-        return train_utils.check_resume(args, lambda run_args, run_log: build_run(run_args, run_log, local_rank,
-                                                                                   device, amp)[0])
+    local_rank, device, amp = start(args)
+    # One live run per snapshot: another's is refused here, before any download.
+    train_utils.claim_snapshot_path(args.snapshot_path, train_utils.is_sharded(args.strategy))
     trainer, test_data = build_run(args, log, local_rank, device, amp)
     try:
         found = trainer.train()
@@ -521,11 +551,7 @@ def main(args: argparse.Namespace) -> Optional[int]:
         pass  # every rank stopped at the same step, its snapshot written: the same command resumes
     finally:
         trainer.close()
-    return 0
 
 
 if __name__ == "__main__":
-    # A file for DDP, a folder of sharded saves (one sub-folder per save) for FSDP.
-    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models,
-                                snapshot_paths={"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp",
-                                                "hsdp": "snapshot_train_fsdp"}))
+    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models, snapshot_paths=SNAPSHOT_PATHS))

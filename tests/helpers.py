@@ -147,9 +147,9 @@ def held_at_step(step: int) -> tuple[dict, str]:
 def wrapper_snapshot(job_name: str, args: list = (), array_index=None) -> str:
     """The --snapshot_path a resumable Slurm wrapper gives a submission
     (slurm/stop_and_requeue.sh's snapshot_for): snapshot-<job name>[-<array
-    index>][-<the run's identity: train_utils/identity.py's digits, where
+    index>][-<the run's identity: tools/identity.py's digits, where
     the arguments give any flag it counts>].pt."""
-    from train_utils import identity
+    from tools import identity
 
     name = f"snapshot-{job_name}" + (f"-{array_index}" if array_index is not None else "")
     words = identity.identity_of([str(arg) for arg in args])

@@ -23,10 +23,10 @@ WINGS = {
     "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
     "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "writer"],
 }
-TOP = ["checks", "cli", "config", "ending", "errors", "identity", "output", "resume_check"]
+TOP = ["checks", "cli", "config", "ending", "errors", "output"]
 # The rooms from the ground up: a module imports only from rooms below its own (or its own wing's modules).
 ROOMS = ["config", "output", "distributed", "snapshots", "ending", "loop", "logs", "checks", "errors", "cli",
-         "identity", "resume_check", "__init__"]
+         "__init__"]
 
 
 def module_paths() -> dict:
@@ -127,6 +127,18 @@ def test_every_import_runs_down_the_map_and_through_a_wings_face():
     assert up == [] and past == []
 
 
+def test_the_programs_stand_beside_train_py_not_in_the_library():
+    """The programs that use the kit (tools/: the resume check, the run's
+    identity) are files beside train.py; no module of train_utils imports
+    them, nor train.py."""
+    assert sorted(path.name for path in (REPO / "tools").glob("*.py")) == ["check_resume.py", "identity.py"]
+    importing = [module for module in MODULES for node in ast.walk(tree(module_paths()[module]))
+                 if isinstance(node, (ast.Import, ast.ImportFrom))
+                 and any(name.split(".")[0] in ("tools", "train") for name in
+                         [alias.name for alias in node.names] + [getattr(node, "module", None) or ""])]
+    assert importing == []
+
+
 def test_the_map_reader_sees_every_form_of_import():
     """``imported_modules`` resolves relative imports from a wing (one and two
     dots, a sibling module by name) and absolute ones to the modules named."""
@@ -168,7 +180,7 @@ def test_the_face_exports_what_train_py_uses():
     assert sorted(used - set(names)) == []  # train.py uses it, yet the face does not export it
 
 
-KIT = [REPO / "train.py", *sorted(PACKAGE.rglob("*.py"))]
+KIT = [REPO / "train.py", *sorted(PACKAGE.rglob("*.py")), *sorted((REPO / "tools").glob("*.py"))]
 
 
 def environment_names(path) -> set:

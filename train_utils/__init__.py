@@ -30,7 +30,6 @@ none runs back up:
   logs/              the start-up line, metrics, W&B, profiler, throughput, a model's text (logs/__init__.py)
   snapshots/         the Checkpointer, given the run's parts: a snapshot's whole life (claim, load, save,
                      wait, close), its two formats, the background writer, the claims (snapshots/__init__.py)
-  resume_check       --check_resume: a run straight through and one stopped and resumed, compared bitwise
 
 Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
@@ -51,7 +50,6 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     eval_subset, evaluating, fewest_batches, fp32, loader_workers, nothing_to_train, rebuild_ddp_buckets, \
     report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss
 from .output import print_line
-from .resume_check import check_resume
 from .snapshots import Checkpointer, Found, claim_snapshot_path
 
 __all__ = [
@@ -115,7 +113,6 @@ __all__ = [
     "print_sharded_memory",
     "Progress",
     "rebuild_ddp_buckets",
-    "check_resume",
     "Checkpointer",
     "Found",
     # output and the end of a run

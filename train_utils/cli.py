@@ -41,7 +41,8 @@ class _OneRankParser(argparse.ArgumentParser):
         """For unrecognized flags, the flags meant: dashes for underscores
         (pytorch/examples' ``--batch-size``), another tool's name for the same
         setting (``OTHER_NAMES``: ``--epochs``, nanoGPT's ``--learning_rate``),
-        or a close spelling (difflib); '' when none is close."""
+        the program that does what a flag asks (``PROGRAMS``), or a close
+        spelling (difflib); '' when none is close."""
         if not message.startswith("unrecognized arguments:"):
             return ""
         known = [flag for action in self._actions for flag in action.option_strings]
@@ -55,6 +56,8 @@ class _OneRankParser(argparse.ArgumentParser):
                 guess = underscored
             elif flag in OTHER_NAMES:
                 guess = OTHER_NAMES[flag]
+            elif flag in PROGRAMS:
+                guess = PROGRAMS[flag]
             else:
                 close = difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)
                 guess = close[0] if close else None
@@ -78,6 +81,8 @@ OTHER_NAMES = {
     "--out_dir": "--snapshot_path",
     "--dtype": "--amp",
 }
+# What a program beside train.py does, asked of train.py as a flag: the program, given the same flags.
+PROGRAMS = {"--check_resume": "tools/check_resume.py, with the same flags"}
 
 
 def _task_name(tasks: tuple) -> Callable[[str], str]:

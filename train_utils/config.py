@@ -249,13 +249,6 @@ class RunConfig:
            "(0: off) (default: 0)", group=RUN, type=non_negative_float)
     snapshot_sync: bool = flag(False, "write each snapshot before training goes on (default: a CPU copy written "
                                       "in the background, one write at a time)", group=RUN, action="store_true")
-    check_resume: bool = flag(
-        False, "check that this run resumes exactly, then end: train it twice, straight through and stopped by "
-               "SIGTERM after its middle step then resumed in a fresh process group, on side snapshots beside "
-               "--snapshot_path (never reading or writing it), and compare every step's loss, the random streams, "
-               "the weights, optimizer state, loader position, schedule and loss scaler; exit status 0: bitwise, "
-               "1: not (what differs is printed); --max_steps sets its length (default: 20 steps) "
-               "(docs/custom-task.md)", group=RUN, action="store_true")
     pg_timeout_s: float = flag(
         600, "once training runs, seconds a collective may wait for the other ranks before the job fails: on "
              "the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) NCCL's watchdog ends "

@@ -122,7 +122,7 @@ def forget_stop_signal() -> None:
     """Forget the stop signal noted: ``received_stop_signal`` is 0 again, as
     in a process just started. For a check that stops a run with its own
     SIGTERM and then starts the next in this process
-    (``resume_check.check_resume``)."""
+    (tools/check_resume.py)."""
     _STATE.received = 0
 
 
