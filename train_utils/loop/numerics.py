@@ -34,7 +34,7 @@ def set_fp32_precision(device: torch.device, no_tf32: bool) -> None:
     convolutions, its default), or with ``no_tf32`` (--no_tf32) in full fp32
     ("highest", ``torch.backends.cudnn.allow_tf32 = False``) for work that
     needs fp32's 23-bit mantissa, at about 1/7 of an H100's TF32 rate
-    (``throughput.GPU_PEAKS``). TF32 keeps fp32's range and rounds the
+    (``logs.throughput.GPU_PEAKS``). TF32 keeps fp32's range and rounds the
     products' inputs to a 10-bit mantissa; sums stay fp32 (NVIDIA, "TensorFloat-32
     in the A100 GPU", 2020). Affects fp32 work only: under --amp the
     autocast regions' matmuls are bf16/fp16 anyway; evaluation, which runs

@@ -167,7 +167,7 @@ def training_loss(loss_fn: Callable[..., torch.Tensor], compiled: bool) -> Calla
 
 def compile_blocks(blocks: list) -> None:
     """Compile each module of ``blocks`` in place, before FSDP shards it
-    (``train.shard_model``, --strategy fsdp --compile): its ``forward``
+    (``distributed.shard_model``, --strategy fsdp --compile): its ``forward``
     becomes ``torch.compile(forward)``, so FSDP's hooks, which gather a
     block's parameters before its forward and free them after, run eagerly
     around the compiled forward, and the model's graph has no break at them.

@@ -83,7 +83,7 @@ class Checkpointer:
     ``claim_snapshot_path``) of ``model`` (DDP's ``.module``; under FSDP the
     sharded model), ``optimizer`` and the run's stateful ``parts`` ({name:
     ``Part``}), given here and loaded in their order; train.py's are
-    "progress" (the position, the random streams: ``resume.Progress``, whose
+    "progress" (the position, the random streams: ``loop.Progress``, whose
     world size the resume line's note reads), "recipe" (the schedule, the
     loss scale), "evaluations" (the interval's loss, the best so far) and
     "trackers" (the W&B run). ``config``: the run's (``RunConfig.as_dict``), compared with a

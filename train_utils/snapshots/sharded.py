@@ -96,10 +96,7 @@ class ShardedSnapshots:
         (``Progress.load_state_dict``). Raises ConfigError as ``read_snapshot``
         does, and for damaged shards."""
         snapshot = read_snapshot(os.path.join(folder, self.META), config)
-        damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
-        if damage:
-            raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
-                              f"to start afresh (or put back a good copy), or pass another --snapshot_path")
+        _check_shards(folder)
         return snapshot
 
     def load(self, folder: str, snapshot: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -136,10 +133,7 @@ class ShardedSnapshots:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-        damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
-        if damage:
-            raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
-                              f"to start afresh (or put back a good copy), or pass another --snapshot_path")
+        _check_shards(folder)
         state = get_model_state_dict(model)
         dcp.load(state, checkpoint_id=os.path.join(folder, "model"))
         set_model_state_dict(model, state)
@@ -273,6 +267,16 @@ def dcp_result(save: object) -> object:
     """What a DCP save gave: ``DcpStaging.save``'s future, waited for (its
     exception raised), or ``dcp.save``'s result as it is."""
     return save.result() if isinstance(save, Future) else save
+
+
+def _check_shards(folder: str) -> None:
+    """Collective: every rank checks its share of the shards of snapshot
+    ``folder`` (``shard_damage``); raises ConfigError (one line, on every
+    rank) naming the first damage any rank found."""
+    damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
+    if damage:
+        raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
+                          f"to start afresh (or put back a good copy), or pass another --snapshot_path")
 
 
 def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:
