@@ -10,13 +10,21 @@ group?" guard. Only what runs before the group exists checks for it: the
 launcher's store, the stop signals during start-up, and the one-line errors.
 
 The package is filed by role, as torchtitan files its components: three
-wings and the snapshots, each behind its face (its ``__init__.py``), and at
-the top what the run is (configuration, command line) and how it begins
-and ends (checks, errors, output). An arrow A -> B reads "A imports B";
-none runs back up:
+wings and the snapshots, each a folder behind its face (its ``__init__.py``,
+through which every module outside the folder imports it), and at the top
+the run's configuration and command line, the checks before training, the
+errors and the one way a process ends. Each room imports only rooms below
+it (A -> B: A imports B; none runs back up; tests/test_package_map.py):
 
-  cli -> errors -> checks -> logs -> loop -> ending -> snapshots -> distributed -> output, config
-  (each room may skip those below it; config and output import no other module of the package)
+  cli          -> errors, config
+  checks       -> logs, loop, config, output
+  errors       -> loop, ending, distributed, output
+  logs/        -> loop, distributed, config, output
+  loop/        -> ending, snapshots, distributed, config, output
+  ending       -> snapshots, distributed, output
+  snapshots/   -> distributed, config, output
+  distributed/ -> output
+  config, output: the ground, importing no other module of the package
 
   module / wing      concern
   config             the run's configuration: every flag a field of one frozen RunConfig, resolved once
@@ -31,6 +39,8 @@ none runs back up:
   snapshots/         the Checkpointer, given the run's parts: a snapshot's whole life (claim, load, save,
                      wait, close), its two formats, the background writer, the claims (snapshots/__init__.py)
 
+The programs that use the kit stand beside train.py, not in it: tools/
+(the resume check, the run's identity and a submission's snapshot name).
 Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
