@@ -18,7 +18,7 @@ from train_utils.loop.stop import STOP_SIGNALS
 from helpers import REPO, TORCHRUN, epochs, error_lines, script_env
 
 # Where a rank waits for its loader's next batch: the line the time-out report names.
-LOADER_WAIT = (REPO / "train_utils" / "epoch.py").read_text().splitlines().index("        for batch in bar:") + 1
+LOADER_WAIT = (REPO / "train_utils" / "loop" / "epoch.py").read_text().splitlines().index("        for batch in bar:") + 1
 
 # A user's task module, as docs/custom-task.md has one: a dataset class of its
 # own, with hooks for these tests. Every DataLoader worker writes, at its first
