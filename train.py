@@ -12,9 +12,10 @@ with the same arithmetic, and adds what a real run needs: exact resume after eve
 stop (mid-epoch too), stop signals (SIGUSR1, SIGTERM, Ctrl-C), the recipe flags,
 W&B, TensorBoard, the profiler, time-out diagnosis, snapshot integrity checks.
 --strategy fsdp shards the model (FSDP2) and saves sharded snapshots; see docs/.
+Whether a run resumes exactly: tools/check_resume.py, with the same flags.
 
-Copy this file and the train_utils package for your own work; your task goes in
-its own file (docs/custom-task.md).
+Copy this file, the train_utils package and tools/ for your own work; your task
+goes in its own file (docs/custom-task.md).
 """
 
 import argparse
