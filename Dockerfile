@@ -1,6 +1,6 @@
 # The image the kit and the ladder run in: a base image's Python and torch,
-# plus requirements.txt, train.py with its train_utils package, and the five
-# rungs at /workspace. docs/containers.md has the commands (docker, podman,
+# plus requirements.txt, train.py with its train_utils package and its tools,
+# and the five rungs at /workspace. docs/containers.md has the commands (docker, podman,
 # two nodes, Apptainer, Slurm) and what was tested.
 #
 #   docker build -t ddp-scripts .
@@ -40,10 +40,12 @@ RUN if [ -z "$PIP_CERT" ]; then unset PIP_CERT; fi \
     && python3 -c "import torch, torchvision, tqdm; print('torch', torch.__version__, '| torchvision', torchvision.__version__)" \
     && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 
-# The project: train.py (the kit) and its train_utils package (with its
-# snapshots/ subpackage), the five rungs, and the task modules (a bind mount
-# of a checkout over /workspace, -v "$PWD":/workspace, works as well).
+# The project: train.py (the kit), its train_utils package (its distributed/,
+# loop/, logs/ and snapshots/ subpackages) and the programs beside it (tools/),
+# the five rungs, and the task modules (a bind mount of a checkout over
+# /workspace, -v "$PWD":/workspace, works as well).
 COPY *.py ./
 COPY train_utils/ ./train_utils/
+COPY tools/ ./tools/
 
 CMD ["bash"]

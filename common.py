@@ -107,7 +107,7 @@ class Task:
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` that FSDP shards one by one (the FSDP rung's
-    and train.py's ``shard_model``); the root, sharded after them, takes the
+    and train.py's, ``train_utils.shard_model``); the root, sharded after them, takes the
     parameters left. A transformer (an ``nn.ModuleList`` named ``blocks``, as
     ``gpt.GPT`` has): its blocks that hold parameters, so that embeddings,
     the final norm and an output layer tied to the embedding stay in the root.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -40,6 +40,28 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 DECAY_PARAMS = ("all", "matrices")
 
 
+class RecipeSettings(Protocol):
+    """The recipe's settings ``build_optimizer`` and ``lr_factor`` read: the
+    kit's ``train_utils.RunConfig`` has them, and so has a rung's parsed
+    command line (its ``argparse.Namespace``) once ``set_recipe_flags`` has
+    filled in what no flag set."""
+
+    optimizer: str
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    decay_params: str
+    lr_schedule: str
+    warmup_epochs: float
+    warmup_steps: int
+    min_lr: float
+    lr_step_epochs: int
+    lr_gamma: float
+    max_steps: int
+    total_epochs: int
+
+
 def recipe_values(args: argparse.Namespace, recipe: dict) -> dict:
     """{recipe flag (a key of ``RECIPE_DEFAULTS``): its value}: the command
     line's (``args``; None or absent: unset, the rungs have no such flags),
@@ -60,7 +82,7 @@ def set_recipe_flags(args: argparse.Namespace, recipe: dict) -> None:
         setattr(args, name, value)
 
 
-def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, args: RecipeSettings) -> torch.optim.Optimizer:
     """The optimizer --optimizer names (``OPTIMIZERS``) over ``model``'s
     parameters, at --lr with --weight_decay (as torch defines it for each
     optimizer: decoupled for AdamW), and --beta1 --beta2 where it takes
@@ -94,7 +116,7 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
     return optimizer_class(parameters, lr=args.lr, weight_decay=args.weight_decay, **options)
 
 
-def lr_factor(args: argparse.Namespace, steps_per_epoch: int) -> Callable[[int], float]:
+def lr_factor(args: RecipeSettings, steps_per_epoch: int) -> Callable[[int], float]:
     """The schedule: optimizer step k (0-based) -> the factor of --lr it uses.
 
     Warm-up: linear from 1/W to 1 over the first W steps (the gradual warm-up

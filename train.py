@@ -12,18 +12,22 @@ with the same arithmetic, and adds what a real run needs: exact resume after eve
 stop (mid-epoch too), stop signals (SIGUSR1, SIGTERM, Ctrl-C), the recipe flags,
 W&B, TensorBoard, the profiler, time-out diagnosis, snapshot integrity checks.
 --strategy fsdp shards the model (FSDP2) and saves sharded snapshots; see docs/.
+Whether a run resumes exactly: tools/check_resume.py, with the same flags.
 
-Copy this file and the train_utils package for your own work; your task goes in
-its own file (docs/custom-task.md).
+Copy this file, the train_utils package and tools/ for your own work; your task
+goes in its own file (docs/custom-task.md).
 """
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import os
 import signal
 import socket
+import sys
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 if __name__ == "__main__":
     # Ctrl-C in the seconds torch takes to import ends this process quietly (nothing is
@@ -37,6 +41,10 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import common
 import train_utils
+
+# --snapshot_path's default by --strategy: a file for DDP, a folder of sharded saves (one sub-folder per
+# save) for FSDP and HSDP.
+SNAPSHOT_PATHS = {"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp", "hsdp": "snapshot_train_fsdp"}
 
 
 def setup(timeout_s: float, snapshot_path: str) -> tuple[int, int, torch.device]:
@@ -65,6 +73,18 @@ def setup(timeout_s: float, snapshot_path: str) -> tuple[int, int, torch.device]
     return rank, local_rank, device
 
 
+class StepHook(Protocol):
+    """A watcher of the training steps, the Trainer's one seam for a tool
+    that checks a run (tools/check_resume.py): ``before(step)`` right before
+    the first micro-batch of optimizer step ``step`` (the run's, 1-based),
+    ``after(step, loss)`` right after each of its micro-batches, ``loss``
+    the micro-batch's mean loss (0-dim, on the device)."""
+
+    def before(self, step: int) -> None: ...
+
+    def after(self, step: int, loss: torch.Tensor) -> None: ...
+
+
 class Trainer:
     """Runs the epochs: trains, evaluates and prints a summary line per
     evaluation (after every epoch, or every --eval_every_steps optimizer
@@ -83,15 +103,17 @@ class Trainer:
     counter is ``progress.step``, its optimizer steps. Collective: every
     rank makes one (the stop signal's gloo group, DDP's first broadcast)
     and calls ``train``; ``train_step`` and ``run_epoch`` are its parts,
-    public for those who drive them.
+    public for those who drive them. ``hook``: a ``StepHook`` the loop
+    calls around every training micro-batch (None: none).
     """
 
     def __init__(self, task: common.Task, optimizer: torch.optim.Optimizer, train_data: DataLoader,
                  val_data: DataLoader, log: train_utils.RunLog, device: torch.device, local_rank: int,
-                 config: train_utils.RunConfig) -> None:
+                 config: train_utils.RunConfig, hook: Optional[StepHook] = None) -> None:
         self.task, self.model, self.optimizer, self.config = task, task.model, optimizer, config
+        self.hook = hook
         self.device, self.rank, self.local_rank = device, dist.get_rank(), local_rank
-        self.fsdp = config.strategy != "ddp"  # FSDP2 shards the model: fsdp, and hsdp on a 2-D mesh
+        self.fsdp = config.sharded  # FSDP2 shards the model: fsdp, and hsdp on a 2-D mesh
         self.train_data, self.val_data, self.log = train_data, val_data, log
         self.progress = train_utils.Progress(device, train_data, self.rank, config.grad_accum_steps)
         self.recipe = train_utils.Recipe(optimizer, config, self.progress.steps_per_epoch,
@@ -107,13 +129,13 @@ class Trainer:
             every_steps=config.snapshot_every_steps, timeout_s=config.pg_timeout_s,
             write_timeout_s=config.startup_timeout_s)
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
-        self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.amp)
+        self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.compute_dtype)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
         # What MFU divides by: the peak of the precision the matrix products run in (bf16, fp16, tf32, fp32).
-        self.precision = train_utils.compute_precision(device, train_utils.amp_dtype(device, config.amp))
+        self.precision = train_utils.compute_precision(device, config.compute_dtype)
         if not self.fsdp and dist.get_world_size() > 1:
             # DDP copies rank 0's weights to all ranks here, then averages gradients in every backward()
             # (one process has none to average: the wrapper would only copy them into its buckets and
@@ -141,17 +163,24 @@ class Trainer:
         """Collective: load the snapshot to resume from, if any, then train up
         to --total_epochs, evaluating and printing as ``run_epoch`` does,
         snapshotting every --save_every epochs and after the last. Returns
-        what the checkpointer found (``train_utils.Found``); for a snapshot
-        that already holds every epoch nothing is trained (``finished``).
-        Raises ``train_utils.Stopped`` when a stop signal ended it, its
-        snapshot written; ConfigError (one line) for a snapshot of another run
-        or a damaged one, and when the training loss is not finite, before
+        the snapshot resumed from (``train_utils.Found``; its ``path`` None
+        for a fresh start); for one that already holds every epoch, or every
+        step of --max_steps, nothing is trained: ``finished``, its ``line``
+        saying so (``train_utils.nothing_to_train``). Raises
+        ``train_utils.Stopped`` when a stop signal ended it, its snapshot
+        written; ConfigError (one line) for a snapshot of another run or a
+        damaged one, and when the training loss is not finite, before
         anything is saved. Whatever ends the run, a snapshot write in flight
         completes first: a rank that fails because a peer was lost keeps its
-        last snapshot."""
-        found = self.checkpointer.load()
-        if found.finished:
-            return found
+        last snapshot. Once it returns, or raises Stopped, every rank has
+        passed the stop signal's last poll (``StopSignal.close``)."""
+        found = self.checkpointer.find()
+        if found.path and found.epochs_run < self.config.total_epochs:
+            found = self.checkpointer.load()  # weights, optimizer, every part: where this run goes on
+        finished = train_utils.nothing_to_train(found, self.config, self.progress.step)
+        if finished:
+            self.stop.close()
+            return dataclasses.replace(found, finished=True, line=finished)
         if found.path and self.rank == 0:
             self.log.resumed(found.path, found.position, found.note)
         if isinstance(self.model, DDP) and self.progress.resumed:  # DDP's gradient buckets as if it never stopped
@@ -166,6 +195,7 @@ class Trainer:
                 if (epoch + 1) % self.config.save_every == 0 or epoch + 1 == self.config.total_epochs:
                     self.checkpointer.save()
             self.checkpointer.wait(together=True)  # the last snapshot written before the run reports its end
+            self.stop.close()
         except BaseException:
             with contextlib.suppress(BaseException):  # the run's own error is the one to report
                 self.checkpointer.wait()
@@ -198,7 +228,12 @@ class Trainer:
                                f"| batch_size {self.train_data.batch_size} | steps {batches.total}")
         for source, targets in batches:
             self.watch.step(epoch, batches.done)  # where this rank is; until training runs, every rank's batch
+            step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
+            if self.hook and self.progress.steps_run % self.config.grad_accum_steps == 0:
+                self.hook.before(step)
             loss = self.train_step(source, targets)
+            if self.hook:
+                self.hook.after(step, loss)
             self.evaluations.add(loss, len(targets))
             self.profiler.step()  # --profile_dir: the profiler's schedule; off: returns at once
             if self.progress.steps_run % self.config.grad_accum_steps:
@@ -209,7 +244,7 @@ class Trainer:
                 self._stop()
             if self.evaluations.due(self.progress.step, epoch_end=False):
                 records.append(self._evaluate())
-            if self.checkpointer.due(self.progress.steps_run, self.stop.requested) and batches.left:
+            if self.checkpointer.due(self.progress.epoch_step, self.stop.requested) and batches.left:
                 self.checkpointer.save()  # not at the epoch's end: that snapshot comes next
         self.watch.after_steps(epoch)
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
@@ -284,10 +319,29 @@ class Trainer:
 
     def _stop(self) -> None:
         """Collective, a stop signal reaching every rank at this step: the
-        snapshot of it written, then ``train_utils.Stopped`` raised."""
+        snapshot of it written, every rank past the stop signal's last poll,
+        then ``train_utils.Stopped`` raised."""
         self.checkpointer.save()
         self.checkpointer.wait(together=True)
+        self.stop.close()
         raise train_utils.Stopped()
+
+    def close(self) -> None:
+        """The run's end, whatever ended it (train.py's ``main`` calls it in a
+        ``finally``), in this order: the snapshot write in flight waited for
+        and the format's buffers freed (``Checkpointer.close``); the W&B run
+        finished, marked failed when an exception is ending the run, and
+        TensorBoard closed (``RunLog.close``: wandb's own exit hook does not
+        run where the process ends at once); DDP's wrapper let go and
+        collected, so that it goes before its process group does (torch 2.8
+        can deadlock otherwise). No collective: on an error path the ranks
+        may be anywhere. The process group and the snapshot's claim are the
+        process's: ``ending.end_process`` ends them."""
+        failed = sys.exc_info()[0] not in (None, train_utils.Stopped)  # an exception on its way out
+        self.checkpointer.close()
+        self.log.close(failed)
+        self.model = self.compiled = self.plain_model
+        gc.collect()  # DDP's reducer holds reference cycles
 
 
 @torch.no_grad()
@@ -333,59 +387,6 @@ def evaluate(model: torch.nn.Module, data: DataLoader, task: common.Task, device
     return loss_sum / samples, (correct / samples if task.classification else None)
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype],
-                compile_blocks: bool = False, shard_size: int = 0) -> torch.nn.Module:
-    """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
-
-    Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
-    parameters left; a unit's are all-gathered just before its forward and backward.
-    ``shard_size`` 0: over every rank (FSDP). Else HSDP (--strategy hsdp): a 2-D
-    device mesh of world_size / shard_size replicas x ``shard_size`` ranks, each
-    unit sharded within its replica's ranks (all-gathers and reduce-scatters
-    among them) and replicated across replicas (gradients all-reduced among the
-    ranks holding the same shard): ``hsdp_mesh``.
-    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32, the
-    root's output left in it (the loss casts it: ``train_utils.training_loss``);
-    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU).
-    ``compile_blocks`` (--compile): each unit compiled first, then sharded (torchtitan's
-    order, ``train_utils.compile_blocks``), so FSDP's hooks run between compiled blocks."""
-    # FSDP and DCP are imported where --strategy fsdp uses them (here and the sharded
-    # snapshots): with DTensor and sympy they cost every DDP process 0.5 s of start-up.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    train_utils.contiguous_parameters(model)  # fully_shard refuses channels-last weights
-    # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
-    mesh = hsdp_mesh(device, shard_size) if shard_size else init_device_mesh(device.type, (dist.get_world_size(),))
-    if dtype:
-        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        for norm in norms:
-            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
-    units = common.fsdp_units(model)
-    if compile_blocks:
-        train_utils.compile_blocks(units)
-    for block in units:
-        if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
-            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
-    # The root's output stays in the compute dtype: the loss casts it (train_utils.fp32), inside its
-    # compiled graph under --compile, not as a separate copy of the whole (B x T, vocab) logits.
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
-    return model
-
-
-def hsdp_mesh(device: torch.device, shard_size: int):
-    """HSDP's 2-D ``DeviceMesh`` of ``device``'s type: (world_size / shard_size
-    replicas, ``shard_size`` ranks), dimensions named "replicate" and "shard"
-    (the FSDP2 docs' and torchtitan's names). Consecutive ranks form a replica:
-    torchrun and srun number a node's ranks consecutively, so with a node's
-    ranks as ``shard_size`` (the default) a parameter's shards stay within a
-    node and only the gradients' all-reduce crosses nodes."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    replicas = dist.get_world_size() // shard_size
-    return init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
-
-
 def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers: int, train: bool,
                        seed: int, collate_fn: Callable) -> Optional[DataLoader]:
     """Training: reshuffled every epoch from ``seed``, last partial batch dropped
@@ -426,17 +427,20 @@ def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) ->
     """Collective: the task (one download per node: local rank 0 first, the
     others after) and the run's configuration, resolved from ``args`` and
     the task (``train_utils.resolve_config``; ``amp``: --amp as the job runs
-    it). The model comes from --seed, the same on every rank. Raises
-    ConfigError (one line, on every rank) when the task cannot load, or for
-    a task flag the task does not read."""
+    it). The model comes from --seed, the same on every rank. ``args``
+    stays as parsed: the task function gets a copy, in which it names the
+    model it chose (``common.choose_model``). Raises ConfigError (one line,
+    on every rank) when the task cannot load, or for a task flag the task
+    does not read."""
     # One seed for the initial weights on every rank (DDP copies rank 0's to all anyway;
     # FSDP keeps each rank's slice of its own copy).
     torch.manual_seed(args.seed)
-    task = train_utils.downloaders_first(common.load_task, args, local_rank == 0)  # --data_dir is per node
+    task_args = argparse.Namespace(**vars(args))
+    task = train_utils.downloaders_first(common.load_task, task_args, local_rank == 0)  # --data_dir is per node
     # A node's ranks (torchrun's, or srun's: train_utils.launcher_store): HSDP's default shard size.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args),
-                                            local_world_size)
+                                            local_world_size, model=task_args.model)
 
 
 def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
@@ -452,37 +456,47 @@ def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
         task.flops_per_sample = train_utils.flops_per_sample(task, device)
     if config.activation_checkpointing:  # before DDP and FSDP wrap the blocks
         train_utils.checkpoint_activations(task.model)
-    if config.strategy != "ddp":  # before the optimizer: fully_shard replaces the parameters
-        task.model = shard_model(task.model, device, train_utils.amp_dtype(device, config.amp), config.compile,
-                                 config.shard_size)
+    if config.sharded:  # before the optimizer: fully_shard replaces the parameters
+        if config.compile:  # torchtitan's order: each FSDP unit compiled, then sharded
+            train_utils.compile_blocks(common.fsdp_units(task.model))
+        task.model = train_utils.shard_model(task.model, device, config.compute_dtype, config.shard_size)
     torch.manual_seed(config.seed + rank)
     return train_utils.build_optimizer(task.model, config)  # --optimizer, --lr, --weight_decay
 
 
-def finish(trainer: Trainer, test_data: Optional[DataLoader]) -> None:
-    """The run holds every epoch: the test figures (none for a task without a
-    test split: ``test_data`` None), what the model writes (a language
-    model's sample: ``Task.sample_text``), then (rank 0) tell a Slurm wrapper
-    that nothing is left to train, so a late stop signal does not requeue it."""
-    if test_data is not None:
-        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, trainer.task, trainer.device, trainer.fsdp)
+def finish(trainer: Trainer, found: train_utils.Found, test_data: Optional[DataLoader]) -> None:
+    """Collective: the run holds every epoch (``trainer.train`` returned
+    ``found``). A run that trained now: the test figures (none for a task
+    without a test split: ``test_data`` None). Then what the model writes (a
+    language model's sample: ``Task.sample_text``; a finished snapshot's
+    weights loaded first), rank 0's line that nothing was left to train
+    (``found.line``, for a finished snapshot), and rank 0 tells a Slurm
+    wrapper that nothing is left to train, so a late stop signal does not
+    requeue it."""
+    task = trainer.task
+    if found.finished and task.sample_text is not None:
+        trainer.checkpointer.load_model()
+    elif not found.finished and test_data is not None:
+        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, task, trainer.device, trainer.fsdp)
         if trainer.rank == 0:
             trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
     # FSDP: every rank runs the forwards; rank 0 prints
-    train_utils.print_sample(trainer.plain_model, trainer.task, trainer.device, trainer.fsdp)
+    train_utils.print_sample(trainer.plain_model, task, trainer.device, trainer.fsdp)
     if trainer.rank == 0:
+        if found.finished:
+            train_utils.print_line(found.line)
         train_utils.report_run_finished()
 
 
 def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int, device: torch.device,
-              amp: Optional[str]) -> tuple[Trainer, Optional[DataLoader]]:
+              amp: Optional[str], hook: Optional[StepHook] = None) -> tuple[Trainer, Optional[DataLoader]]:
     """Collective: a run of ``args`` built from scratch: the task and the
     configuration (``build_task``; ``amp``: --amp as the job runs it), the
     model and optimizer (``build_model``), the loaders, the checks before
     training; rank 0 prints the start-up line. Returns the ``Trainer``
-    (``log`` its outputs) and the test split's loader (None: no test split).
-    Raises ConfigError (one line) as ``build_task`` and
-    ``check_before_training`` do."""
+    (``log`` its outputs, ``hook`` its ``StepHook``) and the test split's
+    loader (None: no test split). Raises ConfigError (one line) as
+    ``build_task`` and ``check_before_training`` do."""
     task, config = build_task(args, local_rank, amp)  # the configuration, resolved: frozen from here on
     optimizer = build_model(task, config, dist.get_rank(), device)
     val_set = train_utils.eval_subset(task.val_set, config.eval_windows, config.seed)  # --eval_windows: a few
@@ -493,59 +507,52 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
     train_utils.check_before_training(config, device, train_data)
     if dist.get_rank() == 0:
         train_utils.print_line(train_utils.describe_run(device, config))
-    return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config), test_data
+    return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config, hook), test_data
+
+
+def start(args: argparse.Namespace) -> tuple[int, torch.device, Optional[str]]:
+    """Collective: this process's start, up to building a run: the stop
+    signals caught (from here a stop signal ends start-up cleanly, at once),
+    --deterministic set (before the process group, which reads it under
+    NCCL), the process group joined (``setup``), fp32's precision on GPUs
+    set before the first matmul (TF32 unless --no_tf32), FSDP's backend
+    checked (refused on gloo before torch 2.10, before anything is
+    written), and --amp resolved, one dtype for the whole job (collective
+    on CUDA). Returns (local_rank, device, --amp as the job runs it).
+    Raises ConfigError (one line) as ``setup`` does, and for FSDP on a
+    gloo that cannot average."""
+    train_utils.catch_stop_signals()
+    train_utils.set_deterministic(args.deterministic, args.compile)
+    _, local_rank, device = setup(args.startup_timeout_s, args.snapshot_path)
+    train_utils.set_fp32_precision(device, args.no_tf32)
+    if train_utils.is_sharded(args.strategy):
+        train_utils.check_fsdp_backend()
+    return local_rank, device, train_utils.resolve_amp(args.amp, device)
 
 
 @train_utils.one_line_errors
 def main(args: argparse.Namespace) -> None:
     """Train by ``args`` (``parse_args``), resuming from --snapshot_path when it
     holds a snapshot. Collective: every rank calls it, and runs under a
-    process group from ``setup`` on. Bad input ends the process with one
-    line and exit status 2 (``one_line_errors``); a collective time-out
-    with one line naming the ranks that did not arrive, exit status 1; a
-    stop signal after its snapshot with exit status 0."""
+    process group from ``setup`` on. ``one_line_errors`` then ends the
+    process: exit status 0 for a run trained, finished already, or stopped
+    by a stop signal after its snapshot; bad input ends it with one line and
+    exit status 2, a collective time-out with one line naming the ranks that
+    did not arrive, exit status 1."""
     # Its start time: the metrics file's start record.
     log = train_utils.RunLog(args.metrics_path, args.tensorboard_dir, args.wandb_project)
-    train_utils.catch_stop_signals()  # from here a stop signal ends start-up cleanly, at once
-    train_utils.set_deterministic(args)  # --deterministic: before the process group, which reads it (NCCL)
-    rank, local_rank, device = setup(args.startup_timeout_s, args.snapshot_path)
-    train_utils.set_fp32_precision(device, args.no_tf32)  # on GPUs TF32 unless --no_tf32, before the first matmul
-    fsdp = args.strategy != "ddp"  # fsdp or hsdp: FSDP2, sharded snapshots
-    if fsdp:
-        train_utils.check_fsdp_backend()  # refused on gloo before torch 2.10, before anything is written
-    # One live run per snapshot: another's is refused here, before any download. (The check
-    # claims its own side folder: --snapshot_path is neither read nor written.)
-    if not args.check_resume:
-        train_utils.claim_snapshot_path(args.snapshot_path, fsdp)
-    amp = train_utils.resolve_amp(args.amp, device)  # one dtype for the whole job (CUDA: collective)
-    if args.check_resume:  # trains twice, compares, and ends the process with the verdict's exit status
-        train_utils.check_resume(args, lambda run_args, run_log: build_run(run_args, run_log, local_rank, device,
-                                                                            amp)[0])
+    local_rank, device, amp = start(args)
+    # One live run per snapshot: another's is refused here, before any download.
+    train_utils.claim_snapshot_path(args.snapshot_path, train_utils.is_sharded(args.strategy))
     trainer, test_data = build_run(args, log, local_rank, device, amp)
-    task = trainer.task
     try:
         found = trainer.train()
-        if found.finished:  # nothing to train: what a finished language model writes, then the line saying so
-            if task.sample_text is not None:
-                trainer.checkpointer.load_model()
-                train_utils.print_sample(trainer.plain_model, task, device, fsdp)
-            raise train_utils.NothingToTrain(found.line)
-        finish(trainer, test_data)
+        finish(trainer, found, test_data)
     except train_utils.Stopped:
         pass  # every rank stopped at the same step, its snapshot written: the same command resumes
-    log.close()  # the W&B run ends here: the FSDP exit below skips wandb's own exit hook
-    trainer.stop.close()
-    train_utils.stop_answering()  # no time-out report from here on
-    checkpointer = trainer.checkpointer
-    del trainer  # free DDP before its process group: torch 2.8 can deadlock otherwise
-    dist.destroy_process_group()
-    checkpointer.close()  # the claim given back: outside Slurm the next run may take the snapshot, on any host
-    if fsdp:
-        train_utils.exit_skipping_teardown()  # FSDP: the process group outlives destroy (torch 2.15)
+    finally:
+        trainer.close()
 
 
 if __name__ == "__main__":
-    # A file for DDP, a folder of sharded saves (one sub-folder per save) for FSDP.
-    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models,
-                                snapshot_paths={"ddp": "snapshot_train.pt", "fsdp": "snapshot_train_fsdp",
-                                                "hsdp": "snapshot_train_fsdp"}))
+    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models, snapshot_paths=SNAPSHOT_PATHS))

@@ -1,5 +1,5 @@
 """Section 1b, amp_cpu: bf16 autocast on this CPU, the measurement behind
-``--amp``'s CPU rule (train_utils.speed.AMP_HELPS_ON_CPU).
+``--amp``'s CPU rule (train_utils.loop.speed.AMP_HELPS_ON_CPU).
 
 Measures training samples/s of a bare training step with and without bf16
 autocast for the synthetic MLP, the MNIST CNN and torchvision's ResNet-18
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import train_utils
-from train_utils.speed import AMP_HELPS_ON_CPU
+from train_utils.loop.speed import AMP_HELPS_ON_CPU
 from benchmarks.harness import CPU, build_model, interleaved, table, timed, train_step
 
 AMP_CASES = [("synthetic", "mlp", (32, 20), 300), ("mnist", "cnn", (64, 1, 28, 28), 10),
@@ -40,7 +40,8 @@ def section_amp_cpu(reps: int = 3) -> dict:
         x = torch.randn(shape)
         y = torch.randn(shape[0], 1) if dataset == "synthetic" else torch.randint(0, 10, (shape[0],))
         loss_fn = F.mse_loss if dataset == "synthetic" else F.cross_entropy
-        step = {amp: train_step(model, opt, loss_fn, x, y, train_utils.autocast(CPU, "bf16" if amp else None))
+        step = {amp: train_step(model, opt, loss_fn, x, y,
+                                train_utils.autocast(CPU, torch.bfloat16 if amp else None))
                 for amp in (False, True)}
         for amp in (False, True, False, True):  # warm-up
             step[amp]()

@@ -2,10 +2,10 @@
 
 Measures, in 2 spawned processes (gloo on a CPU, nccl on GPUs), the MNIST CNN
 and ResNet-18 wrapped as train.py --strategy ddp (DistributedDataParallel)
-and --strategy fsdp (``train.shard_model``) wrap them, on the same batch: the
+and --strategy fsdp (``train_utils.shard_model``) wrap them, on the same batch: the
 median time of a training step over interleaved blocks, the training state
 per rank (parameters + gradients + SGD momentum,
-``train_utils.fsdp.training_state_bytes``), and on CUDA each one's peak GPU memory.
+``train_utils.distributed.fsdp.training_state_bytes``), and on CUDA each one's peak GPU memory.
 
 Reading the table: "FSDP / DDP time" above 1 is what FSDP's all-gathers and
 reduce-scatters cost in step time; "DDP / FSDP state" is the memory it saves
@@ -23,10 +23,9 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import train
 import train_utils
-from train_utils.fsdp import training_state_bytes
-from train_utils.speed import peak_memory_mib
+from train_utils.distributed.devices import peak_memory_mib
+from train_utils.distributed.fsdp import training_state_bytes
 from benchmarks.harness import backend_for, build_model, ddp, interleaved, process_group, table, timed, train_step
 from support.runs import free_port
 
@@ -45,7 +44,7 @@ def _fsdp_vs_ddp_case(dataset: str, model_name: str, shape: tuple, device: torch
     for kind in ("DDP", "FSDP"):
         torch.manual_seed(0)
         model = build_model(dataset, model_name).to(device)
-        model = ddp(model, device) if kind == "DDP" else train.shard_model(model, device, dtype=None)
+        model = ddp(model, device) if kind == "DDP" else train_utils.shard_model(model, device, dtype=None)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         step[kind] = train_step(model, opt, F.cross_entropy, x, y)
         step[kind]()  # gradients and momentum buffers exist from here on
@@ -90,7 +89,7 @@ def section_fsdp(steps: int = 10, reps: int = 5) -> dict:
              r["FSDP_state_bytes"] / 2**20, r["DDP_state_bytes"] / r["FSDP_state_bytes"]]
             + ([r["DDP_peak_gpu_memory_mib"], r["FSDP_peak_gpu_memory_mib"]] if cuda else [])
             for r in results]
-    text = table(f"6. FSDP (train.shard_model) vs DDP, world size 2, {backend}: median "
+    text = table(f"6. FSDP (train_utils.shard_model) vs DDP, world size 2, {backend}: median "
                  f"step time over {reps} blocks of {steps} steps; training state per rank "
                  f"(params + grads + SGD momentum, the largest rank)",
                  ["model", "batch per rank", "DDP step ms", "FSDP step ms", "FSDP / DDP time",

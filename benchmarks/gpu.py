@@ -9,7 +9,7 @@ the timed steps.
 
 Reading the table: "achieved TFLOP/s" is the step's FLOPs over its seconds;
 "fraction of peak" divides that by the GPU's dense data-sheet peak
-(``train_utils.throughput.gpu_peak``: bf16 for the bf16 rows, TF32 for fp32), "unknown"
+(``train_utils.logs.throughput.gpu_peak``: bf16 for the bf16 rows, TF32 for fp32), "unknown"
 for a GPU the kit's table does not know or a MIG slice. A variant that raises
 shows its error instead of a number.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import fast_images
 import train_utils
-from train_utils.throughput import gpu_peak
+from train_utils.logs.throughput import gpu_peak
 import vision_tasks
 from benchmarks.harness import build_model, synchronize, table, timed, train_step
 
@@ -43,7 +43,7 @@ def _gpu_variant(amp: bool, channels_last: bool, compiled: bool, x8, y, steps: i
     transform = fast_images.DeviceTransform((vision_tasks.CIFAR10_MEAN, vision_tasks.CIFAR10_STD), 4,
                                             channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    autocast = train_utils.autocast(device, "bf16" if amp else None)
+    autocast = train_utils.autocast(device, torch.bfloat16 if amp else None)
     step = train_step(train_utils.compile_model(model, compiled), opt, F.cross_entropy, x8, y,
                       autocast, transform)
     for _ in range(5 if not compiled else 10):  # warm-up (and compile)

@@ -114,14 +114,15 @@ def resnet_steps(base: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp, s
 
     from benchmarks.harness import train_step
     from support.trainer import kit_trainer
-    from train_utils import autocast
+    from train_utils import RunConfig, autocast
 
     steps = {}
     for side in ("bare", "train.py"):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if side == "bare":
-            steps[side] = train_step(model, opt, F.cross_entropy, x, y, autocast(setting.device, amp))
+            dtype = RunConfig(amp=amp).compute_dtype
+            steps[side] = train_step(model, opt, F.cross_entropy, x, y, autocast(setting.device, dtype))
         else:
             trainer = kit_trainer(model, opt, F.cross_entropy, str(setting.work), device=setting.device, amp=amp)
             steps[side] = lambda trainer=trainer: trainer.train_step(x, y)
@@ -141,7 +142,7 @@ def resnet_versus_bare(setting: Setting, budget: Budget) -> dict:
     import common
     import vision_tasks
     from benchmarks.harness import interleaved, timed
-    from train_utils.throughput import counted_flops_per_sample, gpu_peak
+    from train_utils.logs.throughput import counted_flops_per_sample, gpu_peak
 
     sizes, device, cuda = setting.sizes, setting.device, setting.cuda
     with one_process_group():

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import train
+import train_utils
 from train_utils import Checkpointer
 from benchmarks.harness import (CPU, Position, ddp, interleaved, process_group, synchronize, table, timed,
                                 train_step)
@@ -50,7 +50,7 @@ def _snapshot_model(device: torch.device, strategy: str) -> tuple:
     layers = [torch.nn.Sequential(torch.nn.Linear(SNAPSHOT_WIDTH, SNAPSHOT_WIDTH), torch.nn.ReLU())
               for _ in range(SNAPSHOT_LAYERS)]
     model = torch.nn.Sequential(*layers).to(device)
-    model = ddp(model, device) if strategy == "ddp" else train.shard_model(model, device, dtype=None)
+    model = ddp(model, device) if strategy == "ddp" else train_utils.shard_model(model, device, dtype=None)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     x = torch.randn(SNAPSHOT_BATCH, SNAPSHOT_WIDTH, device=device)
     return model, optimizer, train_step(model, optimizer, F.mse_loss, x, torch.zeros_like(x))

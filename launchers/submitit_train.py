@@ -24,7 +24,7 @@ A stop ends in the kit's snapshot, then submitit's requeue:
 submitit's own handler is not let loose on the signal itself: it would
 requeue at once, mid-step, before any snapshot is written.
 The snapshot is named as the wrappers name it: ``snapshot-<job name>[-<the
-run's identity>].pt`` in the folder you submit from (train_utils/identity.py),
+run's identity>].pt`` in the folder you submit from (tools/identity.py),
 unless you pass --snapshot_path.
 """
 
@@ -94,20 +94,20 @@ def _preempted(job_id: str) -> bool:
 
 
 def snapshot_path(job_name: str, args: list) -> str:
-    """The --snapshot_path train.py's ``args`` give, or else the one the
-    Slurm wrappers would give them in a job named ``job_name``:
-    snapshot-<job name>[-<the run's identity>].pt, a folder (no .pt) under
-    --strategy fsdp or hsdp. Ends the process with train.py's one line for
-    a flag train.py refuses."""
+    """The --snapshot_path of a submission named ``job_name`` running
+    train.py's ``args``, named as the Slurm wrappers name it
+    (``tools.identity.snapshot_for``, the one rule: a --snapshot_path
+    given, else snapshot-<job name>[-<the run's identity>].pt, a folder (no
+    .pt) under --strategy fsdp or hsdp); prints the lines saying how it was
+    chosen. Ends the process with train.py's one line for a flag train.py
+    refuses."""
     sys.path.insert(0, str(PROJECT))
-    from train_utils import identity  # here, not at the top: the job's tasks never import torch
+    from tools.identity import snapshot_for  # here, not at the top: the job's tasks never import torch
 
-    parsed = identity.parse(args)
-    if parsed.snapshot_path is not None:
-        return parsed.snapshot_path
-    words = identity.identity_of(args)
-    name = f"snapshot-{job_name}" + (f"-{identity.run_identity(words)}" if words else "")
-    return name if parsed.strategy in ("fsdp", "hsdp") else f"{name}.pt"
+    path, lines = snapshot_for(f"snapshot-{job_name}", args)
+    for line in lines:
+        print(line, flush=True)
+    return path
 
 
 def main(argv: list) -> int:

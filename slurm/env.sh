@@ -85,10 +85,10 @@ fi
 DATA="${DATA_DIR:-${SLURM_TMPDIR:-/tmp/${USER:-$(id -un)}/ddp-data}}"
 
 # rendezvous_port: prints the port the ranks of this job meet at on its first
-# node. The formula lives once, in train_utils/rendezvous.py (run as a file: no
-# torch import), which the srun ranks use too; run after require_launcher.
+# node. The formula lives once, in train_utils/distributed/rendezvous.py (run as a
+# file: no torch import), which the srun ranks use too; run after require_launcher.
 rendezvous_port() {
-    ${CONTAINER[@]+"${CONTAINER[@]}"} python "$PROJECT/train_utils/rendezvous.py" "$SLURM_JOB_ID"
+    ${CONTAINER[@]+"${CONTAINER[@]}"} python "$PROJECT/train_utils/distributed/rendezvous.py" "$SLURM_JOB_ID"
 }
 
 # require_launcher python|torchrun: one line and exit 2 when that command,

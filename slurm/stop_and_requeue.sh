@@ -7,8 +7,8 @@
 # requeued too, since a batch script that just ended during the grace time
 # would end the job for good; on scontrol requeue and scancel (SIGTERM here
 # too) Slurm decides. A run that already holds every epoch is never requeued.
-# Also: the snapshot's name for a submission, and the refusal to share it
-# with another live job. The table, and what must fit before the SIGKILL:
+# Also: the snapshot's name for a submission (tools/identity.py's), and the
+# refusal to share it with another live job. The table, and what must fit before the SIGKILL:
 # docs/slurm.md.
 
 # The signal this shell got: USR1 or TERM; empty while none came.
@@ -41,57 +41,33 @@ TORCHRUN_STOP_FLAGS=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 -
 export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 
 # snapshot_for ARGS...: sets SNAPSHOT, the --snapshot_path of this submission,
-# relative to the working folder: snapshot-<job name>[-<array index>][-<8 hex
-# digits>].pt, the digits the run's identity (train_utils/identity.py: the
-# flags that say what the run learns, as train.py parses them, in one order;
-# none when it has none; the rungs take the same flags); a --snapshot_path
-# among them wins. With --strategy fsdp or hsdp a folder, without the .pt
-# (sharded snapshots: one sub-folder per save). The same run submitted again
-# (or requeued) gets the same name and resumes, whatever the order of its
-# flags, and with a longer --total_epochs or --max_steps trains on; a sweep
-# submitted from one folder (other --lr, say) gets one snapshot per point,
-# never another's. A snapshot named by a hash of the arguments as typed is
-# resumed where the identity's name has none yet, with a note. Then claims
-# the snapshot for this job (<snapshot>.job holds the job id, read and
+# relative to the working folder, as tools/identity.py names it (the one rule,
+# which launchers/submitit_train.py follows too): snapshot-<job
+# name>[-<array index>][-<8 hex digits>].pt, the digits the run's identity
+# (the flags that say what the run learns, as train.py parses them, in one
+# order; none when it has none; the rungs take the same flags); a
+# --snapshot_path among them wins. With --strategy fsdp or hsdp a folder,
+# without the .pt (sharded snapshots: one sub-folder per save). The same run
+# submitted again (or requeued) gets the same name and resumes, whatever the
+# order of its flags, and with a longer --total_epochs or --max_steps trains
+# on; a sweep submitted from one folder (other --lr, say) gets one snapshot
+# per point, never another's. A snapshot named by a hash of the arguments as
+# typed is resumed where the identity's name has none yet, with a note. Then
+# claims the snapshot for this job (<snapshot>.job holds the job id, read and
 # written under flock) and exits 2 with one line when another job that is
 # still queued or running holds it: two live jobs must never write one
 # snapshot. A claim of a run started without Slurm (host and pid, no job)
 # stays: train.py refuses it while that run lives.
 snapshot_for() {
-    local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" arg given="" after=""
-    local strategy="" suffix=".pt"
-    for arg in "$@"; do  # the script takes the last --snapshot_path (--strategy) given
-        case "$after" in
-            path) given="$arg"; after=""; continue ;;
-            strategy) strategy="$arg"; after=""; continue ;;
-        esac
-        case "$arg" in
-            --snapshot_path) after=path ;;
-            --snapshot_path=*) given="${arg#--snapshot_path=}" ;;
-            --strategy) after=strategy ;;
-            --strategy=*) strategy="${arg#--strategy=}" ;;
-        esac
-    done
-    case "$strategy" in fsdp|hsdp) suffix="" ;; esac
-    if [ -n "$given" ]; then
-        SNAPSHOT="$given"
-    else
-        local identity typed="$name$suffix"
-        [ "$#" -gt 0 ] && typed="$name-$(printf '%s\0' "$@" | sha256sum | cut -c1-8)$suffix"
-        # "<digits> <flags>", or the digits alone; a flag train.py would refuse ends the job here, with its line.
-        identity="$(${CONTAINER[@]+"${CONTAINER[@]}"} python "$PROJECT/train_utils/identity.py" "$@")" || exit 2
-        identity="${identity##*$'\n'}"  # its last line: a container's own words may come first
-        if [[ "$identity" == *" "* ]]; then
-            SNAPSHOT="$name-${identity%% *}$suffix"
-            echo "run identity ${identity%% *}: ${identity#* }"
-        else
-            SNAPSHOT="$name$suffix"
-        fi
-        if [ "$typed" != "$SNAPSHOT" ] && [ ! -e "$SNAPSHOT" ] && [ -e "$typed" ]; then
-            echo "note: resuming $typed, this command's snapshot named by its arguments as typed (the run's identity names it $SNAPSHOT; pass --snapshot_path to choose)"
-            SNAPSHOT="$typed"
-        fi
-    fi
+    local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" found line
+    # Its lines ("run identity ...", a note), then the snapshot's name; a flag train.py would refuse ends
+    # the job here, with train.py's own line.
+    found="$(${CONTAINER[@]+"${CONTAINER[@]}"} python "$PROJECT/tools/identity.py" --snapshot_for "$name" "$@")" \
+        || exit 2
+    SNAPSHOT="${found##*$'\n'}"  # its last line: a container's own words may come first
+    while IFS= read -r line; do
+        case "$line" in "run identity "*|"note: "*) echo "$line" ;; esac
+    done <<< "$found"
     # The job as squeue and scontrol know it: an array task as <array job id>_<index>.
     local claim="$SNAPSHOT.job" job owner state lock
     job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"

@@ -68,20 +68,13 @@ def trainer_as_train_py_builds_it(argv: list, rank: int, device: torch.device = 
     (downloading nothing), the configuration resolved, the model (sharded
     under --strategy fsdp, compiled under --compile) and the optimizer, the
     loaders. Nothing claimed and nothing loaded yet: ``train()`` loads the
-    snapshot, ``checkpointer.load()`` alone too. Returns (trainer, its
+    snapshot, ``checkpointer.find()`` then ``checkpointer.load()`` alone too. Returns (trainer, its
     training loader)."""
-    import sys
-
     import common
     import train
     import train_utils
 
-    saved = sys.argv
-    sys.argv = ["train.py", *map(str, argv)]
-    try:
-        args = train_utils.parse_args(None, common.TASKS)
-    finally:
-        sys.argv = saved
+    args = train_utils.parse_args(None, common.TASKS, argv=[str(arg) for arg in argv])
     task, config = train.build_task(args, rank, train_utils.resolve_amp(args.amp, device))
     optimizer = train.build_model(task, config, rank, device)
     train_data, val_data = (train.prepare_dataloader(data, config.batch_size, config.num_workers, training,

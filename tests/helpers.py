@@ -38,7 +38,7 @@ FAULTY_TRAIN = REPO / "tests" / "train_with_fault.py"
 FAULTY_TRAIN_JOB_ENV = {"SCRIPT_NAME": str(FAULTY_TRAIN.relative_to(REPO))}
 
 TEST_LINE = re.compile(r"^test \| loss (?P<loss>\S+)(?: \| acc (?P<acc>\S+))?$", re.M)
-# An evaluation's line under --eval_every_steps (train_utils.metrics.STEP_LINE_PARTS), as
+# An evaluation's line under --eval_every_steps (train_utils.logs.metrics.STEP_LINE_PARTS), as
 # the tiny GPTs of the tests print it on a CPU: no val_acc, no mfu; no speed figures on an
 # evaluation a resumed run redoes before training.
 STEP_LINE = re.compile(
@@ -175,9 +175,9 @@ def held_at_step(step: int) -> tuple[dict, str]:
 def wrapper_snapshot(job_name: str, args: list = (), array_index=None) -> str:
     """The --snapshot_path a resumable Slurm wrapper gives a submission
     (slurm/stop_and_requeue.sh's snapshot_for): snapshot-<job name>[-<array
-    index>][-<the run's identity: train_utils/identity.py's digits, where
+    index>][-<the run's identity: tools/identity.py's digits, where
     the arguments give any flag it counts>].pt."""
-    from train_utils import identity
+    from tools import identity
 
     name = f"snapshot-{job_name}" + (f"-{array_index}" if array_index is not None else "")
     words = identity.identity_of([str(arg) for arg in args])

@@ -1,4 +1,4 @@
-"""train.py --check_resume, driven as users drive it (torchrun on the CPU,
+"""tools/check_resume.py, driven as users drive it (torchrun on the CPU,
 gloo, 2 ranks): the built-in tasks resume bitwise under DDP and FSDP, and
 tasks that break exact resume (tests/unrestored_tasks.py) are caught, with
 the first step whose loss differs and the random stream not restored named.
@@ -24,16 +24,17 @@ COST = re.compile(r"^check_resume: straight (\S+) s, stopped and resumed (\S+) s
 
 
 def check_resume(flags: list, cwd, script=None, processes: int = 2, **env) -> tuple:
-    """``torchrun --standalone --nproc_per_node=2 train.py --check_resume FLAGS`` in
-    ``cwd`` (``script``: what torchrun starts instead, given train.py as its first
-    argument); ``processes=1``: train.py as the one process of a launcher's job
+    """``torchrun --standalone --nproc_per_node=2 tools/check_resume.py FLAGS`` in
+    ``cwd`` (``script``: what torchrun starts instead, given the check as its first
+    argument); ``processes=1``: the check as the one process of a launcher's job
     (``helpers.one_process``). Returns (the finished process, its wall time in seconds)."""
+    check = REPO / "tools" / "check_resume.py"
     started = time.monotonic()
     if processes == 1:
-        result = one_process(["--check_resume", *flags], cwd, script=script or REPO / "train.py", **env)
+        result = one_process(flags, cwd, script=check, **env)
     else:
-        launch = TWO_RANKS + ([script, REPO / "train.py"] if script else [REPO / "train.py"])
-        result = run(launch + ["--check_resume", *flags], cwd, OMP_NUM_THREADS="1", **env)
+        launch = TWO_RANKS + ([script, check] if script else [check])
+        result = run(launch + flags, cwd, OMP_NUM_THREADS="1", **env)
     return result, time.monotonic() - started
 
 
@@ -119,7 +120,7 @@ def test_a_run_too_short_to_stop_in_the_middle_is_one_line(tmp_path):
     result, _ = check_resume(["--max_steps", "2"], tmp_path)
     assert result.returncode != 0
     assert error_lines(result.stderr) == [
-        "error: --check_resume stops the run after a middle step and resumes it: it needs a run of at least 3 "
+        "error: tools/check_resume.py stops the run after a middle step and resumes it: it needs a run of at least 3 "
         "optimizer steps at this world size, and this one has 2; pass --max_steps 3 or more"], result.stderr
     assert "check_resume: run" not in result.stdout
     assert list(tmp_path.iterdir()) == []

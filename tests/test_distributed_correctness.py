@@ -19,8 +19,9 @@ import common
 import multigpu_spawn
 import singlegpu
 import train
-from train_utils.devices import torch_version
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.devices import torch_version
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.ending import end_process
 
 
 def _weights(path):
@@ -80,13 +81,12 @@ def _eval_worker(rank, world_size, port, out_dir):
             if way == "train fsdp":
                 if FSDP_TOO_OLD:
                     continue
-                model = train.shard_model(model, torch.device("cpu"), dtype=None)
+                model = train_utils.shard_model(model, torch.device("cpu"), dtype=None)
             scores = train.evaluate(model, loader, plain_task(F.cross_entropy, True), torch.device("cpu"),
                                     fsdp=way == "train fsdp")
         results[way] = {"scores": scores, "counted": sum(len(y) for _, y in loader), "batches": len(loader)}
     torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 EVALUATIONS = ("spawn", "train", "train fsdp")

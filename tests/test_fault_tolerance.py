@@ -23,9 +23,9 @@ from helpers import (FAULTY_TRAIN, REPO, load_task, signal_when, TORCHRUN, asser
 
 import train_utils
 from common import ConfigError
-from train_utils.devices import torch_version
+from train_utils.distributed.devices import torch_version
 from train_utils.snapshots.file import read_snapshot
-from train_utils.speed import check_amp
+from train_utils.loop.speed import check_amp
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
 # The same with a fault injected: FAULTY_TRAIN, for the runs given DDP_TEST_FAULT.
@@ -440,7 +440,7 @@ def _bucket_layout_worker(rank, world_size, port, out):
             return default_hooks.allreduce_hook(state, bucket)
 
         model.register_comm_hook(None, hook)
-        amp = train_utils.autocast(cpu, "bf16")
+        amp = train_utils.autocast(cpu, torch.bfloat16)
         if rebuild:
             train_utils.rebuild_ddp_buckets(model, loader, F.cross_entropy, lambda t: t, cpu, amp)
         for _ in range(2 if rebuild else 3):

@@ -22,8 +22,9 @@ from walk import walked_blocks
 
 import common
 import train_utils
-from train_utils.devices import torch_version
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.devices import torch_version
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.ending import end_process
 import vision_tasks
 
 FSDP = REPO / "train.py"
@@ -165,13 +166,11 @@ def _sharding_worker(rank, world_size, port, out_dir):
     sharded and run. Saves what each gave, per rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
-
     losses = {}
     for bf16 in (False, True):
         torch.manual_seed(0)
-        model = train.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
-                                  torch.device("cpu"), torch.bfloat16 if bf16 else None)
+        model = train_utils.shard_model(vision_tasks.build_model("cifar10", "resnet18"),
+                                        torch.device("cpu"), torch.bfloat16 if bf16 else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
         x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -189,14 +188,13 @@ def _sharding_worker(rank, world_size, port, out_dir):
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     expected = plain(x).sum().item()
     try:
-        sharded = train.shard_model(model, torch.device("cpu"), dtype=None)
+        sharded = train_utils.shard_model(model, torch.device("cpu"), dtype=None)
         result = sharded(x.contiguous(memory_format=torch.channels_last)).sum().item()
     except NotImplementedError as exc:
         result = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     torch.save({"losses": losses, "channels_last": {"expected": expected, "result": result}},
                os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +241,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
 
     # Seeded, sharded and loaded as train.py does.
     trainer, _ = trainer_as_train_py_builds_it(["--strategy", "fsdp", "--snapshot_path", snapshot_path], rank)
+    trainer.checkpointer.find()
     trainer.checkpointer.load()
     weights, optimizer_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True,
@@ -250,8 +249,7 @@ def _resharded_load_worker(rank, world_size, port, snapshot_path, out):
     if rank == 0:
         torch.save({"weights": weights, "optimizer": optimizer_state, "epochs_run": trainer.progress.epochs_run}, out)
     trainer.stop.close()
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py --strategy fsdp ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 def test_resume_with_another_world_size(newcomer_walk, tmp_path):

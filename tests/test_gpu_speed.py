@@ -20,10 +20,11 @@ import train_utils
 from common import ConfigError
 from gpt import GPT, GPTConfig
 from helpers import free_port, kit_trainer
-from train_utils import numerics
+from train_utils.loop import numerics
 from train_utils.snapshots.writer import CpuStaging
 from train_utils.snapshots.file import SnapshotFile
-from train_utils.throughput import GPU_PEAKS, counted_flops_per_sample, flops_per_sample
+from train_utils.logs.throughput import GPU_PEAKS, counted_flops_per_sample, flops_per_sample
+from train_utils.ending import end_process
 
 GPU = torch.device("cuda", 0)
 CUDA = torch.cuda.is_available()
@@ -55,14 +56,7 @@ def show_gpu(monkeypatch, name: str = "NVIDIA H100 80GB HBM3", capability: tuple
 
 def flags(*argv: str) -> argparse.Namespace:
     """train.py's flags as its command line ``argv`` gives them."""
-    import sys
-
-    saved = sys.argv
-    sys.argv = ["train.py", *argv]
-    try:
-        return train_utils.parse_args(None, common.TASKS)
-    finally:
-        sys.argv = saved
+    return train_utils.parse_args(None, common.TASKS, argv=list(argv))
 
 
 # --------------------------------------------------------------------------
@@ -76,7 +70,7 @@ def test_fp32_matmuls_run_on_tf32_on_a_gpu_unless_no_tf32(monkeypatch, torch_swi
     follows (tf32 or fp32; bf16 under --amp). A GPU before Ampere has no TF32;
     a CPU is left alone (there "high" would let oneDNN round)."""
     show_gpu(monkeypatch)
-    args = flags("--batch_size", "32")
+    config = train_utils.RunConfig(batch_size=32)
     torch.set_float32_matmul_precision("highest")
     train_utils.set_fp32_precision(torch.device("cpu"), False)
     assert torch.get_float32_matmul_precision() == "highest"
@@ -86,18 +80,18 @@ def test_fp32_matmuls_run_on_tf32_on_a_gpu_unless_no_tf32(monkeypatch, torch_swi
     assert train_utils.compute_precision(GPU, None) == "tf32"
     assert train_utils.compute_precision(GPU, torch.bfloat16) == "bf16"
     assert train_utils.compute_precision(GPU, torch.float16) == "fp16"
-    assert " | fp32 matmuls on TF32 (--no_tf32: full fp32)" in train_utils.describe_run(GPU, args)
+    assert " | fp32 matmuls on TF32 (--no_tf32: full fp32)" in train_utils.describe_run(GPU, config)
 
     train_utils.set_fp32_precision(GPU, True)
     assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
     assert train_utils.compute_precision(GPU, None) == "fp32"
-    assert " | fp32 matmuls in full fp32 (--no_tf32)" in train_utils.describe_run(GPU, args)
+    assert " | fp32 matmuls in full fp32 (--no_tf32)" in train_utils.describe_run(GPU, config)
 
     train_utils.set_fp32_precision(GPU, False)
     show_gpu(monkeypatch, "Tesla V100-SXM2-32GB", (7, 0))
     assert train_utils.compute_precision(GPU, None) == "fp32"
-    assert "fp32 matmuls in full fp32 (no TF32 before Ampere)" in train_utils.describe_run(GPU, args)
-    assert "fp32 matmuls" not in train_utils.describe_run(torch.device("cpu"), args)
+    assert "fp32 matmuls in full fp32 (no TF32 before Ampere)" in train_utils.describe_run(GPU, config)
+    assert "fp32 matmuls" not in train_utils.describe_run(torch.device("cpu"), config)
 
 
 def test_mfu_divides_by_the_peak_of_the_precision_the_step_runs_in(monkeypatch, one_process_group):
@@ -128,24 +122,23 @@ def test_deterministic_sets_torchs_switches_and_refuses_what_would_break_it(monk
     the start-up line says that runs there are repeatable without it."""
     monkeypatch.delenv(numerics.CUBLAS_WORKSPACE_VARIABLE, raising=False)
     torch.use_deterministic_algorithms(False)
-    numerics.set_deterministic(flags())
+    numerics.set_deterministic(False)
     assert not torch.are_deterministic_algorithms_enabled()
     assert numerics.CUBLAS_WORKSPACE_VARIABLE not in os.environ
 
-    numerics.set_deterministic(flags("--deterministic"))
+    numerics.set_deterministic(True)
     assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
     assert not torch.backends.cudnn.benchmark
     assert os.environ[numerics.CUBLAS_WORKSPACE_VARIABLE] == ":4096:8"
 
     monkeypatch.setenv(numerics.CUBLAS_WORKSPACE_VARIABLE, ":16:8")
-    numerics.set_deterministic(flags("--deterministic"))
+    numerics.set_deterministic(True)
     assert os.environ[numerics.CUBLAS_WORKSPACE_VARIABLE] == ":16:8"
     monkeypatch.setenv(numerics.CUBLAS_WORKSPACE_VARIABLE, ":0:0")
     with pytest.raises(ConfigError, match=r"^--deterministic: CUBLAS_WORKSPACE_CONFIG=:0:0 lets cuBLAS"):
-        numerics.set_deterministic(flags("--deterministic"))
+        numerics.set_deterministic(True)
 
-    args = flags("--deterministic")
-    assert numerics.numerics_description(torch.device("cpu"), args) == \
+    assert numerics.numerics_description(torch.device("cpu"), train_utils.RunConfig(deterministic=True)) == \
         " | deterministic (CPU runs are bitwise repeatable without it too)"
 
 
@@ -401,8 +394,7 @@ def _compiled_run_worker(rank, port, out_dir, data_dir, strategy):
                 "eager": recorder.eager, "loss_graphs": recorder.loss_graphs(), "warnings": warnings},
                os.path.join(out_dir, "counts.pt"))
     trainer.stop.close()
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -483,8 +475,8 @@ def test_fsdp_background_snapshots_stage_into_buffers_kept_from_one_save_to_the_
     from train_utils.snapshots.sharded import ShardedSnapshots
 
     torch.manual_seed(0)
-    model = train.shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
-                              torch.device("cpu"), dtype=None)
+    model = train_utils.shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+                                    torch.device("cpu"), dtype=None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     store = ShardedSnapshots(str(tmp_path / "snapshots"), asynchronous=True)
     staged_memory, saved = [], []

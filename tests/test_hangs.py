@@ -194,8 +194,8 @@ def test_a_snapshot_write_slower_than_the_timeout_is_no_hang(tmp_path):
 REPORTER = '''
 import os, signal, sys, time
 import torch.distributed as dist
-from train_utils import hang_report
-from train_utils.stop import catch_stop_signals, note_stop_signals_only, received_stop_signal
+from train_utils.distributed import hang_report
+from train_utils.loop.stop import catch_stop_signals, note_stop_signals_only, received_stop_signal
 
 catch_stop_signals()
 dist.init_process_group("gloo", rank=0, world_size=1)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import common
 import train_utils
-from train_utils.throughput import model_flops_per_token
+from train_utils.logs.throughput import model_flops_per_token
 from common import ConfigError
 from gpt import GPT, GPTConfig
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
@@ -69,7 +69,7 @@ def test_tokens_flops_and_mfu_figures(monkeypatch, one_process_group):
 
 
 def _line(record: dict) -> str:
-    from train_utils.metrics import metrics_line
+    from train_utils.logs.metrics import metrics_line
 
     return metrics_line(record)
 
@@ -101,11 +101,10 @@ def _sharded_units_worker(rank, port, out_dir):
     from torch.distributed.fsdp import FSDPModule
 
     import multinode_fsdp
-    import train
 
     cpu, units = torch.device("cpu"), {}
     for name, shard in (("rung", lambda m: multinode_fsdp.shard_model(m, cpu)),
-                        ("kit", lambda m: train.shard_model(m, cpu, dtype=None))):
+                        ("kit", lambda m: train_utils.shard_model(m, cpu, dtype=None))):
         gpt = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=3, n_head=2, n_embd=32))
         for label, model in (("GPT", gpt), ("Tied", Tied())):
             sharded = shard(model)  # fully_shard changes the class of each unit, the root too

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import train_utils
-from train_utils.stop import STOP_SIGNALS
+from train_utils.loop.stop import STOP_SIGNALS
 from helpers import REPO, TORCHRUN, epochs, error_lines, script_env
 
 # Where a rank waits for its loader's next batch: the line the time-out report names.
-LOADER_WAIT = (REPO / "train_utils" / "epoch.py").read_text().splitlines().index("        for batch in bar:") + 1
+LOADER_WAIT = (REPO / "train_utils" / "loop" / "epoch.py").read_text().splitlines().index("        for batch in bar:") + 1
 
 # A user's task module, as docs/custom-task.md has one: a dataset class of its
 # own, with hooks for these tests. Every DataLoader worker writes, at its first
@@ -153,7 +153,7 @@ def test_a_rank_stuck_in_its_loader_in_the_first_epoch_is_named_within_pg_timeou
     assert left == []
     assert error_lines(stderr) == [
         f"error: rank 0 waited 10 s during epoch 1, training step 1 of this start for ranks [1] to have their "
-        f"batch too (rank 1 (host {socket.gethostname()}) is at {REPO}/train_utils/epoch.py:{LOADER_WAIT} in "
+        f"batch too (rank 1 (host {socket.gethostname()}) is at {REPO}/train_utils/loop/epoch.py:{LOADER_WAIT} in "
         f"__iter__): a rank stuck in its data loader (a loader worker that never started, a dataset's "
         f"__getitem__ that does not return) holds up all; every live rank's stack: {tmp_path}/stacks_rank*_*.txt "
         f"(--pg_timeout_s sets the wait)"], stderr[-5000:]

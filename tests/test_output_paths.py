@@ -22,8 +22,8 @@ from helpers import REPO, check, error_lines, one_process, run, task_args
 
 import common
 from train_utils.cli import task_models
-from train_utils.devices import torch_version
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.devices import torch_version
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
 from train_utils.snapshots.sharded import ShardedSnapshots
 from train_utils.output import output_path_error
 from train_utils.snapshots.file import read_snapshot

@@ -5,6 +5,7 @@ No test here measures or asserts a time; benchmarks/ does the measuring."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ import common
 import fast_images
 import train_utils
 from common import ConfigError
-from train_utils.speed import check_amp, peak_memory_mib
-from train_utils.throughput import GPU_PEAKS, gpu_peak
+from train_utils.distributed.devices import peak_memory_mib
+from train_utils.loop.speed import check_amp
+from train_utils.logs.throughput import GPU_PEAKS, gpu_peak
 import vision_tasks
 from dataset_files import build_cifar10_root, build_mnist_root
 from helpers import (FAULTY_TRAIN, load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, one_process,
@@ -186,10 +188,10 @@ def test_accumulating_two_half_batches_equals_one_full_batch(tmp_path):
 
 
 def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
-    """Snapshots fall between optimizer steps (every 4 micro-batches, 2 per
-    step); a worker killed in the middle of an accumulation resumes from the
-    last one and ends bitwise equal to an uninterrupted run."""
-    flags = ["--total_epochs", "2", "--snapshot_every_steps", "4", "--grad_accum_steps", "2"]
+    """Snapshots fall between optimizer steps (every 2 optimizer steps, 4
+    micro-batches); a worker killed in the middle of an accumulation resumes
+    from the last one and ends bitwise equal to an uninterrupted run."""
+    flags = ["--total_epochs", "2", "--snapshot_every_steps", "2", "--grad_accum_steps", "2"]
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
     check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"] + flags,
@@ -203,13 +205,15 @@ def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
     assert [name for name in clean if not torch.equal(clean[name], resumed[name])] == []
 
 
-def test_snapshot_interval_must_fall_between_optimizer_steps(tmp_path):
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
-                             "--grad_accum_steps", "2", "--snapshot_every_steps", "3"], tmp_path)
-    assert result.returncode != 0
-    assert error_lines(result.stderr) == [
-        "error: --snapshot_every_steps 3 is not a multiple of --grad_accum_steps 2; "
-        "a snapshot must fall between optimizer steps"]
+def test_snapshot_every_steps_counts_optimizer_steps(tmp_path):
+    """--snapshot_every_steps counts optimizer steps, as --eval_every_steps and
+    --log_every_steps do: with 2 micro-batches a step, every 3 steps is a
+    snapshot every 6 micro-batches (a snapshot's position counts the
+    micro-batches trained in its epoch: "epoch 1 step 6"), then the epoch's own."""
+    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--total_epochs", "1",
+                                   "--grad_accum_steps", "2", "--snapshot_every_steps", "3"], tmp_path))
+    saved = re.findall(r"^(epoch .*) \| snapshot saved at snapshot_train.pt$", result.stdout, re.M)
+    assert saved == ["epoch 1 step 6", "epoch 1 step 12", "epoch 1 step 18", "epoch 1 step 24", "epoch 1"], saved
 
 
 def _no_sync_worker(rank, world_size, port, out_dir):
@@ -282,7 +286,7 @@ def test_amp_on_cpu_is_refused_in_one_line_where_it_does_not_help(tmp_path):
     assert not (tmp_path / "snapshot_train.pt").exists()
 
 
-def test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused(monkeypatch):
+def test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused(monkeypatch, one_process_group):
     """A T4 (compute capability 7.5) would emulate bf16: slower, so plain --amp is
     fp16 there (with a loss scaler) and a forced --amp bf16 is refused in one line;
     an Ampere or newer GPU gets bf16. (Faked here: no GPU on the test machines.)"""
@@ -296,10 +300,10 @@ def test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused(mon
                                "which needs 8.0 (Ampere) or newer; bf16 autocast would be emulated "
                                "and slower. Use --amp (fp16 with a loss scaler on this GPU)")
     check_amp("auto", gpu, "resnet18")
-    assert train_utils.amp_dtype(gpu, "auto") == torch.float16
+    assert train_utils.RunConfig(amp=train_utils.resolve_amp("auto", gpu)).compute_dtype == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     check_amp("bf16", gpu, "resnet18")  # e.g. an A100: accepted
-    assert train_utils.amp_dtype(gpu, "auto") == torch.bfloat16
+    assert train_utils.RunConfig(amp=train_utils.resolve_amp("auto", gpu)).compute_dtype == torch.bfloat16
 
 
 def _mixed_gpus_worker(rank, port, out_dir):
@@ -318,7 +322,7 @@ def _mixed_gpus_worker(rank, port, out_dir):
     with contextlib.redirect_stdout(printed):
         amp = train_utils.resolve_amp("auto", gpu)  # as train.py's main does, into the run's configuration
     train_utils.checks.check_same_settings(train_utils.RunConfig(amp=amp, batch_size=32))
-    result = {"amp": amp, "dtype": str(train_utils.amp_dtype(gpu, amp)), "printed": printed.getvalue()}
+    result = {"amp": amp, "dtype": str(train_utils.RunConfig(amp=amp).compute_dtype), "printed": printed.getvalue()}
     try:
         train_utils.resolve_amp("bf16", gpu)
         result["forced_bf16"] = "accepted"

@@ -1,4 +1,4 @@
-"""The training recipe (train_utils/recipe.py): optimizer and weight decay by
+"""The training recipe (train_utils/loop/recipe.py): optimizer and weight decay by
 flag, learning-rate schedules with warm-up, gradient clipping over all ranks,
 fp16 with a loss scaler, the task's defaults, the CIFAR-stem ResNet, and an
 FSDP run killed while saving that resumes all of it bitwise."""
@@ -18,8 +18,9 @@ import recipes
 import train_utils
 from common import ConfigError
 from recipes import lr_factor
-from train_utils.devices import torch_version
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.devices import torch_version
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.ending import end_process
 from train_utils.snapshots.file import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
@@ -192,7 +193,7 @@ def test_fsdp_recipe_killed_while_saving_and_restarted_ends_bitwise(tmp_path):
     from helpers import FAULTY_TRAIN, assert_bitwise, full_state, snapshot_folder
     from test_fsdp import fsdp
 
-    flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "40",
+    flags = ["--total_epochs", "2", "--batch_size", "8", "--grad_accum_steps", "2", "--snapshot_every_steps", "20",
              "--optimizer", "adamw", "--lr", "0.01", "--weight_decay", "0.05", "--lr_schedule", "cosine",
              "--warmup_epochs", "0.5", "--clip_grad_norm", "0.5", "--amp", "fp16"]
     (tmp_path / "a").mkdir()
@@ -225,8 +226,6 @@ MAX_NORM = 0.05
 def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    import train
-
     x, y = torch.load(os.path.join(out, "batch.pt"))
     mine = slice(rank * 8, rank * 8 + 8)  # each rank its half of the global batch of 16
     # DDP, as train.py's Trainer runs it: 2 micro-batches of 4, then one clipped step.
@@ -239,18 +238,18 @@ def _clip_worker(rank: int, world_size: int, port: int, out: str) -> None:
     ddp = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
     # FSDP: the same model sharded, the same half batch, one step through the Recipe.
     torch.manual_seed(0)
-    model = train.shard_model(
+    model = train_utils.shard_model(
         torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
         torch.device("cpu"), dtype=None)
     recipe = train_utils.Recipe(torch.optim.SGD(model.parameters(), lr=1.0),
-                                recipe_args(lr=1.0, clip_grad_norm=MAX_NORM), 1, lambda: 0, torch.device("cpu"))
+                                train_utils.RunConfig(lr=1.0, clip_grad_norm=MAX_NORM, total_epochs=4), 1, lambda: 0,
+                                torch.device("cpu"))
     recipe.backward(F.mse_loss(model(x[mine]), y[mine]))
     recipe.step()
     fsdp = {name: p.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
         torch.save({"ddp": ddp, "fsdp": fsdp}, os.path.join(out, "result.pt"))
-    torch.distributed.destroy_process_group()
-    train_utils.exit_skipping_teardown()  # as train.py's FSDP run ends: gloo's threads can abort the teardown
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
 
 
 def test_clip_grad_norm_clips_the_global_norm_under_ddp_accumulation_and_fsdp(tmp_path):
@@ -337,7 +336,7 @@ def test_device_and_backend_come_from_torch_accelerator(monkeypatch):
     assert train_utils.backend_for(torch.device("cpu")) == "gloo"
     if not hasattr(torch, "accelerator"):
         pytest.skip(f"torch {torch.__version__} has no torch.accelerator")
-    monkeypatch.setattr(train_utils.devices, "cuda_available", lambda: False)
+    monkeypatch.setattr(train_utils.distributed.devices, "cuda_available", lambda: False)
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("xpu"))
@@ -436,6 +435,7 @@ def test_a_snapshot_holding_keys_no_part_reads_is_refused_in_one_line(tmp_path, 
             raise AssertionError("loaded despite a key no part reads")
 
     checkpointer = train_utils.Checkpointer(str(path), False, model, optimizer, config, {"position": Position()})
+    checkpointer.find()
     with pytest.raises(ConfigError) as info:
         checkpointer.load()
     assert str(info.value) == (f"snapshot {path} holds ema, which this train.py does not read: a snapshot of "

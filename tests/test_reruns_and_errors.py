@@ -127,8 +127,8 @@ def test_the_scripts_import_and_train_without_posix_only_signals(tmp_path):
             "for name in ('SIGUSR1', 'SIGUSR2', 'pthread_sigmask'):\n"
             "    delattr(signal, name)\n"
             f"sys.path.insert(0, {str(REPO)!r})\n"
-            "import train_utils.stop, train\n"
-            "assert train_utils.stop.STOP_SIGNALS == (signal.SIGTERM, signal.SIGINT)\n"
+            "import train_utils.loop.stop, train\n"
+            "assert train_utils.loop.stop.STOP_SIGNALS == (signal.SIGTERM, signal.SIGINT)\n"
             "sys.argv = ['train.py', '--total_epochs', '1']\n"
             f"runpy.run_path({str(REPO / 'train.py')!r}, run_name='__main__')\n")
     result = check(run([sys.executable, "-c", code], tmp_path, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",

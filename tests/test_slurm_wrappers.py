@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from helpers import LAUNCHER_VARIABLES, typed_snapshot, wrapper_snapshot
-from train_utils.identity import run_identity
+from tools.identity import run_identity
 
 REPO = Path(__file__).resolve().parent.parent
 WRAPPERS = ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"]
@@ -233,7 +233,7 @@ def test_pyxis_image_runs_the_training_step_with_sruns_container_flags(wrapper, 
     *own, step = lines
     assert own and all(line[:2] == ["--ntasks=1", "--nodes=1"] and line[2:6] == flags and line[6] == "python"
                        for line in own), own
-    assert any("train_utils/identity.py" in " ".join(line) for line in own), own
+    assert any("tools/identity.py" in " ".join(line) for line in own), own
     assert step[:2] != ["--ntasks=1", "--nodes=1"] and "apptainer" not in step, step
     at = step.index(flags[0])
     assert step[at:at + 4] == flags, step
@@ -297,7 +297,7 @@ def test_the_shell_and_each_srun_rank_derive_the_same_rendezvous_port(tmp_path, 
     """multi_node.sh's torchrun rendezvous (rendezvous_port in slurm/env.sh)
     and multi_node_srun.sh's ranks (train_utils.launcher_store under srun, no
     torchrun) meet at the same port for a job: 15000 + job id % 15000, the
-    formula train_utils/rendezvous.py holds for both. The
+    formula train_utils/distributed/rendezvous.py holds for both. The
     srun rank also takes rank, local rank, world size and the first host from
     Slurm's variables."""
     import train_utils

@@ -111,7 +111,7 @@ def test_a_multi_node_restartable_torchrun_sharing_its_store_is_noted_at_start(m
     """Where a node that rejoins would wait until the rendezvous times out
     (torchrun's agents share their store with the workers, several nodes,
     restarts allowed), the start-up says so in one line, naming the setting."""
-    from train_utils.devices import rejoin_note
+    from train_utils.distributed.devices import rejoin_note
 
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
@@ -124,7 +124,7 @@ def test_the_open_file_limit_is_raised_to_the_hard_one():
     """gloo's meshes hold about 5 x world_size sockets a rank: the soft limit
     (often 1,024) is raised to the hard one at start."""
     code = ("import resource, sys; sys.path.insert(0, sys.argv[1]);"
-            "from train_utils.launch import raise_open_file_limit; raise_open_file_limit();"
+            "from train_utils.distributed.launch import raise_open_file_limit; raise_open_file_limit();"
             "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); print(soft == hard, soft)")
     hard = subprocess.run(["bash", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout.strip()
     if hard == "unlimited" or int(hard) <= 200:
@@ -140,7 +140,7 @@ def test_running_out_of_open_files_is_named_as_such_not_as_a_network_fault(one_p
     the limit and what to do; a network failure keeps its own line."""
     import common
     import torch.distributed as dist
-    from train_utils.launch import gloo_group
+    from train_utils.distributed.launch import gloo_group
 
     def refused(**kwargs):
         raise RuntimeError("[enforce fail at gloo/transport/tcp/pair.cc] socket: Too many open files")
@@ -190,7 +190,7 @@ def test_a_list_of_separate_tensors_trains_with_loader_workers():
     ones a loader without workers gives."""
     from torch.utils.data import DataLoader
 
-    from train_utils.loaders import loader_workers
+    from train_utils.loop.loaders import loader_workers
 
     dataset = [(torch.zeros(3) + i, i % 2) for i in range(300)]
     strategy = torch.multiprocessing.get_sharing_strategy()

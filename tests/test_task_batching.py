@@ -124,7 +124,7 @@ def test_the_kits_loader_makes_a_strided_batch_dense_and_a_gpu_copy_would_name_o
     they are); what the first batch's check on a GPU would say of a strided
     or an unpinned batch."""
     import train
-    from train_utils.loaders import host_batch_problem
+    from train_utils.loop.loaders import host_batch_problem
 
     rows = torch.arange(4 * 9).reshape(4, 9)
     images = torch.zeros(4, 3, 5, 5).contiguous(memory_format=torch.channels_last)
@@ -233,7 +233,7 @@ def test_the_task_files_folder_is_where_loader_workers_import_it_from(tmp_path, 
     """A fork server's workers import the task's module (its collate_fn, its
     dataset classes) by name: the folder of a task given as dir/file.py is on
     their import path."""
-    from train_utils import loaders
+    from train_utils.loop import loaders
 
     (tmp_path / "tasks").mkdir()
     write_task(tmp_path / "tasks")

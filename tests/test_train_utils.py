@@ -11,13 +11,13 @@ import torch
 
 import train_utils
 from common import ConfigError
-from train_utils.devices import torch_version, unusable_gpu_reason
-from train_utils.fsdp import GLOO_AVG_REDUCE_SCATTER
-from train_utils.launch import first_host
+from train_utils.distributed.devices import torch_version, unusable_gpu_reason
+from train_utils.distributed.fsdp import GLOO_AVG_REDUCE_SCATTER
+from train_utils.distributed.launch import first_host
 from train_utils.snapshots.writer import SnapshotClock, SnapshotWriter, cpu_copy
 from train_utils.snapshots.file import atomic_save
-from train_utils.stop import STOP_SIGNALS, ignore_stop_signal
-from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run, task_args
+from train_utils.loop.stop import STOP_SIGNALS, ignore_stop_signal
+from helpers import EPOCH_LINE, REPO, TEST_LINE, TORCHRUN, check, error_lines, run
 
 
 def show_gpus(monkeypatch, count: int, capability: tuple = (9, 0), arches: str = "sm_75 sm_80 sm_86 sm_90"):
@@ -177,8 +177,7 @@ def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch, one_
     monkeypatch.setattr(torch.cuda, "is_available", unavailable)
     reason = unusable_gpu_reason()
     assert reason.startswith("CUDA initialization: The NVIDIA driver on your system is too old")
-    line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=32,
-                                                               grad_accum_steps=1, amp=None, deterministic=False, strategy="ddp"))
+    line = train_utils.describe_run(torch.device("cpu"), train_utils.RunConfig(batch_size=32))
     note, start = line.split("\n")
     assert note.startswith("note: this machine has NVIDIA GPUs, but torch cannot use them (CUDA")
     assert "training on the CPU" in note
@@ -189,7 +188,7 @@ def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
     """torch warns about an unusable driver once per process, at the first
     is_available() call, which the scripts make in device_for, before the start-up
     line: the note still names torch's reason, not "is_available() is False"."""
-    from train_utils import devices
+    from train_utils.distributed import devices
 
     calls = []
 
@@ -219,7 +218,7 @@ def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
     ({}, True),
 ])
 def test_gpus_hidden_on_purpose_get_no_note(monkeypatch, env, noted):
-    from train_utils import devices
+    from train_utils.distributed import devices
 
     for name in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE"):
         monkeypatch.delenv(name, raising=False)
@@ -234,8 +233,7 @@ def test_gpus_hidden_on_purpose_get_no_note(monkeypatch, env, noted):
 def test_no_gpu_files_means_nothing_to_report(monkeypatch, one_process_group):
     monkeypatch.setattr(glob, "glob", lambda pattern: [])
     assert unusable_gpu_reason() is None
-    line = train_utils.describe_run(torch.device("cpu"), task_args("synthetic", batch_size=8,
-                                                               grad_accum_steps=4, amp=None, deterministic=False, strategy="ddp"))
+    line = train_utils.describe_run(torch.device("cpu"), train_utils.RunConfig(batch_size=8, grad_accum_steps=4))
     assert line == ("device cpu | backend gloo | world_size 1 | global batch size 32 = "
                     f"batch_size 8 x grad_accum_steps 4 x world_size 1 | cpu threads {torch.get_num_threads()} "
                     "per process")
@@ -322,7 +320,7 @@ def _side_group_worker(rank, port, out_dir):
 
     import torch.distributed as dist
 
-    from train_utils import timeouts
+    from train_utils.distributed import timeouts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -380,7 +378,7 @@ def test_is_timeout_matches_time_outs_only(text, timeout):
     NCCL network error, whose text says "failed or timed out", does not."""
     import torch.distributed as dist
 
-    from train_utils.timeouts import is_timeout
+    from train_utils.distributed.timeouts import is_timeout
 
     for kind in (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError):
         assert is_timeout(kind(text)) == timeout, (kind, text)
@@ -424,7 +422,7 @@ PEER_GONE_AFTER_SIGTERM = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import train_utils
-from train_utils.stop import note_stop_signals_only
+from train_utils.loop.stop import note_stop_signals_only
 
 @train_utils.one_line_errors
 def main():
@@ -486,7 +484,7 @@ def test_a_slow_runs_speed_is_printed_in_significant_digits_not_as_zero():
     """A GPT-2 step on a CPU takes minutes: its samples/s is a few
     thousandths, which one decimal printed as 0.0. Below 1 the speed keeps
     three significant digits, in the epoch line and the evaluation's alike."""
-    from train_utils.metrics import metrics_line
+    from train_utils.logs.metrics import metrics_line
 
     slow = {"train_loss": 9.5, "val_loss": 9.4, "samples_per_s": 0.0041666, "tokens_per_s": 4.2666, "lr": 6e-4}
     epoch = metrics_line({"epoch": 1, "total_epochs": 1, **slow, "epoch_seconds": 2880.0})
@@ -587,7 +585,7 @@ def test_first_host_of_a_slurm_hostlist():
 @pytest.mark.parametrize("backend, device_ids", [("nccl", [3]), ("gloo", None)])
 def test_the_kits_barrier_names_its_gpu_under_nccl(monkeypatch, backend, device_ids):
     # Without device_ids, an NCCL barrier guesses the GPU and warns on every rank.
-    from train_utils import launch
+    from train_utils.distributed import launch
     calls = []
     monkeypatch.setattr(launch.dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 3)
@@ -632,10 +630,10 @@ def test_fsdp_on_gloo_is_refused_in_one_line_where_gloo_sums(tmp_path):
 
 
 def test_older_torch_than_tested_gets_a_one_line_note(monkeypatch, one_process_group):
-    args = task_args("synthetic", batch_size=32, grad_accum_steps=1, amp=None, deterministic=False, strategy="ddp")
-    plain = train_utils.describe_run(torch.device("cpu"), args)
+    config = train_utils.RunConfig(batch_size=32)
+    plain = train_utils.describe_run(torch.device("cpu"), config)
     monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
-    assert train_utils.describe_run(torch.device("cpu"), args).splitlines() == [
+    assert train_utils.describe_run(torch.device("cpu"), config).splitlines() == [
         "note: torch 2.7.1+cpu is untested here (oldest tested: torch 2.8); older ones can hang at exit, "
         "see docs/install.md", *plain.splitlines()]
 
@@ -798,7 +796,7 @@ def test_hsdp_shard_size_defaults_to_a_node_and_must_divide_the_world():
     without hsdp, is one line naming the fix. srun's tasks per node give a
     node's ranks where torchrun's LOCAL_WORLD_SIZE is absent."""
     from train_utils.config import hsdp_shard_size
-    from train_utils.launch import tasks_per_node
+    from train_utils.distributed.launch import tasks_per_node
 
     assert hsdp_shard_size("hsdp", 0, 8, 4) == 4 and hsdp_shard_size("hsdp", 2, 8, 4) == 2
     assert hsdp_shard_size("fsdp", 0, 8, 4) == 0 and hsdp_shard_size("ddp", 0, 8, 4) == 0

@@ -69,7 +69,7 @@ class Fault:
         import torch.distributed as dist
 
         from train_utils.output import print_line
-        from train_utils.stop import received_stop_signal
+        from train_utils.loop.stop import received_stop_signal
 
         self.reached[point] = count = self.reached.get(point, 0) + 1
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -148,11 +148,11 @@ def install(spec: str) -> None:
     """Patch the kit's functions for the fault ``spec`` (DDP_TEST_FAULT's form)."""
     import train_utils
     import train_utils.snapshots.file
-    import train_utils.timeouts
+    import train_utils.distributed.timeouts
 
     fault = Fault(spec)
     train_utils.downloaders_first = _first(fault, "startup", train_utils.downloaders_first)
-    train_utils.timeouts.Watch.step = _after(fault, "step", train_utils.timeouts.Watch.step)
+    train_utils.distributed.timeouts.Watch.step = _after(fault, "step", train_utils.distributed.timeouts.Watch.step)
     train_utils.fewest_batches = _first(fault, "evaluate", train_utils.fewest_batches)
     train_utils.snapshots.file.os = _OsReplacingWithFault(fault)
     train_utils.report_run_finished = _first(fault, "finished", train_utils.report_run_finished)

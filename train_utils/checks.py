@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 
 from common import ConfigError
 from .config import RunConfig, per_process
-from .metrics import tensorboard_missing
+from .logs import tensorboard_missing
+from .loop import check_amp
 from .output import first_error, output_path_error
-from .speed import check_amp
 
 
 def downloaders_first(load: Callable[..., object], args: argparse.Namespace, download: bool):
@@ -64,35 +64,31 @@ def check_same_settings(config: RunConfig) -> None:
                               f"same arguments")
 
 
-def check_before_training(args: RunConfig, device: torch.device, train_data: DataLoader) -> None:
+def check_before_training(config: RunConfig, device: torch.device, train_data: DataLoader) -> None:
     """Everything that would fail later, checked before any training.
 
     Every rank got the same settings (``check_same_settings``); --amp where
     it would slow training down (``check_amp``); a training loader with fewer
-    batches than one optimizer step needs; --snapshot_every_steps not a
-    multiple of --grad_accum_steps; and, on rank 0, which writes them,
-    --metrics_path and --tensorboard_dir can be written
+    batches than one optimizer step needs; and, on rank 0, which writes
+    them, --metrics_path and --tensorboard_dir can be written
     (``output_path_error``; missing folders are created) and tensorboard
-    imports where asked for. (--snapshot_path is the Checkpointer's:
-    ``Checkpointer.claim``.) Collective. Raises ConfigError (one line).
+    imports where asked for. (--snapshot_path was checked when it was
+    claimed: ``snapshots.claim_snapshot_path``.) Collective. Raises
+    ConfigError (one line).
     """
-    check_same_settings(args)
-    check_amp(args.amp, device, args.model)
-    if len(train_data) < args.grad_accum_steps:
+    check_same_settings(config)
+    check_amp(config.amp, device, config.model)
+    if len(train_data) < config.grad_accum_steps:
         raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
                           f"samples, {len(train_data)} batches of --batch_size "
                           f"{train_data.batch_size}, fewer than one optimizer step of "
-                          f"--grad_accum_steps {args.grad_accum_steps}; lower --batch_size")
-    if args.snapshot_every_steps % args.grad_accum_steps:
-        raise ConfigError(f"--snapshot_every_steps {args.snapshot_every_steps} is not a multiple "
-                          f"of --grad_accum_steps {args.grad_accum_steps}; a snapshot must fall "
-                          f"between optimizer steps")
+                          f"--grad_accum_steps {config.grad_accum_steps}; lower --batch_size")
     error = ""
     if dist.get_rank() == 0:
         for flag, folder in (("metrics_path", False), ("tensorboard_dir", True)):
-            path = getattr(args, flag)
+            path = getattr(config, flag)
             error = error or (output_path_error(flag, path, folder) if path else "")
-        if args.tensorboard_dir and not error:
+        if config.tensorboard_dir and not error:
             error = tensorboard_missing()
     error = first_error(error)
     if error:

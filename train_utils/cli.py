@@ -10,7 +10,7 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import common
 from . import config
@@ -41,7 +41,8 @@ class _OneRankParser(argparse.ArgumentParser):
         """For unrecognized flags, the flags meant: dashes for underscores
         (pytorch/examples' ``--batch-size``), another tool's name for the same
         setting (``OTHER_NAMES``: ``--epochs``, nanoGPT's ``--learning_rate``),
-        or a close spelling (difflib); '' when none is close."""
+        the program that does what a flag asks (``PROGRAMS``), or a close
+        spelling (difflib); '' when none is close."""
         if not message.startswith("unrecognized arguments:"):
             return ""
         known = [flag for action in self._actions for flag in action.option_strings]
@@ -55,6 +56,8 @@ class _OneRankParser(argparse.ArgumentParser):
                 guess = underscored
             elif flag in OTHER_NAMES:
                 guess = OTHER_NAMES[flag]
+            elif flag in PROGRAMS:
+                guess = PROGRAMS[flag]
             else:
                 close = difflib.get_close_matches(underscored, known, n=1, cutoff=0.8)
                 guess = close[0] if close else None
@@ -78,6 +81,8 @@ OTHER_NAMES = {
     "--out_dir": "--snapshot_path",
     "--dtype": "--amp",
 }
+# What a program beside train.py does, asked of train.py as a flag: the program, given the same flags.
+PROGRAMS = {"--check_resume": "tools/check_resume.py, with the same flags"}
 
 
 def _task_name(tasks: tuple) -> Callable[[str], str]:
@@ -96,14 +101,16 @@ def _task_name(tasks: tuple) -> Callable[[str], str]:
 
 def parse_args(description: Optional[str], tasks: Iterable[str], *,
                models: Optional[Callable[[], Mapping[str, Iterable[str]]]] = None,
-               snapshot_paths: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
-    """Parse the command line (``sys.argv``): every flag of the kit
-    (``config.RunConfig``'s, in its order), then the task modules' own
-    (``task_flags``): the flags of the module of the task --dataset names,
-    and only where --help asks for them, or the command line holds a flag
-    the kit and that module do not know, those of every built-in task
-    module too (each import costs its module's start-up: torchvision's 1.5
-    s of CPU for the image tasks).
+               snapshot_paths: Optional[Mapping[str, str]] = None, argv: Optional[Sequence[str]] = None,
+               prog: Optional[str] = None) -> argparse.Namespace:
+    """Parse the command line ``argv`` (None: this process's, ``sys.argv[1:]``),
+    which ``prog`` names in usage and error lines (None: this script's
+    name): every flag of the kit (``config.RunConfig``'s, in its order), then
+    the task modules' own (``task_flags``): the flags of the module of the
+    task --dataset names, and only where --help asks for them, or the
+    command line holds a flag the kit and that module do not know, those of
+    every built-in task module too (each import costs its module's start-up:
+    torchvision's 1.5 s of CPU for the image tasks).
 
     ``tasks`` are the names ``--dataset`` accepts (``common.TASKS``), the first
     the default; a ``module:function`` (your own task, see docs/custom-task.md)
@@ -116,26 +123,27 @@ def parse_args(description: Optional[str], tasks: Iterable[str], *,
     argparse's usage line, exit status 2.
     """
     tasks = tuple(tasks)
-    dataset = _dataset_on_command_line() or tasks[0]
-    if not {"-h", "--help"} & set(sys.argv[1:]):
-        parser = _parser(description, tasks, {}, snapshot_paths or {}, task_flags((dataset,)))
-        args, unknown = parser.parse_known_args()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dataset = _dataset_on_command_line(argv) or tasks[0]
+    if not {"-h", "--help"} & set(argv):
+        parser = _parser(description, prog, tasks, {}, snapshot_paths or {}, task_flags((dataset,)))
+        args, unknown = parser.parse_known_args(argv)
         if not unknown:
             return _with_snapshot_path(args, snapshot_paths)
     # --help, or a flag the task does not know (another task's, a misspelt one): every task's flags.
     every = tuple(dict.fromkeys((*tasks, dataset)))
-    parser = _parser(description, tasks, models() if models else {}, snapshot_paths or {}, task_flags(every))
-    return _with_snapshot_path(parser.parse_args(), snapshot_paths)
+    parser = _parser(description, prog, tasks, models() if models else {}, snapshot_paths or {}, task_flags(every))
+    return _with_snapshot_path(parser.parse_args(argv), snapshot_paths)
 
 
-def _parser(description: Optional[str], tasks: tuple, models: Mapping[str, Iterable[str]],
+def _parser(description: Optional[str], prog: Optional[str], tasks: tuple, models: Mapping[str, Iterable[str]],
             snapshot_paths: Mapping[str, str], flags_of: Mapping[str, dict]) -> argparse.ArgumentParser:
-    """train.py's parser: the kit's flags, and each task module's of ``flags_of`` in a group of its own.
-    A flag two modules declare (token_tasks.py's GPT flags are text_tasks.py's) is listed once, in the
-    group of the first, whose title names the other's tasks too."""
+    """train.py's parser (named ``prog``): the kit's flags, and each task module's of ``flags_of`` in a
+    group of its own. A flag two modules declare (token_tasks.py's GPT flags are text_tasks.py's) is
+    listed once, in the group of the first, whose title names the other's tasks too."""
     # allow_abbrev=False: a misspelt flag (--total_epoch) is an error naming the one meant, not taken for it.
-    parser = _OneRankParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                            allow_abbrev=False)
+    parser = _OneRankParser(prog=prog, description=description,
+                            formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     groups: dict = {}
     for spec in config.flags():
         group = groups.setdefault(spec.metadata["group"], parser.add_argument_group(spec.metadata["group"]))
@@ -244,11 +252,11 @@ def task_flag_values(args: argparse.Namespace) -> dict:
     return {flag: getattr(args, flag) for flag in own}
 
 
-def _dataset_on_command_line() -> Optional[str]:
-    """--dataset's value on the command line, before the whole parse; None where absent."""
+def _dataset_on_command_line(argv: list) -> Optional[str]:
+    """--dataset's value on the command line ``argv``, before the whole parse; None where absent."""
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     probe.add_argument("--dataset")
-    known, _ = probe.parse_known_args()
+    known, _ = probe.parse_known_args(argv)
     return known.dataset
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
+import torch
+
 from common import ConfigError
 from recipes import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, RECIPE_DEFAULTS, recipe_values
 
@@ -58,22 +60,27 @@ def choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def flag(default: Any, help: str, *, group: str, must_match: bool = False, changeable: bool = False,
-         per_process: bool = False, task_default: bool = False, **argparse_options: Any):
+def flag(default: Any, help: str, *, group: str, identity: bool = False, must_match: bool = False,
+         changeable: bool = False, per_process: bool = False, task_default: bool = False, **argparse_options: Any):
     """A ``RunConfig`` field and its command-line flag ``--NAME``.
 
     ``default``: the value where neither the command line nor the task sets
     one (a ``task_default`` field's is ``recipes.RECIPE_DEFAULTS``'); ``help``
     and ``argparse_options`` (type, choices, action, ...) are the flag's;
     ``group``: the --help section it is listed in. Properties:
-    ``must_match``: a snapshot saved with another value comes from another
-    run and is refused; ``changeable``: a resumed run may change it, and the
-    resume line says so (the recipe); ``per_process``: it may differ between
-    the processes of one job (node-local paths); ``task_default``: left
-    unset on the command line, the task's recipe (``common.Task.recipe``)
-    gives it."""
-    metadata = {"help": help, "group": group, "must_match": must_match, "changeable": changeable,
-                "per_process": per_process, "task_default": task_default, "argparse": argparse_options}
+    ``identity``: it says what a run learns, so a run given another value is
+    another run (another point of a sweep), and the Slurm wrappers name the
+    snapshot by it (``identity_flags``); the flags that only say how long a
+    run goes on (a longer run extends the same one), how fast its steps go,
+    or what it prints and where it writes are not; ``must_match``: a
+    snapshot saved with another value comes from another run and is
+    refused; ``changeable``: a resumed run may change it, and the resume
+    line says so (the recipe); ``per_process``: it may differ between the
+    processes of one job (node-local paths); ``task_default``: left unset on
+    the command line, the task's recipe (``common.Task.recipe``) gives it."""
+    metadata = {"help": help, "group": group, "identity": identity, "must_match": must_match,
+                "changeable": changeable, "per_process": per_process, "task_default": task_default,
+                "argparse": argparse_options}
     return field(default=default, metadata=MappingProxyType(metadata))
 
 
@@ -87,8 +94,10 @@ class RunConfig:
     """What a run of train.py trains and how, resolved once
     (``resolve_config``) and never changed after: the flags, the task's
     recipe where the command line left one unset, and what follows from
-    them (the dtype --amp runs in, --grad_accum_steps under
-    --global_batch_size, --total_epochs under --max_steps). ``task_flags``
+    them (--amp as the job runs it, --grad_accum_steps under
+    --global_batch_size, --total_epochs under --max_steps, the model the
+    task chose), read by the run as they are: ``sharded`` and
+    ``compute_dtype`` say what --strategy and --amp mean. ``task_flags``
     holds the task module's own flags (``common.Task`` modules' ``FLAGS``)
     and ``task_identity`` the task's ``identity``. A snapshot stores
     ``as_dict()``; a resumed run compares it with its own (the fields that
@@ -97,21 +106,21 @@ class RunConfig:
     # What to train, on what, for how long. The order is --help's, and the one the resume line
     # names changed flags in (--lr first) and a refusal names what differs in (--dataset first).
     lr: float = flag(RECIPE_DEFAULTS["lr"], "peak learning rate (default: the task's; synthetic 0.05)",
-                     group=TRAINING, changeable=True, task_default=True, type=positive(float))
+                     group=TRAINING, identity=True, changeable=True, task_default=True, type=positive(float))
     total_epochs: int = flag(10, "epochs to train (default: 10)", group=TRAINING, changeable=True, type=positive(int))
     save_every: int = flag(5, "save every N epochs; the last epoch is always saved (default: 5)", group=TRAINING,
                            type=positive(int))
-    dataset: str = flag("synthetic", "task to train", group=TRAINING, must_match=True)
-    model: Optional[str] = flag(None, "model for the task (default: the task's first)", group=TRAINING,
+    dataset: str = flag("synthetic", "task to train", group=TRAINING, identity=True, must_match=True)
+    model: Optional[str] = flag(None, "model for the task (default: the task's first)", group=TRAINING, identity=True,
                                 must_match=True)
     data_dir: str = flag("data", "dataset root, as torchvision expects it (default: $DATA_DIR or ./data)",
-                         group=TRAINING, per_process=True)
-    seed: int = flag(0, "seed for data split, model init, shuffling (default: 0)", group=TRAINING,
+                         group=TRAINING, identity=True, per_process=True)
+    seed: int = flag(0, "seed for data split, model init, shuffling (default: 0)", group=TRAINING, identity=True,
                      must_match=True, type=int)
     batch_size: int = flag(RECIPE_DEFAULTS["batch_size"],
                            "samples per step *per process*; the global batch size is batch_size x "
                            "grad_accum_steps x world_size (default: the task's; 32, shakespeare_char 12)",
-                           group=TRAINING, must_match=True, task_default=True, type=positive(int))
+                           group=TRAINING, identity=True, must_match=True, task_default=True, type=positive(int))
     num_workers: int = flag(0, "DataLoader worker processes per training process (default: 0)", group=TRAINING,
                             per_process=True, type=non_negative_int)
 
@@ -152,7 +161,7 @@ class RunConfig:
         None, "autocast for the training forward pass: bf16 where every GPU of the job has it, else fp16 with a "
               "loss scaler; 'bf16' or 'fp16' forces one, also on a CPU (plain --amp on a CPU only where it was "
               "measured to help, see docs/performance.md)",
-        group=SPEED, nargs="?", const="auto", choices=("auto", "bf16", "fp16"))
+        group=SPEED, identity=True, nargs="?", const="auto", choices=("auto", "bf16", "fp16"))
     compile: bool = flag(False, "torch.compile the training model and its loss, under FSDP each transformer "
                                 "block (saved weights stay loadable without it)", group=SPEED, action="store_true")
     no_tf32: bool = flag(False, "on GPUs, fp32 matmuls and convolutions in full fp32 instead of on TF32 tensor "
@@ -163,10 +172,11 @@ class RunConfig:
                "stopped and resumed ends bitwise equal to one that never stopped; slower (default: off; CPU "
                "runs are repeatable without it)", group=SPEED, action="store_true")
     grad_accum_steps: int = flag(1, "micro-batches of --batch_size per optimizer step (default: 1)", group=SPEED,
-                                 must_match=True, type=positive(int))
+                                 identity=True, must_match=True, type=positive(int))
     global_batch_size: Optional[int] = flag(
         None, "keep this global batch at any world size: --grad_accum_steps becomes it / (batch_size x "
-              "world_size), which must divide it (elastic jobs; default: off)", group=SPEED, type=positive(int))
+              "world_size), which must divide it (elastic jobs; default: off)", group=SPEED, identity=True,
+        type=positive(int))
     activation_checkpointing: bool = flag(
         False, "recompute each transformer block's activations in the backward pass: less memory, the same "
                "losses (default: off)", group=SPEED, action="store_true")
@@ -174,22 +184,22 @@ class RunConfig:
     # The recipe: each default the task's choice (Task.recipe), else recipes.RECIPE_DEFAULTS
     optimizer: str = flag(RECIPE_DEFAULTS["optimizer"], "optimizer (default: the task's; synthetic sgd, "
                                                         "momentum 0.9)",
-                          group=RECIPE, must_match=True, task_default=True, choices=tuple(OPTIMIZERS))
+                          group=RECIPE, identity=True, must_match=True, task_default=True, choices=tuple(OPTIMIZERS))
     weight_decay: float = flag(RECIPE_DEFAULTS["weight_decay"], "weight decay (default: the task's; synthetic 0)",
-                               group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+                               group=RECIPE, identity=True, changeable=True, task_default=True, type=non_negative_float)
     lr_schedule: str = flag(
         RECIPE_DEFAULTS["lr_schedule"],
         "learning rate over the run: constant, cosine (down to --min_lr one step after the last) or step (x "
         "--lr_gamma every --lr_step_epochs) (default: the task's; synthetic constant)",
-        group=RECIPE, changeable=True, task_default=True, choices=LR_SCHEDULES)
+        group=RECIPE, identity=True, changeable=True, task_default=True, choices=LR_SCHEDULES)
     warmup_epochs: float = flag(
         RECIPE_DEFAULTS["warmup_epochs"],
         "linear warm-up over this many (fractional) epochs of steps (default: the task's; 0)",
-        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+        group=RECIPE, identity=True, changeable=True, task_default=True, type=non_negative_float)
     clip_grad_norm: Optional[float] = flag(
         RECIPE_DEFAULTS["clip_grad_norm"],
         "clip the gradients' total L2 norm, over all ranks, to this; 0: no clipping (default: the task's; 0)",
-        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+        group=RECIPE, identity=True, changeable=True, task_default=True, type=non_negative_float)
     max_steps: int = flag(
         RECIPE_DEFAULTS["max_steps"],
         f"optimizer steps to train, the last epoch cut short; 0: --total_epochs (default: the task's; "
@@ -198,27 +208,27 @@ class RunConfig:
     warmup_steps: int = flag(
         RECIPE_DEFAULTS["warmup_steps"],
         f"linear warm-up over this many optimizer steps (--warmup_epochs 0) (default: the task's; "
-        f"{RECIPE_DEFAULTS['warmup_steps']})", group=RECIPE, changeable=True, task_default=True,
+        f"{RECIPE_DEFAULTS['warmup_steps']})", group=RECIPE, identity=True, changeable=True, task_default=True,
         type=non_negative_int)
     min_lr: float = flag(RECIPE_DEFAULTS["min_lr"],
                          f"where the cosine ends (default: the task's; {RECIPE_DEFAULTS['min_lr']})",
-                         group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+                         group=RECIPE, identity=True, changeable=True, task_default=True, type=non_negative_float)
     beta1: float = flag(RECIPE_DEFAULTS["beta1"], f"AdamW's beta1 (default: the task's; {RECIPE_DEFAULTS['beta1']})",
-                        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+                        group=RECIPE, identity=True, changeable=True, task_default=True, type=non_negative_float)
     beta2: float = flag(RECIPE_DEFAULTS["beta2"], f"AdamW's beta2 (default: the task's; {RECIPE_DEFAULTS['beta2']})",
-                        group=RECIPE, changeable=True, task_default=True, type=non_negative_float)
+                        group=RECIPE, identity=True, changeable=True, task_default=True, type=non_negative_float)
     lr_step_epochs: int = flag(
         RECIPE_DEFAULTS["lr_step_epochs"],
         f"step schedule: epochs between decays (default: the task's; {RECIPE_DEFAULTS['lr_step_epochs']})",
-        group=RECIPE, changeable=True, task_default=True, type=positive(int))
+        group=RECIPE, identity=True, changeable=True, task_default=True, type=positive(int))
     lr_gamma: float = flag(
         RECIPE_DEFAULTS["lr_gamma"],
         f"step schedule: factor per decay (default: the task's; {RECIPE_DEFAULTS['lr_gamma']})",
-        group=RECIPE, changeable=True, task_default=True, type=positive(float))
+        group=RECIPE, identity=True, changeable=True, task_default=True, type=positive(float))
     decay_params: str = flag(
         RECIPE_DEFAULTS["decay_params"],
         "all: every parameter decays; matrices: 2-D ones only, not biases or norms (default: the task's; all)",
-        group=RECIPE, must_match=True, task_default=True, choices=DECAY_PARAMS)
+        group=RECIPE, identity=True, must_match=True, task_default=True, choices=DECAY_PARAMS)
 
     # How the run is spread, snapshotted and timed out
     strategy: str = flag("ddp", "ddp: every rank holds the whole model (DistributedDataParallel); fsdp: each "
@@ -232,20 +242,13 @@ class RunConfig:
     snapshot_path: Optional[str] = flag(None, "snapshot to resume from when it exists, and to save to",
                                         group=RUN, per_process=True)
     snapshot_every_steps: int = flag(
-        0, "also snapshot every N steps inside an epoch, so a restart loses at most N steps (0: only at epoch "
-           "ends) (default: 0)", group=RUN, type=non_negative_int)
+        0, "also snapshot every N optimizer steps inside an epoch, so a restart loses at most N steps (0: only at "
+           "epoch ends) (default: 0)", group=RUN, type=non_negative_int)
     snapshot_every_s: float = flag(
         0, "also snapshot inside an epoch once this many seconds have passed since the last snapshot, e.g. 60 "
            "(0: off) (default: 0)", group=RUN, type=non_negative_float)
     snapshot_sync: bool = flag(False, "write each snapshot before training goes on (default: a CPU copy written "
                                       "in the background, one write at a time)", group=RUN, action="store_true")
-    check_resume: bool = flag(
-        False, "check that this run resumes exactly, then end: train it twice, straight through and stopped by "
-               "SIGTERM after its middle step then resumed in a fresh process group, on side snapshots beside "
-               "--snapshot_path (never reading or writing it), and compare every step's loss, the random streams, "
-               "the weights, optimizer state, loader position, schedule and loss scaler; exit status 0: bitwise, "
-               "1: not (what differs is printed); --max_steps sets its length (default: 20 steps) "
-               "(docs/custom-task.md)", group=RUN, action="store_true")
     pg_timeout_s: float = flag(
         600, "once training runs, seconds a collective may wait for the other ranks before the job fails: on "
              "the CPU (gloo) rank 0 names the ranks that did not arrive; on GPUs (NCCL) NCCL's watchdog ends "
@@ -261,12 +264,41 @@ class RunConfig:
     task_flags: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     task_identity: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded (FSDP2: --strategy fsdp, or hsdp on a
+        2-D mesh) and its snapshots are folders of shards; else DDP, every
+        rank holding the whole model, snapshots one file."""
+        return is_sharded(self.strategy)
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the training forward computes in: None without --amp,
+        else torch.bfloat16 or torch.float16 (the latter with a loss scaler).
+        --amp as the job runs it: on CUDA plain --amp is "bf16" or "fp16"
+        already (``loop.resolve_amp``, every rank's GPU asked), elsewhere
+        "auto" is bf16."""
+        if self.amp is None:
+            return None
+        return torch.float16 if self.amp == "fp16" else torch.bfloat16
+
     def as_dict(self) -> dict:
         """The configuration as plain values, the task's flags among the
         kit's and its identity under "task_identity": what snapshots, the
         metrics file's start record and W&B store."""
         values = {f.name: getattr(self, f.name) for f in flags()}
         return {**values, **self.task_flags, "task_identity": dict(self.task_identity)}
+
+
+# The strategies that shard the model with FSDP2 (--strategy), whose snapshots are folders of shards.
+SHARDED_STRATEGIES = ("fsdp", "hsdp")
+
+
+def is_sharded(strategy: str) -> bool:
+    """Whether --strategy ``strategy`` shards the model (``SHARDED_STRATEGIES``):
+    what ``RunConfig.sharded`` says, for the command line before the
+    configuration exists (the snapshot's claim, its name)."""
+    return strategy in SHARDED_STRATEGIES
 
 
 def flags() -> tuple:
@@ -276,6 +308,13 @@ def flags() -> tuple:
 
 def _having(prop: str) -> tuple:
     return tuple(f.name for f in flags() if f.metadata[prop])
+
+
+def identity_flags() -> tuple:
+    """Flags that say what a run learns, in --help's order: given another
+    value, another run (``flag``'s ``identity``; the Slurm wrappers' snapshot
+    name, tools/identity.py)."""
+    return _having("identity")
 
 
 def must_match() -> tuple:
@@ -310,12 +349,14 @@ def batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:
 
 
 def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optional[str],
-                   task_flags: Optional[Mapping[str, Any]] = None, local_world_size: int = 1) -> RunConfig:
-    """The run's configuration, from the parsed command line ``args`` (the
-    model chosen by the task function among them) and the task built from
-    it, for ``world_size`` processes: each flag ``args`` leaves unset (None)
+                   task_flags: Optional[Mapping[str, Any]] = None, local_world_size: int = 1,
+                   model: Optional[str] = None) -> RunConfig:
+    """The run's configuration, from the parsed command line ``args`` and the
+    task built from it (``model``: the model its task function chose, where
+    --model left it to the task: ``common.choose_model``), for
+    ``world_size`` processes: each flag ``args`` leaves unset (None)
     that the task's recipe gives, the recipe's (``recipes.recipe_values``);
-    --amp as the job runs it (``amp``: ``speed.resolve_amp``'s); with
+    --amp as the job runs it (``amp``: ``loop.resolve_amp``'s); with
     --global_batch_size, --grad_accum_steps = it / (batch_size x world_size);
     with --max_steps, --total_epochs = the epochs that hold its steps; the
     task's own flags (``task_flags``: {name: value}, ``cli.task_flag_values``)
@@ -324,7 +365,7 @@ def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optiona
     line) for a global batch size the per-process batch does not divide, and
     as ``hsdp_shard_size`` does."""
     values = {f.name: getattr(args, f.name) for f in flags()}
-    values.update(recipe_values(args, task.recipe), amp=amp)
+    values.update(recipe_values(args, task.recipe), amp=amp, model=model or args.model)
     values["grad_accum_steps"] = accumulation_steps(values["global_batch_size"], values["batch_size"],
                                                     values["grad_accum_steps"], world_size)
     values["shard_size"] = hsdp_shard_size(values["strategy"], values["shard_size"], world_size, local_world_size)

@@ -1,9 +1,11 @@
-"""The one-line errors: a user's mistake, a finished run, a collective time-out,
-a failure that is nobody's input (a full disk), and an unexpected exception.
+"""The one-line errors: a user's mistake, a collective time-out, a stop
+signal during start-up, a failure that is nobody's input (a full disk), and
+an unexpected exception.
 
-A script's ``main`` is decorated with ``one_line_errors``; what it catches
-ends the process with one line and an exit status, and no traceback but an
-unexpected exception's, which shows where it was raised.
+A script's ``main`` is decorated with ``one_line_errors``: whatever ends it
+ends the process through ``ending.end_process``, what it raised as one line
+and an exit status, with no traceback but an unexpected exception's, which
+shows where it was raised.
 """
 
 from __future__ import annotations
@@ -22,16 +24,15 @@ from typing import Callable
 import torch.distributed as dist
 
 from common import ConfigError  # the task contract's one-line error (exit 2)
-from .hang_report import ANSWER_WAIT_S, finish_answer
-from .output import RunFailed, is_distributed, print_line
-from .snapshots.claims import release_claim
-from .stop import StopDuringStartup, end_startup_stop, note_stop_signals_only, received_stop_signal, \
-    report_run_finished
-from .timeouts import RanksStuck, is_timeout, startup_timeout_line, timeout_diagnosis
+from .distributed import ANSWER_WAIT_S, RanksStuck, finish_answer, is_timeout, startup_timeout_line, \
+    timeout_diagnosis
+from .ending import end_process
+from .loop import StopDuringStartup, note_stop_signals_only, received_stop_signal
+from .output import RunFailed, is_distributed, print_line, this_rank
 
-class NothingToTrain(Exception):
-    """The snapshot already holds every epoch asked for: not an error, one
-    line on stdout and exit status 0."""
+# How a process ends: its exit status, and whether it leaves at once, its process group left as it is
+# (``end_process``'s ``at_once``).
+Ending = tuple[int, bool]
 
 
 def report_to_torchrun(line: str) -> None:
@@ -52,67 +53,85 @@ def report_to_torchrun(line: str) -> None:
 
 
 def one_line_errors(fn: Callable) -> Callable:
-    """Decorator for a script's ``main``: a ConfigError becomes one line on
-    stderr (``error: ...``), torchrun's root cause, and exit status 2, without
-    a traceback, the process group destroyed; NothingToTrain becomes one line
-    on stdout (and ``report_run_finished``) and exit status 0; a collective
-    that timed out becomes the line of ``timeout_diagnosis`` (which ranks did
-    not arrive), a rank stuck before its first batch that of
-    ``check_first_batches``, a start-up store
-    that timed out before the process group exists that of
-    ``startup_timeout_line``; exit status 1. A stop signal during start-up
-    (``catch_stop_signals``) becomes one line from rank 0 and the signal's
-    exit status, 128 + its number. A RunFailed (a full disk at a save:
-    ``snapshots.save_failure``) becomes its line, exit status 1; any other
-    exception its traceback, then one line naming it (``_end_unexpected``),
-    exit status 1. Every one of these lines is torchrun's root cause too.
-    Each of these exits gives back the snapshot's claim this process took
-    (``claims.release_claim``; at exit, or before an ``os._exit``).
+    """Decorator for a script's ``main``, which returns its exit status (None:
+    0): the process ends through ``ending.end_process`` with that status, or
+    with what ``main`` raised as one line and an exit status, that line also
+    torchrun's root cause.
+
+    A ConfigError: ``error: ...`` on stderr, without a traceback, exit status
+    2. A collective that timed out: the line of ``timeout_diagnosis`` (which
+    ranks did not arrive), for a rank stuck before its first batch that of
+    ``check_first_batches``, for a start-up store that timed out before the
+    process group exists that of ``startup_timeout_line``; exit status 1. A
+    stop signal during start-up (``catch_stop_signals``): one line from rank
+    0 and the signal's exit status, 128 + its number. A RunFailed (a full
+    disk at a save: ``snapshots.save_failure``): its line, exit status 1; a
+    SystemExit its own status; any other exception its traceback, then one
+    line naming it (``_unexpected``), exit status 1.
 
     Under a process group only rank 0 prints, since such errors are raised on
     every rank alike (see ``downloaders_first``); the other ranks exit quietly.
     """
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, **kwargs) -> None:
         try:
-            return fn(*args, **kwargs)
+            status, at_once = fn(*args, **kwargs) or 0, False
         except StopDuringStartup as stop:
-            release_claim()  # os._exit skips atexit
-            end_startup_stop(stop)
-        except NothingToTrain as done:
-            _end_nothing_to_train(done)
+            status, at_once = _startup_stop(stop)
         except ConfigError as exc:
-            _end_config_error(exc)
+            status, at_once = _config_error(exc)
         except RunFailed as exc:
-            _end_run_failed(exc)
+            status, at_once = _run_failed(exc)
         except RuntimeError as exc:  # torch's DistBackendError and DistStoreError are
-            _end_if_timeout(exc)
-            _end_unexpected(exc)
-        except (SystemExit, KeyboardInterrupt, GeneratorExit):
+            status, at_once = _timeout(exc) or _unexpected(exc)
+        except SystemExit as exc:  # sys.exit in a task's code: its status, through the same door
+            status, at_once = _exit_status(exc), False
+        except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            _end_unexpected(exc)
+            status, at_once = _unexpected(exc)
+        end_process(status, at_once=at_once)
 
     return wrapper
 
 
+def _exit_status(exc: SystemExit) -> int:
+    """The exit status ``sys.exit(code)`` asks for: the number, 0 for None,
+    else 1 with the code printed on stderr (as the interpreter does)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print_line(str(exc.code), sys.stderr)
+    return 1
+
+
+def _startup_stop(stop: StopDuringStartup) -> Ending:
+    """Rank 0 prints ``stop.line()``; every rank leaves at once, without
+    tearing the process group down (other ranks may be anywhere in start-up),
+    with exit status 128 + the signal's number, the status of a process the
+    signal ended: so that the launcher (srun --kill-on-bad-exit, torchrun)
+    ends a rank still blocked inside C, in a store wait or a collective, that
+    takes its own signal only when that call returns. The Slurm wrappers
+    requeue by the signal, not by this status."""
+    if this_rank() == 0:
+        print_line(stop.line())
+    return 128 + stop.signum, True
+
+
 def _end_quietly(signum: int, _frame) -> None:
-    """Signal handler: this rank's end, asked for by the launcher: the claim
-    given back (``release_claim``), exit status 128 + ``signum``, no line."""
-    release_claim()
-    sys.stdout.flush()
-    os._exit(128 + signum)
+    """Signal handler: this rank's end, asked for by the launcher: exit
+    status 128 + ``signum``, at once, no line."""
+    end_process(128 + signum, at_once=True)
 
 
-def _end_run_failed(exc: RunFailed) -> None:
+def _run_failed(exc: RunFailed) -> Ending:
     """Its line on stderr (rank 0 when raised on every rank, else the rank
     that raised it) and in torchrun's error file; exit 1."""
     note_stop_signals_only()
     if not exc.every_rank or not is_distributed() or dist.get_rank() == 0:
         print_line(f"error: {exc}", sys.stderr)
     report_to_torchrun(f"error: {exc}")
-    sys.exit(1)
+    return 1, False
 
 
 # How a collective fails when another rank has ended (gloo, NCCL): a consequence, not a cause.
@@ -121,14 +140,15 @@ PEER_GONE = ("closed by peer", "reset by peer", "remote worker crashing", "remot
 PEER_GONE_WAIT_S = 10  # time for torchrun's agent, which saw that rank fail, to end this one
 
 
-def _end_unexpected(exc: BaseException) -> None:
+def _unexpected(exc: BaseException) -> Ending:
     """An exception nothing above knows: its traceback (where it came from:
     the kit, or a task's own code), then one line naming it, which is also
     torchrun's root cause; exit 1. A collective that failed because another
     rank ended (``PEER_GONE``) first waits, quietly, for the launcher to end
-    this rank (SIGTERM), since that rank's own line says why; then one line.
-    Where a stop signal came already (the launcher's, before the collective
-    failed), the rank ends at once, quietly, with its exit status."""
+    this rank (SIGTERM), since that rank's own line says why; then one line,
+    and the rank leaves at once, its process group broken. Where a stop
+    signal came already (the launcher's, before the collective failed), the
+    rank ends at once, quietly, with its exit status."""
     where = f" on rank {dist.get_rank()} (host {socket.gethostname()})" if is_distributed() else ""
     note_stop_signals_only()
     if isinstance(exc, RuntimeError) and any(text in str(exc) for text in PEER_GONE):  # torch's errors
@@ -138,8 +158,9 @@ def _end_unexpected(exc: BaseException) -> None:
         if received_stop_signal():
             _end_quietly(received_stop_signal(), None)
         time.sleep(PEER_GONE_WAIT_S)
-        _end_run_failed(RunFailed(f"another rank ended{where and ', seen' + where}: its own error says "
-                                  f"why (`{(str(exc).strip().splitlines() or [''])[0][:120]}`)"))
+        status, _ = _run_failed(RunFailed(f"another rank ended{where and ', seen' + where}: its own error says "
+                                          f"why (`{(str(exc).strip().splitlines() or [''])[0][:120]}`)"))
+        return status, True
     traceback.print_exc()
     detail = (str(exc).strip().splitlines() or [""])[0][:200]
     line = (f"error: unexpected {type(exc).__name__}{where}: {detail}; the traceback above shows where: "
@@ -147,28 +168,10 @@ def _end_unexpected(exc: BaseException) -> None:
             f"saved before is intact (the same command resumes from it)")
     print_line(line, sys.stderr)
     report_to_torchrun(line)
-    sys.exit(1)
+    return 1, False
 
 
-def _end_nothing_to_train(done: NothingToTrain) -> None:
-    """Rank 0 prints ``done`` and tells a Slurm wrapper the run is finished;
-    the claim given back; exit 0 at once, without the interpreter's
-    teardown: once FSDP made DTensors the process group outlives
-    ``destroy_process_group`` and gloo's threads can abort the teardown, as
-    at the end of a finished FSDP run (``fsdp.exit_skipping_teardown``)."""
-    note_stop_signals_only()  # a stop signal now must not cut the report short
-    if not is_distributed() or dist.get_rank() == 0:
-        print_line(str(done))
-        report_run_finished()  # for a Slurm wrapper: no requeue
-    if is_distributed():
-        dist.destroy_process_group()
-    release_claim()  # os._exit skips atexit
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _end_config_error(exc: ConfigError) -> None:
+def _config_error(exc: ConfigError) -> Ending:
     """Rank 0 prints ``error: ...``; every rank gives torchrun the line; exit 2."""
     note_stop_signals_only()
     if not is_distributed() or dist.get_rank() == 0:
@@ -177,18 +180,16 @@ def _end_config_error(exc: ConfigError) -> None:
     # smallest timestamp (whole seconds) as the root cause, and on a
     # busy machine a quiet rank can get there before rank 0.
     report_to_torchrun(f"error: {exc}")
-    if is_distributed():  # else NCCL warns of a leaked process group on every rank
-        with contextlib.suppress(RuntimeError):
-            dist.destroy_process_group()
-    sys.exit(2)
+    return 2, False
 
 
-def _end_if_timeout(exc: RuntimeError) -> None:
-    """A time-out (or ranks stuck before their first batch): its one line, then
-    exit 1 at once; any other RuntimeError returns, for the caller to re-raise."""
+def _timeout(exc: RuntimeError) -> Ending | None:
+    """A time-out (or ranks stuck before their first batch): its one line,
+    this rank's answer to the hang report given its time, then exit 1 at once,
+    the process group broken; None for any other RuntimeError."""
     note_stop_signals_only()  # ending anyway: a stop signal must not cut the report short
     if not isinstance(exc, RanksStuck) and not is_timeout(exc):
-        return
+        return None
     if isinstance(exc, RanksStuck):
         line = exc.line
     else:
@@ -197,8 +198,4 @@ def _end_if_timeout(exc: RuntimeError) -> None:
         print_line(f"error: {line}", sys.stderr)
         report_to_torchrun(f"error: {line}")
     finish_answer(ANSWER_WAIT_S)  # this rank's stack file too, for the report some rank makes
-    # The process group is broken now: leave without tearing it down.
-    release_claim()  # os._exit skips atexit
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    return 1, True

@@ -38,6 +38,12 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def this_rank() -> int:
+    """This process's rank: the process group's, or before one exists the
+    launcher's (RANK; 0 without a launcher)."""
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
+
+
 def first_error(error: str) -> str:
     """Collective (an all-gather): the first non-empty error of any rank ('' if none)."""
     errors: list = [None] * dist.get_world_size()

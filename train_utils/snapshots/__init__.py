@@ -1,6 +1,8 @@
 """Snapshots: what a run writes so that any stop resumes exactly, and reads
 back. Its face is the ``Checkpointer`` (``checkpointer.py``), given the run's
-stateful parts, and ``claim_snapshot_path``, the claim taken at start-up.
+stateful parts; ``claim_snapshot_path``, the claim taken at start-up, and
+``release_claim``, which gives it back; ``position``, where a snapshot
+stands in words; ``START_AFRESH``, how to start afresh.
 
   module        concern
   checkpointer  the Checkpointer: find, load, save, wait, close; the parts it is given
@@ -13,5 +15,8 @@ stateful parts, and ``claim_snapshot_path``, the claim taken at start-up.
 """
 
 from .checkpointer import Checkpointer, Found, claim_snapshot_path
+from .claims import release_claim
+from .file import START_AFRESH
+from .position import position
 
-__all__ = ["Checkpointer", "Found", "claim_snapshot_path"]
+__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "START_AFRESH", "position"]

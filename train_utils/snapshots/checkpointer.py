@@ -1,5 +1,5 @@
 """The Checkpointer: a snapshot's whole life, from the claim on its path to
-the last write, behind a few calls (``claim_snapshot_path``; ``load``,
+the last write, behind a few calls (``claim_snapshot_path``; ``find``, ``load``,
 ``save``, ``wait``, ``close``) and the clock that says when the next one is due.
 """
 
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from ..launch import gloo_group
+from ..distributed import gloo_group
 from ..output import first_error, output_path_error
-from .claims import claim_snapshot, release_claim
+from .claims import claim_snapshot
 from .file import START_AFRESH, SnapshotFile, remove_stale_temporary_files
 from .position import position
 from .save_errors import save_failure
@@ -42,19 +42,20 @@ class Part(Protocol):
 
 @dataclass(frozen=True)
 class Found:
-    """What ``Checkpointer.load`` found: ``path`` the snapshot (None: none, a
-    fresh start); ``position`` where it stands ("after epoch 2", "in epoch 3
-    after step 40"); ``finished``: it holds every epoch (or, under
-    --max_steps, every step) asked for, ``line`` says so, and nothing was
-    loaded (the epochs) or all was (the steps; either way
-    ``Checkpointer.load_model`` loads its weights); a snapshot resumed from: ``position`` in this run's
-    steps, ``note`` the resume line's end (another world size: what
-    changes)."""
+    """The snapshot a run resumes from, as ``Checkpointer.find`` found it:
+    ``path`` (None: none, a fresh start), ``epochs_run`` (the epochs it
+    holds whole) and ``position``, where it stands ("after epoch 2", "in
+    epoch 3 after step 40"). Once loaded (``Checkpointer.load``),
+    ``position`` is in this run's steps and ``note`` the resume line's end
+    (another world size: what changes). The Trainer's answer for a snapshot
+    that holds every epoch or step asked for: ``finished``, and ``line``
+    saying so."""
 
     path: Optional[str] = None
+    epochs_run: int = 0
     position: str = ""
-    finished: bool = False
     note: str = ""
+    finished: bool = False
     line: str = ""
 
 
@@ -66,7 +67,7 @@ def claim_snapshot_path(path: str, sharded: bool) -> None:
     of the same command is refused before a download, say), and rank 0
     removes the temporary files a killed writer left beside it. Raises
     ConfigError (one line, on every rank) when the path cannot be written
-    or another live run holds it. ``Checkpointer.close`` gives the claim back."""
+    or another live run holds it. ``ending.end_process`` gives the claim back."""
     rank = dist.get_rank()
     writes = sharded or rank == 0
     error = first_error(output_path_error("snapshot_path", path, folder=sharded) if writes else "")
@@ -82,12 +83,13 @@ class Checkpointer:
     ``claim_snapshot_path``) of ``model`` (DDP's ``.module``; under FSDP the
     sharded model), ``optimizer`` and the run's stateful ``parts`` ({name:
     ``Part``}), given here and loaded in their order; train.py's are
-    "progress" (the position, the random streams: ``resume.Progress``, whose
+    "progress" (the position, the random streams: ``loop.Progress``, whose
     world size the resume line's note reads), "recipe" (the schedule, the
     loss scale), "evaluations" (the interval's loss, the best so far) and
     "trackers" (the W&B run). ``config``: the run's (``RunConfig.as_dict``), compared with a
     snapshot's before it is loaded and saved in every one. The one to resume
-    from is found and loaded (``load``), new ones are written one at a time
+    from is found (``find``) and loaded (``load``; whether anything is left
+    to train is the Trainer's decision), new ones are written one at a time
     (in the background unless ``asynchronous`` is False), and the system's
     refusal of a write is one line that names the intact snapshot.
 
@@ -110,12 +112,12 @@ class Checkpointer:
     snapshots refused in one line.
 
     ``every_s``: --snapshot_every_s, rank 0's clock; ``every_steps``:
-    --snapshot_every_steps; ``timeout_s``: --pg_timeout_s for the background
+    --snapshot_every_steps, in optimizer steps; ``timeout_s``: --pg_timeout_s for the background
     saves' own groups (FSDP); ``write_timeout_s``: --startup_timeout_s, how
     long the ranks wait for a snapshot's write together (``wait``).
     Collective: every rank makes one (a gloo group for that wait; FSDP's
-    background saves make two more) and calls ``load``, ``save`` and ``due``
-    alike.
+    background saves make two more) and calls ``find``, ``load``, ``save``
+    and ``due`` alike.
     """
 
     def __init__(self, path: str, sharded: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -136,33 +138,36 @@ class Checkpointer:
         self.together = gloo_group(timedelta(seconds=write_timeout_s), "snapshot write") \
             if dist.get_world_size() > 1 else None
         self.clock = SnapshotClock(every_s)
-        self.found: Optional[str] = None  # the snapshot found by ``load``
+        self.found: Optional[str] = None  # the snapshot found by ``find``
+        self._snapshot: Optional[dict] = None  # what ``find`` read of it, for ``load``
         self.saved_at = ""  # the intact snapshot and its position, for a failed write's line; '' for none
 
-    def load(self) -> Found:
-        """Collective: find the snapshot to resume from and load it: the
-        weights and the optimizer's state (in place; under FSDP each rank its
-        own shards), then each part in order. Returns what was found
-        (``Found``): nothing; a run that already holds every epoch asked
-        for (nothing is loaded: ``load_model`` loads its weights); or the
-        position resumed at and the resume line's note (``resume_note`` of
-        the format: another world size).
-
-        Raises ConfigError (one line, the snapshot kept) for a damaged
-        snapshot or another run's (``file.check_same_run``), one seen on
-        some nodes only, one holding keys that no part of this run reads, or
-        one a part refuses (a finished --max_steps run asked to go on to
-        another: ``Recipe.load_state_dict``)."""
+    def find(self) -> Found:
+        """Collective: the snapshot to resume from, read and checked, not yet
+        loaded (``load``): ``Found`` with its path, the epochs it holds and
+        where it stands; ``Found()`` where there is none. Raises ConfigError
+        (one line, the snapshot kept) for a damaged snapshot or another
+        run's (``file.check_same_run``), or one seen on some nodes only."""
         self.found = self.store.latest()
         if self.found is None:
             return Found()
-        snapshot = self.store.read(self.found, self.config)
+        self._snapshot = self.store.read(self.found, self.config)
+        epochs_run = self._snapshot["epochs_run"]
+        return Found(self.found, epochs_run, position(epochs_run, self._snapshot["steps_run"]))
+
+    def load(self) -> Found:
+        """Collective: load the snapshot ``find`` found: the weights and the
+        optimizer's state (in place; under FSDP each rank its own shards),
+        then each part in order. Returns it as found, its position now in
+        this run's steps (the "progress" part's) and the resume line's note
+        (``resume_note`` of the format: another world size).
+
+        Raises ConfigError (one line, the snapshot kept) for a snapshot
+        holding keys that no part of this run reads, or one a part refuses
+        (a finished --max_steps run asked to go on to another:
+        ``Recipe.load_state_dict``)."""
+        snapshot = self._snapshot
         where = position(snapshot["epochs_run"], snapshot["steps_run"])
-        longer = "--max_steps" if self.config.get("max_steps") else "--total_epochs"
-        if snapshot["epochs_run"] == self.config["total_epochs"]:
-            return Found(self.found, where, finished=True,
-                         line=f"snapshot {self.found} already holds all {self.config['total_epochs']} epochs: "
-                              f"nothing to train (raise {longer} to train on, or {START_AFRESH})")
         known = set(OWN_KEYS).union(*(part.KEYS for part in self.parts.values()))
         unknown = sorted(set(snapshot) - known)
         if unknown:
@@ -174,18 +179,13 @@ class Checkpointer:
         self.saved_at = f"{self.found} ({where})"
         progress = self.parts.get("progress")
         if progress is None:
-            return Found(self.found, where)
-        max_steps = self.config.get("max_steps") or 0
-        if max_steps and progress.step >= max_steps:  # a --max_steps run that ended inside an epoch
-            return Found(self.found, where, finished=True,
-                         line=f"snapshot {self.found} already holds {progress.step} optimizer steps of "
-                              f"--max_steps {max_steps}: nothing to train (raise --max_steps to train on, or "
-                              f"{START_AFRESH})")
+            return Found(self.found, snapshot["epochs_run"], where)
         # Where this run goes on, in its own steps (another world size counts others), and what changed.
-        return Found(self.found, progress.position(), note=self.store.resume_note(snapshot, progress, self.config))
+        return Found(self.found, snapshot["epochs_run"], progress.position(),
+                     note=self.store.resume_note(snapshot, progress, self.config))
 
     def load_model(self) -> None:
-        """Collective under FSDP: the weights alone of the snapshot ``load``
+        """Collective under FSDP: the weights alone of the snapshot ``find``
         found (a finished run's, to sample from), checked as ``load`` checks
         them, into the model."""
         self.store.load_model(self.found, self.model)
@@ -197,14 +197,15 @@ class Checkpointer:
         (``SnapshotClock``). False on every other rank."""
         return self.rank == 0 and self.clock.ask()
 
-    def due(self, steps_run: int, requested: bool) -> bool:
-        """Collective in effect: whether a snapshot is due after this optimizer
-        step, the same answer on every rank: ``requested`` (the poll's answer
-        to rank 0's ``request``) unless a snapshot was taken since it was sent,
-        or every --snapshot_every_steps micro-batches (``steps_run``, this
-        epoch's). Call it on every rank after every poll."""
+    def due(self, step: int, requested: bool) -> bool:
+        """Collective in effect: whether a snapshot is due after optimizer step
+        ``step`` of this epoch (``Progress.epoch_step``, 1-based), the same
+        answer on every rank: ``requested`` (the poll's answer to rank 0's
+        ``request``) unless a snapshot was taken since it was sent, or every
+        --snapshot_every_steps optimizer steps of the epoch. Call it on every
+        rank after every poll."""
         due = self.clock.due(requested)
-        return due or bool(self.every_steps) and steps_run % self.every_steps == 0
+        return due or bool(self.every_steps) and step % self.every_steps == 0
 
     def save(self) -> None:
         """Collective: a snapshot of the model, the optimizer and every part
@@ -252,13 +253,11 @@ class Checkpointer:
             dist.barrier(group=self.together)
 
     def close(self) -> None:
-        """The run's end: the last write waited for (``wait``), then the claim
-        given back (``claims.release_claim``; outside Slurm the next run may
-        take the snapshot, on any host), and what the format kept between
-        saves freed."""
+        """The run's end: the last write waited for (``wait``), then what the
+        format kept between saves freed. (The claim on the path is the
+        process's: ``ending.end_process`` gives it back.)"""
         self.wait()
         self.store.close()
-        release_claim()
 
     def _fail(self, exc: BaseException) -> None:
         """Raise ``exc``, as the one line of ``save_failure`` when the system refused the write."""

@@ -12,7 +12,6 @@ the pid namespace those pids belong to (a container's own).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import socket
@@ -193,8 +192,9 @@ def claim_snapshot(snapshot_path: str) -> None:
     """Collective: rank 0 claims ``snapshot_path`` for this run (``take_claim``).
     Raises ConfigError on every rank, before training, when another live run
     holds it, naming that run (host and pid, or Slurm job). Outside Slurm the
-    claim is given back when the process ends (``release_claim``); inside a
-    job it stays, as the wrappers' does, until another job takes it over."""
+    claim is given back when the process ends (``release_claim``, called by
+    ``ending.end_process``); inside a job it stays, as the wrappers' does,
+    until another job takes it over."""
     me = this_run()
     runs: list = [None] * dist.get_world_size()
     dist.all_gather_object(runs, me)
@@ -204,7 +204,6 @@ def claim_snapshot(snapshot_path: str) -> None:
         error = take_claim(path, me, {(run["host"], run["pid"], run.get("pidns", "")) for run in runs})
         if not error and "job" not in me:
             _HELD.update(path=path, holder=me)
-            atexit.register(release_claim)
     error = first_error(error)
     if error:
         raise ConfigError(error)

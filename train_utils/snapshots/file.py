@@ -118,7 +118,7 @@ def check_same_run(snapshot: dict, path: str, config: dict) -> None:
     between runs of the same training, like paths (a node-local --data_dir),
     the schedule (--total_epochs, --lr lowered after a divergence:
     ``Recipe.load_state_dict``), --num_workers, --compile and --amp. The world size
-    may change, mid-epoch too (``resume.Progress.resize_note``)."""
+    may change, mid-epoch too (``loop.Progress.resize_note``)."""
     saved, config = {**BEFORE_RECIPES, **snapshot["config"]}, {**BEFORE_RECIPES, **config}
     # --global_batch_size sets the accumulation per world size: the global batch must match instead.
     keys = [key for key in must_match() if key != "grad_accum_steps" or not config.get("global_batch_size")]

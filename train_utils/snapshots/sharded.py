@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from ..evaluation import broadcast_buffers
-from ..launch import gloo_group
+from ..distributed import broadcast_buffers, gloo_group
 from ..output import first_error, print_line
 from .position import position_tag
 from .file import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
@@ -97,10 +96,7 @@ class ShardedSnapshots:
         (``Progress.load_state_dict``). Raises ConfigError as ``read_snapshot``
         does, and for damaged shards."""
         snapshot = read_snapshot(os.path.join(folder, self.META), config)
-        damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
-        if damage:
-            raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
-                              f"to start afresh (or put back a good copy), or pass another --snapshot_path")
+        _check_shards(folder)
         return snapshot
 
     def load(self, folder: str, snapshot: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -108,7 +104,7 @@ class ShardedSnapshots:
         its META, ``read``'s) into this model's and optimizer's own sharded
         state dicts, in place: each rank reads its shards' pieces from
         whichever files hold them."""
-        import torch.distributed.checkpoint as dcp  # imported where FSDP uses it: see train.shard_model
+        import torch.distributed.checkpoint as dcp  # imported where FSDP uses it: see distributed.shard_model
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -137,10 +133,7 @@ class ShardedSnapshots:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-        damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
-        if damage:
-            raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
-                              f"to start afresh (or put back a good copy), or pass another --snapshot_path")
+        _check_shards(folder)
         state = get_model_state_dict(model)
         dcp.load(state, checkpoint_id=os.path.join(folder, "model"))
         set_model_state_dict(model, state)
@@ -276,6 +269,16 @@ def dcp_result(save: object) -> object:
     return save.result() if isinstance(save, Future) else save
 
 
+def _check_shards(folder: str) -> None:
+    """Collective: every rank checks its share of the shards of snapshot
+    ``folder`` (``shard_damage``); raises ConfigError (one line, on every
+    rank) naming the first damage any rank found."""
+    damage = first_error(shard_damage(folder, dist.get_rank(), dist.get_world_size()))
+    if damage:
+        raise ConfigError(f"cannot read snapshot {folder} (a damaged shard: {damage}); move it away "
+                          f"to start afresh (or put back a good copy), or pass another --snapshot_path")
+
+
 def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:
     """'' when the DCP shard files of snapshot ``folder`` pass their integrity
     check, else which file and item fails, in a few words.
@@ -328,7 +331,7 @@ def _position(name: str) -> Optional[tuple]:
 
 def mesh_name(config: dict, world_size: int) -> str:
     """How a run of ``config`` on ``world_size`` ranks shards its model:
-    "FSDP", or "HSDP replicate R x shard S" (--strategy hsdp, ``train.hsdp_mesh``)."""
+    "FSDP", or "HSDP replicate R x shard S" (--strategy hsdp, ``distributed.fsdp.hsdp_mesh``)."""
     shard_size = config.get("shard_size") or 0
     if config.get("strategy") != "hsdp" or not shard_size:
         return "FSDP"

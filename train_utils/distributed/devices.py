@@ -1,9 +1,9 @@
-"""This process's device and CPU threads, and the line that says what runs where.
+"""This process's device and CPU threads, the flight recorder's settings,
+why GPUs go unused, the peak GPU memory, and the installed torch's version.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import re
@@ -16,8 +16,6 @@ import torch.distributed as dist
 
 from common import ConfigError
 from .kernels import check_gpu_has_kernels
-from .numerics import numerics_description
-from .speed import amp_dtype
 
 
 def started_by_srun() -> bool:
@@ -187,48 +185,6 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def describe_run(device: torch.device, args: argparse.Namespace) -> str:
-    """The start-up line: what runs where, and the global batch size.
-
-    E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
-    batch_size 32 x grad_accum_steps 1 x world_size 2 | cpu threads 1 per
-    process``: under --strategy hsdp then the device mesh (``| HSDP mesh
-    replicate 2 x shard 4``); on a CPU, the intra-op threads each process computes with
-    (``share_cpu_cores``; OMP_NUM_THREADS sets them); then ``| amp bf16`` or
-    ``| amp fp16 with a loss scaler`` under --amp; on CUDA how fp32 matmuls
-    run (``| fp32 matmuls on TF32 (--no_tf32: full fp32)``), and ``|
-    deterministic`` under --deterministic (``numerics_description``). Preceded by a ``note:``
-    line when GPUs are present but unusable (``unusable_gpu_reason``), one
-    when torch is older than ``OLDEST_TORCH``, and one for a multi-node
-    torchrun with restarts that shares its rendezvous store with the
-    workers (``rejoin_note``).
-    """
-    world_size, backend = dist.get_world_size(), dist.get_backend()
-    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-    line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
-            f"size {args.batch_size * args.grad_accum_steps * world_size} = batch_size "
-            f"{args.batch_size} x grad_accum_steps {args.grad_accum_steps} x world_size {world_size}")
-    if args.strategy == "hsdp":  # the 2-D device mesh (train.hsdp_mesh): replicas x ranks per shard group
-        line += f" | HSDP mesh replicate {world_size // args.shard_size} x shard {args.shard_size}"
-    if device.type == "cpu":
-        line += f" | cpu threads {torch.get_num_threads()} per process"
-
-    dtype = amp_dtype(device, args.amp)
-    if dtype is not None:  # what plain --amp chose on this device
-        line += " | amp bf16" if dtype == torch.bfloat16 else " | amp fp16 with a loss scaler"
-    line += numerics_description(device, args)
-    reason = unusable_gpu_reason() if device.type == "cpu" else None
-    if reason:
-        line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
-                f"training on the CPU. Install the torch build that matches your driver\n" + line)
-    if rejoin_note():
-        line = rejoin_note() + "\n" + line
-    if torch_version() < OLDEST_TORCH:
-        line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
-                f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
-    return line
-
-
 def rejoin_note() -> str:
     """The note for a torchrun job of several nodes with restarts
     (TORCHELASTIC_MAX_RESTARTS > 0, GROUP_WORLD_SIZE > 1) whose agents share
@@ -257,3 +213,18 @@ def share_cpu_cores(device: torch.device, world_size: int) -> None:
     otherwise), instead of each process using all of them. Nothing on a GPU."""
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, usable_cpus() // world_size))
+
+
+def peak_memory_mib(device: torch.device) -> dict:
+    """{"peak_gpu_memory_mib": MiB} on CUDA, {} on a CPU.
+
+    The most memory tensors held on ``device`` since the last
+    ``torch.cuda.reset_peak_memory_stats`` (``torch.cuda.max_memory_allocated``,
+    MiB = 2**20 bytes), the maximum over all ranks under a process group: a
+    collective on CUDA, so every rank must call it.
+    """
+    if device.type != "cuda":
+        return {}
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"peak_gpu_memory_mib": peak.item()}

@@ -5,13 +5,13 @@ under --deterministic; and the precision whose peak the MFU divides by.
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Optional
 
 import torch
 
 from common import ConfigError
+from ..config import RunConfig
 
 # cuBLAS's deterministic workspace settings (NVIDIA's cuBLAS documentation,
 # "Results reproducibility"; PyTorch's "Reproducibility" notes): one 4096 KiB
@@ -34,7 +34,7 @@ def set_fp32_precision(device: torch.device, no_tf32: bool) -> None:
     convolutions, its default), or with ``no_tf32`` (--no_tf32) in full fp32
     ("highest", ``torch.backends.cudnn.allow_tf32 = False``) for work that
     needs fp32's 23-bit mantissa, at about 1/7 of an H100's TF32 rate
-    (``throughput.GPU_PEAKS``). TF32 keeps fp32's range and rounds the
+    (``logs.throughput.GPU_PEAKS``). TF32 keeps fp32's range and rounds the
     products' inputs to a 10-bit mantissa; sums stay fp32 (NVIDIA, "TensorFloat-32
     in the A100 GPU", 2020). Affects fp32 work only: under --amp the
     autocast regions' matmuls are bf16/fp16 anyway; evaluation, which runs
@@ -58,20 +58,20 @@ def fp32_matmul_precision(device: torch.device) -> str:
     return "fp32"
 
 
-def compute_precision(device: torch.device, amp_dtype: Optional[torch.dtype]) -> str:
+def compute_precision(device: torch.device, dtype: Optional[torch.dtype]) -> str:
     """The precision of the training's matrix products on ``device``:
-    "bf16" or "fp16" under --amp (``amp_dtype``), else
-    ``fp32_matmul_precision``. MFU divides by this precision's peak
-    (``throughput.throughput_figures``), and the epoch record names it."""
-    if amp_dtype == torch.bfloat16:
+    "bf16" or "fp16" under --amp (``dtype``: ``RunConfig.compute_dtype``),
+    else ``fp32_matmul_precision``. MFU divides by this precision's peak
+    (``logs.throughput_figures``), and the epoch record names it."""
+    if dtype == torch.bfloat16:
         return "bf16"
-    if amp_dtype == torch.float16:
+    if dtype == torch.float16:
         return "fp16"
     return fp32_matmul_precision(device)
 
 
-def set_deterministic(args: argparse.Namespace) -> None:
-    """--deterministic: kernels that give bitwise the same results at every
+def set_deterministic(deterministic: bool, compile: bool = False) -> None:
+    """--deterministic (``deterministic``; ``compile``: --compile): kernels that give bitwise the same results at every
     run, so that a GPU run stopped (SIGTERM) and resumed ends bitwise equal
     to one that never stopped, at the same world size. Sets
     ``torch.use_deterministic_algorithms(True)`` (an op without a
@@ -93,14 +93,14 @@ def set_deterministic(args: argparse.Namespace) -> None:
     Raises ConfigError (one line) where it cannot hold: CUBLAS_WORKSPACE_CONFIG
     set to another value, or --compile on a torch whose inductor has no
     deterministic mode. Does nothing without the flag."""
-    if not args.deterministic:
+    if not deterministic:
         return
     workspace = os.environ.get(CUBLAS_WORKSPACE_VARIABLE)
     if workspace is not None and workspace not in CUBLAS_DETERMINISTIC:
         raise ConfigError(f"--deterministic: {CUBLAS_WORKSPACE_VARIABLE}={workspace} lets cuBLAS reduce in "
                           f"an order that varies between runs; unset it or set it to "
                           f"{' or '.join(CUBLAS_DETERMINISTIC)}")
-    if args.compile:
+    if compile:
         import torch._inductor.config as inductor_config
 
         if not hasattr(inductor_config, "deterministic"):
@@ -115,7 +115,7 @@ def set_deterministic(args: argparse.Namespace) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def numerics_description(device: torch.device, args: argparse.Namespace) -> str:
+def numerics_description(device: torch.device, config: RunConfig) -> str:
     """The start-up line's part on numerics ('' when there is nothing to say):
     on CUDA how fp32 matmuls run (`` | fp32 matmuls on TF32``, ``... in full
     fp32 (--no_tf32)``, or on a GPU before Ampere ``... in full fp32 (no TF32
@@ -129,7 +129,7 @@ def numerics_description(device: torch.device, args: argparse.Namespace) -> str:
             parts.append("fp32 matmuls in full fp32 (no TF32 before Ampere)")
         else:
             parts.append("fp32 matmuls in full fp32 (--no_tf32)")
-    if args.deterministic:
+    if config.deterministic:
         parts.append("deterministic" if device.type != "cpu" else
                      "deterministic (CPU runs are bitwise repeatable without it too)")
     return "".join(f" | {part}" for part in parts)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .epoch import check_finite
-from .speed import peak_memory_mib
+from ..distributed import peak_memory_mib
 
 
 class Evaluations:

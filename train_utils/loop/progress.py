@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .sampler import batches_per_epoch
-from .snapshots.position import position, position_tag
+from ..snapshots import position
 
 
 def rebuild_ddp_buckets(model: torch.nn.Module, data: DataLoader, loss_fn: Callable,
@@ -218,13 +218,6 @@ class Progress:
             schedule = (f"; the {config['lr_schedule']} lr schedule{' with warm-up' if warmup else ''}, "
                         f"counted in epochs, goes on at step {self.step} of "
                         f"{config['total_epochs'] * self.steps_per_epoch}")
-        kept = min(saved, now)
-        streams = f"random streams restored on {_ranks(0, kept)}"
-        if now > saved:
-            streams += f", {_ranks(saved, now)} start{'s' if now - saved == 1 else ''} from " \
-                       f"{'its seed' if now - saved == 1 else 'their seeds'}"
-        else:
-            streams += f", those of {_ranks(now, saved)} dropped"
         batch = config["batch_size"]
         head = f"saved by world_size {saved}, resumed by {now}:"
         if meshes is not None:
@@ -233,7 +226,7 @@ class Progress:
                     f"optimizer state exact;")
         return (f" ({head} global batch size "
                 f"{batch * accum[0] * saved} -> {batch * accum[1] * now} at the same --lr, "
-                f"steps per epoch {steps[0]} -> {steps[1]}{schedule}{self.epoch_note()}; {streams})")
+                f"steps per epoch {steps[0]} -> {steps[1]}{schedule}{self.epoch_note()}; {_streams_note(saved, now)})")
 
     def epoch_note(self) -> str:
         """'' unless the snapshot loaded was taken inside an epoch by another
@@ -247,13 +240,26 @@ class Progress:
                 f"{len(self.loader.sampler.dataset)} samples (step {self.saved_steps_run} by world_size "
                 f"{saved}) at step {self.steps_run}, the rest split over {now} rank{'s' if now > 1 else ''}")
 
+    @property
+    def epoch_step(self) -> int:
+        """The optimizer steps finished in epoch ``epochs_run`` (``steps_run``
+        micro-batches, ``grad_accum_steps`` a step)."""
+        return self.steps_run // self.accum
+
     def position(self) -> str:
         """``position`` of this progress: "after epoch 2", "in epoch 3 after step 40"."""
         return position(self.epochs_run, self.steps_run)
 
-    def tag(self) -> str:
-        """``position_tag`` of this progress: "epoch 2", "epoch 3 step 40"."""
-        return position_tag(self.epochs_run, self.steps_run)
+
+def _streams_note(saved: int, now: int) -> str:
+    """Whose random streams a run of ``now`` ranks resumed from ``saved``
+    ranks' snapshot restored: "random streams restored on ranks 0-1, rank 2
+    starts from its seed", or "..., those of rank 2 dropped"."""
+    streams = f"random streams restored on {_ranks(0, min(saved, now))}"
+    if now > saved:
+        return streams + f", {_ranks(saved, now)} start{'s' if now - saved == 1 else ''} from " \
+                         f"{'its seed' if now - saved == 1 else 'their seeds'}"
+    return streams + f", those of {_ranks(now, saved)} dropped"
 
 
 def _ranks(first: int, end: int) -> str:

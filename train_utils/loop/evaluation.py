@@ -1,6 +1,6 @@
-"""Evaluation across ranks: the same BatchNorm statistics on every rank, and
-as many forwards on every rank where the forward is a collective (FSDP);
-which held-out samples are scored (--eval_windows).
+"""Evaluation across ranks: as many forwards on every rank where the forward
+is a collective (FSDP); which held-out samples are scored (--eval_windows).
+(Rank 0's BatchNorm statistics everywhere: ``distributed.broadcast_buffers``.)
 """
 
 from __future__ import annotations
@@ -12,15 +12,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from common import ConfigError
-
-
-def broadcast_buffers(model: torch.nn.Module) -> None:
-    """Collective: every rank takes rank 0's buffers (BatchNorm running
-    statistics), the ones rank 0 saves. Each rank's drift apart in training
-    (DDP broadcasts them only at a forward, FSDP never): scoring with rank 0's
-    makes the evaluation that of the saved model."""
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
 
 
 def most_batches(loader: DataLoader, device: torch.device) -> int:

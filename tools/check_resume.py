@@ -1,13 +1,18 @@
-"""--check_resume: does this run resume exactly? Two short runs in one
-command, compared bitwise.
+"""Does this run resume exactly? Two short runs in one command, compared
+bitwise:
+
+    torchrun --standalone --nproc_per_node=2 tools/check_resume.py --dataset my_task.py:build_task
+
+takes train.py's flags (a run as train.py would train it) and answers with
+its exit status: 0 bitwise, 1 not (what differs is printed).
 
 Exact resume holds for what a snapshot holds (weights, optimizer state,
 schedule, loss scaler, loader position, each rank's torch CPU and CUDA
 random states). A task of the user's can break it without a sign: a
 transform drawing from a ``torch.Generator`` of its own, Python's global
 ``random`` or NumPy's global generator, a model keeping a counter outside
-its ``state_dict``. ``check_resume`` trains the run twice, on side
-snapshots beside --snapshot_path (whose content it never reads or writes):
+its ``state_dict``. The check trains the run twice, on side snapshots
+beside --snapshot_path (whose content it never reads or writes):
 
   A. straight through, --max_steps optimizer steps (default ``DEFAULT_STEPS``);
   B. the same, stopped after the middle step by the kit's own stop path
@@ -22,7 +27,8 @@ the first step after the resume (the global ones, and the torch.Generators
 the task holds of its own: ``task_generators``), and at the end the model's parameters and
 buffers, the optimizer state, the loader position, the schedule and the loss
 scaler. Rank 0 prints ``check_resume: bitwise`` or ``check_resume: not
-bitwise`` and what differs, then the cost of each run.
+bitwise`` and what differs, then the cost of each run. It watches the runs
+through the Trainer's step hook (``train.StepHook``).
 """
 
 from __future__ import annotations
@@ -36,21 +42,29 @@ import signal
 import sys
 import time
 import types
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-import torch
-import torch.distributed as dist
+# Run as a file (and again by each DataLoader worker, as __mp_main__): the project folder on the path.
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if PROJECT not in sys.path:
+    sys.path.insert(0, PROJECT)
+if __name__ == "__main__":
+    # Ctrl-C in the seconds torch takes to import ends this process quietly, as train.py's does.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from common import ConfigError
-from .errors import report_to_torchrun
-from .fsdp import exit_skipping_teardown
-from .launch import barrier
-from .metrics import RunLog
-from .output import print_line
-from .snapshots import claim_snapshot_path
-from .stop import Stopped, forget_stop_signal, received_stop_signal
-from .timeouts import watch_again
+import torch  # noqa: E402 - after the path above
+import torch.distributed as dist  # noqa: E402
+
+import common  # noqa: E402
+import train  # noqa: E402
+import train_utils  # noqa: E402
+from common import ConfigError  # noqa: E402
+from train_utils.distributed import barrier, watch_again  # noqa: E402
+from train_utils.errors import report_to_torchrun  # noqa: E402
+from train_utils.loop import Stopped, forget_stop_signal, received_stop_signal  # noqa: E402
+from train_utils.output import print_line  # noqa: E402
 
 # The check's length where --max_steps is not given: long enough for a few
 # steps on either side of the stop, short enough to cost seconds.
@@ -58,15 +72,35 @@ DEFAULT_STEPS = 20
 SIDE_SUFFIX = ".check_resume"  # the side folder beside --snapshot_path holding the check's two snapshots
 SHOWN_KEYS = 3  # differing keys named per kind
 
+# train.py's run of a command line, built afresh with a step hook (collective): ``train.build_run``'s Trainer.
+BuildRun = Callable[[argparse.Namespace, "Recorder"], "train.Trainer"]
 
-def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespace, RunLog], Any]) -> None:
-    """Collective: run the check of ``args`` (train.py's parsed command line
-    with --check_resume) and end the process: exit status 0 when the run
-    stopped and resumed is bitwise the run straight through, 1 when not
-    (rank 0 prints what differs; torchrun's root cause says so too).
 
-    ``build_run(run_args, log)``: train.py's task, model, optimizer,
-    loaders and Trainer for ``run_args``, freshly built (collective).
+@dataclass
+class Runs:
+    """What the check's runs recorded: run A (``straight``) and run B before
+    (``stopped``) and after (``resumed``) its stop, each end state
+    (``end_state``) and each run's seconds; ``total`` optimizer steps,
+    stopped after ``stop_step``."""
+
+    total: int
+    stop_step: int
+    straight: Optional["Recorder"] = None
+    stopped: Optional["Recorder"] = None
+    resumed: Optional["Recorder"] = None
+    a_state: Optional[dict] = None
+    b_state: Optional[dict] = None
+    straight_s: float = 0.0
+    stopped_s: float = 0.0
+
+
+def check_resume(args: argparse.Namespace, build_run: BuildRun) -> int:
+    """Collective: run the check of ``args`` (train.py's parsed command
+    line); return the exit status: 0 when the run stopped and resumed is
+    bitwise the run straight through, 1 when not (rank 0 prints what
+    differs; torchrun's root cause says so too). ``build_run(run_args,
+    hook)``: train.py's task, model, optimizer, loaders and Trainer for
+    ``run_args``, freshly built, its ``StepHook`` ``hook`` (collective).
 
     Length: --max_steps optimizer steps when the command line gives it (0:
     --total_epochs' steps), else ``DEFAULT_STEPS``; the stop falls after the
@@ -76,86 +110,113 @@ def check_resume(args: argparse.Namespace, build_run: Callable[[argparse.Namespa
     path is; removed at the end). Raises ConfigError (one line) for a run
     too short to stop in the middle, or when a stop signal from outside
     the check ends one of its runs (no verdict then)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    sharded = args.strategy != "ddp"
     steps = DEFAULT_STEPS if args.max_steps is None else args.max_steps
     # A stop signal is taken at the step after the one it came in, once ranks must agree on it
     # (StopSignal.poll): the signal goes out one step early, and the stop needs a step after it.
-    lag = 1 if world_size > 1 else 0
+    lag = 1 if dist.get_world_size() > 1 else 0
     if steps:
         _check_length(steps, lag)
     side = os.path.normpath(args.snapshot_path) + SIDE_SUFFIX
-    claim_snapshot_path(side, sharded=True)  # one check per side folder; it can be written
-    if rank == 0:  # what an earlier check, killed, left there
+    paths = _side_snapshots(side, train_utils.is_sharded(args.strategy))
+    start_streams = _global_streams()  # Python's and NumPy's, as this process started: A and B start from them
+    runs = _run_straight(lambda recorder: build_run(_run_args(args, paths["straight"], steps), recorder),
+                         start_streams, lag)
+    _run_stopped_and_resumed(lambda recorder: build_run(_run_args(args, paths["stopped"], steps), recorder),
+                             start_streams, lag, args.startup_timeout_s, runs)
+    bitwise = _verdict(runs)
+    if dist.get_rank() == 0:  # every rank is done with it: each run's end waited for every rank
+        shutil.rmtree(side, ignore_errors=True)
+    return 0 if bitwise else 1
+
+
+def _side_snapshots(side: str, sharded: bool) -> dict:
+    """Collective: claim the side folder ``side`` (one check per side folder;
+    it can be written), empty it of what an earlier check, killed, left
+    there, and return the paths of the two runs' snapshots in it (a folder
+    each under a sharded strategy, a file each under DDP)."""
+    train_utils.claim_snapshot_path(side, sharded=True)
+    if dist.get_rank() == 0:
         shutil.rmtree(side, ignore_errors=True)
         os.makedirs(side)
     barrier()
-    paths = {name: os.path.join(side, name if sharded else f"{name}.pt") for name in ("straight", "stopped")}
-    start_streams = _global_streams()  # Python's and NumPy's, as this process started: A and B start from them
+    return {name: os.path.join(side, name if sharded else f"{name}.pt") for name in ("straight", "stopped")}
 
-    # A: straight through.
+
+def _run_straight(build: Callable[["Recorder"], "train.Trainer"], start_streams: dict, lag: int) -> Runs:
+    """Collective: run A, straight through, from ``start_streams`` (Python's
+    and NumPy's global generators); returns the ``Runs`` it begins: its
+    length, the step B stops after, its recording, end state and seconds."""
     started = time.perf_counter()
     _set_global_streams(start_streams)
-    trainer = build_run(_run_args(args, paths["straight"], steps), RunLog())
+    recorder = Recorder()
+    trainer = build(recorder)
     total = trainer.config.max_steps or trainer.config.total_epochs * trainer.progress.steps_per_epoch
     _check_length(total, lag)
-    stop_step = max(total // 2, lag + 1)
-    straight = _Recorder(trainer, watch_steps=(1, stop_step + 1))
+    runs = Runs(total, stop_step=max(total // 2, lag + 1), straight=recorder)
+    recorder.follow(trainer, watch_steps=(1, runs.stop_step + 1))
     _train(trainer, "A, straight through")
-    straight.at_end = {**_global_streams(), **task_generators(trainer.task)}
-    a_state = _end_state(trainer)
-    _close(trainer)
-    del trainer
-    straight_s = time.perf_counter() - started
+    recorder.at_end = {**_global_streams(), **task_generators(trainer.task)}
+    runs.a_state = _end_state(trainer)
+    trainer.close()
+    runs.straight_s = time.perf_counter() - started
+    return runs
 
-    # B: the same run, stopped after stop_step as a SIGTERM stops it...
+
+def _run_stopped_and_resumed(build: Callable[["Recorder"], "train.Trainer"], start_streams: dict, lag: int,
+                             timeout_s: float, runs: Runs) -> None:
+    """Collective: run B into ``runs``: from ``start_streams``, stopped by the
+    kit's own stop path after ``runs.stop_step`` (this process's SIGTERM,
+    sent ``lag`` steps before), then resumed as a fresh process resumes it:
+    in a new process group (``timeout_s``: --startup_timeout_s), the stop
+    signal forgotten, the global generators seeded afresh, built anew.
+    Raises ConfigError (one line, no verdict) when a stop signal from
+    outside the check stopped it."""
     started = time.perf_counter()
     _set_global_streams(start_streams)
-    trainer = build_run(_run_args(args, paths["stopped"], steps), RunLog())
-    stopped = _Recorder(trainer, signal_step=stop_step - lag)
+    runs.stopped = Recorder(signal_step=runs.stop_step - lag)
+    trainer = build(runs.stopped)
+    runs.stopped.follow(trainer)
     try:
-        _train(trainer, f"B, stopped by SIGTERM after step {stop_step}", stop_expected=True)
-        raise RuntimeError(f"--check_resume sent SIGTERM at step {stop_step - lag} and run B did not stop")
+        _train(trainer, f"B, stopped by SIGTERM after step {runs.stop_step}", stop_expected=True)
+        raise RuntimeError(f"the check sent SIGTERM at step {runs.stop_step - lag} and run B did not stop")
     except Stopped:
-        if not stopped.sent or trainer.progress.step != stop_step:
+        if not runs.stopped.sent or trainer.progress.step != runs.stop_step:
             raise ConfigError(f"a stop signal from outside the check stopped run B after step "
                               f"{trainer.progress.step}: no verdict; run the check again") from None
-    _close(trainer)
+    trainer.close()
     del trainer
-
-    # ... then resumed as a fresh process resumes it.
-    _fresh_process_group(args.startup_timeout_s)
+    _fresh_process_group(timeout_s)
     forget_stop_signal()  # the check's own SIGTERM was this "process's"; a fresh one has none
     _fresh_global_streams()
-    trainer = build_run(_run_args(args, paths["stopped"], steps), RunLog())
-    resumed = _Recorder(trainer, watch_steps=(stop_step + 1,))
+    runs.resumed = Recorder(watch_steps=(runs.stop_step + 1,))
+    trainer = build(runs.resumed)
+    runs.resumed.follow(trainer)
     _train(trainer, "B, resumed in a fresh process group")
-    b_state = _end_state(trainer)
-    stopped_s = time.perf_counter() - started
+    runs.b_state = _end_state(trainer)
+    trainer.close()
+    runs.stopped_s = time.perf_counter() - started
 
-    findings = _compare(straight, stopped, resumed, stop_step, a_state, b_state)
-    every: list = [None] * world_size
+
+def _verdict(runs: Runs) -> bool:
+    """Collective: every rank's findings (``_compare``) gathered; rank 0
+    prints the verdict and what differs, then the cost of each run;
+    torchrun's root cause names a run that is not bitwise. Returns whether
+    the runs are bitwise equal."""
+    findings = _compare(runs.straight, runs.stopped, runs.resumed, runs.stop_step, runs.a_state, runs.b_state)
+    every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, findings)
-    bitwise, lines = _report(every, total, stop_step)
-    if rank == 0:
+    bitwise, lines = _report(every, runs.total, runs.stop_step)
+    if dist.get_rank() == 0:
         for line in lines:
             print_line(line)
         # The straight run is the plain run of these steps, what a process pays once (caches, the FLOP
         # count) included: the check's cost is both runs over it.
-        print_line(f"check_resume: straight {straight_s:.1f} s, stopped and resumed {stopped_s:.1f} s: the "
-                   f"check cost {(straight_s + stopped_s) / straight_s:.2f}x the plain run of these steps")
+        print_line(f"check_resume: straight {runs.straight_s:.1f} s, stopped and resumed {runs.stopped_s:.1f} s: "
+                   f"the check cost {(runs.straight_s + runs.stopped_s) / runs.straight_s:.2f}x the plain run of "
+                   f"these steps")
     if not bitwise:
         report_to_torchrun(lines[0])
-    _close(trainer)
-    checkpointer = trainer.checkpointer
-    if rank == 0:
-        shutil.rmtree(side, ignore_errors=True)
-    del trainer
-    dist.destroy_process_group()
-    checkpointer.close()  # the side folder's claim given back
-    if sharded:  # FSDP: the process group outlives destroy
-        exit_skipping_teardown(0 if bitwise else 1)
-    sys.exit(0 if bitwise else 1)
+    return bitwise
 
 
 def _check_length(steps: int, lag: int) -> None:
@@ -164,8 +225,8 @@ def _check_length(steps: int, lag: int) -> None:
     step the signal comes in, where ranks must agree on it) and one after it."""
     least = lag + 2
     if steps < least:
-        raise ConfigError(f"--check_resume stops the run after a middle step and resumes it: it needs a run of "
-                          f"at least {least} optimizer steps{' at this world size' if lag else ''}, and this one "
+        raise ConfigError(f"tools/check_resume.py stops the run after a middle step and resumes it: it needs a run "
+                          f"of at least {least} optimizer steps{' at this world size' if lag else ''}, and this one "
                           f"has {steps}; pass --max_steps {least} or more")
 
 
@@ -177,7 +238,7 @@ def _run_args(args: argparse.Namespace, snapshot_path: str, steps: int) -> argpa
                                      tensorboard_dir=None, wandb_project=None, profile_dir=None))
 
 
-def _train(trainer, phase: str, stop_expected: bool = False) -> None:
+def _train(trainer: "train.Trainer", phase: str, stop_expected: bool = False) -> None:
     """Collective: ``trainer.train()`` after rank 0's line naming the run.
     Raises ConfigError (one line, no verdict) when a stop signal from outside
     the check stopped it; Stopped when ``stop_expected``."""
@@ -190,15 +251,6 @@ def _train(trainer, phase: str, stop_expected: bool = False) -> None:
             raise
         raise ConfigError(f"a stop signal from outside the check stopped run {phase.split(',')[0]} after step "
                           f"{trainer.progress.step}: no verdict; run the check again") from None
-
-
-def _close(trainer) -> None:
-    """Collective: a run's end, as train.py ends one, but the claim kept:
-    the last snapshot written, the W&B run (none) finished, every rank past
-    the stop poll's last all-reduce."""
-    trainer.checkpointer.wait(together=True)
-    trainer.log.close()
-    trainer.stop.close()
 
 
 def _fresh_process_group(timeout_s: float) -> None:
@@ -220,35 +272,43 @@ def _fresh_process_group(timeout_s: float) -> None:
 # What the runs record: losses, random streams
 # --------------------------------------------------------------------------
 
-class _Recorder:
-    """Wraps ``trainer.train_step`` (what the Trainer's loop calls for each
-    micro-batch) to record each optimizer step's micro-batch losses
-    (``losses``: {step: [loss, ...]}, 1-based steps), the global random
-    streams right before the steps of ``watch_steps`` (``streams``: {step:
-    ``_global_streams``}), and at step ``signal_step`` to send this process
-    SIGTERM before the step runs (``sent``)."""
+class Recorder:
+    """The check's ``train.StepHook``: records each optimizer step's
+    micro-batch losses (``losses``: {step: [loss, ...]}, 1-based steps), the
+    global random streams and the task's generators right before the steps
+    of ``watch_steps`` (``streams``: {step: ``_global_streams``}), and at
+    step ``signal_step`` sends this process SIGTERM before the step runs
+    (``sent``), as a scheduler's stop would. ``at_end``: the streams after
+    the run (set by the check)."""
 
-    def __init__(self, trainer, watch_steps: tuple = (), signal_step: int = 0) -> None:
+    def __init__(self, watch_steps: tuple = (), signal_step: int = 0) -> None:
+        self.watch_steps, self.signal_step = watch_steps, signal_step
         self.losses: dict = {}
         self.streams: dict = {}
         self.at_end: Optional[dict] = None
         self.sent = False
-        train_step, progress, accum = trainer.train_step, trainer.progress, trainer.config.grad_accum_steps
-        device, task = trainer.device, trainer.task
+        self.device: Optional[torch.device] = None
+        self.task: Optional[common.Task] = None
 
-        def recording_step(source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            step = progress.step + 1  # the optimizer step this micro-batch belongs to
-            if progress.steps_run % accum == 0:  # the step's first micro-batch
-                if step in watch_steps:
-                    self.streams[step] = {**_global_streams(device), **task_generators(task)}
-                if step == signal_step and not received_stop_signal():
-                    os.kill(os.getpid(), signal.SIGTERM)  # the handler notes it, as any SIGTERM
-                    self.sent = True
-            loss = train_step(source, targets)
-            self.losses.setdefault(step, []).append(loss.detach().clone())
-            return loss
+    def follow(self, trainer: "train.Trainer", watch_steps: Optional[tuple] = None) -> None:
+        """The run recorded, once built: ``trainer``, whose device's CUDA
+        stream and whose task's generators are read with the global ones;
+        ``watch_steps`` where they are known only now (the run's length)."""
+        self.device, self.task = trainer.device, trainer.task
+        if watch_steps is not None:
+            self.watch_steps = watch_steps
 
-        trainer.train_step = recording_step
+    def before(self, step: int) -> None:
+        """Before optimizer step ``step``'s first micro-batch."""
+        if step in self.watch_steps:
+            self.streams[step] = {**_global_streams(self.device), **task_generators(self.task)}
+        if step == self.signal_step and not received_stop_signal():
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler notes it, as any SIGTERM
+            self.sent = True
+
+    def after(self, step: int, loss: torch.Tensor) -> None:
+        """After each micro-batch of optimizer step ``step``: its loss kept."""
+        self.losses.setdefault(step, []).append(loss.detach().clone())
 
 
 def _global_streams(device: Optional[torch.device] = None) -> dict:
@@ -388,7 +448,7 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _compare(straight: _Recorder, stopped: _Recorder, resumed: _Recorder, stop_step: int,
+def _compare(straight: Recorder, stopped: Recorder, resumed: Recorder, stop_step: int,
              a_state: dict, b_state: dict) -> dict:
     """This rank's findings: the first step whose loss differs (None: none),
     the global streams not restored at the resume that the run draws from,
@@ -470,3 +530,23 @@ STREAM_ADVICE = {
     "NumPy's global generator": "a fresh process seeds it anew; draw from torch's default generator, which the "
                                 "kit keys and restores",
 }
+
+
+@train_utils.one_line_errors
+def main(args: argparse.Namespace) -> int:
+    """Collective: start as train.py starts (``train.start``: the process
+    group, the device, --amp for the whole job), then check the run of
+    ``args`` (``check_resume``); return its exit status, with which
+    ``one_line_errors`` ends the process (bad input: one line, exit status 2)."""
+    local_rank, device, amp = train.start(args)
+
+    def build_run(run_args: argparse.Namespace, hook: Recorder) -> train.Trainer:
+        return train.build_run(run_args, train_utils.RunLog(), local_rank, device, amp, hook)[0]
+
+    return check_resume(args, build_run)
+
+
+if __name__ == "__main__":
+    # train.py's command line, its default --snapshot_path by --strategy: the side folder goes beside it.
+    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models,
+                                snapshot_paths=train.SNAPSHOT_PATHS))

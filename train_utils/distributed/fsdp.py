@@ -1,25 +1,35 @@
-"""The kit's FSDP helpers: activation checkpointing of a transformer's blocks,
-the backend check, the state each rank holds, and the exit. Which modules
-become FSDP units is the task contract's rule, ``common.fsdp_units``, which
-the FSDP rung uses too.
+"""FSDP2: a model sharded over every rank (FSDP) or within each node's ranks
+and replicated across nodes (HSDP), the backend check, the state each rank
+holds. Which modules become FSDP units is the task contract's rule,
+``common.fsdp_units``, which the FSDP rung uses too.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+import common
 from common import ConfigError
-from .devices import torch_version
-from .output import print_line
-from .speed import peak_memory_mib
+from ..output import print_line
+from .devices import peak_memory_mib, torch_version
 
 # The first torch whose gloo averages in reduce_scatter(ReduceOp.AVG); older ones sum.
 GLOO_AVG_REDUCE_SCATTER = (2, 10)
+
+
+class _Sharded:
+    """Whether this process sharded a model (``shard_model``). Per process on
+    purpose, as the process group it concerns is: ``model_sharded`` is read
+    at the process's end (``ending.end_process``), after train.py's objects
+    are gone."""
+
+    model = False
+
+
+_SHARDED = _Sharded()
 
 
 def check_fsdp_backend() -> None:
@@ -31,32 +41,64 @@ def check_fsdp_backend() -> None:
                           f"gloo sums where FSDP averages gradients; pip install 'torch>=2.10', or train on GPUs")
 
 
-def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
-    """--activation_checkpointing: make each transformer block of ``model`` (its
-    ``blocks`` ModuleList) keep only its input in the forward pass and recompute
-    its activations in the backward pass (``torch.utils.checkpoint``,
-    non-reentrant, the RNG state kept: the same dropout masks, so the same
-    losses and gradients). Less memory per block (its input instead of every
-    activation inside it), about one more forward pass of time. In place,
-    before DDP or ``fully_shard`` wrap it: parameters and state_dict keys
-    stay as they are, so snapshots load with or without it. Returns ``model``.
-    Raises ConfigError for a model without transformer blocks."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
-        raise ConfigError(f"--activation_checkpointing recomputes each transformer block of the model "
-                          f"(a `blocks` ModuleList, as --dataset shakespeare_char's gpt has); "
-                          f"{type(model).__name__} has none: leave the flag out")
-    for block in blocks:
-        block.forward = functools.partial(_recomputed, block.forward)  # the block's own forward, bound
+def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype],
+                shard_size: int = 0) -> torch.nn.Module:
+    """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
+
+    Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
+    parameters left; a unit's are all-gathered just before its forward and backward.
+    ``shard_size`` 0: over every rank (FSDP). Else HSDP (--strategy hsdp): a 2-D
+    device mesh of world_size / shard_size replicas x ``shard_size`` ranks, each
+    unit sharded within its replica's ranks (all-gathers and reduce-scatters
+    among them) and replicated across replicas (gradients all-reduced among the
+    ranks holding the same shard): ``hsdp_mesh``.
+    ``dtype`` (--amp's bf16 or fp16): gathered and used in it, reduced and kept in fp32, the
+    root's output left in it (the loss casts it: ``loop.training_loss``);
+    BatchNorm stays fp32, each a unit of its own (bf16 BatchNorm fails on a CPU).
+    Under --compile the units are compiled before this (torchtitan's order:
+    ``loop.compile_blocks``, train.py's ``build_model``), so FSDP's hooks run
+    between compiled blocks."""
+    # FSDP and DCP are imported where --strategy fsdp uses them (here and the sharded
+    # snapshots): with DTensor and sympy they cost every DDP process 0.5 s of start-up.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    contiguous_parameters(model)  # fully_shard refuses channels-last weights
+    # A mesh of this device type: fully_shard's default, the accelerator's, fails gloo.
+    mesh = hsdp_mesh(device, shard_size) if shard_size else init_device_mesh(device.type, (dist.get_world_size(),))
+    if dtype:
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        for norm in norms:
+            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=dtype))
+    for block in common.fsdp_units(model):
+        if not isinstance(block, FSDPModule):  # not a BatchNorm sharded above
+            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
+    # The root's output stays in the compute dtype: the loss casts it (loop.fp32), inside its
+    # compiled graph under --compile, not as a separate copy of the whole (B x T, vocab) logits.
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(dtype, torch.float32))
+    _SHARDED.model = True
     return model
 
 
-def _recomputed(forward, *args, **kwargs):
-    """``forward(*args, **kwargs)`` under ``torch.utils.checkpoint``: its
-    activations are recomputed in the backward pass instead of kept."""
-    from torch.utils.checkpoint import checkpoint
+def model_sharded() -> bool:
+    """Whether this process sharded a model with ``shard_model``: its DTensors
+    keep the process group alive past ``destroy_process_group`` (torch 2.15),
+    and gloo's threads can then abort the interpreter's teardown, so the
+    process ends without it (``ending.end_process``)."""
+    return _SHARDED.model
 
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+def hsdp_mesh(device: torch.device, shard_size: int):
+    """HSDP's 2-D ``DeviceMesh`` of ``device``'s type: (world_size / shard_size
+    replicas, ``shard_size`` ranks), dimensions named "replicate" and "shard"
+    (the FSDP2 docs' and torchtitan's names). Consecutive ranks form a replica:
+    torchrun and srun number a node's ranks consecutively, so with a node's
+    ranks as ``shard_size`` (the default) a parameter's shards stay within a
+    node and only the gradients' all-reduce crosses nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas = dist.get_world_size() // shard_size
+    return init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def contiguous_parameters(model: torch.nn.Module) -> torch.nn.Module:
@@ -144,17 +186,3 @@ def print_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
         line += f" | peak GPU memory {peak['peak_gpu_memory_mib']:.1f} MiB"
     if dist.get_rank() == 0:
         print_line(line)
-
-
-def exit_skipping_teardown(status: int = 0) -> None:
-    """Flush stdout and stderr, then end the process with ``status`` at once
-    (``os._exit``), skipping the interpreter's teardown: for the end of an
-    FSDP run (0, or --check_resume's verdict), after ``destroy_process_group``, since once DTensors
-    exist the process group outlives it and gloo's threads can abort the
-    teardown (docs/fsdp.md). Everything the scripts write is closed and
-    fsynced before this point (train.py finishes the W&B run before: wandb's
-    own exit hook does not run after ``os._exit``).
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

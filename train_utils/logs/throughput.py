@@ -22,8 +22,8 @@ import torch.distributed as dist
 # Core GPU" (SXM, NVL); "NVIDIA A100 Tensor Core GPU" (fp32 19.5, TF32 156,
 # bf16 312 TFLOP/s dense); "NVIDIA L4 Tensor Core GPU" (fp32 30.3); "NVIDIA
 # A10 Tensor Core GPU" (fp32 31.2). Used for MFU (``throughput_figures``, by
-# the precision the training computes in: ``numerics.compute_precision``) and
-# by the benchmark (benchmarks/gpu.py, gpu_check.py).
+# the precision the training computes in: ``loop.compute_precision``) and
+# by the benchmark (benchmarks/gpu.py, gpu_costs.py).
 _HOPPER_SXM = MappingProxyType({"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12})
 _HOPPER_NVL = MappingProxyType({"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12})
 GPU_PEAKS = MappingProxyType({
@@ -83,7 +83,7 @@ def flops_per_sample(task, device: torch.device) -> Optional[float]:
         return counted_flops_per_sample(task, device)
     except Exception as exc:  # a model that cannot run two samples alone: no flop/s, the run goes on
         if dist.is_initialized() and dist.get_rank() == 0:
-            from .output import print_line
+            from ..output import print_line
 
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             print_line(f"note: the model's FLOPs per sample could not be counted ({type(exc).__name__}: "
@@ -136,7 +136,7 @@ def throughput_figures(samples_per_s: float, tokens_per_sample: Optional[int],
     training FLOPs per sample, ``flops_per_sample``) where those are known;
     and on a CUDA GPU listed in ``GPU_PEAKS`` "mfu": flops_per_s over the peak
     of all ranks' GPUs in ``precision`` (world size x one GPU's peak; the
-    precision the matrix products run in, ``numerics.compute_precision``:
+    precision the matrix products run in, ``loop.compute_precision``:
     bf16/fp16 under --amp, tf32 or fp32 without), a fraction of 1 (Chowdhery
     et al. 2022, appendix B), with "mfu_precision" naming that precision.
     Assumes one GPU per rank of the same kind as this rank's."""

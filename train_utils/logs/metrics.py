@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .output import print_line
+from ..output import print_line
 from .wandb_run import WandbRun
 
 # TensorBoard's tag for each figure of a record.
@@ -167,9 +167,10 @@ class RunLog:
         self.resumed_from = position
         print_line(f"resuming from snapshot {path} {position}{note}")
 
-    def close(self) -> None:
-        """The run's end: finish the W&B run, close the TensorBoard writer."""
-        self.wandb.finish()
+    def close(self, failed: bool = False) -> None:
+        """The run's end: finish the W&B run (``failed``: marked as failed, an
+        exception ended the run), close the TensorBoard writer."""
+        self.wandb.finish(failed)
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -124,7 +124,7 @@ def stop_answering() -> None:
 def hang_requested() -> bool:
     """Whether a rank asked for every rank's stack: a collective timed out
     and the job is ending. A stop signal then ends this rank at once
-    (``stop._handler``): no snapshot can be saved over broken collectives;
+    (``loop.stop``'s handler): no snapshot can be saved over broken collectives;
     except on the rank making the report (``making_report``), which ends
     once its line is out."""
     return _STATE.requested.is_set()
@@ -133,7 +133,7 @@ def hang_requested() -> bool:
 def making_report() -> bool:
     """Whether this rank asked for the stacks (``request_stacks``) and so
     writes, or may write, the job's one line: a stop signal then must not end
-    it before the line is out (``stop._handler``). torchrun sends SIGTERM to
+    it before the line is out (``loop.stop``'s handler). torchrun sends SIGTERM to
     every rank as soon as one of them exits, and a rank that leaves the
     report to rank 0 exits while rank 0 still reads the answers."""
     return _STATE.reporting

@@ -29,9 +29,12 @@ import torch
 from torch.utils.data import Dataset
 
 from common import TASK_FILE_FOLDERS, ConfigError, draw_key
-from .output import print_line
+from ..ending import end_process
+from ..output import print_line
 from .stop import STOP_SIGNALS, ignore_stop_signal
 
+# The project folder: where train.py, common.py and the train_utils package are.
+PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The fork server's context, once started. Module-level on purpose: one fork
 # server serves every DataLoader of the process, as a process has one.
@@ -85,8 +88,10 @@ def worker_started(worker_id: int) -> None:
 
 
 def _exit_when_ready(sentinel: int) -> None:
+    """The worker's watcher thread: once ``sentinel`` is ready (the rank is
+    gone, or let go of this worker), the worker ends at once."""
     multiprocessing.connection.wait([sentinel])
-    os._exit(0)
+    end_process(0, at_once=True)
 
 
 def _fork_server(dataset: Dataset) -> Optional[multiprocessing.context.BaseContext]:
@@ -127,10 +132,12 @@ def _import_folders() -> list:
     """Where this process imports the scripts' and the task's modules from
     (``common.task_function``'s order): the folders of task files named by
     their path (``--dataset dir/my_task.py:build_task``, ``TASK_FILE_FOLDERS``),
-    the main script's folder, PYTHONPATH, the current folder."""
+    the main script's folder, the project folder that holds the kit (the
+    main script may be a program in tools/), PYTHONPATH, the current folder."""
     folders = list(TASK_FILE_FOLDERS)
     main = getattr(sys.modules["__main__"], "__file__", None)
     folders += [os.path.dirname(os.path.abspath(main))] if main else []
+    folders.append(PROJECT)
     folders += [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
     return folders + [os.getcwd()]
 

@@ -1,5 +1,5 @@
-"""Meeting the other processes: the store under torchrun or srun, and the
-side gloo groups, a barrier that names its GPU.
+"""Meeting the other processes: the store under torchrun or srun, the side
+gloo groups, a barrier that names its GPU, and rank 0's buffers on every rank.
 """
 
 from __future__ import annotations
@@ -223,3 +223,12 @@ def raise_open_file_limit() -> None:
     if soft != hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Collective: every rank takes rank 0's buffers (BatchNorm running
+    statistics), the ones rank 0 saves. Each rank's drift apart in training
+    (DDP broadcasts them only at a forward, FSDP never): scoring with rank 0's
+    makes the evaluation that of the saved model."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)

@@ -1,10 +1,12 @@
-"""Speed switches: bf16 or fp16 autocast (--amp), torch.compile (--compile), and
-the peak GPU memory figure.
+"""How the steps run: bf16 or fp16 autocast (--amp), torch.compile (--compile),
+and a transformer's activations recomputed instead of kept
+(--activation_checkpointing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import socket
 from typing import Callable, Optional
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import print_line
+from ..output import print_line
 from .stop import STOP_SIGNALS
 
 
@@ -30,31 +32,18 @@ def _native_bf16(device: torch.device) -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def amp_dtype(device: torch.device, amp: Optional[str]) -> Optional[torch.dtype]:
-    """The autocast dtype --amp asks for on ``device``: None without --amp;
-    ``bf16`` or ``fp16`` when forced; ``auto`` (plain --amp): on CUDA bf16
-    where the GPU runs it natively, else fp16 (with a loss scaler, see
-    ``Recipe``); elsewhere bf16 (on a CPU without native bf16 ``check_amp``
-    refuses it). Per device: a job passes the value ``resolve_amp`` gave, the
-    same on every rank. Raises ValueError for another value of ``amp``."""
-    if amp is None:
-        return None
-    if amp not in ("auto", "bf16", "fp16"):
-        raise ValueError(f"amp must be None, 'auto', 'bf16' or 'fp16', not {amp!r}")
-    if amp == "auto":
-        amp = "bf16" if device.type != "cuda" or _native_bf16(device) else "fp16"
-    return torch.bfloat16 if amp == "bf16" else torch.float16
-
-
 def resolve_amp(amp: Optional[str], device: torch.device) -> Optional[str]:
-    """--amp as the whole job runs it: ``amp`` itself (None, "auto", "bf16" or
-    "fp16"), except on CUDA, where "auto" becomes "bf16" when every rank's GPU
-    has native bf16 (``_native_bf16``) and "fp16" (with a loss scaler) when
-    any has not. Per rank, a job on a mixed partition (Ampere and older GPUs)
-    would train some ranks in bf16 and others in fp16: DDP would average
-    scaled with unscaled gradients, and under FSDP the loss scaler's inf check
-    of the fp16 ranks would wait for partners that never come. On the mixed
-    job rank 0 prints a ``note:`` line naming the GPUs without bf16.
+    """--amp as the whole job runs it (the dtype it means:
+    ``RunConfig.compute_dtype``): ``amp`` itself (None, "auto", "bf16" or
+    "fp16"), except on CUDA, where "auto" becomes "bf16" when every rank's
+    GPU has native bf16 (``_native_bf16``) and "fp16" (with a loss scaler)
+    when any has not; elsewhere "auto" is bf16 (on a CPU without native bf16
+    ``check_amp`` refuses it). Per rank, a job on a mixed partition (Ampere
+    and older GPUs) would train some ranks in bf16 and others in fp16: DDP
+    would average scaled with unscaled gradients, and under FSDP the loss
+    scaler's inf check of the fp16 ranks would wait for partners that never
+    come. On the mixed job rank 0 prints a ``note:`` line naming the GPUs
+    without bf16.
 
     Collective on CUDA under a process group: every rank's answer is gathered
     (all_gather_object). Raises ConfigError on every rank for a forced
@@ -120,14 +109,13 @@ def check_amp(amp: Optional[str], device: torch.device, model: str) -> None:
                           "--amp is for GPUs (--amp bf16 or fp16 forces it). Run without --amp")
 
 
-def autocast(device: torch.device, amp: Optional[str]):
-    """Autocast on ``device`` to ``amp_dtype(device, amp)`` (the forward pass
-    and the loss; backward follows the forward's dtypes), or, without --amp,
-    a context that does nothing.
+def autocast(device: torch.device, dtype: Optional[torch.dtype]):
+    """Autocast on ``device`` to ``dtype`` (--amp's: ``RunConfig.compute_dtype``;
+    the forward pass and the loss; backward follows the forward's dtypes),
+    or, for None (no --amp), a context that does nothing.
 
     Reusable, one ``with`` after another (not nested): make it once, not per step.
     """
-    dtype = amp_dtype(device, amp)
     if dtype is None:
         return contextlib.nullcontext()  # cheaper than an autocast(enabled=False) per step
     return torch.autocast(device.type, dtype=dtype)
@@ -179,7 +167,7 @@ def training_loss(loss_fn: Callable[..., torch.Tensor], compiled: bool) -> Calla
 
 def compile_blocks(blocks: list) -> None:
     """Compile each module of ``blocks`` in place, before FSDP shards it
-    (``train.shard_model``, --strategy fsdp --compile): its ``forward``
+    (``distributed.shard_model``, --strategy fsdp --compile): its ``forward``
     becomes ``torch.compile(forward)``, so FSDP's hooks, which gather a
     block's parameters before its forward and free them after, run eagerly
     around the compiled forward, and the model's graph has no break at them.
@@ -216,16 +204,29 @@ def _compile_workers_spared():
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def peak_memory_mib(device: torch.device) -> dict:
-    """{"peak_gpu_memory_mib": MiB} on CUDA, {} on a CPU.
+def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """--activation_checkpointing: make each transformer block of ``model`` (its
+    ``blocks`` ModuleList) keep only its input in the forward pass and recompute
+    its activations in the backward pass (``torch.utils.checkpoint``,
+    non-reentrant, the RNG state kept: the same dropout masks, so the same
+    losses and gradients). Less memory per block (its input instead of every
+    activation inside it), about one more forward pass of time. In place,
+    before DDP or ``fully_shard`` wrap it: parameters and state_dict keys
+    stay as they are, so snapshots load with or without it. Returns ``model``.
+    Raises ConfigError for a model without transformer blocks."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        raise ConfigError(f"--activation_checkpointing recomputes each transformer block of the model "
+                          f"(a `blocks` ModuleList, as --dataset shakespeare_char's gpt has); "
+                          f"{type(model).__name__} has none: leave the flag out")
+    for block in blocks:
+        block.forward = functools.partial(_recomputed, block.forward)  # the block's own forward, bound
+    return model
 
-    The most memory tensors held on ``device`` since the last
-    ``torch.cuda.reset_peak_memory_stats`` (``torch.cuda.max_memory_allocated``,
-    MiB = 2**20 bytes), the maximum over all ranks under a process group: a
-    collective on CUDA, so every rank must call it.
-    """
-    if device.type != "cuda":
-        return {}
-    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**20, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"peak_gpu_memory_mib": peak.item()}
+
+def _recomputed(forward, *args, **kwargs):
+    """``forward(*args, **kwargs)`` under ``torch.utils.checkpoint``: its
+    activations are recomputed in the backward pass instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import hang_report
 from .launch import FOLLOWING_RUN_TIMEOUT, barrier, gloo_group
-from .output import is_distributed
+from ..output import is_distributed
 
 
 class _Watch:
@@ -58,7 +58,7 @@ def watch_collectives(timeout_s: float) -> None:
 
 def watch_again(timeout_s: float) -> None:
     """Collective, right after the process group was destroyed and made
-    again in the same process (``resume_check``'s fresh group): forget the
+    again in the same process (tools/check_resume.py's fresh group): forget the
     old group's side groups, make the side group of ``watch_collectives``
     anew (``timeout_s``, --startup_timeout_s), and let the training time-out
     take over again at the new run's second step."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .output import print_line
+from ..output import print_line
 
 
 def print_sample(model: torch.nn.Module, task, device: torch.device, fsdp: bool) -> None:

@@ -13,10 +13,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .hang_report import hang_requested, making_report
-from .launch import barrier, gloo_group
-from .output import is_distributed, print_line, write_from_signal_handler
-from .snapshots.claims import release_claim
+from ..distributed import barrier, gloo_group, hang_requested, making_report
+from ..ending import end_process
+from ..output import print_line, this_rank, write_from_signal_handler
 
 
 # The signals that ask for a stop: Slurm's time-limit warning (the wrappers'
@@ -30,7 +29,7 @@ class StopDuringStartup(BaseException):
     in this run, so nothing needs saving. A BaseException, as KeyboardInterrupt
     is, so that no ``except Exception`` in start-up code (downloads, torch's
     own) swallows it; ``one_line_errors`` turns it into one line and the
-    signal's exit status (``end_startup_stop``)."""
+    signal's exit status."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -64,11 +63,6 @@ class _StopState:
 _STATE = _StopState()
 
 
-def _rank() -> int:
-    """This process's rank: the process group's, or RANK before one exists."""
-    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
-
-
 def _handler(signum, frame) -> None:
     if os.getpid() != _STATE.pid:
         return  # a loader worker before its worker_init_fn ran: the rank decides
@@ -76,18 +70,17 @@ def _handler(signum, frame) -> None:
         if making_report():  # this rank writes the job's one line, then exits on its own
             _STATE.received = _STATE.received or signum
             return
-        release_claim()  # os._exit skips atexit
-        os._exit(128 + signum)
+        end_process(128 + signum, at_once=True)
     if _STATE.received:
         if signal.SIGINT in (signum, _STATE.received):  # Ctrl-C twice, or after a stop signal
-            if _rank() == 0:
+            if this_rank() == 0:
                 write_from_signal_handler("second stop request: quitting at once, without a snapshot\n")
-            os._exit(128 + signum)
+            end_process(128 + signum, at_once=True)
         return  # the same stop, asked again
     _STATE.received = signum
     if _STATE.raise_at_once:
         raise StopDuringStartup(signum)
-    if signum == signal.SIGINT and _rank() == 0:
+    if signum == signal.SIGINT and this_rank() == 0:
         write_from_signal_handler("Ctrl-C: every rank stops after the current step and rank 0 saves a "
                                   "snapshot; press Ctrl-C again to quit at once without one\n")
 
@@ -129,7 +122,7 @@ def forget_stop_signal() -> None:
     """Forget the stop signal noted: ``received_stop_signal`` is 0 again, as
     in a process just started. For a check that stops a run with its own
     SIGTERM and then starts the next in this process
-    (``resume_check.check_resume``)."""
+    (tools/check_resume.py)."""
     _STATE.received = 0
 
 
@@ -150,21 +143,6 @@ def report_run_finished() -> None:
         except OSError as exc:
             print_line(f"warning: cannot write TRAINING_FINISHED_FILE {path} ({exc.strerror or exc}): a "
                        f"stop signal that came after the last epoch may requeue this finished job", sys.stderr)
-
-
-def end_startup_stop(stop: StopDuringStartup) -> None:
-    """Rank 0 prints ``stop.line()``; every rank leaves at once, without
-    tearing the process group down (other ranks may be anywhere in start-up),
-    with exit status 128 + the signal's number, the status of a process the
-    signal ended: so that the launcher (srun --kill-on-bad-exit, torchrun)
-    ends a rank still blocked inside C, in a store wait or a collective, that
-    takes its own signal only when that call returns. The Slurm wrappers
-    requeue by the signal, not by this status."""
-    if _rank() == 0:
-        print_line(stop.line())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(128 + stop.signum)
 
 
 class StopSignal:

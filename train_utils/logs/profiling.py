@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import output_path_error, print_line
+from ..output import output_path_error, print_line
 
 # The profiler's schedule, in training steps (micro-batches) of this start:
 # the first is skipped (one-time set-up: lazy allocations, DDP's first

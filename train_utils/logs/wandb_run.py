@@ -15,7 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from common import ConfigError
-from .output import first_error
+from ..output import first_error
 
 
 def wandb_missing() -> str:
@@ -111,11 +111,13 @@ class WandbRun:
         else:
             self.run.summary.update(figures)
 
-    def finish(self) -> None:
-        """End the W&B run started here, if any: wandb writes what it still
-        holds (its run file is flushed every 15 s otherwise). wandb would do
-        this at a normal interpreter exit, but not before an ``os._exit``
-        (the FSDP exit), so the training's end path calls it."""
+    def finish(self, failed: bool = False) -> None:
+        """End the W&B run started here, if any, as failed where ``failed``
+        (an exception ended the training: exit code 1): wandb writes what it
+        still holds (its run file is flushed every 15 s otherwise). wandb
+        would do this at a normal interpreter exit, but not where the process
+        ends at once (``ending.end_process``: FSDP, a broken process group),
+        so the training's end (``Trainer.close``) calls it."""
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=1 if failed else 0)
             self.run = None

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from common import ConfigError
 from recipes import lr_factor
 
-from .config import RunConfig, changeable_at_resume
-from .output import print_line
-from .speed import amp_dtype
+from ..config import RunConfig, changeable_at_resume
+from ..output import print_line
+from ..snapshots import START_AFRESH, Found
 
 
 def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
@@ -59,19 +59,35 @@ def batches_left(config: RunConfig, steps_per_epoch: int, epoch: int, batches_ru
     return (config.max_steps - epoch * steps_per_epoch) * config.grad_accum_steps - batches_run
 
 
-def check_max_steps(config: dict, args: RunConfig, steps_at_epoch_start: int) -> None:
+def nothing_to_train(found: Found, config: RunConfig, step: int) -> str:
+    """'' when the run ``config`` asks for has something left to train after
+    the snapshot ``found`` (``Checkpointer.find``: none, or one holding
+    fewer epochs than --total_epochs), at its optimizer step ``step`` (once
+    loaded: ``Progress.step``); else the line saying that the snapshot holds
+    every epoch, or under --max_steps every step, asked for, and what to do."""
+    longer = "--max_steps" if config.max_steps else "--total_epochs"
+    if found.path and found.epochs_run == config.total_epochs:
+        return (f"snapshot {found.path} already holds all {config.total_epochs} epochs: nothing to train (raise "
+                f"{longer} to train on, or {START_AFRESH})")
+    if found.path and config.max_steps and step >= config.max_steps:  # a run that ended inside an epoch
+        return (f"snapshot {found.path} already holds {step} optimizer steps of --max_steps {config.max_steps}: "
+                f"nothing to train (raise --max_steps to train on, or {START_AFRESH})")
+    return ""
+
+
+def check_max_steps(saved_config: dict, config: RunConfig, steps_at_epoch_start: int) -> None:
     """Raise ConfigError (one line) when a snapshot that counts the epoch a
-    --max_steps run cut short as whole (its ``config``; the epochs it holds
+    --max_steps run cut short as whole (its ``saved_config``; the epochs it holds
     make ``steps_at_epoch_start`` steps, more than its max_steps: a snapshot
     of an earlier train.py) is resumed with another --max_steps: a longer run
     would miscount its steps and skip that epoch's rest. train.py's own
     snapshots of such a run stand inside the epoch (``Trainer.run_epoch``)
-    and go on to any --max_steps."""
-    saved = config.get("max_steps") or 0
-    if saved and steps_at_epoch_start > saved and args.max_steps != saved:
+    and go on to any --max_steps (``config``'s)."""
+    saved = saved_config.get("max_steps") or 0
+    if saved and steps_at_epoch_start > saved and config.max_steps != saved:
         raise ConfigError(f"the snapshot holds a finished run of --max_steps {saved}, which ended inside an "
-                          f"epoch; it cannot go on to --max_steps {args.max_steps}: start afresh (another "
-                          f"--snapshot_path) with --max_steps {args.max_steps}")
+                          f"epoch; it cannot go on to --max_steps {config.max_steps}: start afresh (another "
+                          f"--snapshot_path) with --max_steps {config.max_steps}")
 
 
 class Recipe:
@@ -98,7 +114,7 @@ class Recipe:
                  position: Callable[[], int], device: torch.device) -> None:
         self.optimizer, self.config, self.steps_per_epoch, self.position = optimizer, config, steps_per_epoch, position
         self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, steps_per_epoch))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, config.amp) == torch.float16)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=config.compute_dtype == torch.float16)
         # This epoch's steps the scaler skipped (inf/nan gradients): an int, or a tensor on the device
         # counting them there (read at the epoch's end and in snapshots, not at every step).
         self._skipped = 0

@@ -1,0 +1,20 @@
+"""The logs wing: what a run tells its user. Other wings and the top of
+train_utils import it through this face only.
+
+  module        concern
+  startup       the start-up line: what runs where, the global batch size, the notes before it
+  metrics       the epoch line, JSON lines, TensorBoard, W&B: one RunLog per run; rank 0's progress line
+  wandb_run     Weights & Biases: one run per training, its id kept in snapshots (reached through RunLog only)
+  profiling     torch.profiler over a few steps, one trace per rank
+  throughput    tokens/s, achieved FLOP/s (the model's FLOPs per sample, counted at start), MFU
+  text_out      what a task's trained model writes (a language model's sample)
+"""
+
+from .metrics import RunLog, StepLog, tensorboard_missing
+from .profiling import StepProfiler
+from .startup import describe_run
+from .text_out import print_sample
+from .throughput import flops_per_sample, throughput_figures
+
+__all__ = ["RunLog", "StepLog", "tensorboard_missing", "StepProfiler", "describe_run", "print_sample",
+           "flops_per_sample", "throughput_figures"]

@@ -1,0 +1,55 @@
+"""The start-up line: what runs where (device, backend, world size, the
+device mesh, CPU threads, the precision), the global batch size, and the
+notes that go before it (unusable GPUs, an old torch, a torchrun whose
+restarted nodes cannot rejoin).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..distributed import OLDEST_TORCH, rejoin_note, torch_version, unusable_gpu_reason
+from ..loop import numerics_description
+
+
+def describe_run(device: torch.device, config: RunConfig) -> str:
+    """The start-up line: what runs where, and the global batch size.
+
+    E.g. ``device cpu | backend gloo | world_size 2 | global batch size 64 =
+    batch_size 32 x grad_accum_steps 1 x world_size 2 | cpu threads 1 per
+    process``: under --strategy hsdp then the device mesh (``| HSDP mesh
+    replicate 2 x shard 4``); on a CPU, the intra-op threads each process computes with
+    (``share_cpu_cores``; OMP_NUM_THREADS sets them); then ``| amp bf16`` or
+    ``| amp fp16 with a loss scaler`` under --amp; on CUDA how fp32 matmuls
+    run (``| fp32 matmuls on TF32 (--no_tf32: full fp32)``), and ``|
+    deterministic`` under --deterministic (``numerics_description``). Preceded by a ``note:``
+    line when GPUs are present but unusable (``unusable_gpu_reason``), one
+    when torch is older than ``OLDEST_TORCH``, and one for a multi-node
+    torchrun with restarts that shares its rendezvous store with the
+    workers (``rejoin_note``).
+    """
+    world_size, backend = dist.get_world_size(), dist.get_backend()
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    line = (f"device {device}{name} | backend {backend} | world_size {world_size} | global batch "
+            f"size {config.batch_size * config.grad_accum_steps * world_size} = batch_size "
+            f"{config.batch_size} x grad_accum_steps {config.grad_accum_steps} x world_size {world_size}")
+    if config.strategy == "hsdp":  # the 2-D device mesh (distributed.fsdp.hsdp_mesh): replicas x ranks per shard group
+        line += f" | HSDP mesh replicate {world_size // config.shard_size} x shard {config.shard_size}"
+    if device.type == "cpu":
+        line += f" | cpu threads {torch.get_num_threads()} per process"
+
+    if config.compute_dtype is not None:  # what plain --amp chose on this job's devices
+        line += " | amp bf16" if config.compute_dtype == torch.bfloat16 else " | amp fp16 with a loss scaler"
+    line += numerics_description(device, config)
+    reason = unusable_gpu_reason() if device.type == "cpu" else None
+    if reason:
+        line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
+                f"training on the CPU. Install the torch build that matches your driver\n" + line)
+    if rejoin_note():
+        line = rejoin_note() + "\n" + line
+    if torch_version() < OLDEST_TORCH:
+        line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
+                f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
+    return line

@@ -1,0 +1,40 @@
+"""The loop wing: what the training loop steps through. Other wings and the
+top of train_utils import it through this face only.
+
+  module        concern
+  progress      Progress: the position, samples trained, RNG states; DDP's buckets after a resume
+  sampler       the training sampler: an epoch part-way, at any world size
+  epoch         the epoch's batches, progress bars (no collectives inside)
+  loaders       DataLoader workers from a fork server, not forked; dense batches, their copy to the device
+  evaluation    even forwards under FSDP; --eval_windows
+  evaluations   when the run evaluates (by epochs or steps), the interval's loss, its records
+  recipe        fp16's loss scaler, gradient clipping, the lr schedule's state in snapshots,
+                the run's length in steps (--max_steps)
+  speed         --amp, --compile, --activation_checkpointing
+  numerics      TF32 for fp32 matmuls on GPUs (--no_tf32), --deterministic, the precision MFU divides by
+  stop          SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step; start-up ends at once
+"""
+
+from .epoch import EpochBatches, evaluating
+from .evaluation import batches_for_every_rank, eval_subset, fewest_batches
+from .evaluations import Evaluations
+from .loaders import DenseBatches, HostToDevice, SeededFetches, loader_workers
+from .numerics import compute_precision, numerics_description, set_deterministic, set_fp32_precision
+from .progress import Progress, rebuild_ddp_buckets
+from .recipe import Recipe, batches_left, nothing_to_train
+from .sampler import ResumableDistributedSampler
+from .speed import autocast, check_amp, checkpoint_activations, compile_blocks, compile_model, fp32, \
+    resolve_amp, training_loss
+from .stop import StopDuringStartup, StopSignal, Stopped, catch_stop_signals, forget_stop_signal, \
+    note_stop_signals_only, received_stop_signal, report_run_finished
+
+__all__ = [
+    "EpochBatches", "evaluating", "batches_for_every_rank", "eval_subset", "fewest_batches", "Evaluations",
+    "DenseBatches", "HostToDevice", "SeededFetches", "loader_workers",
+    "compute_precision", "numerics_description", "set_deterministic", "set_fp32_precision",
+    "Progress", "rebuild_ddp_buckets", "Recipe", "batches_left", "nothing_to_train", "ResumableDistributedSampler",
+    "autocast", "check_amp", "checkpoint_activations", "compile_blocks", "compile_model", "fp32",
+    "resolve_amp", "training_loss",
+    "StopDuringStartup", "StopSignal", "Stopped", "catch_stop_signals", "forget_stop_signal",
+    "note_stop_signals_only", "received_stop_signal", "report_run_finished",
+]
