@@ -57,7 +57,7 @@ FLAGS = {
     "top_k": {"type": int, "default": 200, "help": "--sample_chars: from the k likeliest (default: 200)"},
 }
 # The flags above that change only what a run prints, not what it trains: a run
-# submitted again with them changed is the same run (train_utils/identity.py).
+# submitted again with them changed is the same run (tools/identity.py).
 OUTPUT_FLAGS = ("sample_chars", "temperature", "top_k")
 
 # The model's sizes (the --n_layer ... --dropout flags) and the recipe where no flag

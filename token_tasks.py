@@ -44,7 +44,7 @@ FLAGS = {
     "val_files": {"help": "--dataset tokens: a glob of the validation token files in --data_dir "
                   "(default: *val*.bin)"},
 }
-# The flags above that change only what a run prints, not what it trains (train_utils/identity.py).
+# The flags above that change only what a run prints, not what it trains (tools/identity.py).
 OUTPUT_FLAGS = text_tasks.OUTPUT_FLAGS
 
 TOKEN_FILES_HINT = ("make train.bin and val.bin (and meta.pkl for a vocabulary of your own) with nanoGPT's "

@@ -28,11 +28,16 @@ def one_process_group():
     whether there is one."""
     import torch.distributed as dist
 
+    from train_utils.distributed import fsdp
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        # A model the test sharded makes this process end through os._exit (ending.end_process):
+        # right for a run, whose process holds one group; this test process goes on to other tests.
+        fsdp._SHARDED.model = False
 
 
 @pytest.fixture(scope="session")

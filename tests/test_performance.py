@@ -159,66 +159,45 @@ def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(tmp_path)
 # Gradient accumulation
 # --------------------------------------------------------------------------
 
-def _final_weights(tmp_path, name, launch, batch_size, accum, saved):
-    out = tmp_path / name
-    out.mkdir()
-    result = check(run(launch + ["--total_epochs", "2", "--lr", "0.01", "--batch_size", str(batch_size),
-                                 "--grad_accum_steps", str(accum), "--metrics_path", "m.jsonl"], out))
-    state = torch.load(out / saved, weights_only=True)
-    return result, state.get("model", state)
-
-
-def test_accumulating_two_half_batches_equals_one_full_batch(tmp_path):
-    """batch 8 x 2 micro-batches ends with the weights of batch 16 x 1 (same
-    samples per optimizer step, mean loss over them); batch 8 x 1 does not."""
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
-    saved, world = "snapshot_train.pt", 2
-    accumulated, a = _final_weights(tmp_path, "accum", launch, 8, 2, saved)
-    _, b = _final_weights(tmp_path, "full", launch, 16, 1, saved)
-    _, c = _final_weights(tmp_path, "half", launch, 8, 1, saved)
-    assert accumulated.stdout.count("global batch size") == 1
-    assert f"global batch size {16 * world} = batch_size 8 x grad_accum_steps 2 x world_size {world}" \
-        in accumulated.stdout
-    for name in a:
-        assert (a[name] - b[name]).abs().max().item() <= 1e-5, name
-    assert max((a[name] - c[name]).abs().max().item() for name in a) > 1e-2
-    # On a CPU the epoch line and metrics carry no GPU memory figure.
-    record = json.loads((tmp_path / "accum" / "m.jsonl").read_text().splitlines()[1])  # epoch 1
-    assert "peak_gpu_memory_mib" not in record and "peak_mem_mib" not in accumulated.stdout
-
-
 def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
-    """Snapshots fall between optimizer steps (every 2 optimizer steps, 4
-    micro-batches); a worker killed in the middle of an accumulation resumes
-    from the last one and ends bitwise equal to an uninterrupted run."""
-    flags = ["--total_epochs", "2", "--snapshot_every_steps", "2", "--grad_accum_steps", "2"]
+    """--grad_accum_steps 2 under torchrun: the start-up line gives the global
+    batch (batch x accumulation x world size), once; --snapshot_every_steps
+    counts optimizer steps, as --eval_every_steps and --log_every_steps do
+    (every 2 is every 4 micro-batches: a snapshot's position counts the
+    micro-batches trained in its epoch, "epoch 1 step 4"), so snapshots fall
+    between optimizer steps; a worker killed in the middle of an
+    accumulation resumes from the last one and ends bitwise equal to an
+    uninterrupted run. (That 2 accumulated micro-batches make the step of
+    their whole batch: in process, below.) On a CPU the epoch line and the
+    metrics carry no GPU memory figure."""
+    flags = ["--total_epochs", "2", "--snapshot_every_steps", "2", "--grad_accum_steps", "2",
+             "--metrics_path", "m.jsonl"]
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
-    check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"] + flags,
-              tmp_path / "clean"))
+    clean = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"] + flags,
+                      tmp_path / "clean"))
+    assert clean.stdout.count("global batch size") == 1
+    assert "global batch size 128 = batch_size 32 x grad_accum_steps 2 x world_size 2" in clean.stdout
+    saved = re.findall(r"^(epoch .*) \| snapshot saved at snapshot_train.pt$", clean.stdout, re.M)
+    # 28 micro-batches an epoch: every 4th, then the run's end (--save_every 5 saves no earlier epoch's)
+    assert saved == [f"epoch {epoch} step {step}" for epoch in (1, 2) for step in range(4, 28, 4)] + ["epoch 2"], \
+        saved
+    record = json.loads((tmp_path / "clean" / "m.jsonl").read_text().splitlines()[1])  # epoch 1
+    assert "peak_gpu_memory_mib" not in record and "peak_mem_mib" not in clean.stdout
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
                                    FAULTY_TRAIN] + flags, tmp_path / "killed",
-                       DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 steps each), step 11
+                       DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 micro-batches each), its 11th
     assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 8" in killed.stdout
-    _, clean = snapshot_tensors(tmp_path / "clean" / "snapshot_train.pt")
+    _, straight = snapshot_tensors(tmp_path / "clean" / "snapshot_train.pt")
     _, resumed = snapshot_tensors(tmp_path / "killed" / "snapshot_train.pt")
-    assert [name for name in clean if not torch.equal(clean[name], resumed[name])] == []
-
-
-def test_snapshot_every_steps_counts_optimizer_steps(tmp_path):
-    """--snapshot_every_steps counts optimizer steps, as --eval_every_steps and
-    --log_every_steps do: with 2 micro-batches a step, every 3 steps is a
-    snapshot every 6 micro-batches (a snapshot's position counts the
-    micro-batches trained in its epoch: "epoch 1 step 6"), then the epoch's own."""
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", "--total_epochs", "1",
-                                   "--grad_accum_steps", "2", "--snapshot_every_steps", "3"], tmp_path))
-    saved = re.findall(r"^(epoch .*) \| snapshot saved at snapshot_train.pt$", result.stdout, re.M)
-    assert saved == ["epoch 1 step 6", "epoch 1 step 12", "epoch 1 step 18", "epoch 1 step 24", "epoch 1"], saved
+    assert [name for name in straight if not torch.equal(straight[name], resumed[name])] == []
 
 
 def _no_sync_worker(rank, world_size, port, out_dir):
     """Train 4 micro-batches with train.py's Trainer and a DDP comm hook that
-    counts the gradient all-reduces (and still does them)."""
+    counts the gradient all-reduces (and still does them), without and with
+    accumulating 2 a step; then the same 64 samples of each rank in steps of
+    16 (2 accumulated micro-batches of 8, 1 batch of 16, 1 batch of 8)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -244,11 +223,25 @@ def _no_sync_worker(rank, world_size, port, out_dir):
                 grads_after_first = model.weight.grad.clone()
         counts[accum] = {"calls": len(calls), "first_grad": grads_after_first,
                          "weight": model.weight.detach().clone()}
+    g = torch.Generator().manual_seed(10 + rank)
+    x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+    for name, batch, accum in (("8 x 2", 8, 2), ("16 x 1", 16, 1), ("8 x 1", 8, 1)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        trainer = kit_trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                              F.mse_loss, out_dir, rank, grad_accum_steps=accum)
+        for start in range(0, 64 if batch * accum == 16 else 32, batch):  # 4 steps of 16, or of 8
+            trainer.train_step(x[start:start + batch], y[start:start + batch])
+        counts[name] = {key: value.detach().clone() for key, value in model.state_dict().items()}
     torch.save(counts, os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
 def test_no_sync_skips_the_all_reduce_of_all_but_the_last_micro_batch(tmp_path):
+    """Under --grad_accum_steps the micro-batches before a step's last add up
+    their gradients on each rank, with no all-reduce; and 2 accumulated
+    micro-batches of 8 make the step of their batch of 16 (the mean loss
+    over the same samples), which 2 steps of 8 do not."""
     mp.spawn(_no_sync_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)]
     for r in ranks:
@@ -260,6 +253,9 @@ def test_no_sync_skips_the_all_reduce_of_all_but_the_last_micro_batch(tmp_path):
     assert not torch.allclose(ranks[0][2]["first_grad"], ranks[1][2]["first_grad"])
     # After the synced micro-batch the ranks stepped alike: the weights still agree.
     assert torch.equal(ranks[0][2]["weight"], ranks[1][2]["weight"])
+    accumulated, whole, half = ranks[0]["8 x 2"], ranks[0]["16 x 1"], ranks[0]["8 x 1"]
+    assert max((accumulated[n] - whole[n]).abs().max().item() for n in whole) <= 1e-6
+    assert max((accumulated[n] - half[n]).abs().max().item() for n in whole) > 1e-3
 
 
 # --------------------------------------------------------------------------

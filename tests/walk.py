@@ -176,15 +176,15 @@ class Walk:
 
     def _prepare(self) -> None:
         """The folder as a newcomer's checkout (the scripts, the task modules,
-        train_utils, the guide's task files), ../shared beside it."""
+        train_utils, tools, the guide's task files), ../shared beside it."""
         from test_custom_task import guide_task_module
         from dataset_files import require_mnist_t10k
 
         self.folder.mkdir(parents=True)
         for script in REPO.glob("*.py"):
             shutil.copy(script, self.folder)
-        shutil.copytree(REPO / "train_utils", self.folder / "train_utils",
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        for package in ("train_utils", "tools"):
+            shutil.copytree(REPO / package, self.folder / package, ignore=shutil.ignore_patterns("__pycache__"))
         guide_task_module(self.folder)
         bin_dir = self.root / "bin"  # `python` and `torchrun` as a user's activated environment has them
         bin_dir.mkdir()
