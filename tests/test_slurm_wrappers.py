@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from helpers import LAUNCHER_VARIABLES, typed_snapshot, wrapper_snapshot
-from tools.identity import run_identity
+from tools.identity import run_identity, snapshot_for
 
 REPO = Path(__file__).resolve().parent.parent
 WRAPPERS = ["single_gpu.sh", "multi_gpu.sh", "multi_node.sh", "multi_node_srun.sh"]
@@ -434,13 +434,8 @@ def test_a_submissions_snapshot_is_named_by_the_runs_identity_and_is_a_folder_un
     sweep (another --lr, another --dropout), another name; a run that gives no
     flag of its identity, the bare name; --strategy fsdp (train.py's sharded
     snapshots) a folder's name, without .pt; a --snapshot_path given wins."""
-    bin_dir = tmp_path / "bin"
-    _stand_in_squeue(bin_dir, "COMPLETED")
-
-    def chosen(*args: str) -> str:
-        result = _snapshot_for(tmp_path, bin_dir, "6", *args)
-        assert result.returncode == 0, (args, result)
-        return result.stdout.splitlines()[-1].removeprefix("SNAPSHOT=")
+    def chosen(*args: str) -> str:  # the rule, in process: tools/identity.py's snapshot_for
+        return snapshot_for("snapshot-sweep", list(args), str(tmp_path))[0]
 
     first = chosen("--dataset", "shakespeare_char", "--lr", "3e-4", "--n_layer", "2", "--max_steps", "60")
     assert first.startswith("snapshot-sweep-") and first.endswith(".pt") and len(first) == len("snapshot-sweep-.pt") + 8
@@ -459,27 +454,29 @@ def test_a_submissions_snapshot_is_named_by_the_runs_identity_and_is_a_folder_un
     assert chosen("--strategy", "fsdp", "--lr", "1") == chosen("--lr=1", "--strategy=fsdp") == lr[:-3]
     assert chosen("--strategy", "fsdp", "--strategy", "ddp", "--lr", "1") == lr
     assert chosen("--strategy", "fsdp", "--snapshot_path", "mine") == "mine"
+    # The batch shell's step (slurm/stop_and_requeue.sh) runs that rule and says what it chose.
+    bin_dir = tmp_path / "bin"
+    _stand_in_squeue(bin_dir, "COMPLETED")
     printed = _snapshot_for(tmp_path, bin_dir, "6", "--lr", "0.5", "--total_epochs", "3").stdout
     assert "run identity " in printed and ": --lr 0.5\n" in printed, printed
+    assert printed.splitlines()[-1] == f"SNAPSHOT={wrapper_snapshot('sweep', ['--lr', '0.5'])}", printed
 
 
 def test_a_snapshot_named_by_the_arguments_as_typed_is_resumed_with_a_note(tmp_path):
     """A snapshot named by a hash of the arguments as typed, and none yet by
     the run's identity: that one is resumed, with a note naming both; once
     the identity's name exists, it is the one."""
-    bin_dir = tmp_path / "bin"
-    _stand_in_squeue(bin_dir, "COMPLETED")
     args = ["--lr", "0.1", "--total_epochs", "4"]
     typed, named = typed_snapshot("sweep", args), wrapper_snapshot("sweep", args)
     assert typed != named
     (tmp_path / typed).write_bytes(b"a snapshot")
-    result = _snapshot_for(tmp_path, bin_dir, "6", *args)
-    assert result.returncode == 0 and result.stdout.splitlines()[-1] == f"SNAPSHOT={typed}", result
-    assert f"note: resuming {typed}, this command's snapshot named by its arguments as typed (the run's identity " \
-           f"names it {named}" in result.stdout
+    chosen, lines = snapshot_for("snapshot-sweep", args, str(tmp_path))  # the rule the batch shell runs
+    assert chosen == typed, lines
+    assert any(line.startswith(f"note: resuming {typed}, this command's snapshot named by its arguments as typed "
+                               f"(the run's identity names it {named}") for line in lines), lines
     (tmp_path / named).write_bytes(b"a newer snapshot")
-    result = _snapshot_for(tmp_path, bin_dir, "6", *args)
-    assert result.stdout.splitlines()[-1] == f"SNAPSHOT={named}" and "note:" not in result.stdout, result
+    chosen, lines = snapshot_for("snapshot-sweep", args, str(tmp_path))
+    assert chosen == named and not any(line.startswith("note:") for line in lines), lines
 
 
 def test_a_flag_train_py_refuses_ends_the_job_before_its_snapshot_is_named(tmp_path):
