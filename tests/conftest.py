@@ -210,38 +210,96 @@ def slurm_cluster(tmp_path_factory):
 # The quick tier: `python -m pytest -m quick tests`
 # --------------------------------------------------------------------------
 
-# The tests `-m quick` selects: every rung end to end, resume, bad input, the
-# kit's resume and refusals, the README's promises; a few minutes on 2 CPU
-# cores, no root, no Slurm, no podman, no network. An entry is a file (all its tests) or a test id, with or
-# without its parameters. The full suite (.ci/run) is the rest.
+# The tests `-m quick` selects, the daily loop (a few minutes on 2 CPU cores, no
+# root, no Slurm, no podman, no network): every module's unit tests, in process
+# or in a process group of their own, and one end-to-end run of each rung and of
+# the kit (the README's steps, in the newcomer's walk as far as the kit's
+# block; the kit's runs the rungs are compared with), with the kit's one-line
+# refusals. An entry is a file (all its tests) or a test id, with or without its
+# parameters. The full suite (.ci/run) is the rest.
 QUICK = [
-    "test_ladder.py",  # the five rungs end to end, their resume, standalone; bad flags and data
-    "test_ladder_diffs.py",
-    "test_package_map.py",
-    "test_readme.py",
-    "test_task_batching.py",  # a task of one's own: its batching, named by its file, wrong returns
-    "test_fsdp.py::test_hsdp_stopped_mid_epoch_resumes_and_moves_to_fsdp_and_back",  # FSDP2, stopped, resumed
+    # whole files: unit tests
+    "test_common.py", "test_claims.py", "test_package_map.py", "test_readme.py", "test_task_batching.py",
+    "test_ladder_diffs.py", "test_train_utils.py", "test_gpu_speed.py", "test_real_data.py",
+    "test_slurm_wrappers.py",
+    # the rungs end to end (the README's Steps 1-5), their parity with the kit, bad flags and data
+    "test_ladder.py",
+    # the kit end to end: the README's block, stopped and resumed bitwise; its one-line refusals
     "test_distributed_correctness.py::test_resume_equals_uninterrupted_run",
-    "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",  # the kit, train.py:
+    "test_fault_tolerance.py::test_truncated_snapshot_stops_with_one_line_and_is_kept",
+    "test_reruns_and_errors.py::test_rerunning_a_finished_run_says_nothing_to_train",
     "test_reruns_and_errors.py::test_fewer_epochs_than_the_snapshot_holds_is_refused",
     "test_reruns_and_errors.py::test_a_typo_under_torchrun_is_one_line_and_the_root_cause",
     "test_reruns_and_errors.py::test_flags_spelled_as_in_pytorch_examples_or_nanogpt_get_the_flag_meant",
-    "test_fault_tolerance.py::test_truncated_snapshot_stops_with_one_line_and_is_kept",
-    "test_language_model.py::test_split_vocabulary_and_windows_are_nanogpts",  # the LM: task, model, recipe
+    "test_reruns_and_errors.py::test_every_error_line_the_project_prints_starts_with_error_colon",
+    "test_reruns_and_errors.py::test_the_prefix_check_can_fail",
+    # unit tests of the other modules
+    "test_distributed_correctness.py::test_sharded_evaluation_equals_single_process",
+    "test_docs.py::test_documented_commands_run_as_written", "test_docs.py::test_user_pages_speak_in_the_present",
+    "test_docs.py::test_measured_figures_sit_in_results_tables", "test_docs.py::test_the_voice_checks_can_fail",
+    "test_docs.py::test_links_between_pages_lead_somewhere", "test_docs.py::test_every_flag_has_its_row_in_flags_md",
+    "test_fault_tolerance.py::test_crafted_snapshot_is_refused_and_its_code_never_runs",
+    "test_fsdp.py::test_bf16_mixed_precision_policy_trains_resnet_with_fp32_batchnorm",
+    "test_fsdp.py::test_shard_model_takes_a_channels_last_resnet",
+    "test_keyed_draws.py::test_a_windows_offset_is_its_own_whatever_batch_fetches_it",
+    "test_keyed_draws.py::test_a_task_drawing_from_torchs_generator_draws_per_sample_keys",
+    "test_language_model.py::test_split_vocabulary_and_windows_are_nanogpts",
+    "test_language_model.py::test_missing_corpus_is_one_line_and_the_download_is_md5_checked",
     "test_language_model.py::test_gpt_shapes_tying_initialisation_and_causality",
     "test_language_model.py::test_gpt_sizes_are_one_config_checked_where_it_is_made",
     "test_language_model.py::test_lm_recipe_decays_matrices_only_and_follows_nanogpts_schedule",
-    "test_token_files.py::test_token_files_are_the_character_tasks_text_read_where_the_windows_are",  # nanoGPT's
-    "test_token_files.py::test_bad_token_files_are_one_line_each_and_left_as_they_are",  # token files, in process
-    "test_lm_kit.py::test_flops_per_token_is_6n_plus_attention_with_nanogpts_n",  # the kit's LM parts, in-process
+    "test_lm_kit.py::test_flops_per_token_is_6n_plus_attention_with_nanogpts_n",
     "test_lm_kit.py::test_tokens_flops_and_mfu_figures",
     "test_lm_kit.py::test_fsdp_units_are_the_transformer_blocks_and_a_tied_weight_stays_in_the_root",
+    "test_lm_kit.py::test_activation_checkpointing_gives_the_same_losses_and_gradients_and_keeps_less",
     "test_lm_kit.py::test_generate_is_seeded_and_top_k_1_is_greedy",
+    "test_loaders.py::test_worker_seeds_still_come_from_the_saved_loader_generator",
+    "test_loaders.py::test_workers_from_the_fork_server_never_act_on_a_stop_signal",
+    "test_output_paths.py::test_what_stands_in_an_output_paths_way_is_named",
+    "test_output_paths.py::test_a_snapshot_damaged_inside_its_tensors_is_refused_naming_the_entry",
+    "test_output_paths.py::test_a_damaged_fsdp_shard_is_refused_naming_the_file_and_item",
+    "test_output_paths.py::test_random_bytes_as_a_snapshot_give_one_short_line_without_unsafe_advice",
+    "test_output_paths.py::test_the_models_in_help_are_those_each_task_accepts",
+    "test_performance.py::test_batched_crop_and_flip_are_exact_crops_of_the_padded_image",
+    "test_performance.py::test_device_transform_normalizes_exactly_like_torchvision",
+    "test_performance.py::test_fast_path_gives_the_same_batches_through_distributed_sampler",
+    "test_performance.py::test_cifar10_fast_path_reads_the_real_format",
+    "test_performance.py::test_no_sync_skips_the_all_reduce_of_all_but_the_last_micro_batch",
+    "test_performance.py::test_amp_on_a_gpu_without_native_bf16_is_fp16_and_forced_bf16_is_refused",
+    "test_performance.py::test_the_peak_table_matches_gpu_names_to_their_own_data_sheet",
+    "test_performance.py::test_the_peak_table_gives_h200_nvl_its_own_peak_and_a_mig_slice_none",
+    "test_performance.py::test_benchmark_records_a_failing_section_and_skips_what_needs_two_gpus",
+    "test_performance.py::test_epoch_line_shows_peak_gpu_memory_when_given",
+    "test_recipes.py::test_schedules_give_the_learning_rates_of_torchs_own_schedulers",
+    "test_recipes.py::test_optimizer_and_weight_decay_by_flag",
+    "test_recipes.py::test_the_task_gives_the_recipe_defaults_and_the_command_line_overrides_them",
+    "test_recipes.py::test_a_snapshot_from_before_the_optimizer_flag_is_sgds",
+    "test_recipes.py::test_cifar_resnets_have_the_cifar_stem_and_the_published_parameter_counts",
+    "test_recipes.py::test_device_and_backend_come_from_torch_accelerator",
+    "test_recipes.py::test_the_tasks_identity_is_compared_whole_and_an_older_snapshots_sizes_by_name",
+    "test_recipes.py::test_a_snapshot_holding_keys_no_part_reads_is_refused_in_one_line",
+    "test_resize.py::test_an_epoch_resumed_at_another_world_size_trains_each_sample_once",
+    "test_resize.py::test_a_resumed_epoch_repeats_only_its_padding",
+    "test_resize.py::test_the_steps_of_a_resumed_epoch_are_counted_at_the_new_world_size",
+    "test_resize.py::test_global_batch_size_sets_the_accumulation_for_each_world_size",
+    "test_start_and_stop.py::test_a_multi_node_restartable_torchrun_sharing_its_store_is_noted_at_start",
+    "test_start_and_stop.py::test_the_open_file_limit_is_raised_to_the_hard_one",
+    "test_start_and_stop.py::test_running_out_of_open_files_is_named_as_such_not_as_a_network_fault",
+    "test_start_and_stop.py::test_abbreviated_flags_are_refused_by_the_kit_and_the_rungs",
+    "test_start_and_stop.py::test_missing_mnist_names_the_offline_helper",
+    "test_start_and_stop.py::test_a_list_of_separate_tensors_trains_with_loader_workers",
+    "test_start_and_stop.py::test_the_language_model_pages_commands_run_in_the_readmes_folder",
+    "test_token_files.py::test_token_files_are_the_character_tasks_text_read_where_the_windows_are",
+    "test_token_files.py::test_bad_token_files_are_one_line_each_and_left_as_they_are",
+    "test_token_files.py::test_shards_in_llmcs_format_and_headerless_give_the_same_windows_none_across_a_shards_end",
+    "test_token_files.py::test_bad_shards_are_one_line_each_and_left_as_they_are",
+    "test_token_files.py::test_gpt2_small_with_the_padded_vocabulary_takes_a_step",
+    "test_token_files.py::test_eval_windows_are_a_fixed_subset_and_step_evaluations_keep_the_best",
 ]
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "quick: the few-minute tier (tests/conftest.py's QUICK): "
+    config.addinivalue_line("markers", "quick: the daily loop's tier (tests/conftest.py's QUICK): "
                                        "python -m pytest -m quick tests")
     share_cores_between_test_processes()
     _record_launches()

@@ -138,7 +138,7 @@ COSINE = ["--batch_size", "16", "--lr_schedule", "cosine", "--warmup_epochs", "0
 def test_a_resume_says_what_a_new_horizon_or_lr_changes_and_refuses_another_optimizer(tmp_path):
     check(run(TORCHRUN_2 + COSINE + ["--total_epochs", "2"], tmp_path))
     before = (tmp_path / "snapshot_train.pt").read_bytes()
-    refused = run(TORCHRUN_2 + COSINE + ["--total_epochs", "3", "--optimizer", "adamw"], tmp_path)
+    refused = one_process(COSINE + ["--total_epochs", "3", "--optimizer", "adamw"], tmp_path)
     assert refused.returncode != 0
     assert set(error_lines(refused.stderr)) == {
         "error: snapshot snapshot_train.pt comes from a different run (optimizer sgd -> adamw); "
@@ -174,9 +174,9 @@ def test_a_resume_names_a_changed_task_flag_outside_the_identity(tmp_path):
     """--dropout raised at resume is taken, and said, as a recipe change is."""
     (tmp_path / "dropout_task.py").write_text(DROPOUT_TASK)
     flags = ["--dataset", "dropout_task:build_task"]
-    check(run(TORCHRUN_2 + flags + ["--total_epochs", "1"], tmp_path, PYTHONPATH=str(tmp_path)))
-    resumed = check(run(TORCHRUN_2 + flags + ["--total_epochs", "2", "--dropout", "0.1"], tmp_path,
-                        PYTHONPATH=str(tmp_path)))
+    check(one_process(flags + ["--total_epochs", "1"], tmp_path, PYTHONPATH=str(tmp_path)))
+    resumed = check(one_process(flags + ["--total_epochs", "2", "--dropout", "0.1"], tmp_path,
+                                PYTHONPATH=str(tmp_path)))
     assert "recipe changed at resume (total_epochs 1 -> 2, dropout 0.0 -> 0.1): " in resumed.stdout
 
 
