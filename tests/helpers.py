@@ -134,8 +134,8 @@ def assert_same_snapshot(path_a: Path, path_b: Path) -> None:
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
-def signal_when(launch: list, cwd: Path, line, signum: int, start_s: float = 120,
-                stop_s: float = 60, **env: str) -> str:
+def signal_when(launch: list, cwd: Path, line, signum: int, start_s: float = 600,
+                stop_s: float = 300, **env: str) -> str:
     """Run ``launch`` in ``cwd`` (stdout and stderr to cwd/log.txt; ``env``
     added to the environment), send it ``signum`` once ``line`` (a string, or
     a tuple of strings: all of them) appears in its output (within
