@@ -207,6 +207,9 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = parse_args()
+    if torch.cuda.is_available() and args.world_size > torch.cuda.device_count():  # one GPU per process
+        sys.exit(f"error: --world_size {args.world_size} is more processes than this machine's "
+                 f"{torch.cuda.device_count()} GPUs; pass at most {torch.cuda.device_count()}")
     # Where the processes meet: a fixed address and port on this machine; the environment may override them.
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "12355")

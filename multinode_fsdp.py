@@ -212,6 +212,8 @@ def main(args: argparse.Namespace) -> None:
     # NCCL joins with this process's GPU (device_id): its barriers then know which GPU to use.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)
+    if dist.get_backend() == "gloo" and torch.__version__ < "2.10":  # torch < 2.10: gloo sums, FSDP averages
+        raise common.ConfigError("FSDP on the CPU (gloo) needs torch 2.10 or newer (docs/install.md)")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # the initial weights come from the seed
     if local_rank == 0:  # one download per node (--data_dir is on each node's disk) while the others wait

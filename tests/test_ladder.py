@@ -29,7 +29,7 @@ SAVED = {"singlegpu.py": "checkpoint_singlegpu.pt", "multigpu_spawn.py": "checkp
 ALLOWED = {"argparse", "os", "shutil", "socket", "sys", "time", "typing", "torch", "torchvision", "tqdm",
            "common", "vision_tasks", "fast_images", "text_tasks", "token_tasks", "gpt", "recipes"}
 # Before torch 2.10, gloo's reduce_scatter sums where FSDP averages: on the CPU the FSDP rung
-# needs torch 2.10 (docs/install.md), and is not run on an older one.
+# needs torch 2.10 (docs/install.md), and refuses an older one in one line.
 FSDP_TOO_OLD = not torch.cuda.is_available() and torch.__version__ < "2.10"
 # The kit's runs the rungs' losses are compared with (conftest's kit_run, which other tests share):
 # the README's steps train at most 4 epochs of DDP and 2 of FSDP.
@@ -68,7 +68,7 @@ def runs_of(stdout: str) -> list:
 
 
 @pytest.mark.parametrize("script", RUNGS)
-def test_rung_trains_resumes_and_prints_the_kits_losses(script, newcomer_walk, kit_run):
+def test_rung_trains_resumes_and_prints_the_kits_losses(script, newcomer_walk, kit_run, tmp_path):
     """The README step's commands as a newcomer runs them: the loss falls, one
     summary line per epoch (rank 0 prints), the test split's line once a run,
     a save every --save_every epochs and after the last, and what was saved
@@ -77,9 +77,15 @@ def test_rung_trains_resumes_and_prints_the_kits_losses(script, newcomer_walk, k
     prints for the same flags (DDP, or FSDP for the FSDP rung) never stopped;
     where the step is two commands (rungs 3 and 5), the second resumes after
     the first's last epoch, and the two runs' epochs are the kit's
-    uninterrupted run's: the rung resumes exactly."""
+    uninterrupted run's: the rung resumes exactly. On the CPU before torch
+    2.10, the FSDP rung refuses in one line instead of training with
+    gradients world_size times too large."""
     if script == "multinode_fsdp.py" and FSDP_TOO_OLD:
-        pytest.skip(f"torch {torch.__version__}: FSDP on the CPU (gloo) needs torch 2.10 (docs/install.md)")
+        refused = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / script], tmp_path)
+        assert refused.returncode != 0 and error_lines(refused.stderr) == [
+            "error: FSDP on the CPU (gloo) needs torch 2.10 or newer (docs/install.md)"], refused.stderr
+        assert epochs(refused.stdout) == []
+        return
     number, steps = readme_step(script)
     block = newcomer_walk.block("README.md", number)
     launches = list(dict.fromkeys(command.rstrip(" &") for command in steps if script in command))  # nodes: one
@@ -180,3 +186,16 @@ def test_missing_dataset_names_folder_files_and_fix(tmp_path):
     assert str(tmp_path / "nothing" / "MNIST" / "raw") in errors[0]
     assert "train-images-idx3-ubyte" in errors[0] and "Pre-stage" in errors[0]
     assert "Traceback (most recent call last)" not in result.stderr.split("error: ")[0]
+
+
+def test_spawn_with_more_processes_than_gpus_is_one_line(monkeypatch, capsys):
+    """multigpu_spawn.py --world_size 2 on a machine with one GPU (torch's
+    answers stood in): one line, before any process starts."""
+    import runpy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(sys, "argv", ["multigpu_spawn.py", "--world_size", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "multigpu_spawn.py"), run_name="__main__")
+    assert exit_.value.code == "error: --world_size 2 is more processes than this machine's 1 GPUs; pass at most 1"
