@@ -510,9 +510,17 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """Print what the run cost: each test file's seconds and CPU seconds
     (its test process and the scripts it ran; Slurm's jobs run outside it and
     are not counted), then every test, most CPU first, with the processes it
-    started, then each launch that several tests start alike."""
+    started, then each launch that several tests start alike; under -q none
+    of them (--cost-table still writes them)."""
     import json
 
+    path = terminalreporter.config.getoption("--cost-table")
+    if path:
+        with open(path, "w") as out:
+            json.dump({nodeid: {"wall_s": wall, "cpu_s": cpu, "launches": _TEST_LAUNCHES.get(nodeid, [])}
+                       for nodeid, (wall, cpu) in _TEST_SECONDS.items()}, out, indent=1)
+    if terminalreporter.config.option.verbose < 0:
+        return
     write = terminalreporter.write_line
     files: dict = {}
     for nodeid, (wall, cpu) in _TEST_SECONDS.items():
@@ -543,8 +551,3 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("launches that several tests start alike")
     for launch, tests in sorted(repeated.items(), key=lambda item: -len(item[1])):
         write(f"{len(tests):3d} tests: {launch}")
-    path = terminalreporter.config.getoption("--cost-table")
-    if path:
-        with open(path, "w") as out:
-            json.dump({nodeid: {"wall_s": wall, "cpu_s": cpu, "launches": _TEST_LAUNCHES.get(nodeid, [])}
-                       for nodeid, (wall, cpu) in _TEST_SECONDS.items()}, out, indent=1)
