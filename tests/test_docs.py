@@ -383,12 +383,13 @@ def test_links_between_pages_lead_somewhere():
 
 def _workspace(folder, data_dir) -> dict:
     """Make ``folder`` a user's checkout as the docs assume it (the scripts, the
-    task modules, train_utils, the guide's my_task.py); return the environment
-    of a shell with the test environment activated and DATA_DIR set."""
+    task modules, train_utils, the programs in tools/, the guide's
+    my_task.py); return the environment of a shell with the test environment
+    activated and DATA_DIR set."""
     for script in REPO.glob("*.py"):  # the scripts and the task modules
         shutil.copy(script, folder)
-    shutil.copytree(REPO / "train_utils", folder / "train_utils",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("train_utils", "tools"):
+        shutil.copytree(REPO / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
     guide_task_module(folder)
     bin_dir = folder / "bin"  # `python` and `torchrun` as a user's activated environment has them
     bin_dir.mkdir()
