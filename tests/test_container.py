@@ -290,7 +290,13 @@ def test_stops_inside_the_container_resume_exactly(cluster, sandbox, tmp_path):
         info = scenario.infos[-1]
         assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, show(scenario)
         texts = runs(scenario.logs[-1])
-        assert "stopped by SIGTERM" in texts[0], texts[0]
+        # A preemption sends SIGTERM, or the job's --signal (SIGUSR1 to the batch shell) where
+        # SlurmctldParameters=preempt_send_user_signal is set: tests/test_stop_paths.py sets it
+        # for one of its jobs and removes it again, but slurmctld 22.05 may keep acting on it for
+        # a later preemption (seen once in four CI runs). Either is a stop the wrapper handles.
+        stops_by = ("stopped by SIGTERM", "stopped by SIGUSR1") if scenario.trigger is preempt \
+            else ("stopped by SIGTERM",)
+        assert any(stop_by in texts[0] for stop_by in stops_by), texts[0]
         stops = check_resumes_exactly(texts, int(CONTAINER_SHORT[1]))
         assert len(stops) == 1, texts
         print(f"{scenario.name}: stopped at epoch {stops[0][0]} step {stops[0][1]}, {len(texts)} runs, "
