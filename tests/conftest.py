@@ -207,14 +207,14 @@ def slurm_cluster(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------
-# The quick tier: `python -m pytest -m quick tests`
+# The quick tier: `python -m pytest -m quick -n 3 tests`
 # --------------------------------------------------------------------------
 
 # The tests `-m quick` selects, the daily loop (a few minutes on 2 CPU cores, no
 # root, no Slurm, no podman, no network): every module's unit tests, in process
 # or in a process group of their own, and one end-to-end run of each rung and of
 # the kit (the README's steps, in the newcomer's walk as far as the kit's
-# block; the kit's runs the rungs are compared with), with the kit's one-line
+# block; the kit's runs the rungs are compared with), with the rungs' one-line
 # refusals. An entry is a file (all its tests) or a test id, with or without its
 # parameters. The full suite (.ci/run) is the rest.
 QUICK = [
@@ -295,7 +295,7 @@ QUICK = [
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "quick: the daily loop's tier (tests/conftest.py's QUICK): "
-                                       "python -m pytest -m quick tests")
+                                       "python -m pytest -m quick -n 3 tests")
     share_cores_between_test_processes()
     _record_launches()
 
