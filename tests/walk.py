@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -202,8 +203,9 @@ class Walk:
         env = script_env(DATA_DIR=str(self.data_dir), PATH=f"{self.root / 'bin'}{os.pathsep}{os.environ['PATH']}")
         started = time.monotonic()
         try:
-            result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + text], cwd=self.folder, env=env,
-                                    capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+            with _fixed_ports_lock(text):
+                result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + text], cwd=self.folder, env=env,
+                                        capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
             returncode, stdout, stderr = result.returncode, result.stdout, result.stderr
         except subprocess.TimeoutExpired as exc:
             returncode, stdout, stderr = -9, _text(exc.stdout), _text(exc.stderr) + f"\n(killed after {exc.timeout} s)"
@@ -219,6 +221,25 @@ class Walk:
                 else:
                     shutil.copy2(path, kept / path.name, follow_symlinks=False)
         return block
+
+
+# Blocks that meet at a fixed port, as written: multigpu_spawn.py's localhost:12355 and the
+# README's two-node demo's --rdzv-endpoint=localhost:29400.
+FIXED_PORT = re.compile(r"multigpu_spawn\.py|--rdzv-endpoint=localhost:")
+
+
+def _fixed_ports_lock(text: str):
+    """A lock the whole machine shares, held while a block that meets at a
+    fixed port runs: another test session (.ci/run's oldest-torch step, beside
+    the main suite) walks the README too, and the second to bind the port
+    would fail. Other blocks need none (a null context)."""
+    import contextlib
+
+    from filelock import FileLock
+
+    if not FIXED_PORT.search(text):
+        return contextlib.nullcontext()
+    return FileLock(str(Path(tempfile.gettempdir()) / "ddp-tutorial-walk-fixed-ports.lock"))
 
 
 def _failure(block: Block) -> str:
