@@ -6,7 +6,8 @@ stopped), the collective the others waited in,
 and a stack file per live rank beside the snapshot.
 
 Three hangs, each driven as a user meets it, train.py under torchrun on 2
-CPU ranks: a task whose loss never returns on rank 1 (user code), a rank
+CPU ranks: a task whose loss never returns on rank 1 (user code; also under
+HSDP on 4 ranks, where the others wait in the device mesh's groups), a rank
 frozen by SIGSTOP mid-step, and a rank that skips one collective (the stop
 signal's all-reduce), so that the ranks end up in different collectives.
 The last two are injected from the test side (tests/train_with_fault.py),
@@ -127,6 +128,31 @@ def test_a_rank_stuck_in_its_tasks_code_is_named_with_its_file_and_line(tmp_path
     assert f"main thread at: stuck_task.py:{sleep_line} in loss" in stacks[f"stacks_rank1_{HOST}.txt"]
     assert "(where its collective timed out)" in stacks[f"stacks_rank0_{HOST}.txt"]
     print(f"stuck rank: the job ended {ended:.1f} s after it stuck (time-out {TIMEOUT_S} s)")
+    assert_no_rank_killed(log)
+
+
+def test_a_rank_stuck_under_hsdp_is_named_as_under_ddp(tmp_path):
+    """The same stuck task under HSDP, 4 ranks as 2 replicas of 2 shards: the
+    others wait in the device mesh's groups (rank 0 with rank 1 in the shard
+    group's all-gather, ranks 2 and 3 with rank 0 in the replicate group's
+    all-reduce), which torch makes with its own time-out (30 minutes on
+    gloo); they follow --pg_timeout_s as the run's other groups do, so the
+    job ends by itself, rank 0's line naming rank 1, its host, the line of
+    the sleep and the shard group's collective; no rank is SIGKILLed."""
+    (tmp_path / "stuck_task.py").write_text(STUCK_TASK)
+    sleep_line = STUCK_TASK.splitlines().index("        time.sleep(3600)  # the hang") + 1
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=4", REPO / "train.py", "--dataset", "stuck_task:build_task",
+                      "--strategy", "hsdp", "--shard_size", "2", "--total_epochs", "2",
+                      "--pg_timeout_s", str(TIMEOUT_S)]
+    status, log, ended, _ = run_timed(cmd, tmp_path, "stuck_task: rank 1 stuck", PYTHONPATH=str(tmp_path))
+    assert status == 1, log[-4000:]
+    lines = [line for line in error_lines(log) if line.startswith("error: rank 0 timed out")]
+    assert len(set(lines)) == 1, log[-4000:]
+    assert re.search(r"in a collective \(the last it started: #\d+ gloo:\w+ Float\[\d+\] \(mesh_shard group\)\) "
+                     r"during epoch 1, training step 5 of this start", lines[0]), lines[0]
+    assert (f"ranks that did not arrive: rank 1 (host {HOST}) is at stuck_task.py:{sleep_line} in loss, not in "
+            f"collective #") in lines[0], lines[0]
+    print(f"stuck rank under HSDP: the job ended {ended:.1f} s after it stuck (time-out {TIMEOUT_S} s)")
     assert_no_rank_killed(log)
 
 

@@ -15,6 +15,7 @@ import common
 from common import ConfigError
 from ..output import print_line
 from .devices import peak_memory_mib, torch_version
+from .timeouts import follow_run_timeout
 
 # The first torch whose gloo averages in reduce_scatter(ReduceOp.AVG); older ones sum.
 GLOO_AVG_REDUCE_SCATTER = (2, 10)
@@ -98,7 +99,11 @@ def hsdp_mesh(device: torch.device, shard_size: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     replicas = dist.get_world_size() // shard_size
-    return init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+    # Each dimension's groups are new ones with torch's default time-out: they follow the run's, so
+    # that a rank stuck while the others wait in one is named within --pg_timeout_s.
+    follow_run_timeout(mesh.get_group("replicate"), mesh.get_group("shard"))
+    return mesh
 
 
 def contiguous_parameters(model: torch.nn.Module) -> torch.nn.Module:

@@ -27,6 +27,7 @@ class _Watch:
     phase = "start-up (before the first training step)"  # where it is, for the report
     group: Optional[dist.ProcessGroup] = None  # gloo group of monitored_barrier (watch_collectives)
     training = False  # use_training_timeout has set --pg_timeout_s
+    timeout: Optional[timedelta] = None  # the run's time-out in force: start-up's, then --pg_timeout_s
 
 
 # Module-level on purpose: like torch.distributed's own default group, one per
@@ -48,8 +49,9 @@ def watch_collectives(timeout_s: float) -> None:
     """
     if _WATCH.group is not None:
         return
+    _WATCH.timeout = timedelta(seconds=timeout_s)
     try:
-        _WATCH.group = gloo_group(timedelta(seconds=timeout_s), "time-out watch")
+        _WATCH.group = gloo_group(_WATCH.timeout, "time-out watch")
     except RuntimeError as exc:
         if is_timeout(exc):
             raise RanksStuck(startup_timeout_line(exc)) from None
@@ -62,7 +64,7 @@ def watch_again(timeout_s: float) -> None:
     old group's side groups, make the side group of ``watch_collectives``
     anew (``timeout_s``, --startup_timeout_s), and let the training time-out
     take over again at the new run's second step."""
-    _WATCH.group, _WATCH.training = None, False
+    _WATCH.group, _WATCH.training, _WATCH.timeout = None, False, None
     FOLLOWING_RUN_TIMEOUT.clear()
     watch_collectives(timeout_s)
 
@@ -122,13 +124,38 @@ def use_training_timeout(timeout_s: Optional[float]) -> None:
         return
     _WATCH.training = True
     barrier()
-    timeout = timedelta(seconds=timeout_s)
+    _WATCH.timeout = timeout = timedelta(seconds=timeout_s)
+    _set_timeout(timeout)  # the default group
+    # The side groups (the stop signal's) and HSDP's mesh groups (follow_run_timeout).
+    for group in (_WATCH.group, *FOLLOWING_RUN_TIMEOUT):
+        if group is not None:
+            _set_timeout(timeout, group)
+
+
+def follow_run_timeout(*groups: dist.ProcessGroup) -> None:
+    """Make ``groups``, which torch made with its own default time-out (30
+    minutes on gloo, 10 on NCCL; ``init_device_mesh`` takes no time-out for
+    the groups of a DeviceMesh's dimensions), wait as long as the run's
+    other groups: start-up's --startup_timeout_s now, and --pg_timeout_s
+    once ``use_training_timeout`` sets it on every group of the run. A rank
+    stuck while the others wait in one of them is then reported as in any
+    other collective (``timeout_diagnosis``), not waited for until torch's
+    time-out. Not collective. gloo before torch 2.10 ignores a changed
+    time-out (docs/install.md)."""
+    for group in groups:
+        if _WATCH.timeout is not None:
+            _set_timeout(_WATCH.timeout, group)
+        FOLLOWING_RUN_TIMEOUT.append(group)
+
+
+def _set_timeout(timeout: timedelta, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Set the time-out of ``group``'s collectives (None: the default group's)."""
     # torch.distributed.set_timeout (newer releases) replaced the private _set_pg_timeout.
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-    set_timeout(timeout)  # the default group
-    for group in (_WATCH.group, *FOLLOWING_RUN_TIMEOUT):  # the side groups (the stop signal's)
-        if group is not None:
-            set_timeout(timeout, group)
+    if group is None:
+        set_timeout(timeout)
+    else:
+        set_timeout(timeout, group)
 
 
 class RanksStuck(RuntimeError):
