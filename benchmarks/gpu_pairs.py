@@ -86,16 +86,19 @@ def nanogpt_speed(sizes: Sizes, folder: Path, compiled: bool, budget: Budget, st
                              sizes.warmup if warmup is None else warmup)
 
 
-def alternating_pairs(count: int, sides: dict, budget: Budget, first_s: float = 0.0) -> list:
+def alternating_pairs(count: int, sides: dict, budget: Budget) -> list:
     """Up to ``count`` alternating pairs of ``sides`` ({name: run(budget) ->
     dict with ``ms_per_step`` or ``error``}, two of them): the first side
-    first, then the second first, and so on. A pair starts only where its
-    time, guessed as the last one's (the first's: ``first_s``), fits in
-    ``budget``; the first always tries where ``first_s`` is 0 (a run that
-    cannot start then says so)."""
-    pairs, last_s, names = [], first_s, list(sides)
+    first, then the second first, and so on. The first pair always starts,
+    however little of ``budget`` is left before its soft end (each run is
+    still bounded by the check's end, ``Budget.timeout``, and one that cannot
+    start says so): a check that comes back without one timed pair has
+    measured nothing, and a cold compile before it (the warm runs') says
+    little of a pair's time. A later pair starts only where its time,
+    guessed as the last one's, fits in ``budget``."""
+    pairs, last_s, names = [], 0.0, list(sides)
     for index in range(count):
-        if (pairs or first_s) and not budget.fits(last_s):
+        if pairs and not budget.fits(last_s):
             break
         started = time.monotonic()
         pairs.append({name: sides[name](budget) for name in (names if index % 2 == 0 else names[::-1])})
@@ -141,10 +144,9 @@ def versus_nanogpt(setting: Setting, compiled: bool, budget: Budget) -> dict:
             "kit": lambda left: kit_speed(setting, label + " warm", extra, left, sizes.warm_steps, warmup=0),
             "nanoGPT": lambda left: nanogpt_speed(sizes, folder, compiled, left, sizes.warm_steps, warmup=0)},
             budget) if compiled else None
-        # Compiled, the first pair's time guessed as the warm runs' (their compilation found in the cache).
         pairs = alternating_pairs(sizes.pairs, {"kit": lambda left: kit_speed(setting, label, extra, left),
                                                 "nanoGPT": lambda left: nanogpt_speed(sizes, folder, compiled, left)},
-                                  budget, sum(w["seconds"] or 0 for w in warm.values()) if warm else 0.0)
+                                  budget)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {"compiled": compiled, **({"warm_compile": warm} if compiled else {}), "pairs_planned": sizes.pairs,
@@ -245,8 +247,7 @@ def gpt2_on_token_files(setting: Setting, budget: Budget) -> dict:
 
     try:
         warm = warm_compile(sides(sizes.warm_steps, 0), budget) if compiled else None
-        pairs = alternating_pairs(sizes.pairs, sides(sizes.gpt2_steps, warmup), budget,
-                                  sum(w["seconds"] or 0 for w in warm.values()) if warm else 0.0)
+        pairs = alternating_pairs(sizes.pairs, sides(sizes.gpt2_steps, warmup), budget)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {"compiled": compiled, "sizes": sizes.gpt2, "train_tokens": sizes.gpt2_tokens,
