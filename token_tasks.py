@@ -8,7 +8,8 @@ text_tasks.py's GPT with text_tasks.py's windows, loss, flags and sampler.
 
   tokens            nanoGPT's token files in the folder ``--data_dir``:
                     ``train.bin`` and ``val.bin`` (uint16 ids, memory-mapped,
-                    never read whole) and optionally ``meta.pkl`` (the
+                    never read whole; or shards: llm.c's ``.bin``,
+                    build-nanogpt's ``.npy``) and optionally ``meta.pkl`` (the
                     vocabulary; else GPT-2's, padded to 50,304); a ``gpt.GPT``
                     (GPT-2 small unless the size flags say otherwise); nanoGPT's
                     GPT-2 recipe. Nothing is downloaded.
@@ -40,9 +41,10 @@ MODELS = {"token_file_task": ("gpt",)}
 FLAGS = {
     **text_tasks.FLAGS,
     "train_files": {"help": "--dataset tokens: a glob of the training token files in --data_dir "
-                    "(default: *train*.bin: nanoGPT's train.bin, or shards such as llm.c's)"},
+                    "(default: *train*.bin and *train*.npy: nanoGPT's train.bin, shards such as llm.c's, "
+                    "or build-nanogpt's .npy shards)"},
     "val_files": {"help": "--dataset tokens: a glob of the validation token files in --data_dir "
-                  "(default: *val*.bin)"},
+                  "(default: *val*.bin and *val*.npy)"},
 }
 # The flags above that change only what a run prints, not what it trains (tools/identity.py).
 OUTPUT_FLAGS = text_tasks.OUTPUT_FLAGS
@@ -55,6 +57,12 @@ UINT16_IDS = 1 << 16  # ids a uint16 file can hold
 # llm.c's token shards (dev/data/data_common.py's write_datafile; modded-nanogpt's FineWeb
 # shards too): a header of 256 int32 (magic, version, the token count, zeros), then uint16 ids.
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_BYTES = 20240520, 1, 256 * 4
+# NumPy's .npy files (np.save; build-nanogpt's fineweb.py writes its shards so, uint16 ids):
+# a header (magic, version, the array's dtype and shape) before the ids.
+NPY_MAGIC = b"\x93NUMPY"
+# The .npy dtypes read (NumPy's names): the torch dtype each is mapped as, and the mask
+# that reads it back (int16 read back as uint16; int32 as it is).
+NPY_DTYPES = {"<u2": (torch.int16, 0xFFFF), "<i4": (torch.int32, None)}
 MOST_OPEN_SHARDS = 4  # memory maps a process holds at once; the least recently read is closed first
 # The model and recipe where no flag says otherwise: nanoGPT's train.py defaults,
 # its GPT-2 (124M) on OpenWebText recipe for one process: GPT-2 small's shape,
@@ -114,14 +122,17 @@ class TokenFileWindows(TokenWindows):
 
 
 class TokenFile:
-    """A file of token ids, uint16, read where the windows are, never whole:
+    """A file of token ids, read where the windows are, never whole:
     nanoGPT's ``train.bin`` and ``val.bin`` (and any shard written the same
     way), as its ``data/<name>/prepare.py`` scripts write them with numpy's
-    ``tofile``, ids back to back in native byte order (little-endian on x86
-    and ARM); or a shard in llm.c's format (its ``dev/data`` scripts, and
+    ``tofile``, uint16 ids back to back in native byte order (little-endian
+    on x86 and ARM); a shard in llm.c's format (its ``dev/data`` scripts, and
     modded-nanogpt's FineWeb shards: ``fineweb_train_000001.bin`` ...), a
     header of 256 little-endian int32 (magic 20240520, version 1, the token
-    count; ``LLMC_MAGIC``) before the ids.
+    count; ``LLMC_MAGIC``) before uint16 ids; or a NumPy ``.npy`` file of a
+    1-D array of uint16 or int32 ids (``np.save``: build-nanogpt's
+    ``edufineweb_train_000001.npy`` ...), its header read with
+    ``numpy.lib.format``.
 
     ``len()``: its tokens. ``rows(starts, width)``: int64 (B, width), row b
     the ``width`` tokens from token ``starts[b]`` on (``starts`` int64
@@ -132,12 +143,13 @@ class TokenFile:
     ``close()`` drops the map (the next ``rows`` maps it again). Pickling
     it (a DataLoader worker started by a fork server gets a pickled dataset)
     sends the path, not the map: a mapped tensor sent to a worker would be
-    copied whole into shared memory. The ids are mapped as int16 (what every
-    supported torch indexes) and read back as uint16 (0..65535).
+    copied whole into shared memory. uint16 ids are mapped as int16 (what
+    every supported torch indexes) and read back as uint16 (0..65535).
 
     Raises ConfigError (one line) for a missing file, an odd number of bytes,
-    and an llm.c header of another version or whose token count is not what
-    the file holds (a shard cut short by a copy).
+    an llm.c header of another version or whose token count is not what the
+    file holds (a shard cut short by a copy), and a .npy file of another
+    dtype or shape, or cut short.
     """
 
     def __init__(self, path: str) -> None:
@@ -147,8 +159,14 @@ class TokenFile:
         with open(path, "rb") as f:
             head = f.read(12)
         magic, version, count = struct.unpack("<3i", head) if len(head) == 12 else (0, 0, 0)
-        self.offset = 0  # tokens before the first id: llm.c's header
+        self.offset = 0  # ids before the first one: llm.c's header, or a .npy file's
+        self.dtype, self.mask = torch.int16, 0xFFFF  # uint16 ids, mapped as int16
+        self.format = "bin"  # "bin" (headerless), "llm.c" or "npy"
+        if head.startswith(NPY_MAGIC):
+            self._read_npy_header(path, size)
+            return
         if magic == LLMC_MAGIC:
+            self.format = "llm.c"
             if version != LLMC_VERSION:
                 raise ConfigError(f"--dataset tokens: {path} is an llm.c token shard of version {version}; "
                                   f"the kit reads version {LLMC_VERSION} (uint16 ids, as llm.c's and "
@@ -164,21 +182,56 @@ class TokenFile:
         self.path, self.length = path, size // 2
         self._tokens = None  # the map, made in each process at its first read
 
+    def _read_npy_header(self, path: str, size: int) -> None:
+        """Take the dtype, length and data offset of the .npy file ``path``
+        (``size`` bytes) from its header; ConfigError (one line) if they are
+        not a 1-D array of uint16 or int32 ids the file holds whole."""
+        import numpy.lib.format as npy  # numpy comes with torchvision
+
+        try:
+            with open(path, "rb") as f:
+                version = npy.read_magic(f)
+                read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}[version]
+                shape, _, dtype = read_header(f)
+                data_bytes = f.tell()
+        except (ValueError, KeyError, OSError) as exc:
+            raise ConfigError(f"--dataset tokens: cannot read {path}'s NumPy header ({exc}); write it again "
+                              f"with np.save") from None
+        if dtype.str not in NPY_DTYPES or len(shape) != 1:
+            raise ConfigError(f"--dataset tokens: {path} is a NumPy array of dtype {dtype.str} and shape "
+                              f"{shape}; the kit reads a 1-D array of token ids of dtype uint16 or int32 "
+                              f"(np.save(path, np.array(ids, dtype=np.uint16)), as build-nanogpt writes them)")
+        self.dtype, self.mask = NPY_DTYPES[dtype.str]
+        itemsize = dtype.itemsize
+        if size != data_bytes + itemsize * shape[0] or data_bytes % itemsize:
+            raise ConfigError(f"--dataset tokens: {path}'s header gives {shape[0]:,} tokens, but the file "
+                              f"holds {(size - data_bytes) / itemsize:,.1f} after its header: a shard cut "
+                              f"short (or grown) by a copy? Copy it again from where it was made")
+        self.format, self.offset = "npy", data_bytes // itemsize
+        self.path, self.length = path, shape[0]
+        self._tokens = None
+
     def __len__(self) -> int:
         return self.length
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "length": self.length, "offset": self.offset}
+        return {"path": self.path, "length": self.length, "offset": self.offset, "dtype": self.dtype,
+                "mask": self.mask, "format": self.format}
 
     def __setstate__(self, state: dict) -> None:
-        self.path, self.length, self.offset, self._tokens = state["path"], state["length"], state["offset"], None
+        self.__dict__.update(state)
+        self._tokens = None
+
+    def _ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The mapped ``tokens`` (this file's dtype) as int64 ids."""
+        ids = tokens.to(torch.int64)
+        return ids & self.mask if self.mask is not None else ids
 
     def rows(self, starts: torch.Tensor, width: int) -> torch.Tensor:
         if self._tokens is None:
-            mapped = torch.from_file(self.path, shared=False, size=self.offset + self.length, dtype=torch.int16)
+            mapped = torch.from_file(self.path, shared=False, size=self.offset + self.length, dtype=self.dtype)
             self._tokens = mapped[self.offset:]
-        rows = self._tokens[starts[:, None] + torch.arange(width)]
-        return rows.to(torch.int64) & 0xFFFF
+        return self._ids(self._tokens[starts[:, None] + torch.arange(width)])
 
     def close(self) -> None:
         """Drop this process's map of the file (nothing is written: it is read-only)."""
@@ -195,11 +248,12 @@ class TokenFile:
         step = max(1, (self.length - chunk_tokens) // max(1, chunks - 1))
         firsts = sorted({min(i * step, max(0, self.length - chunk_tokens)) for i in range(chunks)})
         largest, where = -1, -1
+        itemsize = self.dtype.itemsize
         with open(self.path, "rb") as f:
             for first in firsts:
-                f.seek(2 * (self.offset + first))
-                data = f.read(2 * min(chunk_tokens, self.length - first))
-                ids = torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int64) & 0xFFFF
+                f.seek(itemsize * (self.offset + first))
+                data = f.read(itemsize * min(chunk_tokens, self.length - first))
+                ids = self._ids(torch.frombuffer(bytearray(data), dtype=self.dtype))
                 top = int(ids.argmax())
                 if int(ids[top]) > largest:
                     largest, where = int(ids[top]), first + top
@@ -255,24 +309,33 @@ def check_token_ids(files: Sequence[TokenFile], vocab_size: int, vocabulary: str
 def token_files(data_dir: str, pattern: Optional[str], split: str) -> list:
     """The ``TokenFile``s of one split of --dataset tokens, in name order:
     those the glob ``pattern`` matches (--train_files, --val_files; relative
-    to ``data_dir`` unless absolute), else the ``*{split}*.bin`` files in
-    ``data_dir``: nanoGPT's ``train.bin`` and ``val.bin``, or a set of
-    shards (``fineweb_train_000001.bin`` ...; nanoGPT-style headerless
-    shards or llm.c's, ``TokenFile``). Raises ConfigError (one line) when
-    nothing matches, for a file ``TokenFile`` refuses, and for a set that
-    mixes llm.c's shards with files without its header (a damaged magic
-    would otherwise read as token ids)."""
+    to ``data_dir`` unless absolute), else the ``*{split}*.bin`` and
+    ``*{split}*.npy`` files in ``data_dir``: nanoGPT's ``train.bin`` and
+    ``val.bin``, or a set of shards (``fineweb_train_000001.bin`` ...;
+    nanoGPT-style headerless shards or llm.c's; build-nanogpt's .npy ones:
+    ``TokenFile``). Raises ConfigError (one line) when nothing matches, for a
+    file ``TokenFile`` refuses, for a set that mixes .npy files with others
+    (the same corpus in two formats, perhaps), and for one that mixes
+    llm.c's shards with files without its header (a damaged magic would
+    otherwise read as token ids)."""
     given = pattern is not None
-    pattern = pattern if given else f"*{split}*.bin"
-    matched = sorted(path for path in glob.glob(os.path.join(data_dir, pattern)) if os.path.isfile(path))
+    patterns = [pattern] if given else [f"*{split}*.bin", f"*{split}*.npy"]
+    matched = sorted({path for each in patterns for path in glob.glob(os.path.join(data_dir, each))
+                      if os.path.isfile(path)})
     if not matched:
-        flag = f"--{split}_files {pattern}" if given else f"no --{split}_files, so *{split}*.bin"
+        flag = f"--{split}_files {pattern}" if given else f"no --{split}_files, so *{split}*.bin or *{split}*.npy"
         raise ConfigError(f"--dataset tokens: no {split} token files in --data_dir {data_dir} ({flag} matches "
                           f"nothing); {TOKEN_FILES_HINT}, or name the shards with --{split}_files GLOB")
     files = [TokenFile(path) for path in matched]
-    headed = [f for f in files if f.offset]
+    numpy_files = [f for f in files if f.format == "npy"]
+    if numpy_files and len(numpy_files) < len(files):
+        other = next(f for f in files if f.format != "npy")
+        raise ConfigError(f"--dataset tokens: the {split} files in --data_dir {data_dir} mix NumPy .npy files "
+                          f"({numpy_files[0].path}) with others ({other.path}): the {split} files of a set are "
+                          f"all in one format; pick one set with --{split}_files GLOB")
+    headed = [f for f in files if f.format == "llm.c"]
     if headed and len(headed) < len(files):  # a damaged magic reads as a headerless file: refuse the mix
-        plain = next(f for f in files if not f.offset)
+        plain = next(f for f in files if f.format != "llm.c")
         raise ConfigError(f"--dataset tokens: {plain.path} has no llm.c header (magic {LLMC_MAGIC}), while "
                           f"{headed[0].path} has one: the {split} files of a set are all in one format; a "
                           f"shard whose header is damaged? Make it again, or leave it out with --{split}_files")

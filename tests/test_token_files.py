@@ -9,7 +9,8 @@ with the padded vocabulary, the held-out subset and the step evaluations'
 bookkeeping. End to end (2 ranks, a tiny GPT evaluated every 25 steps): the
 same evaluation lines and weights as the character task (its epoch lines
 over nanoGPT's whole CPU recipe: docs/language-model.md's results table);
-a run stopped mid-interval and during an
+the same tokens as NumPy .npy files (build-nanogpt's shards) print the
+same evaluation lines; a run stopped mid-interval and during an
 evaluation resumes bitwise (DDP), and mid-interval under FSDP; a token file
 of gigabytes trains in a small fraction of its size in memory."""
 
@@ -109,6 +110,20 @@ def shard_folder(folder, tokens: list, parts: int, header: bool, val: list) -> N
     write_token_shard(folder / "fineweb_val_000000.bin", val, header)
 
 
+def npy_shard_folder(folder, tokens: list, parts: int, dtype: str, val: list) -> None:
+    """``folder`` with ``tokens`` cut into ``parts`` NumPy files edufineweb_train_00000k.npy
+    (np.save of a 1-D array of ``dtype``, as build-nanogpt's fineweb.py writes its
+    shards) and ``val`` as edufineweb_val_000000.npy."""
+    import numpy as np
+
+    folder.mkdir(parents=True)
+    size = -(-len(tokens) // parts)
+    for k in range(parts):
+        part = [t & 0xFFFF for t in tokens[k * size:(k + 1) * size]]
+        np.save(folder / f"edufineweb_train_{k + 1:06d}.npy", np.array(part, dtype=dtype))
+    np.save(folder / "edufineweb_val_000000.npy", np.array([t & 0xFFFF for t in val], dtype=dtype))
+
+
 class _Boom:
     def __reduce__(self):
         return (os.system, ("touch ran.txt",))
@@ -132,8 +147,8 @@ def test_bad_token_files_are_one_line_each_and_left_as_they_are(tmp_path, monkey
         cases.append((folder, error, flags))
         return folder
 
-    (case("no_val", r"no val token files in --data_dir .*no_val \(no --val_files, so \*val\*.bin matches "
-                    r"nothing\); make train.bin and val.bin .* nanoGPT's data/<name>/prepare.py")
+    (case("no_val", r"no val token files in --data_dir .*no_val \(no --val_files, so \*val\*.bin or "
+                    r"\*val\*.npy matches nothing\); make train.bin and val.bin .* nanoGPT's data/<name>/prepare.py")
      / "val.bin").unlink()
     with open(case("odd", r"odd/train.bin has 7,201 bytes, an odd number: not uint16 token ids") / "train.bin",
               "ab") as f:
@@ -164,9 +179,10 @@ def test_bad_token_files_are_one_line_each_and_left_as_they_are(tmp_path, monkey
 
 
 def test_shards_in_llmcs_format_and_headerless_give_the_same_windows_none_across_a_shards_end(tmp_path):
-    """The training text as 3 shards, once with llm.c's header and once
-    without (nanoGPT-style), found by *train*.bin / *val*.bin: both give the
-    same windows; each window lies inside one shard (the count is the sum of
+    """The training text as 3 shards, once with llm.c's header, once
+    without (nanoGPT-style), found by *train*.bin / *val*.bin, and as
+    build-nanogpt's NumPy .npy shards (uint16, and int32), found by
+    *train*.npy / *val*.npy: all give the same windows; each window lies inside one shard (the count is the sum of
     each shard's own windows) and holds that shard's tokens where its index
     says, at its keyed offset; --train_files picks a subset; the index is
     one int64 a shard, not a window."""
@@ -176,20 +192,25 @@ def test_shards_in_llmcs_format_and_headerless_give_the_same_windows_none_across
     for name, header in (("llmc", True), ("plain", False)):
         shard_folder(tmp_path / name, train, 3, header, val)
         (tmp_path / name / "meta.pkl").write_bytes((good / "meta.pkl").read_bytes())
+    for name, dtype in (("npy_uint16", "uint16"), ("npy_int32", "int32")):
+        npy_shard_folder(tmp_path / name, train, 3, dtype, val)
+        (tmp_path / name / "meta.pkl").write_bytes((good / "meta.pkl").read_bytes())
     tasks = {name: common.load_task(lm_args("tokens", tmp_path / name, **tiny()), download=False)
-             for name in ("llmc", "plain")}
+             for name in ("llmc", "plain", "npy_uint16", "npy_int32")}
     windows = tasks["llmc"].train_set
     size = -(-len(train) // 3)
     shards = [train[k * size:(k + 1) * size] for k in range(3)]
     assert [len(f) for f in windows.shards] == [len(part) for part in shards]
     assert len(windows) == sum((len(part) - 1 - 15) // 16 for part in shards) < (len(train) - 1 - 15) // 16
     assert windows._first.numel() * 8 <= 8 * 4  # one int64 a shard (and one more)
-    for dataset in (windows, tasks["plain"].train_set):
-        dataset.set_epoch(2)
+    for name in ("llmc", "plain", "npy_uint16", "npy_int32"):
+        tasks[name].train_set.set_epoch(2)
     indices = list(range(len(windows)))
     rows = windows.windows(indices)
-    assert torch.equal(rows, tasks["plain"].train_set.windows(indices))
-    assert torch.equal(tasks["llmc"].val_set.windows([0, 3]), tasks["plain"].val_set.windows([0, 3]))
+    for name in ("plain", "npy_uint16", "npy_int32"):
+        assert torch.equal(rows, tasks[name].train_set.windows(indices)), name
+        assert torch.equal(tasks["llmc"].val_set.windows([0, 3]), tasks[name].val_set.windows([0, 3])), name
+    assert [f.format for f in tasks["npy_int32"].train_set.shards] == ["npy"] * 3
     first = windows._first.tolist()
     for index in (0, first[1] - 1, first[1], len(windows) - 1):  # a shard's first and last windows
         shard = max(k for k in range(3) if first[k] <= index)
@@ -214,8 +235,9 @@ def test_shards_in_llmcs_format_and_headerless_give_the_same_windows_none_across
 def test_bad_shards_are_one_line_each_and_left_as_they_are(tmp_path):
     """llm.c's header of another version; a token count the file does not
     hold (a shard cut short); a set mixing shards with and without the
-    header (a damaged magic); no file matching --train_files: one ConfigError
-    line each, naming the file; nothing written."""
+    header (a damaged magic); no file matching --train_files; a .npy file of
+    floats, of 2 dimensions, or cut short; .npy files beside .bin ones: one
+    ConfigError line each, naming the file; nothing written."""
     ids = list(range(65)) * 20
     cases = []
 
@@ -234,6 +256,28 @@ def test_bad_shards_are_one_line_each_and_left_as_they_are(tmp_path):
                      r".*mixed/fineweb_train_000001.bin has one") / "fineweb_train_000002.bin", ids[:650], False)
     case("glob", r"no train token files in --data_dir .*glob \(--train_files train_\*.bin matches nothing\)",
          train_files="train_*.bin")
+    import numpy as np
+
+    def npy_case(name, error, array):
+        folder = tmp_path / name
+        npy_shard_folder(folder, ids, 2, "uint16", ids)
+        np.save(folder / "edufineweb_train_000002.npy", array)
+        cases.append((folder, error, {}))
+        return folder
+
+    npy_case("npy_float", r"npy_float/edufineweb_train_000002.npy is a NumPy array of dtype <f4 and shape "
+             r"\(650,\); the kit reads a 1-D array of token ids of dtype uint16 or int32",
+             np.array(ids[:650], dtype=np.float32))
+    npy_case("npy_2d", r"npy_2d/edufineweb_train_000002.npy is a NumPy array of dtype <u2 and shape \(325, 2\)",
+             np.array(ids[:650], dtype=np.uint16).reshape(325, 2))
+    with open(npy_case("npy_cut", r"npy_cut/edufineweb_train_000002.npy's header gives 650 tokens, but the file "
+                       r"holds 649.5 after its header: a shard cut short", np.array(ids[:650], dtype=np.uint16))
+              / "edufineweb_train_000002.npy", "r+b") as f:
+        f.truncate(128 + 1299)
+    np.save(case("npy_mixed", r"the train files in --data_dir .*npy_mixed mix NumPy .npy files "
+                 r"\(.*edufineweb_train_000001.npy\) with others \(.*fineweb_train_000001.bin\): the train files "
+                 r"of a set are all in one format; pick one set with --train_files GLOB")
+            / "edufineweb_train_000001.npy", np.array(ids, dtype=np.uint16))
     for folder, error, flags in cases:
         before = {p.name: p.read_bytes() for p in folder.iterdir()}
         with pytest.raises(common.ConfigError, match=error) as info:
@@ -353,6 +397,23 @@ def test_token_files_train_as_the_character_task_does(uninterrupted):
                                   for name in ("tokens", "shakespeare_char"))
     assert steps_a == steps_b == 1 and a.keys() == b.keys()  # both inside epoch 2, after its 10th step
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_npy_files_of_the_same_tokens_print_the_same_evaluation_lines(uninterrupted, tmp_path):
+    """build-nanogpt's format: the token files above saved as NumPy .npy
+    files (np.save of uint16 ids, edufineweb_train_000001.npy ...; found by
+    the default globs), the same run: the same evaluation lines."""
+    import numpy as np
+
+    runs, corpus = uninterrupted
+    data = tmp_path / "npy"
+    data.mkdir()
+    for split in ("train", "val"):
+        ids = np.fromfile(corpus["tokens"] / f"{split}.bin", dtype=np.uint16)
+        np.save(data / f"edufineweb_{split}_000001.npy", ids)
+    shutil.copy(corpus["tokens"] / "meta.pkl", data / "meta.pkl")
+    result = check(run(KIT + [REPO / "train.py", *step_flags(data)], tmp_path, OMP_NUM_THREADS="1"))
+    assert evaluations(result.stdout) == evaluations(runs["tokens"][1]) != []
 
 
 def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwise(uninterrupted, tmp_path):
