@@ -213,7 +213,7 @@ class Trainer:
         self.model.train()
         # A new shuffle each epoch (without it every epoch repeats epoch 0's order); after a
         # mid-epoch resume, the rest of the epoch's permutation split over this run's ranks.
-        self.train_data.sampler.set_epoch(epoch, start=self.progress.start_samples)
+        self.train_data.sampler.set_epoch(epoch, start=self.progress.start_samples, order=self.progress.start_order)
         self.train_data.dataset.set_epoch(epoch)  # what the task draws while loading is keyed by it
         self.evaluations.start_epoch(epoch)
         limit = train_utils.batches_left(self.config, self.progress.steps_per_epoch, epoch, self.progress.steps_run)

@@ -137,6 +137,78 @@ def test_an_epoch_resumed_at_another_world_size_trains_each_sample_once(size, ba
     assert sorted(trained + rest) == list(range(size))
 
 
+@pytest.mark.parametrize("size, before, after, steps", [(97, 2, 3, 5), (96, 3, 1, 4), (101, 1, 4, 20)])
+def test_the_keyed_order_of_a_large_dataset_resumes_at_another_world_size_each_sample_once(size, before, after,
+                                                                                           steps):
+    """The order a dataset of more than KEYED_ORDER_FROM samples takes
+    (``keyed_order``, asked for here on a small one): a permutation of the
+    samples, another each epoch and seed, the same on every call; rank r takes
+    positions r, r + W, ... of it as of torch.randperm's order, padded with
+    its first positions; an epoch of ``steps`` batches of 4 on each of
+    ``before`` ranks, resumed on ``after`` ranks, trains every sample, only
+    the padding twice."""
+    from train_utils.loop.sampler import keyed_order
+
+    order = keyed_order(torch.arange(size), size, 3, 2)
+    assert sorted(order.tolist()) == list(range(size))
+    assert torch.equal(order, keyed_order(torch.arange(size), size, 3, 2))
+    assert not torch.equal(order, keyed_order(torch.arange(size), size, 3, 1))
+    assert not torch.equal(order, keyed_order(torch.arange(size), size, 4, 2))
+
+    def sampler(world_size, rank, start=0):
+        one = train_utils.ResumableDistributedSampler(range(size), world_size, rank, seed=3)
+        one.set_epoch(2, start=start, order="keyed")
+        assert one.order == "keyed"
+        return one
+
+    first = [list(sampler(before, rank)) for rank in range(before)]
+    padded = math.ceil(size / before) * before
+    assert [i for position in range(padded) for i in [first[position % before][position // before]]] == \
+        (order.tolist() + order.tolist())[:padded]
+    trained = [i for rank in range(before) for i in first[rank][:steps * 4]]
+    rest = [i for rank in range(after) for i in sampler(after, rank, start=steps * 4 * before)]
+    counts = Counter(trained + rest)
+    assert set(counts) == set(range(size))
+    assert sum(counts.values()) - size == math.ceil((size - steps * 4 * before) / after) * after - \
+        (size - steps * 4 * before)  # the padding of the resumed part, no more
+
+
+def test_an_epoch_of_billions_of_samples_starts_at_once_in_constant_memory():
+    """A dataset of 2**33 samples (a corpus of 275 billion tokens in windows
+    of 32): the sampler takes the keyed order, whose first indices come at
+    once, where torch.randperm's order would need 64 GiB in every rank; up to
+    KEYED_ORDER_FROM samples the order stays DistributedSampler's (the
+    rungs'); a snapshot's order, recorded for its epoch, holds for the rest
+    of it (one from before the keyed order: randperm's)."""
+    from train_utils.loop.sampler import KEYED_ORDER_FROM, keyed_order, order_kind
+
+    assert (order_kind(KEYED_ORDER_FROM), order_kind(KEYED_ORDER_FROM + 1)) == ("randperm", "keyed")
+    huge = range(1 << 33)
+    sampler = train_utils.ResumableDistributedSampler(huge, 8, 5, seed=1)
+    sampler.set_epoch(4, start=1 << 20)
+    assert sampler.order == "keyed" and len(sampler) == ((1 << 33) - (1 << 20)) // 8
+    taken = [index for index, _ in zip(sampler, range(1000))]
+    positions = (1 << 20) + 5 + 8 * torch.arange(1000)
+    assert taken == keyed_order(positions, 1 << 33, 1, 4).tolist()
+    assert len(set(taken)) == 1000
+    small = train_utils.ResumableDistributedSampler(range(1000), 2, 0, seed=1)
+    small.set_epoch(1)
+    plain = DistributedSampler(range(1000), 2, 0, seed=1)
+    plain.set_epoch(1)
+    assert small.order == "randperm" and list(small) == list(plain)
+    # A snapshot inside an epoch: its order goes on; one without the record is randperm's.
+    loader = DataLoader(huge, batch_size=16, sampler=sampler)
+    progress = train_utils.Progress(torch.device("cpu"), loader, 0, 1)
+    state = {"epochs_run": 4, "steps_run": 3, "epoch_samples": 3 * 16 * 8, "rng_states": [],
+             "config": {"world_size": 8, "batch_size": 16}}
+    progress.load_state_dict(state)
+    assert progress.start_order == "randperm"
+    progress.load_state_dict({**state, "epoch_order": "keyed"})
+    assert progress.start_order == "keyed"
+    progress.end_epoch(4)
+    assert progress.start_order is None
+
+
 def test_a_resumed_epoch_repeats_only_its_padding():
     """101 samples, 10 batches of 1 on each of 2 ranks, then the other 81 over
     4 ranks: padded to 84 with the epoch's first 3 samples, as

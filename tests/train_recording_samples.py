@@ -54,9 +54,9 @@ train_utils.EpochBatches.__iter__ = recorded_batches_iter
 sampler_set_epoch = train_utils.ResumableDistributedSampler.set_epoch
 
 
-def reset_on_new_epoch(self, epoch: int, start: int = 0) -> None:
+def reset_on_new_epoch(self, epoch: int, start: int = 0, order=None) -> None:
     yielded.clear()  # a new epoch's iterator: what the last one gave ahead (prefetched) was never trained
-    sampler_set_epoch(self, epoch, start)
+    sampler_set_epoch(self, epoch, start, order)
 
 
 train_utils.ResumableDistributedSampler.set_epoch = reset_on_new_epoch

@@ -90,7 +90,7 @@ class Progress:
     ``KEYS``, ``state_dict``, ``load_state_dict``.
     """
 
-    KEYS = ("epochs_run", "steps_run", "epoch_samples", "rng_states")
+    KEYS = ("epochs_run", "steps_run", "epoch_samples", "epoch_order", "rng_states")
 
     def __init__(self, device: torch.device, loader: DataLoader, rank: int, grad_accum_steps: int = 1) -> None:
         self.device, self.loader, self.rank, self.accum = device, loader, rank, grad_accum_steps
@@ -101,9 +101,12 @@ class Progress:
         self.saved_world_size: Optional[int] = None  # of the snapshot resumed from, if any
         self.saved_steps_run = 0  # the snapshot's steps_run, in its world size's steps
         self.saved_accum = grad_accum_steps  # the snapshot's (--global_batch_size: per world size)
-        # Positions of epoch epochs_run's permutation trained before this start, and
+        # Positions of epoch epochs_run's order trained before this start, and
         # steps_run then: the sampler's offset (ResumableDistributedSampler).
         self.start_samples = self.start_steps = 0
+        # The order of the epoch this start goes on with ("randperm" or "keyed", the
+        # snapshot's); None: the sampler's own for the dataset's size.
+        self.start_order: Optional[str] = None
 
     @property
     def resumed(self) -> bool:
@@ -114,6 +117,7 @@ class Progress:
         """Epoch ``epoch`` (0-based) is finished: the next starts at its first step."""
         self.epochs_run, self.steps_run = epoch + 1, 0
         self.start_samples = self.start_steps = 0
+        self.start_order = None
 
     def samples_trained(self) -> int:
         """Positions of this epoch's permutation trained so far: those before
@@ -124,10 +128,13 @@ class Progress:
         return min(done, len(self.loader.sampler.dataset))
 
     def state_dict(self) -> dict:
-        """Collective: {"epochs_run", "steps_run", "epoch_samples", "rng_states"}.
+        """Collective: {"epochs_run", "steps_run", "epoch_samples",
+        "epoch_order", "rng_states"}.
 
         ``epoch_samples`` (``samples_trained``): the positions of the epoch's
-        permutation trained, from which any world size goes on.
+        order trained, from which any world size goes on; ``epoch_order``
+        that order's kind ("randperm" or "keyed": the sampler's ``order``),
+        so that the epoch goes on in it whatever the sampler would choose now.
         ``rng_states`` is every rank's states, a list indexed by rank (an
         all-gather): a resumed run draws the same dropout masks,
         augmentations and shuffles on every rank. (The run's step follows
@@ -136,6 +143,7 @@ class Progress:
         return {"epochs_run": self.epochs_run,
                 "steps_run": self.steps_run,
                 "epoch_samples": self.samples_trained() if self.steps_run else 0,
+                "epoch_order": getattr(self.loader.sampler, "order", "randperm"),
                 "rng_states": gather_rng_states(self.device, self.loader.generator)}
 
     def load_state_dict(self, snapshot: dict) -> None:
@@ -164,6 +172,8 @@ class Progress:
         world_size, batch = self.loader.sampler.num_replicas, self.loader.batch_size
         saved_batch = config.get("batch_size", batch) * (self.saved_world_size or world_size)
         self.start_samples = snapshot.get("epoch_samples", self.steps_run * saved_batch) if self.steps_run else 0
+        # A snapshot without it comes from a kit whose order was always torch.randperm's.
+        self.start_order = snapshot.get("epoch_order", "randperm") if self.steps_run else None
         if self.steps_run and self.saved_world_size and self.saved_world_size != world_size:
             step = batch * world_size * self.accum
             self.steps_run = self.start_samples // step * self.accum
