@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,7 +112,10 @@ def snapshot_path(job_name: str, args: list) -> str:
 
 
 def main(argv: list) -> int:
-    """Parse the job's flags and train.py's (after ``--``), submit; print the job id."""
+    """Parse the job's flags and train.py's (after ``--``), submit; print the
+    job id. Returns 0 once submitted (with ``--wait``, 1 for a job that did
+    not complete); 2, with one line on stderr, where there is no ``sbatch`` to
+    submit with, and 1 where sbatch refuses the job (its own error line)."""
     cut = argv.index("--") if "--" in argv else len(argv)
     ours, train_args = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -129,6 +133,11 @@ def main(argv: list) -> int:
     parser.add_argument("--script", default="train.py", help="the script in the project folder (default: train.py)")
     parser.add_argument("--wait", action="store_true", help="wait for the job; print how it ended")
     args = parser.parse_args(ours)
+    if shutil.which("sbatch") is None:
+        print("error: no sbatch on PATH: launchers/submitit_train.py submits to a Slurm cluster; run it on a "
+              "machine that submits there (a login node), or start train.py with torchrun here "
+              "(docs/launchers.md)", file=sys.stderr)
+        return 2
     extra = {"requeue": True, **dict(option.split("=", 1) for option in args.slurm)}
     snapshot = snapshot_path(args.job_name, train_args)
     train_args += ["--snapshot_path", snapshot]  # the one given, again (train.py takes the last), or the default
@@ -139,7 +148,13 @@ def main(argv: list) -> int:
         slurm_partition=args.partition, slurm_account=args.account,
         slurm_gres=f"gpu:{args.gpus_per_node}" if args.gpus_per_node else None,
         slurm_additional_parameters=extra)
-    job = executor.submit(KitTask(str(PROJECT / args.script), train_args, os.getcwd()))
+    try:
+        job = executor.submit(KitTask(str(PROJECT / args.script), train_args, os.getcwd()))
+    except submitit.core.utils.FailedJobError as exc:  # sbatch's own refusal, its lines in the message
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        said = next((line for line in lines if "fatal" in line), lines[-1] if lines else "no message")
+        print(f"error: sbatch refused the job: {said.strip()}", file=sys.stderr)
+        return 1
     print(f"job {job.job_id} submitted | {snapshot} | logs in {args.folder}/", flush=True)
     if args.wait:
         try:

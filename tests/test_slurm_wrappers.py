@@ -522,3 +522,20 @@ def test_a_claim_train_py_rewrote_is_read_by_its_job_and_a_hand_started_runs_is_
     result = _snapshot_for(tmp_path, bin_dir, "6")
     assert result.returncode == 0 and "SNAPSHOT=snapshot-sweep.pt" in result.stdout, result.stderr
     assert claim.read_text() == "host=node1 pid=99 start=7\n"
+
+
+def test_the_submitit_launcher_without_sbatch_is_one_line(tmp_path):
+    """launchers/submitit_train.py on a machine with no Slurm client (a
+    laptop, a pod): one line saying what it needs and what to run instead,
+    exit status 2, no job folder made (not submitit's traceback)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    result = subprocess.run([sys.executable, str(REPO / "launchers" / "submitit_train.py"), "--folder",
+                             str(tmp_path / "jobs"), "--", "--total_epochs", "1"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PATH": str(bin_dir)})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "error: no sbatch on PATH: launchers/submitit_train.py submits to a Slurm cluster; run it on a machine that "
+        "submits there (a login node), or start train.py with torchrun here (docs/launchers.md)"]
+    assert not (tmp_path / "jobs").exists()
