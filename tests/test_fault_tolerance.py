@@ -72,6 +72,10 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
     killed = check(run(three[:-1] + ["--max-restarts=3", FAULTY_TRAIN] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
     assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
+    # The restart is announced once, before the start-up line (rank 0 prints).
+    assert killed.stdout.count("note: torchrun started these workers again (restart 1 of at most 3, "
+                               "--max-restarts) after a worker failed; the run goes on from its last "
+                               "snapshot\ndevice cpu | backend gloo | world_size 3") == 1, killed.stdout
     # It resumed inside an epoch, from the last mid-epoch snapshot.
     assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 3" in killed.stdout
     assert "epoch 2/2" in killed.stdout

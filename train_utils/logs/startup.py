@@ -6,6 +6,8 @@ restarted nodes cannot rejoin).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -28,7 +30,8 @@ def describe_run(device: torch.device, config: RunConfig) -> str:
     line when GPUs are present but unusable (``unusable_gpu_reason``), one
     when torch is older than ``OLDEST_TORCH``, and one for a multi-node
     torchrun with restarts that shares its rendezvous store with the
-    workers (``rejoin_note``).
+    workers (``rejoin_note``), and one when torchrun started these workers
+    again after a failure (``restart_note``).
     """
     world_size, backend = dist.get_world_size(), dist.get_backend()
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
@@ -49,7 +52,26 @@ def describe_run(device: torch.device, config: RunConfig) -> str:
                 f"training on the CPU. Install the torch build that matches your driver\n" + line)
     if rejoin_note():
         line = rejoin_note() + "\n" + line
+    if restart_note():
+        line = restart_note() + "\n" + line
     if torch_version() < OLDEST_TORCH:
         line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
                 f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
     return line
+
+
+def restart_note(env=None) -> str:
+    """The note for workers torchrun started again after one failed
+    (TORCHELASTIC_RESTART_COUNT above 0, of TORCHELASTIC_MAX_RESTARTS:
+    --max-restarts), e.g. ``note: torchrun started these workers again
+    (restart 1 of at most 3, --max-restarts) after a worker failed; the run
+    goes on from its last snapshot``; '' for a first start or another
+    launcher. ``env``: the environment (None: ``os.environ``)."""
+    env = os.environ if env is None else env
+    count = int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if count <= 0:
+        return ""
+    most = env.get("TORCHELASTIC_MAX_RESTARTS")
+    of = f" of at most {most}" if most else ""
+    return (f"note: torchrun started these workers again (restart {count}{of}, --max-restarts) after a worker "
+            f"failed; the run goes on from its last snapshot")
