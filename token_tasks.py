@@ -160,12 +160,11 @@ class TokenFile:
             head = f.read(12)
         magic, version, count = struct.unpack("<3i", head) if len(head) == 12 else (0, 0, 0)
         self.offset = 0  # ids before the first one: llm.c's header, or a .npy file's
-        self.dtype, self.mask = torch.int16, 0xFFFF  # uint16 ids, mapped as int16
+        self.dtype, self.mask = NPY_DTYPES["<u2"]  # uint16 ids, mapped as int16
         self.format = "bin"  # "bin" (headerless), "llm.c" or "npy"
         if head.startswith(NPY_MAGIC):
-            self._read_npy_header(path, size)
-            return
-        if magic == LLMC_MAGIC:
+            length = self._read_npy_header(path, size)
+        elif magic == LLMC_MAGIC:
             self.format = "llm.c"
             if version != LLMC_VERSION:
                 raise ConfigError(f"--dataset tokens: {path} is an llm.c token shard of version {version}; "
@@ -175,17 +174,19 @@ class TokenFile:
                 raise ConfigError(f"--dataset tokens: {path}'s header gives {count:,} tokens, but the file "
                                   f"holds {(size - LLMC_HEADER_BYTES) / 2:,.1f} after its header: a shard cut "
                                   f"short (or grown) by a copy? Copy it again from where it was made")
-            self.offset, size = LLMC_HEADER_BYTES // 2, size - LLMC_HEADER_BYTES
+            self.offset, length = LLMC_HEADER_BYTES // 2, count
         elif size % 2:
             raise ConfigError(f"--dataset tokens: {path} has {size:,} bytes, an odd number: not uint16 token "
                               f"ids (2 bytes each, as nanoGPT's prepare.py writes them); {TOKEN_FILES_HINT}")
-        self.path, self.length = path, size // 2
+        else:
+            length = size // 2
+        self.path, self.length = path, length
         self._tokens = None  # the map, made in each process at its first read
 
-    def _read_npy_header(self, path: str, size: int) -> None:
-        """Take the dtype, length and data offset of the .npy file ``path``
-        (``size`` bytes) from its header; ConfigError (one line) if they are
-        not a 1-D array of uint16 or int32 ids the file holds whole."""
+    def _read_npy_header(self, path: str, size: int) -> int:
+        """Take the dtype and data offset of the .npy file ``path`` (``size``
+        bytes) from its header; return its tokens. ConfigError (one line) if
+        it is not a 1-D array of uint16 or int32 ids the file holds whole."""
         import numpy.lib.format as npy  # numpy comes with torchvision
 
         try:
@@ -208,8 +209,7 @@ class TokenFile:
                               f"holds {(size - data_bytes) / itemsize:,.1f} after its header: a shard cut "
                               f"short (or grown) by a copy? Copy it again from where it was made")
         self.format, self.offset = "npy", data_bytes // itemsize
-        self.path, self.length = path, shape[0]
-        self._tokens = None
+        return shape[0]
 
     def __len__(self) -> int:
         return self.length

@@ -151,11 +151,7 @@ def follow_run_timeout(*groups: dist.ProcessGroup) -> None:
 def _set_timeout(timeout: timedelta, group: Optional[dist.ProcessGroup] = None) -> None:
     """Set the time-out of ``group``'s collectives (None: the default group's)."""
     # torch.distributed.set_timeout (newer releases) replaced the private _set_pg_timeout.
-    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-    if group is None:
-        set_timeout(timeout)
-    else:
-        set_timeout(timeout, group)
+    (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(timeout, group)
 
 
 class RanksStuck(RuntimeError):

@@ -50,10 +50,9 @@ def describe_run(device: torch.device, config: RunConfig) -> str:
     if reason:
         line = (f"note: this machine has NVIDIA GPUs, but torch cannot use them ({reason}); "
                 f"training on the CPU. Install the torch build that matches your driver\n" + line)
-    if rejoin_note():
-        line = rejoin_note() + "\n" + line
-    if restart_note():
-        line = restart_note() + "\n" + line
+    for note in (rejoin_note(), restart_note()):
+        if note:
+            line = note + "\n" + line
     if torch_version() < OLDEST_TORCH:
         line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
                 f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
