@@ -13,6 +13,10 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
+# Each rank its own process with the plain environment, as a Kubernetes Job's
+# pods (support/pods.py): where the launcher is not what a run tests, it
+# saves torchrun's agent (about 2 CPU-seconds a start). PODS + ["--nproc_per_node=2", script, *flags].
+PODS = [sys.executable, str(REPO / "support" / "pods.py")]
 
 EPOCH_LINE = re.compile(
     r"^epoch (?P<epoch>\d+)/(?P<total>\d+) \| train_loss (?P<train_loss>\S+) \| "

@@ -58,7 +58,7 @@ def kit_run(tmp_path_factory):
 
     from filelock import FileLock
 
-    from helpers import REPO, TORCHRUN, check, one_process, run
+    from helpers import PODS, REPO, check, one_process, run
 
     shared = session_folder(tmp_path_factory)
 
@@ -71,7 +71,7 @@ def kit_run(tmp_path_factory):
                 if processes == 1:
                     result = check(one_process(["--strategy", strategy, *map(str, flags)], making))
                 else:
-                    result = check(run(TORCHRUN + ["--standalone", f"--nproc_per_node={processes}",
+                    result = check(run(PODS + [f"--nproc_per_node={processes}",
                                                    REPO / "train.py", "--strategy", strategy, *flags], making,
                                        OMP_NUM_THREADS="1"))
                 (making / "stdout.txt").write_text(result.stdout)

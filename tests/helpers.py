@@ -21,7 +21,7 @@ README = REPO / "README.md"
 sys.path.insert(0, str(REPO))  # so tests can import common, the scripts and support
 
 # What the benchmark uses too lives in the project's support package.
-from support.runs import (EPOCH_LINE, LAUNCHER_VARIABLES, TORCHRUN, epochs, free_port,  # noqa: E402,F401
+from support.runs import (EPOCH_LINE, LAUNCHER_VARIABLES, PODS, TORCHRUN, epochs, free_port,  # noqa: E402,F401
                           script_env, snapshot_tensors)
 from support.trainer import kit_trainer, load_task, plain_task, task_args  # noqa: E402,F401
 

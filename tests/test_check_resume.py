@@ -1,5 +1,5 @@
-"""tools/check_resume.py, driven as users drive it (torchrun on the CPU,
-gloo, 2 ranks): the built-in tasks resume bitwise under DDP and FSDP, and
+"""tools/check_resume.py, driven as users drive it (2 ranks on the CPU,
+gloo, started as pods; under torchrun where its root cause is the verdict): the built-in tasks resume bitwise under DDP and FSDP, and
 tasks that break exact resume (tests/unrestored_tasks.py) are caught, with
 the first step whose loss differs and the random stream not restored named.
 What the check costs is printed by each built-in task's test (its line's
@@ -13,9 +13,9 @@ import time
 import pytest
 
 from dataset_files import build_cifar10_root, build_mnist_root, build_shakespeare_root, build_token_files
-from helpers import REPO, TORCHRUN, error_lines, one_process, run
+from helpers import PODS, REPO, TORCHRUN, error_lines, one_process, run
 
-TWO_RANKS = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
+TWO_RANKS = PODS + ["--nproc_per_node=2"]
 TINY_GPT = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--dropout", "0.1",
             "--batch_size", "8", "--warmup_steps", "2", "--eval_every_steps", "3", "--eval_windows", "32"]
 BITWISE = "check_resume: bitwise ("
@@ -23,17 +23,19 @@ NOT_BITWISE = "check_resume: not bitwise ("
 COST = re.compile(r"^check_resume: straight (\S+) s, stopped and resumed (\S+) s", re.M)
 
 
-def check_resume(flags: list, cwd, script=None, processes: int = 2, **env) -> tuple:
-    """``torchrun --standalone --nproc_per_node=2 tools/check_resume.py FLAGS`` in
-    ``cwd`` (``script``: what torchrun starts instead, given the check as its first
-    argument); ``processes=1``: the check as the one process of a launcher's job
+def check_resume(flags: list, cwd, script=None, processes: int = 2, torchrun: bool = False, **env) -> tuple:
+    """``tools/check_resume.py FLAGS`` on 2 ranks in ``cwd``, started as pods
+    (``torchrun``: by ``torchrun --standalone --nproc_per_node=2``; ``script``:
+    what is started instead, given the check as its first argument);
+    ``processes=1``: the check as the one process of a launcher's job
     (``helpers.one_process``). Returns (the finished process, its wall time in seconds)."""
     check = REPO / "tools" / "check_resume.py"
     started = time.monotonic()
     if processes == 1:
         result = one_process(flags, cwd, script=check, **env)
     else:
-        launch = TWO_RANKS + ([script, check] if script else [check])
+        launcher = TORCHRUN + ["--standalone", "--nproc_per_node=2"] if torchrun else TWO_RANKS
+        launch = launcher + ([script, check] if script else [check])
         result = run(launch + flags, cwd, OMP_NUM_THREADS="1", **env)
     return result, time.monotonic() - started
 
@@ -99,7 +101,7 @@ def test_a_task_that_breaks_resume_is_not_bitwise_from_the_first_step_after_it(t
     no stream (the model's counter); the weights at the end differ."""
     flags = ["--dataset", f"{REPO / 'tests' / 'unrestored_tasks.py'}:{task}", "--max_steps", "8"]
     under_torchrun = task == "counter_model_task"
-    result, _ = check_resume(flags, tmp_path, processes=2 if under_torchrun else 1)
+    result, _ = check_resume(flags, tmp_path, processes=2 if under_torchrun else 1, torchrun=under_torchrun)
     assert result.returncode == 1, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     out = result.stdout
     assert NOT_BITWISE in out and BITWISE not in out, out[-3000:]

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from helpers import N_EVAL, README, REPO, plain_task, TORCHRUN, check, error_lines, eval_problem, free_port, run, snapshot_tensors
+from helpers import N_EVAL, README, REPO, plain_task, PODS, check, error_lines, eval_problem, free_port, run, snapshot_tensors
 
 import common
 import multigpu_spawn
@@ -150,7 +150,7 @@ def test_resume_equals_uninterrupted_run(newcomer_walk, kit_run):
 
 
 def test_resume_refuses_a_snapshot_from_another_run(finished_run, tmp_path):
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+    launch = PODS + ["--nproc_per_node=2", REPO / "train.py"]
     finished_run(tmp_path)  # train.py --total_epochs 1, every other default
     before = (tmp_path / "snapshot_train.pt").read_bytes()
     result = run(launch + ["--total_epochs", "2", "--batch_size", "64", "--model", "linear"], tmp_path)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import (FAULTY_TRAIN, REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs,
+from helpers import (FAULTY_TRAIN, PODS, REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs,
                      error_lines, held_at_step, one_process, parse_test, run, script_env, stdout_lines)
 
 import train_utils
@@ -28,6 +28,8 @@ from train_utils.snapshots.file import read_snapshot
 from train_utils.loop.speed import check_amp
 
 TORCHRUN_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+# Where torchrun is not what a run tests (an uninterrupted reference, a resume): its ranks as pods.
+PODS_SCRIPT = PODS + ["--nproc_per_node=2", REPO / "train.py"]
 # The same with a fault injected: FAULTY_TRAIN, for the runs given DDP_TEST_FAULT.
 FAULTY_SCRIPT = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN]
 SNAPSHOT = "snapshot_train.pt"  # its default --snapshot_path
@@ -65,11 +67,10 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
     # 5 steps an epoch a rank (540 digits, 3 ranks, batches of 32); the 9th
     # step is epoch 2's 4th, after the epoch's step-3 snapshot.
     kill_at = 9
-    three = TORCHRUN + ["--standalone", "--nproc_per_node=3", REPO / "train.py"]
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
-    check(run(three + flags, tmp_path / "clean"))
-    killed = check(run(three[:-1] + ["--max-restarts=3", FAULTY_TRAIN] + flags,
+    check(run(PODS + ["--nproc_per_node=3", REPO / "train.py"] + flags, tmp_path / "clean"))
+    killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=3", "--max-restarts=3", FAULTY_TRAIN] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
     assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
     # The restart is announced once, before the start-up line (rank 0 prints).
@@ -130,7 +131,7 @@ def test_a_snapshot_is_written_while_training_goes_on(tmp_path):
     # The stop's snapshot is the last one written (a write in flight prints its line first).
     after_stop = text.split("stopped by SIGTERM")[1]
     step = re.findall(r"^epoch 2 step (\d+) \| snapshot saved at snapshot_train.pt$", after_stop, re.M)[-1]
-    resumed = check(run(TORCHRUN_SCRIPT + flags, tmp_path))
+    resumed = check(run(PODS_SCRIPT + flags, tmp_path))
     assert f"resuming from snapshot snapshot_train.pt in epoch 2 after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
 
@@ -140,7 +141,7 @@ def test_snapshot_every_s_takes_them_on_every_rank_after_the_same_step(tmp_path)
     step, its request reaches every rank at the next one, so every other step
     snapshots whatever the machine's speed (28 steps: 2, 4, ... 26, then the
     epoch's end); --snapshot_sync writes them before training goes on."""
-    result = check(run(TORCHRUN_SCRIPT + ["--total_epochs", "1", "--snapshot_every_s", "0.000001",
+    result = check(run(PODS_SCRIPT + ["--total_epochs", "1", "--snapshot_every_s", "0.000001",
                                           "--snapshot_sync"], tmp_path))
     saved = re.findall(r"^epoch 1(?: step (\d+))? \| snapshot saved at snapshot_train.pt$", result.stdout, re.M)
     assert saved == [str(step) for step in range(2, 28, 2)] + [""], result.stdout
@@ -203,7 +204,7 @@ def test_a_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path):
     1,588 left in whole optimizer steps of 2 x 32 (the rest dropped, as a
     partial batch is)."""
     flags = ["--total_epochs", "1", "--global_batch_size", "64", "--metrics_path", "metrics.jsonl"]
-    stopped = run(FAULTY_SCRIPT + flags + ["--snapshot_every_steps", "4"], tmp_path,
+    stopped = run(PODS + ["--nproc_per_node=2", FAULTY_TRAIN] + flags + ["--snapshot_every_steps", "4"], tmp_path,
                   DDP_TEST_FAULT="step:0:6:raise")  # after the snapshot at step 4
     assert stopped.returncode != 0
     result = check(one_process(flags, tmp_path))
@@ -238,7 +239,7 @@ def test_one_failing_rank_ends_the_whole_job(tmp_path):
 def test_uneven_data_trains_and_evaluates_exactly(tmp_path):
     """901 training digits, 100 for validation, 199 for test; 3 ranks; batch 7."""
     root = build_mnist_root(tmp_path / "data", n_train=1001, n_test=199)
-    result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=3", REPO / "train.py",
+    result = check(run(PODS + ["--nproc_per_node=3", REPO / "train.py",
                                    "--dataset", "mnist", "--data_dir", root, "--batch_size", "7",
                                    "--total_epochs", "1", "--metrics_path", "m.jsonl"], tmp_path))
     assert len(epochs(result.stdout)) == 1
@@ -339,11 +340,10 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     assert f"{epoch} {step}" == stop and int(step) % accum == 0
     assert epochs(text)[-1]["epoch"] == int(epoch) - 1
 
-    resumed = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args],
-                        interrupted))
+    resumed = check(run(PODS + [nprocs, REPO / "train.py", *args], interrupted))
     assert f"resuming from snapshot snapshot_train.pt in epoch {epoch} after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
-    straight = check(run(TORCHRUN + ["--standalone", nprocs, REPO / "train.py", *args], reference))
+    straight = check(run(PODS + [nprocs, REPO / "train.py", *args], reference))
     assert_same_snapshot(interrupted / "snapshot_train.pt", reference / "snapshot_train.pt")
     assert parse_test(resumed.stdout) == parse_test(straight.stdout)
     if amp == "fp16":
@@ -362,8 +362,7 @@ def test_sigterm_during_start_up_ends_every_rank_cleanly_and_keeps_the_snapshot(
     snapshot on disk is untouched, and the same command resumes from it. Before
     the handler was installed at the top of main, SIGTERM's default action
     killed each rank there."""
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-                         "--batch_size", "32"]
+    launch = PODS_SCRIPT + ["--batch_size", "32"]
     held = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(FAULTY_TRAIN), "--batch_size", "32"]
     snapshot = finished_run(tmp_path, total_epochs=2)  # train.py --total_epochs 2 (--batch_size 32 is the default)
     before = snapshot.read_bytes()

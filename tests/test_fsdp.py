@@ -1,5 +1,5 @@
-"""train.py --strategy fsdp and hsdp, the kit's FSDP2, on CPU with gloo under real
-torchrun: parity with one process, real MNIST, exact sharded evaluation, resume
+"""train.py --strategy fsdp and hsdp, the kit's FSDP2, on CPU with gloo, its ranks
+started as pods (torchrun where it restarts them, or joins two agents): parity with one process, real MNIST, exact sharded evaluation, resume
 (bitwise, across world sizes, after a kill during a save, after SIGUSR1, from
 HSDP to FSDP and back), the gathered snapshot as a plain checkpoint of the
 task's model, memory per rank, HSDP's mesh on two torchrun agents as two nodes.
@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state,
+from helpers import (FAULTY_TRAIN, REPO, PODS, TORCHRUN, assert_bitwise, check, epochs, free_port, full_state,
                      held_at_step, load_task, parse_test, run, run_together, script_env, snapshot_folder, signal_when,
                      stdout_lines)
 from walk import walked_blocks
@@ -39,11 +39,14 @@ MEMORY_LINE = re.compile(r"^state per rank: .* \((?P<bytes>\d+) bytes, rank (?P<
 
 
 def fsdp(nproc: int, *flags, restarts: int = 0, script=FSDP) -> list:
-    """torchrun's command for ``script`` (train.py; FAULTY_TRAIN for a run with
-    DDP_TEST_FAULT) --strategy fsdp ``flags`` on ``nproc`` processes."""
-    extra = [f"--max-restarts={restarts}"] if restarts else []
-    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, script, "--strategy", "fsdp",
-                       *map(str, flags)]
+    """The command for ``script`` (train.py; FAULTY_TRAIN for a run with
+    DDP_TEST_FAULT) --strategy fsdp ``flags`` on ``nproc`` processes: started
+    as pods, or by torchrun where it restarts failed workers (``restarts``)."""
+    if restarts:
+        launcher = TORCHRUN + ["--standalone", f"--max-restarts={restarts}"]
+    else:
+        launcher = PODS
+    return launcher + [f"--nproc_per_node={nproc}", script, "--strategy", "fsdp", *map(str, flags)]
 
 
 @torch.no_grad()
@@ -338,14 +341,13 @@ HSDP_FLAGS = ["--total_epochs", "2", "--batch_size", "8", "--snapshot_every_step
 
 
 def hsdp(nproc: int, *flags, script=FSDP) -> list:
-    """torchrun's command for ``script`` --strategy hsdp --shard_size 2 on ``nproc`` processes of one agent."""
-    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", script, "--strategy", "hsdp",
-                       "--shard_size", "2", *map(str, flags)]
+    """The command for ``script`` --strategy hsdp --shard_size 2 on ``nproc`` processes of one host, started as pods."""
+    return PODS + [f"--nproc_per_node={nproc}", script, "--strategy", "hsdp", "--shard_size", "2", *map(str, flags)]
 
 
 def test_hsdp_stopped_mid_epoch_resumes_and_moves_to_fsdp_and_back(tmp_path):
-    """torchrun relays SIGUSR1 in epoch 2 of an HSDP run (replicate 2 x shard
-    2); every rank stops after the same step and a mid-epoch snapshot folder is
+    """SIGUSR1 reaches every rank in epoch 2 of an HSDP run (replicate 2 x
+    shard 2); every rank stops after the same step and a mid-epoch snapshot folder is
     saved. It goes on under FSDP on 2 ranks (DCP reshards the 2-D mesh's
     shards to a 1-D mesh of another size; the rest of epoch 2's permutation
     is split over 2 ranks) and trains each remaining sample once (counted),
@@ -354,9 +356,7 @@ def test_hsdp_stopped_mid_epoch_resumes_and_moves_to_fsdp_and_back(tmp_path):
     tests/test_stop_paths.py's preempted HSDP job; FSDP's snapshots resume
     bitwise in tests/test_check_resume.py and tests/test_recipes.py.)"""
     hold_env, held = held_at_step(57 + 13)  # epoch 2's 13th step
-    launch = hsdp(4, *HSDP_FLAGS, script=FAULTY_TRAIN)
-    launch.insert(launch.index(FAULTY_TRAIN), "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    text = signal_when(launch, tmp_path, held, signal.SIGUSR1, **hold_env)
+    text = signal_when(hsdp(4, *HSDP_FLAGS, script=FAULTY_TRAIN), tmp_path, held, signal.SIGUSR1, **hold_env)
     assert text.count("stopped by SIGUSR1") == 1 and "test | loss" not in text, text[-3000:]
     epoch, step = re.search(r"^epoch (\d+) step (\d+) \| snapshot saved at", text.split("stopped by SIGUSR1")[1],
                             re.M).groups()

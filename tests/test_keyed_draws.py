@@ -21,7 +21,7 @@ import common
 import text_tasks
 import token_tasks
 from dataset_files import build_token_files
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, evaluations, held_at_step, run, signal_when, \
+from helpers import FAULTY_TRAIN, REPO, PODS, check, evaluations, held_at_step, run, signal_when, \
     snapshot_tensors
 
 from train_utils import SeededFetches
@@ -134,7 +134,7 @@ def test_the_worker_count_never_changes_a_run_nor_a_resume_with_another(tmp_path
     for folder in (straight, stopped):
         folder.mkdir()
         (folder / "crop_task.py").write_text(CROP_TASK)
-    two = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
+    two = PODS + ["--nproc_per_node=2"]
     check(run(two + [REPO / "train.py", *flags, "--num_workers", "0"], straight))
     hold_env, held = held_at_step(20)
     text = signal_when(two + [FAULTY_TRAIN, *flags, "--num_workers", "2"], stopped, held, signal.SIGTERM,
@@ -180,10 +180,10 @@ def test_a_token_run_resumed_at_another_world_size_trains_each_window_once(ranks
     for folder in (first, second):
         folder.mkdir()
     hold_env, held = held_at_step(25)
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", RECORDING, *flags, "--num_workers", "2"]
+    launch = PODS + ["--nproc_per_node=2", RECORDING, *flags, "--num_workers", "2"]
     text = signal_when(launch, tmp_path, held, signal.SIGTERM, RECORD_SAMPLES_DIR=str(first), **hold_env)
     assert "epoch 1 step 26 | snapshot saved at snapshot_train.pt" in text, text[-3000:]
-    resumed = check(run(TORCHRUN + ["--standalone", f"--nproc_per_node={ranks}", RECORDING, *flags,
+    resumed = check(run(PODS + [f"--nproc_per_node={ranks}", RECORDING, *flags,
                                     "--num_workers", str(workers)], tmp_path, RECORD_SAMPLES_DIR=str(second)))
     assert f"resuming from snapshot snapshot_train.pt in epoch 1 after step {26 * 2 // ranks} (saved by " \
            f"world_size 2, resumed by {ranks}:" in resumed.stdout, resumed.stdout[-3000:]

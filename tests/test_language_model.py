@@ -24,7 +24,7 @@ import recipes
 import gpt
 import text_tasks
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, evaluations, run, signal_when, snapshot_tensors,
+from helpers import (FAULTY_TRAIN, REPO, PODS, TORCHRUN, check, epochs, evaluations, run, signal_when, snapshot_tensors,
                      task_args, tiny_gpt_run)
 
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
@@ -225,8 +225,8 @@ def test_max_steps_run_stopped_in_its_last_epoch_resumes_bitwise_with_other_work
     cosine over 150 steps."""
     straight_dir, straight = kit_run("ddp", *tiny_gpt_run("shakespeare_char", tiny_corpus["shakespeare_char"]))
     flags = ["--strategy", "ddp", *tiny_gpt_run("shakespeare_char", tiny_corpus["shakespeare_char"])]
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", *flags]
-    held = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, *flags]  # held by DDP_TEST_FAULT
+    launch = PODS + ["--nproc_per_node=2", REPO / "train.py", *flags]
+    held = PODS + ["--nproc_per_node=2", FAULTY_TRAIN, *flags]  # held by DDP_TEST_FAULT
     records = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in records if "val_loss" in r]
     assert [(r["step"], r["epoch"]) for r in evaluated] == [(25, 1), (50, 1), (75, 2), (80, 2)]

@@ -20,7 +20,7 @@ from train_utils.logs.throughput import model_flops_per_token
 from common import ConfigError
 from gpt import GPT, GPTConfig
 from dataset_files import build_shakespeare_root, require_tinyshakespeare
-from helpers import (EPOCH_LINE, FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, free_port, full_state, run,
+from helpers import (EPOCH_LINE, FAULTY_TRAIN, REPO, PODS, assert_bitwise, check, free_port, full_state, run,
                      signal_when, snapshot_folder)
 
 def test_flops_per_token_is_6n_plus_attention_with_nanogpts_n():
@@ -182,10 +182,10 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     gpt = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--dropout", "0.1"]
     flags = ["--dataset", "shakespeare_char", "--data_dir", data, *gpt, "--batch_size", "8", "--max_steps", "6",
              "--warmup_steps", "2", "--strategy", "fsdp", "--sample_chars", "80"]
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py", *flags]
+    cmd = PODS + ["--nproc_per_node=2", REPO / "train.py", *flags]
     ac = cmd + ["--activation_checkpointing", "--metrics_path", "ac.jsonl", "--snapshot_path", "ac"]
     plain = cmd + ["--metrics_path", "plain.jsonl", "--snapshot_path", "plain"]
-    held = TORCHRUN + ["--standalone", "--nproc_per_node=2", FAULTY_TRAIN, *flags,  # held by DDP_TEST_FAULT
+    held = PODS + ["--nproc_per_node=2", FAULTY_TRAIN, *flags,  # held by DDP_TEST_FAULT
                        "--metrics_path", "plain.jsonl", "--snapshot_path", "plain"]
     outputs = {"ac": check(run(ac, tmp_path)).stdout}
     stopped = signal_when(held, tmp_path, "DDP_TEST_FAULT: wait_signal at step 4", signal.SIGTERM,

@@ -15,7 +15,7 @@ import torch
 
 import train_utils
 from train_utils.loop.stop import STOP_SIGNALS
-from helpers import REPO, TORCHRUN, epochs, error_lines, script_env
+from helpers import REPO, PODS, epochs, error_lines, script_env
 
 # Where a rank waits for its loader's next batch: the line the time-out report names.
 LOADER_WAIT = (REPO / "train_utils" / "loop" / "epoch.py").read_text().splitlines().index("        for batch in bar:") + 1
@@ -111,7 +111,7 @@ def tagged(tag: str) -> list:
 
 def tiny_job(tmp_path, nproc: int, *flags: str) -> list:
     (tmp_path / "tiny_task.py").write_text(TINY_TASK)
-    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", REPO / "train.py",
+    return PODS + [f"--nproc_per_node={nproc}", REPO / "train.py",
                        "--dataset", "tiny_task:build_task", "--batch_size", "8", *flags]
 
 
@@ -142,8 +142,8 @@ def test_a_rank_stuck_in_its_loader_in_the_first_epoch_is_named_within_pg_timeou
     """Rank 1's dataset never returns an item (its loader workers never give
     one), in the first epoch, before any optimizer step, whose collectives wait
     --startup_timeout_s (30 min). Rank 0 waits --pg_timeout_s (10 s here) from
-    its own first batch, names rank 1 and exits; torchrun then stops the others
-    with SIGTERM, which the stuck rank notes for a stop after its step, and
+    its own first batch, names rank 1 and exits; the launcher then stops the
+    others with SIGTERM, which the stuck rank notes for a stop after its step, and
     SIGKILL 30 s later. No loader worker or fork server outlives its rank."""
     cmd = tiny_job(tmp_path, 3, "--num_workers", "2", "--total_epochs", "2", "--pg_timeout_s", "10")
     status, stdout, stderr, seconds, left = run_job(cmd, tmp_path, 120, PYTHONPATH=str(tmp_path), HANG_RANK="1")
@@ -179,7 +179,7 @@ def test_a_dataset_workers_cannot_receive_is_one_line(tmp_path):
         "def build_task(args, download):\n"
         "    data = Mapped(lambda x: 2 * x)\n"
         "    return common.Task(data, data, data, torch.nn.Linear(4, 1), F.mse_loss, classification=False)\n")
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py", "--dataset", "lambda_task:build_task",
+    cmd = PODS + ["--nproc_per_node=1", REPO / "train.py", "--dataset", "lambda_task:build_task",
                       "--num_workers", "2", "--total_epochs", "1"]
     status, stdout, stderr, _, _ = run_job(cmd, tmp_path, 120, PYTHONPATH=str(tmp_path))
     assert status != 0

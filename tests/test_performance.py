@@ -23,11 +23,11 @@ from train_utils.loop.speed import check_amp
 from train_utils.logs.throughput import GPU_PEAKS, gpu_peak
 import vision_tasks
 from dataset_files import build_cifar10_root, build_mnist_root
-from helpers import (FAULTY_TRAIN, load_task, REPO, TORCHRUN, check, epochs, error_lines, free_port, one_process,
+from helpers import (FAULTY_TRAIN, load_task, REPO, PODS, TORCHRUN, check, epochs, error_lines, free_port, one_process,
                      parse_test, run, kit_trainer, snapshot_tensors)
 
 MD5_BYPASS = REPO / "tests" / "md5_bypass.py"
-ONE_RANK = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
+ONE_RANK = PODS + ["--nproc_per_node=1", REPO / "train.py"]
 
 
 # --------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_cifar10_fast_path_reads_the_real_format(tmp_path, monkeypatch):
 
 def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(tmp_path):
     """1,350 real digits (1,500 minus the 10% validation split), one epoch, two
-    ranks under torchrun, scored on 500 held-out digits the model never saw.
+    ranks, scored on 500 held-out digits the model never saw.
     MNIST has no augmentation, and both paths make the same floats in the same
     order, so the runs agree to the last digit. (That the model learns MNIST
     to 95% is test_fsdp's and test_container's.)"""
@@ -140,7 +140,7 @@ def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(tmp_path)
     results = {}
     for path in ("fast", "torchvision"):
         (tmp_path / path).mkdir()
-        result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
+        result = check(run(PODS + ["--nproc_per_node=2", REPO / "train.py",
                                        "--dataset", "mnist", "--data_dir", mnist_root, "--total_epochs", "1",
                                        "--input_path", path, "--metrics_path", "metrics.jsonl"], tmp_path / path))
         results[path] = (epochs(result.stdout), parse_test(result.stdout))
@@ -160,7 +160,7 @@ def test_fast_and_torchvision_paths_train_the_same_model_on_real_mnist(tmp_path)
 # --------------------------------------------------------------------------
 
 def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
-    """--grad_accum_steps 2 under torchrun: the start-up line gives the global
+    """--grad_accum_steps 2 on 2 ranks: the start-up line gives the global
     batch (batch x accumulation x world size), once; --snapshot_every_steps
     counts optimizer steps, as --eval_every_steps and --log_every_steps do
     (every 2 is every 4 micro-batches: a snapshot's position counts the
@@ -174,7 +174,7 @@ def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
              "--metrics_path", "m.jsonl"]
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
-    clean = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"] + flags,
+    clean = check(run(PODS + ["--nproc_per_node=2", REPO / "train.py"] + flags,
                       tmp_path / "clean"))
     assert clean.stdout.count("global batch size") == 1
     assert "global batch size 128 = batch_size 32 x grad_accum_steps 2 x world_size 2" in clean.stdout
@@ -263,7 +263,7 @@ def test_no_sync_skips_the_all_reduce_of_all_but_the_last_micro_batch(tmp_path):
 # --------------------------------------------------------------------------
 
 def test_snapshot_written_with_compile_loads_without_it(tmp_path):
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=1", REPO / "train.py"]
+    launch = PODS + ["--nproc_per_node=1", REPO / "train.py"]
     check(run(launch + ["--total_epochs", "1", "--compile"], tmp_path))
     state = torch.load(tmp_path / "snapshot_train.pt", weights_only=True)["model"]
     assert not [key for key in state if "_orig_mod" in key or key.startswith("module.")]

@@ -6,7 +6,7 @@ import collections
 import json
 import shutil
 
-from helpers import REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, one_process, run
+from helpers import PODS, REPO, assert_same_snapshot, check, epochs, error_lines, one_process, run
 from walk import walked_blocks
 
 PROFILED_STEPS = [f"ProfilerStep#{n}" for n in range(2, 7)]  # training steps 3-7
@@ -41,7 +41,7 @@ def test_torchrun_traces_each_rank_also_after_a_resume_and_trains_as_without(new
         assert names["c10d::allreduce_"] >= 5  # DDP's gradients, at least one bucket a step
         assert names["Optimizer.step#SGD.step"] == 5
 
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+    launch = PODS + ["--nproc_per_node=2", REPO / "train.py"]
     resumed = check(run(launch + ["--total_epochs", "2", "--profile_dir", "profile", "--snapshot_path",
                                   "profile/snapshot.pt"], tmp_path))
     assert "resuming from snapshot profile/snapshot.pt after epoch 1" in resumed.stdout

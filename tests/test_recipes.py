@@ -24,9 +24,9 @@ from train_utils.ending import end_process
 from train_utils.snapshots.file import read_snapshot
 import vision_tasks
 from dataset_files import build_cifar10_root
-from helpers import REPO, TORCHRUN, check, epochs, error_lines, free_port, kit_trainer, one_process, parse_test, run
+from helpers import REPO, PODS, TORCHRUN, check, epochs, error_lines, free_port, kit_trainer, one_process, parse_test, run
 
-TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py"]
+TORCHRUN_2 = PODS + ["--nproc_per_node=2", REPO / "train.py"]
 
 
 def recipe_args(**flags) -> argparse.Namespace:

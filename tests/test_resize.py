@@ -17,7 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import train_utils
 from common import ConfigError
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, load_task, run, snapshot_tensors, stdout_lines
+from helpers import FAULTY_TRAIN, REPO, PODS, check, epochs, load_task, run, snapshot_tensors, stdout_lines
 
 BATCH = 64
 FLAGS = ["--total_epochs", "3", "--batch_size", str(BATCH), "--lr_schedule", "cosine",
@@ -53,9 +53,9 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(saved, resu
     RNG state); the learning rates must follow the cosine counted in the new
     steps per epoch to its end at epoch 3; the resume line says what changed."""
     name = "snapshot_train.pt"
-    launch = TORCHRUN + ["--standalone", f"--nproc_per_node={resumed}", REPO / "train.py"] + FLAGS
+    launch = PODS + [f"--nproc_per_node={resumed}", REPO / "train.py"] + FLAGS
     steps = {size: steps_per_epoch(size) for size in (saved, resumed)}
-    stopped = run(TORCHRUN + ["--standalone", f"--nproc_per_node={saved}", FAULTY_TRAIN] + FLAGS,
+    stopped = run(PODS + [f"--nproc_per_node={saved}", FAULTY_TRAIN] + FLAGS,
                   tmp_path, DDP_TEST_FAULT=f"step:0:{steps[saved] + 1}:raise")  # epoch 2's first step
     assert stopped.returncode != 0
     first = epochs(stopped.stdout)

@@ -19,10 +19,10 @@ import time
 import pytest
 import torch
 
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, one_process,
+from helpers import (FAULTY_TRAIN, REPO, PODS, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, one_process,
                      parse_test, run, script_env, signal_when, task_args)
 
-KIT = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
+KIT = PODS + ["--nproc_per_node=2"]
 
 
 # --------------------------------------------------------------------------

@@ -52,7 +52,7 @@ import pytest
 import torch
 
 from dataset_files import build_token_files
-from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, assert_bitwise, assert_same_snapshot, epochs, evaluations, \
+from helpers import FAULTY_TRAIN_JOB_ENV, PODS, REPO, assert_bitwise, assert_same_snapshot, epochs, evaluations, \
     full_state, parse_test, script_env, snapshot_folder, wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
 from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_resumes_exactly, drive, \
@@ -192,9 +192,9 @@ def _drive_sweep(cluster, folder: Path) -> None:
 
 def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
     """The snapshot of ``script`` run uninterrupted in ``folder`` (made, if
-    missing) with ``args``; its stdout in folder/stdout.txt."""
+    missing) with ``args``, its ranks started as pods; its stdout in folder/stdout.txt."""
     folder.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(REPO / script), *args],
+    result = subprocess.run(PODS + [f"--nproc_per_node={nproc}", str(REPO / script), *args],
                             cwd=folder, env=script_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     (folder / "stdout.txt").write_text(result.stdout)

@@ -33,10 +33,10 @@ import recipes
 import token_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from support.data import write_token_shard
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, assert_bitwise, check, epochs, error_lines, evaluations,
+from helpers import (FAULTY_TRAIN, REPO, PODS, assert_bitwise, check, epochs, error_lines, evaluations,
                      full_state, run, signal_when, snapshot_folder, snapshot_tensors, task_args, tiny_gpt_run)
 
-KIT = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
+KIT = PODS + ["--nproc_per_node=2"]
 CHARS = 20000  # the corpus's first 20,000 characters: 1,124 training windows of 16, 70 steps an epoch at 2 x 8
 
 
@@ -451,7 +451,7 @@ def test_another_vocabulary_at_resume_is_one_line_and_the_snapshot_is_kept(unint
     """The finished run above, its meta.pkl replaced by another corpus's (the
     whole of Tiny Shakespeare: 65 characters, the run's ids still valid),
     extended with a raised --max_steps and asked for a sample: each ends
-    with one line naming the vocabulary sizes (exit status 2; torchrun's 1), rather than a
+    with one line naming the vocabulary sizes (exit status 2), rather than a
     size-mismatch traceback from loading the embedding; the snapshot is
     left as it was."""
     runs, data = uninterrupted

@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from helpers import (FAULTY_TRAIN, REPO, TORCHRUN, check, epochs, error_lines, held_at_step, one_process, run,
+from helpers import (FAULTY_TRAIN, REPO, PODS, check, epochs, error_lines, held_at_step, one_process, run,
                      signal_when, without_package)
 from walk import walked_blocks
 
@@ -132,9 +132,9 @@ def test_a_stopped_and_resumed_run_continues_the_same_wandb_run(strategy, snapsh
     total = 3
     flags = ["--strategy", strategy, "--total_epochs", str(total),
              "--batch_size", "8", "--wandb_project", "ladder", "--metrics_path", "m.jsonl"]
-    launch = TORCHRUN + ["--standalone", "--nproc_per_node=2", str(REPO / "train.py"), *flags]
+    launch = PODS + ["--nproc_per_node=2", str(REPO / "train.py"), *flags]
     hold_env, held = held_at_step(150)  # epoch 2's 35th of 115 steps
-    text = signal_when(TORCHRUN + ["--standalone", "--nproc_per_node=2", str(FAULTY_TRAIN), *flags], tmp_path,
+    text = signal_when(PODS + ["--nproc_per_node=2", str(FAULTY_TRAIN), *flags], tmp_path,
                        held, signal.SIGTERM, **hold_env)
     assert text.count("stopped by SIGTERM") == 1 and "test | loss" not in text, text
     stopped_after = int(epochs(text)[-1]["epoch"])
@@ -183,7 +183,7 @@ def test_missing_wandb_is_one_line(tmp_path):
 def test_no_wandb_login_stops_every_rank_before_training_in_one_line(tmp_path):
     """Online without an API key, wandb.init fails on rank 0: every rank stops
     before training, with one line that says what to do."""
-    result = run(TORCHRUN + ["--standalone", "--nproc_per_node=2", REPO / "train.py",
+    result = run(PODS + ["--nproc_per_node=2", REPO / "train.py",
                              "--wandb_project", "ladder"], tmp_path,
                  WANDB_MODE="online", WANDB_API_KEY="", HOME=str(tmp_path), WANDB_DIR=str(tmp_path),
                  NETRC=str(tmp_path / "netrc"))
