@@ -84,7 +84,9 @@ class Task:
     of one sample (None: train.py counts them); ``identity``, what else
     beside --dataset, --model and --seed makes two runs the same (the GPT's
     sizes: train.py refuses a snapshot of another); ``sample_text``, (the
-    trained model, its device) -> the text it writes after training.
+    trained model, its device) -> the text it writes after training;
+    ``corpus``, what a language model reads, for the kit's task line (its
+    files or text, tokens and vocabulary; "": not said).
     """
 
     train_set: Dataset
@@ -103,6 +105,7 @@ class Task:
     flops_per_sample: Optional[float] = None
     identity: dict = field(default_factory=dict)
     sample_text: Optional[Callable[[nn.Module, torch.device], str]] = None
+    corpus: str = ""
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -345,4 +345,6 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     return Task(train, held_out, None, model, lm_loss, classification=False,
                 recipe=dict(SHAKESPEARE_RECIPE), tokens_per_sample=block_size,
                 decode=vocabulary.decode, encode=vocabulary.encode, identity=gpt_identity(model.config),
-                sample_text=text_sampler(args, vocabulary.decode, vocabulary.encode))
+                sample_text=text_sampler(args, vocabulary.decode, vocabulary.encode),
+                corpus=f"Tiny Shakespeare, {split:,} tokens to train and {len(tokens) - split:,} held out, "
+                       f"vocabulary {len(vocabulary)} (its characters)")

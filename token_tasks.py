@@ -349,8 +349,12 @@ def corpus_identity(files: Sequence[TokenFile]) -> str:
     count, so that a resume onto shards renamed, added, removed or cut short
     is refused."""
     digest = hashlib.sha256("".join(f"{os.path.basename(f.path)}\0{len(f)}\0" for f in files).encode())
-    return f"{len(files)} file{'s' if len(files) > 1 else ''}, {sum(map(len, files)):,} tokens, " \
-           f"{digest.hexdigest()[:12]}"
+    return f"{corpus_size(files)}, {digest.hexdigest()[:12]}"
+
+
+def corpus_size(files: Sequence[TokenFile]) -> str:
+    """A set of token files, for the task line: "3 files, 1,048,576 tokens"."""
+    return f"{len(files)} file{'s' if len(files) > 1 else ''}, {sum(map(len, files)):,} tokens"
 
 
 def _names(files: Sequence[TokenFile]) -> str:
@@ -416,7 +420,9 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
                 tokens_per_sample=block_size, decode=decode, encode=encode,
                 identity={**gpt_identity(model.config), "train_files": corpus_identity(train_files),
                           "val_files": corpus_identity(val_files)},
-                sample_text=text_sampler(args, decode, encode) if decode else None)
+                sample_text=text_sampler(args, decode, encode) if decode else None,
+                corpus=f"train {corpus_size(train_files)}, val {corpus_size(val_files)}, vocabulary "
+                       f"{vocab_size:,} ({vocabulary})")
 
 
 class MetaVocabulary:

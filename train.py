@@ -493,7 +493,7 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
     """Collective: a run of ``args`` built from scratch: the task and the
     configuration (``build_task``; ``amp``: --amp as the job runs it), the
     model and optimizer (``build_model``), the loaders, the checks before
-    training; rank 0 prints the start-up line. Returns the ``Trainer``
+    training; rank 0 prints the start-up line and the task line. Returns the ``Trainer``
     (``log`` its outputs, ``hook`` its ``StepHook``) and the test split's
     loader (None: no test split). Raises ConfigError (one line) as
     ``build_task`` and ``check_before_training`` do."""
@@ -507,6 +507,7 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
     train_utils.check_before_training(config, device, train_data)
     if dist.get_rank() == 0:
         train_utils.print_line(train_utils.describe_run(device, config))
+        train_utils.print_line(train_utils.describe_task(args.dataset, task))
     return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config, hook), test_data
 
 

@@ -33,7 +33,7 @@ import recipes
 import token_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from support.data import write_token_shard
-from helpers import (FAULTY_TRAIN, REPO, PODS, assert_bitwise, check, epochs, error_lines, evaluations,
+from helpers import (FAULTY_TRAIN, REPO, PODS, stdout_lines, assert_bitwise, check, epochs, error_lines, evaluations,
                      full_state, run, signal_when, snapshot_folder, snapshot_tensors, task_args, tiny_gpt_run)
 
 KIT = PODS + ["--nproc_per_node=2"]
@@ -397,6 +397,31 @@ def test_token_files_train_as_the_character_task_does(uninterrupted):
                                   for name in ("tokens", "shakespeare_char"))
     assert steps_a == steps_b == 1 and a.keys() == b.keys()  # both inside epoch 2, after its 10th step
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_the_task_line_names_the_model_its_parameters_the_corpus_and_its_vocabulary(uninterrupted):
+    """After the start-up line rank 0 says what trains on what, once: the
+    task, the model's class and parameters (the tied embedding once; whole
+    under FSDP, where each rank holds a shard), each split's samples (windows
+    of 16 tokens), and the corpus: its tokens to train and held out, and the
+    vocabulary (the text's characters; the token files' meta.pkl)."""
+    import gpt
+
+    runs, corpus = uninterrupted
+    text = (corpus["shakespeare_char"] / "shakespeare_char" / "input.txt").read_text()
+    vocabulary = len(set(text))
+    model = gpt.GPT(gpt.GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=vocabulary))
+    parameters = sum(p.numel() for p in model.parameters())
+    meta = os.path.join(corpus["tokens"], "meta.pkl")
+    lines = {name: [line for line in stdout_lines(runs[name][1]) if line.startswith("task ")] for name in runs}
+    windows = {split: (tokens - 1) // 16 for split, tokens in (("train", 18000), ("val", 2000))}  # 16 + 1 tokens each
+    model_and_samples = f"model GPT, {parameters:,} parameters | samples train {windows['train']:,}, val {windows['val']}"
+    assert lines["shakespeare_char"] == [
+        f"task shakespeare_char | {model_and_samples} | corpus Tiny Shakespeare, 18,000 tokens to train and "
+        f"2,000 held out, vocabulary {vocabulary} (its characters)"], runs["shakespeare_char"][1][:2000]
+    assert lines["tokens"] == lines["tokens-fsdp"] == [
+        f"task tokens | {model_and_samples} | corpus train 1 file, 18,000 tokens, val 1 file, 2,000 tokens, "
+        f"vocabulary {vocabulary} (vocab_size of {meta})"], runs["tokens"][1][:2000]
 
 
 def test_npy_files_of_the_same_tokens_print_the_same_evaluation_lines(uninterrupted, tmp_path):

@@ -53,7 +53,8 @@ from .distributed import Watch, answer_stack_requests, backend_for, broadcast_bu
     device_for, enable_flight_recorder, launcher_store, print_sharded_memory, raise_open_file_limit, shard_model, \
     share_cpu_cores, stack_folder, watch_collectives
 from .errors import one_line_errors
-from .logs import RunLog, StepLog, StepProfiler, describe_run, flops_per_sample, print_sample, throughput_figures
+from .logs import RunLog, StepLog, StepProfiler, describe_run, describe_task, flops_per_sample, print_sample, \
+    throughput_figures
 from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progress, Recipe, \
     ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, autocast, batches_for_every_rank, \
     batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, compile_model, compute_precision, \
@@ -79,6 +80,7 @@ __all__ = [
     "stack_folder",
     "answer_stack_requests",
     "describe_run",
+    "describe_task",
     "downloaders_first",
     "claim_snapshot_path",
     "resolve_config",

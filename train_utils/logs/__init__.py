@@ -12,9 +12,9 @@ train_utils import it through this face only.
 
 from .metrics import RunLog, StepLog, tensorboard_missing
 from .profiling import StepProfiler
-from .startup import describe_run
+from .startup import describe_run, describe_task
 from .text_out import print_sample
 from .throughput import flops_per_sample, throughput_figures
 
-__all__ = ["RunLog", "StepLog", "tensorboard_missing", "StepProfiler", "describe_run", "print_sample",
+__all__ = ["RunLog", "StepLog", "tensorboard_missing", "StepProfiler", "describe_run", "describe_task", "print_sample",
            "flops_per_sample", "throughput_figures"]

@@ -1,7 +1,8 @@
 """The start-up line: what runs where (device, backend, world size, the
 device mesh, CPU threads, the precision), the global batch size, and the
 notes that go before it (unusable GPUs, an old torch, a torchrun whose
-restarted nodes cannot rejoin).
+restarted nodes cannot rejoin); and the task line after it: what trains on
+what.
 """
 
 from __future__ import annotations
@@ -14,6 +15,25 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..distributed import OLDEST_TORCH, rejoin_note, torch_version, unusable_gpu_reason
 from ..loop import numerics_description
+
+
+def describe_task(dataset: str, task) -> str:
+    """The task line: the task (--dataset), its model's class and parameters,
+    the samples of each split, and what a language model reads
+    (``Task.corpus``). E.g. ``task shakespeare_char | model GPT, 10,816,512
+    parameters | samples train 1,003,838, val 111,522 | corpus Tiny
+    Shakespeare, 1,003,854 tokens to train and 111,540 held out, vocabulary
+    65 (its characters)``. Parameters are counted once each (a tied weight
+    once) and whole under FSDP (a sharded parameter's ``numel`` is the
+    global one); a sample is one item of the task's dataset (a language
+    model's window of ``tokens_per_sample`` tokens)."""
+    parameters = sum(p.numel() for p in task.model.parameters())
+    # fully_shard makes the model an instance of a class of its own (FSDPGPT for a GPT): name the task's
+    model_class = next(cls for cls in type(task.model).__mro__ if not cls.__module__.startswith("torch.distributed."))
+    splits = [("train", task.train_set), ("val", task.val_set), ("test", task.test_set)]
+    samples = ", ".join(f"{name} {len(data):,}" for name, data in splits if data is not None)
+    line = f"task {dataset} | model {model_class.__name__}, {parameters:,} parameters | samples {samples}"
+    return line + (f" | corpus {task.corpus}" if task.corpus else "")
 
 
 def describe_run(device: torch.device, config: RunConfig) -> str:
