@@ -160,7 +160,9 @@ import torch.nn as nn
 
 import common
 
-FLAGS = {"dropout": {"type": float, "default": 0.0, "help": "dropout probability (default: 0.0)"}}
+FLAGS = {"dropout": {"type": float, "default": 0.0, "help": "dropout probability (default: 0.0)"},
+         "greeting": {"type": str, "default": "", "help": "what the trained model says (default: nothing)"}}
+OUTPUT_FLAGS = ("greeting",)  # what the trained model writes: no recipe
 
 
 def build_task(args, download):
@@ -171,11 +173,13 @@ def build_task(args, download):
 
 
 def test_a_resume_names_a_changed_task_flag_outside_the_identity(tmp_path):
-    """--dropout raised at resume is taken, and said, as a recipe change is."""
+    """--dropout raised at resume is taken, and said, as a recipe change is; a
+    flag of the task's OUTPUT_FLAGS (what the trained model writes, as
+    --sample_chars) changed with it is no recipe and is not named."""
     (tmp_path / "dropout_task.py").write_text(DROPOUT_TASK)
     flags = ["--dataset", "dropout_task:build_task"]
     check(one_process(flags + ["--total_epochs", "1"], tmp_path, PYTHONPATH=str(tmp_path)))
-    resumed = check(one_process(flags + ["--total_epochs", "2", "--dropout", "0.1"], tmp_path,
+    resumed = check(one_process(flags + ["--total_epochs", "2", "--dropout", "0.1", "--greeting", "hello"], tmp_path,
                                 PYTHONPATH=str(tmp_path)))
     assert "recipe changed at resume (total_epochs 1 -> 2, dropout 0.0 -> 0.1): " in resumed.stdout
 

@@ -74,8 +74,8 @@ def identity_of(argv: list) -> list:
     args = parse(argv)
     defaults = parse(["--dataset", args.dataset])  # the task's own flags' defaults too
     defaults.dataset = parse([]).dataset
-    module, flags = next(iter(cli.task_flags((args.dataset,)).items()), (None, {}))
-    output = getattr(sys.modules.get(module), "OUTPUT_FLAGS", ())
+    flags = next(iter(cli.task_flags((args.dataset,)).values()), {})
+    output = cli.output_flags(args.dataset)
     return identity_flags(args, defaults, [*config.identity_flags(), *(name for name in flags if name not in output)])
 
 

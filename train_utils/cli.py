@@ -212,6 +212,16 @@ def task_flags(tasks: tuple) -> dict:
     return found
 
 
+def output_flags(dataset: str) -> tuple[str, ...]:
+    """The flags of the module of the task --dataset names (``task_flags``)
+    that say what a trained model writes, not what the run learns: the
+    module's ``OUTPUT_FLAGS`` (text_tasks': --sample_chars, --temperature,
+    --top_k). Outside a run's identity and its recipe; () for a module that
+    declares none."""
+    module = next(iter(task_flags((dataset,))), None)
+    return tuple(getattr(sys.modules.get(module), "OUTPUT_FLAGS", ())) if module else ()
+
+
 def task_models() -> dict[str, tuple[str, ...]]:
     """The models each task of ``common.TASKS`` accepts, its default first, for
     --model's help: {short name: models}, read from the ``MODELS`` dict of the
