@@ -17,11 +17,32 @@ from . import config
 from .errors import report_to_torchrun
 
 
+def first_worker_to_say(what: str) -> bool:
+    """Under torchrun: True for the first of this node's workers to call it
+    with ``what``, False for the others (an exclusive file named ``what`` in
+    the folder torchrun gives this attempt's workers' error files), so that a
+    line every rank would print appears once whichever rank gets there
+    first: torchrun ends the other workers as soon as one exits, and rank 0
+    may be the slower. Elsewhere: True on rank 0 alone."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return os.environ.get("RANK", "0") == "0"
+    try:  # <run's folder>/attempt_<n>/<local rank>/error.json
+        os.close(os.open(os.path.join(os.path.dirname(os.path.dirname(error_file)), what),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no folder to share: rank 0 says it
+        return os.environ.get("RANK", "0") == "0"
+
+
 class _OneRankParser(argparse.ArgumentParser):
-    """An ArgumentParser that, under torchrun, prints help and errors from
-    rank 0 only (every rank parses the same command line), an error as one
-    line without the usage, and makes it torchrun's root cause. Exit status 2
-    on an error, as argparse's."""
+    """An ArgumentParser that, under torchrun, prints help from rank 0 only
+    (every rank parses the same command line) and an error once, from the
+    first worker to meet it (``first_worker_to_say``), as one line without
+    the usage, and makes it torchrun's root cause. Exit status 2 on an
+    error, as argparse's."""
 
     def _print_message(self, message, file=None) -> None:
         if os.environ.get("RANK", "0") == "0":
@@ -35,7 +56,10 @@ class _OneRankParser(argparse.ArgumentParser):
         report_to_torchrun(f"error: {message}")  # every rank: see one_line_errors
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             super().error(message)
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
+        if first_worker_to_say("usage-error"):
+            sys.stderr.write(f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
+            sys.stderr.flush()
+        sys.exit(2)
 
     def _did_you_mean(self, message: str) -> str:
         """For unrecognized flags, the flags meant: dashes for underscores
