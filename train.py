@@ -324,7 +324,7 @@ class Trainer:
         self.checkpointer.save()
         self.checkpointer.wait(together=True)
         self.stop.close()
-        raise train_utils.Stopped()
+        raise train_utils.Stopped(self.stop.stopped_by)
 
     def close(self) -> None:
         """The run's end, whatever ended it (train.py's ``main`` calls it in a
@@ -532,14 +532,16 @@ def start(args: argparse.Namespace) -> tuple[int, torch.device, Optional[str]]:
 
 
 @train_utils.one_line_errors
-def main(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> int:
     """Train by ``args`` (``parse_args``), resuming from --snapshot_path when it
     holds a snapshot. Collective: every rank calls it, and runs under a
-    process group from ``setup`` on. ``one_line_errors`` then ends the
-    process: exit status 0 for a run trained, finished already, or stopped
-    by a stop signal after its snapshot; bad input ends it with one line and
-    exit status 2, a collective time-out with one line naming the ranks that
-    did not arrive, exit status 1."""
+    process group from ``setup`` on. Returns the exit status, with which
+    ``one_line_errors`` then ends the process: 0 for a run trained to its
+    end or finished already, 128 + the signal's number for a run a stop
+    signal stopped after its snapshot (``Stopped.status``: not done, the same
+    command resumes). Bad input ends it with one line and exit status 2, a
+    collective time-out with one line naming the ranks that did not arrive,
+    exit status 1."""
     # Its start time: the metrics file's start record.
     log = train_utils.RunLog(args.metrics_path, args.tensorboard_dir, args.wandb_project)
     local_rank, device, amp = start(args)
@@ -549,8 +551,9 @@ def main(args: argparse.Namespace) -> None:
     try:
         found = trainer.train()
         finish(trainer, found, test_data)
-    except train_utils.Stopped:
-        pass  # every rank stopped at the same step, its snapshot written: the same command resumes
+        return 0
+    except train_utils.Stopped as stop:
+        return stop.status  # every rank stopped at the same step, its snapshot written: the same command resumes
     finally:
         trainer.close()
 

@@ -55,8 +55,11 @@ class KitTask(submitit.helpers.Checkpointable):
         self.script, self.args, self.folder = script, list(args), folder
 
     def __call__(self) -> int:
-        """Run the task; return its exit status (0). Raises RuntimeError when
-        the training failed (a non-zero status), which submitit reports."""
+        """Run the task; return its exit status: 0, or for a run a SIGTERM
+        stopped that Slurm ends or requeues itself (scancel, scontrol
+        requeue, the time limit) 143, a stopped run's. Requeues it on
+        SIGUSR1 or a preemption. Raises RuntimeError when the training failed
+        (any other non-zero status), which submitit reports."""
         job = submitit.JobEnvironment()
         requeue = signal.getsignal(signal.SIGUSR1)  # submitit's checkpoint-and-requeue
         received = []

@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-from helpers import (FAULTY_TRAIN, REPO, PODS, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, one_process,
-                     parse_test, run, script_env, signal_when, task_args)
+from helpers import (FAULTY_TRAIN, REPO, PODS, TORCHRUN, assert_same_snapshot, check, epochs, error_lines, free_port,
+                     held_at_step, one_process, parse_test, run, script_env, signal_when, task_args)
 
 KIT = PODS + ["--nproc_per_node=2"]
 
@@ -95,6 +95,49 @@ def test_a_stop_during_evaluation_resumes_bitwise_with_progress_lines_and_a_star
             for line in epochs(resumed.stdout)] == drop_speed
     assert parse_test(resumed.stdout) == parse_test(reference)
     assert_same_snapshot(tmp_path / "snapshot_train.pt", folder / "snapshot_train.pt")
+
+
+def test_a_stopped_run_exits_with_the_signals_status_on_every_rank_and_its_resume_with_0(tmp_path):
+    """Two pods (each rank its own process with the plain environment, as a
+    Kubernetes Job starts them), rank 0 alone sent SIGTERM while held before
+    its 5th step: both ranks stop after the same step, and both exit 143
+    (128 + SIGTERM), so that a Job, a JobSet or a PyTorchJob counts the pods
+    as stopped, not succeeded, and starts them again (docs/launchers.md); the
+    same pods started again resume and exit 0. Before, every rank of a
+    stopped run exited 0."""
+    hold_env, held = held_at_step(5)
+
+    def start_pods(script, **env) -> list:
+        port = str(free_port())
+        return [subprocess.Popen([sys.executable, str(script), "--total_epochs", "1"], cwd=tmp_path,
+                                 env=script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                MASTER_PORT=port, **env),
+                                 stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT)
+                for rank in (0, 1)]
+
+    def log(rank: int) -> str:
+        return (tmp_path / f"rank{rank}.log").read_text()
+
+    pods = start_pods(FAULTY_TRAIN, **hold_env)
+    try:
+        deadline = time.monotonic() + 600  # bounds a failure only
+        while held not in log(0):
+            assert all(pod.poll() is None for pod in pods) and time.monotonic() < deadline, log(0) + log(1)
+            time.sleep(0.1)
+        pods[0].send_signal(signal.SIGTERM)
+        statuses = [pod.wait(timeout=300) for pod in pods]
+    finally:
+        for pod in pods:
+            pod.kill()
+    assert statuses == [128 + signal.SIGTERM] * 2, log(0) + log(1)
+    assert "stopped by SIGTERM after this step on every rank" in log(0), log(0)
+    step = re.search(r"^epoch 1 step (\d+) \| snapshot saved at snapshot_train\.pt$", log(0), re.M)
+    assert step and "test | loss" not in log(0), log(0)
+    pods = start_pods(REPO / "train.py")
+    statuses = [pod.wait(timeout=600) for pod in pods]
+    assert statuses == [0, 0], log(0) + log(1)
+    assert f"resuming from snapshot snapshot_train.pt in epoch 1 after step {step[1]}" in log(0), log(0)
+    assert "test | loss" in log(0), log(0)
 
 
 # --------------------------------------------------------------------------

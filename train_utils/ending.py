@@ -9,7 +9,7 @@ import contextlib
 import os
 import sys
 import threading
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 import torch.distributed as dist
 
@@ -18,11 +18,13 @@ from .output import is_distributed
 from .snapshots import release_claim
 
 
-def end_process(status: int, *, at_once: bool = False) -> NoReturn:
+def end_process(status: int, *, at_once: bool = False, orderly: Optional[bool] = None) -> NoReturn:
     """End this process with exit status ``status``; never returns.
 
-    In order: on a normal end (``status`` 0) every rank's answering thread
-    stops (no time-out report from here on: ``stop_answering``); unless
+    In order: on an orderly end (``orderly``, by default ``status`` 0: every
+    rank ends alike, a run finished or stopped after its snapshot) every
+    rank's answering thread stops (no time-out report from here on:
+    ``stop_answering``); unless
     ``at_once``, the process group is destroyed (one left over makes NCCL
     warn of a leak on every rank); the snapshot's claim this process took is
     given back (``release_claim``: outside Slurm the next run may take the
@@ -43,7 +45,7 @@ def end_process(status: int, *, at_once: bool = False) -> NoReturn:
     Safe in a signal handler (``at_once``): a flush the signal interrupted
     is skipped. What the run writes is closed before this (the last
     snapshot, the W&B run, TensorBoard: ``Trainer.close``)."""
-    if status == 0 and not at_once:
+    if (status == 0 if orderly is None else orderly) and not at_once:
         stop_answering()
     if not at_once and is_distributed():
         with contextlib.suppress(RuntimeError):  # a group already failing: leaving is what matters

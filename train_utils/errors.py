@@ -75,8 +75,9 @@ def one_line_errors(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> None:
+        orderly = False  # the function returned: every rank ends the run alike (finished, or stopped)
         try:
-            status, at_once = fn(*args, **kwargs) or 0, False
+            status, at_once, orderly = fn(*args, **kwargs) or 0, False, True
         except StopDuringStartup as stop:
             status, at_once = _startup_stop(stop)
         except ConfigError as exc:
@@ -91,7 +92,7 @@ def one_line_errors(fn: Callable) -> Callable:
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             status, at_once = _unexpected(exc)
-        end_process(status, at_once=at_once)
+        end_process(status, at_once=at_once, orderly=orderly)
 
     return wrapper
 

@@ -43,10 +43,24 @@ class StopDuringStartup(BaseException):
 
 
 class Stopped(Exception):
-    """A stop signal ended training on every rank at the same step, after the
-    snapshot of that step was written: raised there, once, and caught once
-    by the script, which then ends as a finished run does (the test
-    figures aside): exit status 0, the same command resumes."""
+    """A stop signal (``signum``, the one the ranks agreed on:
+    ``StopSignal.stopped_by``) ended training on every rank at the same step,
+    after the snapshot of that step was written: raised there, once, and
+    caught once by the script, which then ends as a finished run does (the
+    test figures aside) but with exit status ``status``, 128 + the signal's
+    number (143 for SIGTERM, 138 for SIGUSR1, 130 for Ctrl-C): what a process
+    that signal ended shows, so that a launcher counts the run as stopped,
+    not done (a Kubernetes Job restarts the pod, Kubeflow's ``restartPolicy:
+    ExitCode`` counts 128 and up as retryable), and the same command resumes."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def status(self) -> int:
+        """The exit status of a run this stop ended: 128 + ``signum``."""
+        return 128 + self.signum
 
 
 class _StopState:
