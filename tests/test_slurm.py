@@ -259,9 +259,10 @@ def test_pods_with_the_plain_environment_train_and_resume(cluster, tmp_path):
 
 
 def skypilot_run_block() -> str:
-    """The ``run:`` commands of docs/launchers.md's SkyPilot task file."""
-    task = re.search(r"```yaml\n(.*?)```", (REPO / "docs" / "launchers.md").read_text(), re.S).group(1)
-    run = re.search(r"^run: \|\n((?:  .*\n)+)", task, re.M).group(1)
+    """The ``run:`` commands of docs/launchers.md's SkyPilot task file (its
+    ```yaml block that has them)."""
+    tasks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "launchers.md").read_text(), re.S)
+    run = next(found for task in tasks if (found := re.search(r"^run: \|\n((?:  .*\n)+)", task, re.M))).group(1)
     return "".join(line[2:] + "\n" for line in run.splitlines())
 
 
