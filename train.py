@@ -310,6 +310,8 @@ class Trainer:
             self._stop()
         record = self.evaluations.record(self.progress.step, summary, scores)
         record |= self.recipe.epoch_figures()  # lr; fp16: the steps skipped since the last evaluation
+        if self.task.tokens_per_sample:  # a language model's run counts its tokens too, as nanoGPT's plans do
+            record["tokens_run"] = record["samples_run"] * self.task.tokens_per_sample
         if "samples_per_s" in record:  # LM tasks: tokens/s; every task: FLOP/s, on a GPU MFU
             record |= train_utils.throughput_figures(record["samples_per_s"], self.task.tokens_per_sample,
                                                      self.task.flops_per_sample, self.device, self.precision)

@@ -393,6 +393,9 @@ def test_token_files_train_as_the_character_task_does(uninterrupted):
     records = [json.loads(line) for line in (runs["tokens"][0] / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["step"] for r in records] == [25, 50, 75, 80] and records[-1]["best_step"] == int(best["step"])
     assert [r["samples"] for r in records] == [400, 400, 400, 80]  # 25 steps x 16 windows; the last 5
+    # The run's samples and tokens so far, each record's (windows of 16 tokens):
+    assert [(r["samples_run"], r["tokens_run"]) for r in records] == [(400, 6400), (800, 12800), (1200, 19200),
+                                                                      (1280, 20480)]
     (steps_a, a), (steps_b, b) = (snapshot_tensors(runs[name][0] / "snapshot_train.pt", rng=True)
                                   for name in ("tokens", "shakespeare_char"))
     assert steps_a == steps_b == 1 and a.keys() == b.keys()  # both inside epoch 2, after its 10th step
@@ -448,7 +451,8 @@ def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwi
     saved): the third run evaluates step 50 first and trains on. Every
     evaluation line is the uninterrupted run's but for speed (the training
     loss over each interval too, carried through both stops; the best
-    validation loss and its step), each printed once, and the end is bitwise
+    validation loss and its step), each printed once, each record counts the
+    samples and tokens of the run so far as it does, and the end is bitwise
     the same: weights, AdamW's moments, the schedule, every rank's RNG state."""
     runs, data = uninterrupted
     straight, reference = runs["tokens"]
@@ -466,6 +470,12 @@ def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwi
     third = check(run(KIT + [REPO / "train.py", *flags], tmp_path)).stdout
     assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 50" in third
     assert evaluations(first) + evaluations(third) == expected
+
+    def counted(folder) -> list:
+        return [(r["step"], r["samples_run"], r["tokens_run"])
+                for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+
+    assert counted(tmp_path) == counted(straight)
     steps_a, a = snapshot_tensors(straight / "snapshot_train.pt", rng=True)
     steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
     assert steps_a == steps_b == 1 and a["lr_schedule.step"].item() == 80 and a.keys() == b.keys()

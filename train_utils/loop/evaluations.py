@@ -34,7 +34,9 @@ class Evaluations:
     starts the next interval. ``epoch``: the 0-based epoch being trained;
     ``evaluated``: the step of the last evaluation by steps (0: none);
     ``best_loss``/``best_step``: the lowest validation loss so far and its
-    step (by steps; None before the first).
+    step (by steps; None before the first); ``samples_run``: the samples
+    trained by the run up to the last record, over all its starts (the sum
+    of the records' "samples").
 
     As a snapshot's part (``state_dict``/``load_state_dict``, ``KEYS``) it
     keeps the interval's global totals ("epoch_totals" by epochs, inside an
@@ -44,7 +46,7 @@ class Evaluations:
     run reports.
     """
 
-    KEYS = ("epoch_totals", "eval_step", "best_val_loss", "best_step", "interval_totals")
+    KEYS = ("epoch_totals", "eval_step", "best_val_loss", "best_step", "interval_totals", "samples_run")
 
     def __init__(self, every: int, last_step: int, total_epochs: int, device: torch.device) -> None:
         self.every, self.last_step, self.total_epochs, self.device = every, last_step, total_epochs, device
@@ -52,6 +54,7 @@ class Evaluations:
         self.evaluated = 0
         self.best_loss: Optional[float] = None
         self.best_step: Optional[int] = None
+        self.samples_run = 0
         self._carried = torch.zeros(2, dtype=torch.float64)  # global (loss sum, samples) before this start
         self._restart()
 
@@ -150,13 +153,15 @@ class Evaluations:
         steps) or of epoch ``self.epoch`` (by epochs), from the interval's
         ``summary`` and the validation ``scores`` (loss, accuracy or None); the
         next interval starts. By epochs: {"epoch" (1-based), "total_epochs",
-        the summary's figures, "val_loss", "val_accuracy"}; by steps the same
+        the summary's figures, "samples_run" (``samples_run`` with the
+        interval's), "val_loss", "val_accuracy"}; by steps the same
         and first "step", "total_steps", then "best_val_loss" and
         "best_step" (this evaluation's when it is the lowest so far). The kit
         adds the recipe's and the speed figures."""
         val_loss, val_accuracy = scores
-        record = {"epoch": self.epoch + 1, "total_epochs": self.total_epochs, **summary, "val_loss": val_loss,
-                  "val_accuracy": val_accuracy}
+        self.samples_run += summary["samples"]
+        record = {"epoch": self.epoch + 1, "total_epochs": self.total_epochs, **summary,
+                  "samples_run": self.samples_run, "val_loss": val_loss, "val_accuracy": val_accuracy}
         if self.by_steps:
             if self.best_loss is None or val_loss < self.best_loss:
                 self.best_loss, self.best_step = val_loss, step
@@ -168,15 +173,15 @@ class Evaluations:
         return record
 
     def state_dict(self) -> dict:
-        """Collective: by epochs {"epoch_totals": ``global_totals``, or None when
-        the interval holds nothing (an epoch's end)}; by steps {"eval_step":
-        the last evaluation's step, "best_val_loss", "best_step",
-        "interval_totals": ``global_totals``}."""
+        """Collective: {"samples_run"} and by epochs {"epoch_totals":
+        ``global_totals``, or None when the interval holds nothing (an
+        epoch's end)}; by steps {"eval_step": the last evaluation's step,
+        "best_val_loss", "best_step", "interval_totals": ``global_totals``}."""
         totals = self.global_totals()
         if not self.by_steps:
-            return {"epoch_totals": totals if totals[1] else None}
+            return {"epoch_totals": totals if totals[1] else None, "samples_run": self.samples_run}
         return {"eval_step": self.evaluated, "best_val_loss": self.best_loss, "best_step": self.best_step,
-                "interval_totals": totals}
+                "interval_totals": totals, "samples_run": self.samples_run}
 
     def load_state_dict(self, snapshot: Mapping) -> None:
         """Go on from a snapshot's ``state_dict``: the interval's totals before
@@ -184,7 +189,9 @@ class Evaluations:
         snapshot of a run that evaluated by epochs holds no evaluation by
         steps: by steps the interval then starts at the resumed step; one
         that evaluated by steps holds no epoch's totals: by epochs the
-        resumed epoch's figures count the steps after the resume."""
+        resumed epoch's figures count the steps after the resume. A snapshot
+        without "samples_run" (an older kit's) counts from this start."""
+        self.samples_run = snapshot.get("samples_run", 0)
         totals = snapshot.get("interval_totals" if self.by_steps else "epoch_totals")
         self._carried = torch.zeros(2, dtype=torch.float64) if totals is None else totals.to(torch.float64).cpu()
         if self.by_steps:
