@@ -442,7 +442,8 @@ def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) ->
     # A node's ranks (torchrun's, or srun's: train_utils.launcher_store): HSDP's default shard size.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args),
-                                            local_world_size, model=task_args.model)
+                                            local_world_size, model=task_args.model,
+                                            output_flags=train_utils.output_flags(args.dataset))
 
 
 def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,

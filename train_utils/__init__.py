@@ -47,7 +47,7 @@ docs/custom-task.md.
 
 from recipes import build_optimizer  # the recipe's meaning, which the rungs share
 from .checks import check_before_training, downloaders_first
-from .cli import parse_args, task_flag_values, task_models
+from .cli import output_flags, parse_args, task_flag_values, task_models
 from .config import RunConfig, is_sharded, resolve_config
 from .distributed import Watch, answer_stack_requests, backend_for, broadcast_buffers, check_fsdp_backend, \
     device_for, enable_flight_recorder, launcher_store, print_sharded_memory, raise_open_file_limit, shard_model, \
@@ -67,6 +67,7 @@ __all__ = [
     # start-up: flags, errors, devices, the process group, the data
     "parse_args",
     "task_flag_values",
+    "output_flags",
     "task_models",
     "one_line_errors",
     "catch_stop_signals",

@@ -260,9 +260,11 @@ class RunConfig:
               "every rank that waited (default: 1800)",
         group=RUN, type=positive(float))
 
-    # The task's own flags (its module's FLAGS) and identity (common.Task.identity): no command-line flag
+    # The task's own flags (its module's FLAGS) and identity (common.Task.identity): no command-line flag;
+    # and those of its flags that say what the trained model writes (its module's OUTPUT_FLAGS): no recipe.
     task_flags: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     task_identity: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    task_output_flags: tuple = ()
 
     @property
     def sharded(self) -> bool:
@@ -350,7 +352,7 @@ def batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:
 
 def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optional[str],
                    task_flags: Optional[Mapping[str, Any]] = None, local_world_size: int = 1,
-                   model: Optional[str] = None) -> RunConfig:
+                   model: Optional[str] = None, output_flags: tuple = ()) -> RunConfig:
     """The run's configuration, from the parsed command line ``args`` and the
     task built from it (``model``: the model its task function chose, where
     --model left it to the task: ``common.choose_model``), for
@@ -359,8 +361,9 @@ def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optiona
     --amp as the job runs it (``amp``: ``loop.resolve_amp``'s); with
     --global_batch_size, --grad_accum_steps = it / (batch_size x world_size);
     with --max_steps, --total_epochs = the epochs that hold its steps; the
-    task's own flags (``task_flags``: {name: value}, ``cli.task_flag_values``)
-    and identity; under --strategy hsdp, --shard_size as the mesh uses it
+    task's own flags (``task_flags``: {name: value}, ``cli.task_flag_values``),
+    those of them that only say what the model writes (``output_flags``,
+    ``cli.output_flags``) and its identity; under --strategy hsdp, --shard_size as the mesh uses it
     (``hsdp_shard_size``; 0 for the other strategies). Raises ConfigError (one
     line) for a global batch size the per-process batch does not divide, and
     as ``hsdp_shard_size`` does."""
@@ -373,7 +376,7 @@ def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optiona
         batches = batches_per_rank(len(task.train_set), world_size, values["batch_size"])
         values["total_epochs"] = math.ceil(values["max_steps"] / max(1, batches // values["grad_accum_steps"]))
     return RunConfig(**values, task_flags=MappingProxyType(dict(task_flags or {})),
-                     task_identity=MappingProxyType(dict(task.identity)))
+                     task_identity=MappingProxyType(dict(task.identity)), task_output_flags=tuple(output_flags))
 
 
 def hsdp_shard_size(strategy: str, shard_size: int, world_size: int, local_world_size: int) -> int:

@@ -226,11 +226,9 @@ class Recipe:
                    if config.get(name) != getattr(self.config, name)]
         # The task's flags outside its identity (a changed identity was refused): --dropout, say; not those
         # that only say what the trained model writes (--sample_chars: no recipe).
-        from ..cli import output_flags  # here: cli's imports (errors) import this package
-        output = output_flags(self.config.dataset)
         changed += [f"{name} {config.get(name)} -> {value}" for name, value in self.config.task_flags.items()
                     if name in config and config[name] != value and name not in self.config.task_identity
-                    and name not in output]
+                    and name not in self.config.task_output_flags]
         if changed and dist.get_rank() == 0:
             print_line(f"recipe changed at resume ({', '.join(changed)}): the {self.config.lr_schedule} "
                        f"schedule now runs to epoch {self.config.total_epochs}; the next step's "
