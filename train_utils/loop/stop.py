@@ -50,8 +50,9 @@ class Stopped(Exception):
     test figures aside) but with exit status ``status``, 128 + the signal's
     number (143 for SIGTERM, 138 for SIGUSR1, 130 for Ctrl-C): what a process
     that signal ended shows, so that a launcher counts the run as stopped,
-    not done (a Kubernetes Job restarts the pod, Kubeflow's ``restartPolicy:
-    ExitCode`` counts 128 and up as retryable), and the same command resumes."""
+    not done (a Kubernetes Job restarts the pod; Kubeflow's ``restartPolicy:
+    ExitCode`` counts 130, 138 and 143 as retryable), and the same command
+    resumes."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
