@@ -5,10 +5,19 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no LOCAL_RANK, no torchrun agent).
     python support/pods.py --nproc_per_node=N SCRIPT [ARGS ...]
 
 What the tests and the benchmark use where the launcher is not what they
-test: a torchrun agent costs about 2 CPU-seconds a start on this project's
-test machine (it imports torch), this launcher imports nothing of it. What
-torchrun itself adds (its restarts, its relayed signals, its root cause,
-elastic membership) is tested under torchrun.
+test. A rank's start costs about 3 CPU-seconds on this project's test
+machine, nearly all of it importing torch (and ``torch._dynamo``, which
+torch imports at a training step's first call), and a torchrun agent 2 more.
+So this launcher imports those libraries once, then forks each rank from
+itself: a rank runs SCRIPT as ``python SCRIPT ARGS`` would (``__main__``,
+``sys.argv``, the script's folder first on ``sys.path``, default signal
+handlers, its environment) with those libraries already imported, and
+nothing of the project. What differs from a fresh interpreter: the ranks
+share this process's hash seed (``PYTHONHASHSEED``), so an order that
+differs between fresh processes (a set of strings) is the same here; the
+runs under torchrun and Slurm start every rank fresh. What torchrun itself
+adds (its restarts, its relayed signals, its root cause, elastic membership)
+is tested under torchrun.
 
 Like a Job whose pods share the terminal: the ranks write to this process's
 stdout and stderr; SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent
@@ -22,14 +31,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 GRACE_S = 30.0  # torchrun's default between SIGTERM and SIGKILL of a failed group
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Imported once, before the ranks fork: what every training rank imports
+# (torch._dynamo: at its first optimizer or DDP call). Nothing of the project.
+PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "numpy")
 
 
 def free_port() -> int:
@@ -39,17 +51,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(nproc: int, command: list[str]) -> list[subprocess.Popen]:
-    """Start ``command`` ``nproc`` times, rank i with RANK=i, WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1 and a free MASTER_PORT, inheriting this process's
-    stdout, stderr and the rest of its environment."""
-    port = str(free_port())
+class Rank:
+    """One forked rank: its ``pid`` and, once it has ended, its
+    ``returncode`` (``subprocess.Popen``'s: -N when ended by signal N)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        """The rank's returncode, or None while it runs."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the rank if it still runs."""
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict:
+    """This process's environment as rank ``rank`` of ``world_size`` gets it:
+    RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT=``port`` set,
+    torchrun's own variables removed."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(name, None)
+    return env
+
+
+def run_as_main(script: str, args: list, env: dict) -> None:
+    """In a forked rank: run ``script`` as ``python script *args`` runs it,
+    in this interpreter. Its exceptions and ``SystemExit`` propagate, so the
+    interpreter prints them and exits as a fresh one would."""
+    os.environ.clear()
+    os.environ.update(env)
+    for signum in RELAYED:
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    if "numpy" in sys.modules:  # a fresh process seeds NumPy's global generator from the OS
+        sys.modules["numpy"].random.seed()
+    path = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(path)
+    runpy.run_path(path, run_name="__main__")
+
+
+def start_ranks(nproc: int, script: str, args: list) -> list[Rank] | None:
+    """Fork ``nproc`` ranks of ``script``. In the launcher: the ranks. In a
+    forked rank: None, once ``run_as_main`` returned (the script ended)."""
+    port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
     ranks = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
-            env.pop(name, None)
-        ranks.append(subprocess.Popen(command, env=env))
+        env = rank_environment(rank, nproc, port)
+        pid = os.fork()
+        if pid == 0:
+            run_as_main(script, args, env)
+            return None
+        ranks.append(Rank(pid))
     return ranks
 
 
@@ -58,7 +121,7 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def wait_for(ranks: list[subprocess.Popen]) -> int:
+def wait_for(ranks: list[Rank]) -> int:
     """Wait for every rank; once one fails, SIGTERM the others and SIGKILL
     those still running ``GRACE_S`` seconds later. Returns the exit status
     (module docstring)."""
@@ -68,36 +131,45 @@ def wait_for(ranks: list[subprocess.Popen]) -> int:
             failed = next((rank for rank in ranks if rank.returncode not in (None, 0)), None)
             if failed is not None:
                 for rank in ranks:
-                    if rank.poll() is None:
-                        rank.send_signal(signal.SIGTERM)
+                    rank.send_signal(signal.SIGTERM)
                 killed_at = time.monotonic() + GRACE_S
         elif time.monotonic() > killed_at:
             for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
+                rank.send_signal(signal.SIGKILL)
         time.sleep(0.05)
     failed = failed or next((rank for rank in ranks if rank.returncode != 0), None)
     return 0 if failed is None else exit_status(failed.returncode)
 
 
-def main() -> int:
+def main() -> int | None:
+    """Parse the command line, start the ranks, wait for them. Returns the
+    exit status, or None in a forked rank whose script has ended."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc_per_node", type=int, required=True, help="ranks to start (world size)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    ranks: list[subprocess.Popen] = []
+    for name in PRELOADED:
+        __import__(name)
+    ranks: list[Rank] = []
 
     def relay(signum, _frame):
         for rank in ranks:
-            if rank.poll() is None:
-                rank.send_signal(signum)
+            rank.send_signal(signum)
 
+    # Signals wait until the relay is in place: none is lost, none reaches a rank's start.
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
+    started = start_ranks(args.nproc_per_node, args.script, args.args)
+    if started is None:
+        return None
+    ranks.extend(started)
     for signum in RELAYED:
         signal.signal(signum, relay)
-    ranks.extend(start_ranks(args.nproc_per_node, [sys.executable, args.script, *args.args]))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
     return wait_for(ranks)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status is not None:
+        sys.exit(status)
