@@ -5,19 +5,15 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no LOCAL_RANK, no torchrun agent).
     python support/pods.py --nproc_per_node=N SCRIPT [ARGS ...]
 
 What the tests and the benchmark use where the launcher is not what they
-test. A rank's start costs about 3 CPU-seconds on this project's test
-machine, nearly all of it importing torch (and ``torch._dynamo``, which
-torch imports at a training step's first call), and a torchrun agent 2 more.
-So this launcher imports those libraries once, then forks each rank from
-itself: a rank runs SCRIPT as ``python SCRIPT ARGS`` would (``__main__``,
-``sys.argv``, the script's folder first on ``sys.path``, default signal
-handlers, its environment) with those libraries already imported, and
-nothing of the project. What differs from a fresh interpreter: the ranks
-share this process's hash seed (``PYTHONHASHSEED``), so an order that
-differs between fresh processes (a set of strings) is the same here; the
-runs under torchrun and Slurm start every rank fresh. What torchrun itself
-adds (its restarts, its relayed signals, its root cause, elastic membership)
-is tested under torchrun.
+test. A rank's start costs a fork, not a fresh import of torch: the tests'
+fork server (``support/forkserver.py``, named by ``FORKSERVER_SOCKET``)
+forks the ranks where there is one, else this launcher imports torch once
+and forks them from itself. Either way a rank runs SCRIPT as ``python
+SCRIPT ARGS`` would, with torch already imported and nothing of the
+project (forkserver.py's docstring says what differs from a fresh
+interpreter); the runs under torchrun and Slurm start every rank fresh.
+What torchrun itself adds (its restarts, its relayed signals, its root
+cause, elastic membership) is tested under torchrun.
 
 Like a Job whose pods share the terminal: the ranks write to this process's
 stdout and stderr; SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent
@@ -31,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import signal
 import socket
 import sys
 import time
 
+import forkserver  # beside this file
+
 GRACE_S = 30.0  # torchrun's default between SIGTERM and SIGKILL of a failed group
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-# Imported once, before the ranks fork: what every training rank imports
-# (torch._dynamo: at its first optimizer or DDP call). Nothing of the project.
-PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "numpy")
 
 
 def free_port() -> int:
@@ -82,35 +76,31 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict:
     return env
 
 
-def run_as_main(script: str, args: list, env: dict) -> None:
-    """In a forked rank: run ``script`` as ``python script *args`` runs it,
-    in this interpreter. Its exceptions and ``SystemExit`` propagate, so the
-    interpreter prints them and exits as a fresh one would."""
-    os.environ.clear()
-    os.environ.update(env)
-    for signum in RELAYED:
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    if "numpy" in sys.modules:  # a fresh process seeds NumPy's global generator from the OS
-        sys.modules["numpy"].random.seed()
-    path = os.path.abspath(script)
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(path)
-    runpy.run_path(path, run_name="__main__")
-
-
-def start_ranks(nproc: int, script: str, args: list) -> list[Rank] | None:
-    """Fork ``nproc`` ranks of ``script``. In the launcher: the ranks. In a
-    forked rank: None, once ``run_as_main`` returned (the script ended)."""
+def start_ranks(nproc: int, script: str, args: list) -> list | None:
+    """Start ``nproc`` ranks of ``script``: from the fork server where it
+    takes them, else forked from this process. In the launcher: the ranks
+    (``forkserver.Served`` or ``Rank``). In a rank forked here: None, once
+    its script ended (``forkserver.become`` returned)."""
     port = free_port()
+    environments = [rank_environment(rank, nproc, port) for rank in range(nproc)]
+    served = []
+    for env in environments:
+        rank = forkserver.start([script, *args], env)
+        if rank is None:
+            break
+        served.append(rank)
+    if len(served) == nproc:
+        return served
+    for rank in served:  # the server refused a later one: none of its ranks is started
+        rank.send_signal(signal.SIGKILL)
+    imported = forkserver.preload()
     sys.stdout.flush()
     sys.stderr.flush()
     ranks = []
-    for rank in range(nproc):
-        env = rank_environment(rank, nproc, port)
+    for env in environments:
         pid = os.fork()
         if pid == 0:
-            run_as_main(script, args, env)
+            forkserver.become([script, *args], env, imported)
             return None
         ranks.append(Rank(pid))
     return ranks
@@ -121,7 +111,7 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def wait_for(ranks: list[Rank]) -> int:
+def wait_for(ranks: list) -> int:
     """Wait for every rank; once one fails, SIGTERM the others and SIGKILL
     those still running ``GRACE_S`` seconds later. Returns the exit status
     (module docstring)."""
@@ -149,9 +139,7 @@ def main() -> int | None:
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    for name in PRELOADED:
-        __import__(name)
-    ranks: list[Rank] = []
+    ranks: list = []
 
     def relay(signum, _frame):
         for rank in ranks:

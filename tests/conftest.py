@@ -6,6 +6,7 @@ their output, snapshots) and dataset_files.py (datasets on disk)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -221,7 +222,7 @@ QUICK = [
     # whole files: unit tests
     "test_common.py", "test_claims.py", "test_package_map.py", "test_readme.py", "test_task_batching.py",
     "test_ladder_diffs.py", "test_train_utils.py", "test_gpu_speed.py", "test_real_data.py",
-    "test_slurm_wrappers.py",
+    "test_slurm_wrappers.py", "test_forkserver.py",
     # the rungs end to end (the README's Steps 1-5), their parity with the kit, bad flags and data
     "test_ladder.py::test_rung_imports_no_training_machinery",
     "test_ladder.py::test_rung_trains_resumes_and_prints_the_kits_losses",
@@ -297,7 +298,57 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "quick: the daily loop's tier (tests/conftest.py's QUICK): "
                                        "python -m pytest -m quick -n 3 tests")
     share_cores_between_test_processes()
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        start_fork_server()  # in the processes that run tests (not -n's controller)
     _record_launches()
+
+
+_fork_server: dict = {}  # the fork server's process and its folder (socket, CPU seconds, log)
+
+
+def start_fork_server() -> None:
+    """Start this test process's fork server (``support/forkserver.py``) and
+    name its socket in ``FORKSERVER_SOCKET`` for the scripts the tests start:
+    ``support/pods.py`` (``PODS``, ``one_process``) then has the server fork
+    its ranks, torch already imported. Until the server listens (a few
+    seconds of importing torch), and where it refuses, pods.py forks the
+    ranks itself. The server ends when this process does (its stdin
+    closes: ``pytest_unconfigure``)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from helpers import REPO, script_env
+
+    folder = Path(tempfile.mkdtemp(prefix="forkserver-"))  # short: a socket's path has at most 107 bytes
+    socket_path, cpu_file = folder / "socket", folder / "cpu"
+    cpu_file.touch()
+    with open(folder / "log", "w") as log:
+        process = subprocess.Popen([sys.executable, str(REPO / "support" / "forkserver.py"), str(socket_path),
+                                    str(cpu_file)], stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                   env=script_env())
+    _fork_server.update(process=process, folder=folder, cpu_file=cpu_file)
+    os.environ["FORKSERVER_SOCKET"] = str(socket_path)
+
+
+def pytest_unconfigure(config) -> None:
+    """End the fork server (its stdin closed: it kills what it still runs) and remove its folder."""
+    import shutil
+
+    process = _fork_server.get("process")
+    if process is not None:
+        process.stdin.close()
+        process.wait(timeout=60)
+        shutil.rmtree(_fork_server["folder"], ignore_errors=True)
+
+
+def fork_server_cpu_seconds() -> float:
+    """CPU seconds of the processes the fork server started for this test
+    process and that have ended (not this process's children, so not in its
+    own accounting)."""
+    path = _fork_server.get("cpu_file")
+    return sum(float(line) for line in path.read_text().split()) if path and path.exists() else 0.0
 
 
 def share_cores_between_test_processes() -> None:
@@ -411,12 +462,13 @@ _launches: list = []  # this test process's launches since its current test bega
 
 
 def _cpu_seconds() -> float:
-    """CPU seconds (user + system) of this test process and of every process
-    it has waited for (the scripts it ran, their ranks; not Slurm's jobs)."""
+    """CPU seconds (user + system) of this test process, of every process
+    it has waited for (the scripts it ran, their ranks; not Slurm's jobs),
+    and of those its fork server started that have ended."""
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + fork_server_cpu_seconds()
 
 
 def _launch(argv) -> str | None:

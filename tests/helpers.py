@@ -84,11 +84,11 @@ def one_process(flags: list, cwd: Path, script: Path = REPO / "train.py", timeou
     """Run ``script`` (train.py) ``flags`` as the one process of a job that its
     launcher started itself with the plain environment (RANK 0, WORLD_SIZE
     1, MASTER_ADDR, MASTER_PORT: a Kubernetes pod's), in ``cwd``: one
-    process, no torchrun agent beside it. For what a run does whatever
-    launched it; what torchrun adds (its restarts, its relayed signals, its
-    root cause) is tested under torchrun."""
-    return run([sys.executable, script, *flags], cwd, timeout, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), **env)
+    process, no torchrun agent beside it, started as ``support/pods.py``
+    starts a rank (forked, torch already imported). For what a run does
+    whatever launched it; what torchrun adds (its restarts, its relayed
+    signals, its root cause) is tested under torchrun."""
+    return run([*PODS, "--nproc_per_node=1", script, *flags], cwd, timeout, **env)
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

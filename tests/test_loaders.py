@@ -77,7 +77,9 @@ def run_job(cmd: list, cwd, timeout: float, **env: str) -> tuple:
     killed at the end."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     start = time.monotonic()
-    job = subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=script_env(JOB_TAG=tag, **env), text=True,
+    # Not from the tests' fork server: a process it forks has the server's environment block in /proc.
+    env = script_env(JOB_TAG=tag, FORKSERVER_SOCKET="", **env)
+    job = subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         stdout, stderr = job.communicate(timeout=timeout)
