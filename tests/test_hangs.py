@@ -122,6 +122,7 @@ def test_a_rank_stuck_in_its_tasks_code_is_named_with_its_file_and_line(tmp_path
     assert (f"ranks that did not arrive: rank 1 (host {HOST}) is at stuck_task.py:{sleep_line} in loss, not in "
             f"collective #") in line, line
     assert f"every live rank's stack: {tmp_path}/stacks_rank*_*.txt" in line
+    assert line.endswith("; no snapshot is written yet, so a restart trains from the beginning"), line
     stacks = {path.name: path.read_text() for path in tmp_path.glob("stacks_*.txt")}
     assert sorted(stacks) == [f"stacks_rank0_{HOST}.txt", f"stacks_rank1_{HOST}.txt"]
     assert "time.sleep(3600)  # the hang" in stacks[f"stacks_rank1_{HOST}.txt"]
@@ -138,12 +139,13 @@ def test_a_rank_stuck_under_hsdp_is_named_as_under_ddp(tmp_path):
     all-reduce), which torch makes with its own time-out (30 minutes on
     gloo); they follow --pg_timeout_s as the run's other groups do, so the
     job ends by itself, rank 0's line naming rank 1, its host, the line of
-    the sleep and the shard group's collective; no rank is SIGKILLed."""
+    the sleep, the shard group's collective and the snapshot a restart
+    resumes (step 4's, written before the hang); no rank is SIGKILLed."""
     (tmp_path / "stuck_task.py").write_text(STUCK_TASK)
     sleep_line = STUCK_TASK.splitlines().index("        time.sleep(3600)  # the hang") + 1
     cmd = TORCHRUN + ["--standalone", "--nproc_per_node=4", REPO / "train.py", "--dataset", "stuck_task:build_task",
                       "--strategy", "hsdp", "--shard_size", "2", "--total_epochs", "2",
-                      "--pg_timeout_s", str(TIMEOUT_S)]
+                      "--pg_timeout_s", str(TIMEOUT_S), "--snapshot_every_steps", "4", "--snapshot_sync"]
     status, log, ended, _ = run_timed(cmd, tmp_path, "stuck_task: rank 1 stuck", PYTHONPATH=str(tmp_path))
     assert status == 1, log[-4000:]
     lines = [line for line in error_lines(log) if line.startswith("error: rank 0 timed out")]
@@ -152,6 +154,8 @@ def test_a_rank_stuck_under_hsdp_is_named_as_under_ddp(tmp_path):
                      r"during epoch 1, training step 5 of this start", lines[0]), lines[0]
     assert (f"ranks that did not arrive: rank 1 (host {HOST}) is at stuck_task.py:{sleep_line} in loss, not in "
             f"collective #") in lines[0], lines[0]
+    assert lines[0].endswith("; a restart resumes from snapshot snapshot_train_fsdp/epoch-1-step-4 (epoch 1 step 4)"), \
+        lines[0]
     print(f"stuck rank under HSDP: the job ended {ended:.1f} s after it stuck (time-out {TIMEOUT_S} s)")
     assert_no_rank_killed(log)
 

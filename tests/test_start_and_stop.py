@@ -82,8 +82,9 @@ def test_a_stop_during_evaluation_resumes_bitwise_with_progress_lines_and_a_star
                       signal.SIGTERM, DDP_TEST_FAULT="evaluate:0:1:wait_signal")
     assert "stopped by SIGTERM" in log and "epoch 1 step 28 | snapshot saved at snapshot_train.pt" in log, log
     assert epochs(log) == []  # no epoch summarised: its evaluation was cut short
-    steps = re.findall(r"^step (\d+) \| epoch 1 \| loss \S+ \| lr 0\.05 \| samples/s \S+ \| ms/step \S+$", log, re.M)
-    assert steps == ["10", "20"], log
+    steps = re.findall(r"^step (\d+) \| epoch 1 \| samples ([\d,]+) \| loss \S+ \| lr 0\.05 \| samples/s \S+ \| "
+                       r"ms/step \S+$", log, re.M)
+    assert steps == [("10", "640"), ("20", "1,280")], log  # 2 ranks x batch 32 a step, counted from the start
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [record.get("event") for record in records] == ["start"]
     resumed = check(run(KIT + [REPO / "train.py", *flags], tmp_path))
@@ -95,6 +96,11 @@ def test_a_stop_during_evaluation_resumes_bitwise_with_progress_lines_and_a_star
             for line in epochs(resumed.stdout)] == drop_speed
     assert parse_test(resumed.stdout) == parse_test(reference)
     assert_same_snapshot(tmp_path / "snapshot_train.pt", folder / "snapshot_train.pt")
+    # The resumed run's count goes on from the samples trained before the stop (epoch 1's, in its record).
+    epoch_1 = [record for record in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+               if record.get("epoch") == 1][-1]
+    counted = re.search(r"^step 30 \| epoch 2 \| samples ([\d,]+) \|", resumed.stdout, re.M)
+    assert counted and int(counted[1].replace(",", "")) == epoch_1["samples_run"] + 2 * 64, resumed.stdout
 
 
 def test_a_stopped_run_exits_with_the_signals_status_on_every_rank_and_its_resume_with_0(tmp_path):
@@ -104,22 +110,33 @@ def test_a_stopped_run_exits_with_the_signals_status_on_every_rank_and_its_resum
     (128 + SIGTERM), so that a Job, a JobSet or a PyTorchJob counts the pods
     as stopped, not succeeded, and starts them again (docs/launchers.md); the
     same pods started again resume and exit 0. Before, every rank of a
-    stopped run exited 0."""
+    stopped run exited 0. The first time rank 1's pod starts only once rank
+    0 has said that it waits for it (before, rank 0 waited silently)."""
     hold_env, held = held_at_step(5)
 
-    def start_pods(script, **env) -> list:
+    def start_pods(script, late_rank_1: bool = False, **env) -> list:
         port = str(free_port())
-        return [subprocess.Popen([sys.executable, str(script), "--total_epochs", "1"], cwd=tmp_path,
-                                 env=script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                                MASTER_PORT=port, **env),
-                                 stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT)
-                for rank in (0, 1)]
+        pods = []
+        for rank in (0, 1):
+            if late_rank_1 and rank == 1:
+                deadline = time.monotonic() + 600  # bounds a failure only
+                while "rank 0 has waited" not in log(0):
+                    assert pods[0].poll() is None and time.monotonic() < deadline, log(0)
+                    time.sleep(0.1)
+            pods.append(subprocess.Popen([sys.executable, str(script), "--total_epochs", "1"], cwd=tmp_path,
+                                         env=script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                        MASTER_PORT=port, **env),
+                                         stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+        return pods
 
     def log(rank: int) -> str:
         return (tmp_path / f"rank{rank}.log").read_text()
 
-    pods = start_pods(FAULTY_TRAIN, **hold_env)
+    pods = start_pods(FAULTY_TRAIN, late_rank_1=True, **hold_env)
     try:
+        late = re.search(r"^rank 0 has waited (\d+) s for rank 1 to start \(1 of 2 started; --startup_timeout_s "
+                         r"\d+ ends the wait\)$", log(0), re.M)
+        assert late and int(late[1]) >= 10, log(0)
         deadline = time.monotonic() + 600  # bounds a failure only
         while held not in log(0):
             assert all(pod.poll() is None for pod in pods) and time.monotonic() < deadline, log(0) + log(1)

@@ -7,7 +7,7 @@ face only.
   rendezvous    a Slurm job's rendezvous port (run as a file by the Slurm wrappers: no import)
   devices       device choice, CPU threads, the flight recorder, peak GPU memory, torch's version
   kernels       does this torch build run this GPU (CUDA arch list, ROCm gfx); what to install
-  timeouts      start-up vs training time-out, which ranks did not arrive; the loop's Watch
+  timeouts      start-up vs training time-out, which ranks did not arrive, what a restart resumes; the loop's Watch
   hang_report   on a time-out every live rank's stack on disk, its host, file:line and collectives
   fsdp          FSDP2 and HSDP sharding, the backend check, the state each rank holds
 """
@@ -18,8 +18,8 @@ from .fsdp import check_fsdp_backend, contiguous_parameters, model_sharded, prin
 from .hang_report import ANSWER_WAIT_S, answer_stack_requests, finish_answer, hang_requested, making_report, \
     stack_folder, stop_answering
 from .launch import barrier, broadcast_buffers, gloo_group, launcher_store, raise_open_file_limit
-from .timeouts import RanksStuck, Watch, is_timeout, startup_timeout_line, timeout_diagnosis, watch_again, \
-    watch_collectives
+from .timeouts import RanksStuck, Watch, is_timeout, note_snapshot, startup_timeout_line, timeout_diagnosis, \
+    watch_again, watch_collectives
 
 __all__ = [
     "OLDEST_TORCH", "backend_for", "device_for", "enable_flight_recorder", "peak_memory_mib", "rejoin_note",
@@ -28,6 +28,6 @@ __all__ = [
     "ANSWER_WAIT_S", "answer_stack_requests", "finish_answer", "hang_requested", "making_report", "stack_folder",
     "stop_answering",
     "barrier", "broadcast_buffers", "gloo_group", "launcher_store", "raise_open_file_limit",
-    "RanksStuck", "Watch", "is_timeout", "startup_timeout_line", "timeout_diagnosis", "watch_again",
+    "RanksStuck", "Watch", "is_timeout", "note_snapshot", "startup_timeout_line", "timeout_diagnosis", "watch_again",
     "watch_collectives",
 ]

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import sys
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from common import ConfigError
+from ..output import print_line
 from .rendezvous import slurm_port
 
 
@@ -76,8 +78,10 @@ def launcher_store(timeout: timedelta) -> dist.Store:
                           f"launcher that starts each process itself (a Kubernetes PyTorchJob or JobSet) sets "
                           f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; set them, or start with torchrun")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Rank 0 of pods waits for the others in set_local_ranks, where it says which are late.
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_store(), timeout=timeout)
+                          is_master=rank == 0 and not agent_hosts_store(), timeout=timeout,
+                          wait_for_workers="LOCAL_RANK" in os.environ)
     store = dist.PrefixStore(store_prefix(), store)
     if "LOCAL_RANK" not in os.environ:  # each process started by the launcher itself: a pod's
         set_local_ranks(store, rank, world_size)
@@ -94,9 +98,42 @@ def set_local_ranks(store: dist.Store, rank: int, world_size: int) -> None:
     pod's), LOCAL_WORLD_SIZE the ranks there. Waits for every rank's note
     up to the store's time-out (--startup_timeout_s)."""
     store.set(f"host/{rank}", socket.gethostname())
-    hosts = [store.get(f"host/{other}").decode() for other in range(world_size)]
+    keys = [f"host/{other}" for other in range(world_size)]
+    if rank == 0:
+        wait_noting_late_ranks(store, keys)
+    hosts = [store.get(key).decode() for key in keys]
     mine = [other for other, host in enumerate(hosts) if host == hosts[rank]]
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(mine.index(rank)), str(len(mine))
+
+
+# Rank 0 of processes that their launcher starts one by one (pods) names the ranks not started
+# yet: after LATE_NOTE_AFTER_S seconds of waiting, then every LATE_NOTE_EVERY_S.
+LATE_NOTE_AFTER_S, LATE_NOTE_EVERY_S = 10.0, 60.0
+
+
+def wait_noting_late_ranks(store: dist.Store, keys: list) -> None:
+    """Rank 0's wait for every rank's key in ``keys`` (key i set by rank i as
+    it starts), up to the store's time-out (--startup_timeout_s), as
+    ``store.wait(keys)`` waits; on the way it prints, after
+    ``LATE_NOTE_AFTER_S`` seconds and every ``LATE_NOTE_EVERY_S`` after,
+    which ranks have not started, so that a job whose pods start late is
+    not silent. Raises DistStoreError, as the store's wait does, at the time-out."""
+    limit = store.timeout.total_seconds()
+    started = time.monotonic()
+    note_at = started + LATE_NOTE_AFTER_S
+    while not store.check(keys):  # a look, not a wait: a store's wait that times out logs C++ warnings
+        now = time.monotonic()
+        if now - started >= limit:  # the store's own error, as its wait would raise it
+            late = [key for key in keys if not store.check([key])]
+            raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {', '.join(late)}")
+        if now >= note_at:
+            late = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            named = ", ".join(str(rank) for rank in late[:8]) + (", ..." if len(late) > 8 else "")
+            print_line(f"rank 0 has waited {now - started:.0f} s for rank{'s' if len(late) > 1 else ''} {named} "
+                       f"to start ({len(keys) - len(late)} of {len(keys)} started; --startup_timeout_s "
+                       f"{limit:g} ends the wait)")
+            note_at = now + LATE_NOTE_EVERY_S
+        time.sleep(0.2)
 
 
 def tasks_per_node(text: str) -> list[int]:

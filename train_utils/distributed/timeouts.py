@@ -28,6 +28,7 @@ class _Watch:
     group: Optional[dist.ProcessGroup] = None  # gloo group of monitored_barrier (watch_collectives)
     training = False  # use_training_timeout has set --pg_timeout_s
     timeout: Optional[timedelta] = None  # the run's time-out in force: start-up's, then --pg_timeout_s
+    snapshot: Optional[str] = None  # the newest complete snapshot this process knows of: what a restart resumes
 
 
 # Module-level on purpose: like torch.distributed's own default group, one per
@@ -73,6 +74,32 @@ def note_phase(phase: str) -> None:
     """Name where this process is (e.g. "epoch 2, training step 5 of this
     start"), for the time-out report."""
     _WATCH.phase = phase
+
+
+def note_snapshot(path: str, tag: str) -> None:
+    """Name the newest complete snapshot, which a restart resumes: ``path``
+    and its position ``tag`` ("epoch 2", "epoch 3 step 40"), for the
+    time-out report's last words (``restart_note``). Called where this
+    process resumed from one and where rank 0 completed one."""
+    _WATCH.snapshot = f"{path} ({tag})"
+
+
+def restart_note() -> str:
+    """What a restart of the job after this time-out resumes, as this process
+    knows it: "a restart resumes from snapshot PATH (epoch 2)", or on rank 0
+    (which completes every snapshot) that none is written yet; '' on another
+    rank that knows of none."""
+    if _WATCH.snapshot is not None:
+        return f"a restart resumes from snapshot {_WATCH.snapshot}"
+    if dist.get_rank() == 0:
+        return "no snapshot is written yet, so a restart trains from the beginning"
+    return ""
+
+
+def _with_restart_note(line: str) -> str:
+    """``line`` with ``restart_note`` after it, where there is one."""
+    note = restart_note()
+    return f"{line}; {note}" if note else line
 
 
 class Watch:
@@ -201,10 +228,11 @@ def check_first_batches(timeout_s: Optional[float]) -> None:
             answers = hang_report.collect_answers(store, dist.get_world_size(),
                                                   time.monotonic() + hang_report.ANSWER_WAIT_S)
             missing = f"{stuck} to have their batch too ({hang_report.describe_ranks(answers, None, stuck)})"
-        raise RanksStuck(f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing}: a rank "
-                         f"stuck in its data loader (a loader worker that never started, a dataset's "
-                         f"__getitem__ that does not return) holds up all; every live rank's stack: "
-                         f"{hang_report.stacks_glob()} (--pg_timeout_s sets the wait)") from None
+        raise RanksStuck(_with_restart_note(
+            f"rank 0 waited {timeout_s:g} s during {_WATCH.phase} for ranks {missing}: a rank stuck in its "
+            f"data loader (a loader worker that never started, a dataset's __getitem__ that does not return) "
+            f"holds up all; every live rank's stack: {hang_report.stacks_glob()} (--pg_timeout_s sets the "
+            f"wait)")) from None
 
 
 # How torch words a time-out, and only a time-out: a gloo collective's ("Timed
@@ -283,9 +311,9 @@ def timeout_diagnosis(exc: BaseException) -> str:
     stacks = hang_report.stacks_glob()
     if rank != 0:
         where = hang_report.describe_ranks(answers, waiting, [0]) if answers else "rank 0 does not answer"
-        return (f"rank {rank} timed out {inside} during {_WATCH.phase} ({detail}), and rank 0 did not "
-                f"arrive to report it: {where}. Every live rank's stack: {stacks} (--pg_timeout_s sets "
-                f"the wait)")
+        return _with_restart_note(
+            f"rank {rank} timed out {inside} during {_WATCH.phase} ({detail}), and rank 0 did not arrive to "
+            f"report it: {where}. Every live rank's stack: {stacks} (--pg_timeout_s sets the wait)")
     if stuck is None:
         missing = "unknown (no monitor group)"
     elif stuck:
@@ -293,9 +321,10 @@ def timeout_diagnosis(exc: BaseException) -> str:
     else:
         mismatch = hang_report.describe_mismatch(answers)
         missing = f"none; {mismatch}" if mismatch else "none (all arrived later: raise --pg_timeout_s)"
-    return (f"rank 0 timed out waiting for the other ranks {inside} during {_WATCH.phase} ({detail}); "
-            f"ranks that did not arrive: {missing}. A rank that is stuck or died holds up all; every live "
-            f"rank's stack: {stacks} (--pg_timeout_s sets the wait)")
+    return _with_restart_note(
+        f"rank 0 timed out waiting for the other ranks {inside} during {_WATCH.phase} ({detail}); ranks that "
+        f"did not arrive: {missing}. A rank that is stuck or died holds up all; every live rank's stack: "
+        f"{stacks} (--pg_timeout_s sets the wait)")
 
 
 def _claim_report(store: Optional[dist.Store], rank: int) -> bool:

@@ -213,9 +213,13 @@ class StepLog:
     """--log_every_steps N: a progress line on rank 0 every N optimizer steps,
     in a log file as on a terminal (the progress bar shows on terminals only)::
 
-        step 200 | epoch 1 | loss 2.412345 | lr 0.000998 | tokens/s 10345.2 | ms/step 74.2
+        step 200 | epoch 1 | tokens 2,457,600 | loss 2.412345 | lr 0.000998 | tokens/s 10345.2 | ms/step 74.2
 
-    ``step``: optimizer steps of the run so far; ``loss``: rank 0's mean
+    ``step``: optimizer steps of the run so far; ``samples`` (``tokens``
+    for a task whose samples count ``tokens_per_sample`` tokens): those the
+    run has trained so far, on every rank and before a resume (the
+    evaluations' ``samples_run`` and ``carried_samples``, plus rank 0's count
+    in this start's interval x the world size); ``loss``: rank 0's mean
     training loss over the micro-batches since the last line (its own: no
     collective); ``lr``: the last step's learning rate; ``samples/s`` (or
     ``tokens/s`` for a task whose samples count ``tokens_per_sample`` tokens):
@@ -252,6 +256,10 @@ class StepLog:
         if not new:
             return
         per_s = new * self.world_size / (now - then)
-        speed = f"tokens/s {rate(per_s * self.tokens_per_sample)}" if self.tokens_per_sample else f"samples/s {rate(per_s)}"
-        print_line(f"step {step} | epoch {epoch + 1} | loss {(loss_sum - loss_before) / new:.6f} | "
+        trained = int(evaluations.samples_run) + evaluations.carried_samples + round(samples) * self.world_size
+        if self.tokens_per_sample:
+            count, speed = f"tokens {trained * self.tokens_per_sample:,}", f"tokens/s {rate(per_s * self.tokens_per_sample)}"
+        else:
+            count, speed = f"samples {trained:,}", f"samples/s {rate(per_s)}"
+        print_line(f"step {step} | epoch {epoch + 1} | {count} | loss {(loss_sum - loss_before) / new:.6f} | "
                    f"lr {lr:.6g} | {speed} | ms/step {1000 * (now - then) / (step - step_before):.1f}")

@@ -93,6 +93,12 @@ class Evaluations:
         """This rank's mean training loss of the interval so far (a read from the device)."""
         return (self._loss / max(1, self._samples)).item()
 
+    @property
+    def carried_samples(self) -> int:
+        """The samples of the interval trained before this start, on every
+        rank (a resumed snapshot's; 0 in a fresh start or a new interval)."""
+        return round(float(self._carried[1]))
+
     def local_totals(self) -> torch.Tensor:
         """This rank's (loss sum, samples) of the interval in this start: a new
         float64 (2,) tensor on the device, made without waiting for it."""

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from ..distributed import gloo_group
+from ..distributed import gloo_group, note_snapshot
 from ..output import first_error, output_path_error
 from .claims import claim_snapshot
 from .file import START_AFRESH, SnapshotFile, remove_stale_temporary_files
-from .position import position
+from .position import position, position_tag
 from .save_errors import save_failure
 from .sharded import ShardedSnapshots
 from .writer import SnapshotClock, SnapshotWriter
@@ -177,6 +177,7 @@ class Checkpointer:
         for part in self.parts.values():
             part.load_state_dict(snapshot)
         self.saved_at = f"{self.found} ({where})"
+        note_snapshot(self.found, position_tag(snapshot["epochs_run"], snapshot["steps_run"]))
         progress = self.parts.get("progress")
         if progress is None:
             return Found(self.found, snapshot["epochs_run"], where)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from common import ConfigError
 from ..config import must_match
+from ..distributed import note_snapshot
 from ..output import print_line
 from .claims import process_lives
 from .position import position_tag
@@ -269,12 +270,13 @@ class SnapshotFile:
             return None, self.path
         state = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict())
         state = self.staging.copy(state) if asynchronous else state
-        line = f"{position_tag(state['epochs_run'], state['steps_run'])} | snapshot saved at {self.path}"
+        tag = position_tag(state['epochs_run'], state['steps_run'])
 
         def write() -> None:
             self.staging.wait()  # the copies from GPUs are in CPU memory
             atomic_save(state, self.path)
-            print_line(line)
+            note_snapshot(self.path, tag)
+            print_line(f"{tag} | snapshot saved at {self.path}")
 
         return write, self.path
 

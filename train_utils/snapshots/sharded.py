@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from ..distributed import broadcast_buffers, gloo_group
+from ..distributed import broadcast_buffers, gloo_group, note_snapshot
 from ..output import first_error, print_line
 from .position import position_tag
 from .file import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
@@ -173,6 +173,7 @@ class ShardedSnapshots:
                 dcp_result(save)  # every rank's shards are written (or it raises)
             if rank == 0:
                 self.commit(meta, folder)  # complete now
+                note_snapshot(folder, tag)
                 print_line(f"{tag} | snapshot saved at {folder}")
 
         return complete, folder
