@@ -28,21 +28,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 
 import forkserver  # beside this file
+from ports import free_port  # beside this file
 
 GRACE_S = 30.0  # torchrun's default between SIGTERM and SIGKILL of a failed group
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Rank:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
 import torch
+
+from .ports import free_port  # noqa: F401 - the tests and the benchmark take it from here
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
@@ -25,13 +26,6 @@ EPOCH_LINE = re.compile(
     r"(?: \| flop/s (?P<flop_per_s>\S+))?(?: \| mfu (?P<mfu>\S+))? \| epoch_s (?P<epoch_s>\S+)"
     r"(?: \| lr (?P<lr>\S+))?(?: \| skipped_steps (?P<skipped_steps>\d+))?"  # skipped: fp16 only
     r"(?: \| peak_mem_mib (?P<peak_mem_mib>\S+))?$", re.M)  # peak memory: CUDA only
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # What a launcher (torchrun, srun) tells a script; a test's scripts never

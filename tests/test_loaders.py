@@ -158,7 +158,8 @@ def test_a_rank_stuck_in_its_loader_in_the_first_epoch_is_named_within_pg_timeou
         f"batch too (rank 1 (host {socket.gethostname()}) is at {REPO}/train_utils/loop/epoch.py:{LOADER_WAIT} in "
         f"__iter__): a rank stuck in its data loader (a loader worker that never started, a dataset's "
         f"__getitem__ that does not return) holds up all; every live rank's stack: {tmp_path}/stacks_rank*_*.txt "
-        f"(--pg_timeout_s sets the wait)"], stderr[-5000:]
+        f"(--pg_timeout_s sets the wait); no snapshot is written yet, so a restart trains from the beginning"], \
+        stderr[-5000:]
     assert sorted(path.name for path in tmp_path.glob("stacks_*.txt")) == [
         f"stacks_rank{rank}_{socket.gethostname()}.txt" for rank in range(3)]
     assert "epoch 1/2 |" not in stdout
