@@ -38,6 +38,7 @@ the test's CPU accounting reads (the process is not the test's child).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import io
 import json
@@ -155,7 +156,11 @@ def serve(path: str, cpu_file: str) -> dict | None:
                         return dict(request, imported=imported)
                 else:  # an asker went away before its process ended: end the process
                     connection = key.fileobj
-                    if not connection.recv(4096):
+                    try:
+                        gone = not connection.recv(4096)
+                    except OSError:  # reset by the asker's end
+                        gone = True
+                    if gone:
                         for pid, asker in list(started.items()):
                             if asker is connection:
                                 os.kill(pid, signal.SIGKILL)
@@ -220,7 +225,8 @@ def _reap(started: dict, selector, cpu) -> None:
         cpu.flush()
         connection = started.pop(pid, None)
         if connection is not None:
-            selector.unregister(connection)
+            with contextlib.suppress(KeyError):  # unregistered already where the asker went away first
+                selector.unregister(connection)
             try:
                 connection.sendall(f"exit {os.waitstatus_to_exitcode(status)} {seconds:.3f}\n".encode())
             except OSError:

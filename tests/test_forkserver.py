@@ -15,7 +15,7 @@ from helpers import PODS, REPO, script_env
 
 PROBE = '''import json, os, signal, sys
 preloaded = "torch" in sys.modules  # before this script imports anything of its own
-print(json.dumps({"rank": int(os.environ["RANK"]), "name": __name__, "argv": sys.argv, "path0": sys.path[0],
+print(json.dumps({"rank": int(os.environ["RANK"]), "pid": os.getpid(), "name": __name__, "argv": sys.argv, "path0": sys.path[0],
                   "cwd": os.getcwd(), "umask": os.umask(0), "preloaded": preloaded, "ppid": os.getppid(),
                   "tag": os.environ.get("PROBE_TAG"), "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                   "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}), flush=True)
@@ -105,3 +105,31 @@ def test_an_environment_read_at_import_is_refused_and_the_launcher_forks_itself(
     assert job.returncode == 0, stderr
     ranks = lines(stdout)
     assert all(rank["ppid"] == job.pid and rank["preloaded"] for rank in ranks), ranks
+
+
+def test_ranks_whose_launcher_is_killed_are_killed_and_the_server_serves_on(server, tmp_path):
+    """pods.py SIGKILLed (a test's time-out) while its served ranks run: the
+    server kills them, and the next launch is served as before."""
+    import json
+    import os
+
+    process, env, _ = server
+    job = probe(tmp_path, env, "wait")
+    pids = [json.loads(job.stdout.readline())["pid"] for _ in range(2)]
+    job.kill()
+    job.communicate(timeout=60)
+    deadline = time.monotonic() + 60  # bounds a failure only
+
+    def running(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.1)
+    again = probe(tmp_path, env, "run", nproc=1)
+    stdout, stderr = again.communicate(timeout=120)
+    assert again.returncode == 0 and lines(stdout)[0]["ppid"] == process.pid, stderr
