@@ -15,10 +15,11 @@ from helpers import PODS, REPO, script_env
 
 PROBE = '''import json, os, signal, sys
 preloaded = "torch" in sys.modules  # before this script imports anything of its own
-print(json.dumps({"rank": int(os.environ["RANK"]), "pid": os.getpid(), "name": __name__, "argv": sys.argv, "path0": sys.path[0],
+sys.stdout.write(json.dumps({"rank": int(os.environ["RANK"]), "pid": os.getpid(), "name": __name__, "argv": sys.argv, "path0": sys.path[0],
                   "cwd": os.getcwd(), "umask": os.umask(0), "preloaded": preloaded, "ppid": os.getppid(),
                   "tag": os.environ.get("PROBE_TAG"), "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-                  "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}), flush=True)
+                  "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}) + "\\n")  # one write a line:
+sys.stdout.flush()  # the ranks share the pipe, and print() writes the newline apart
 if sys.argv[1] == "fail":
     raise SystemExit(3 + int(os.environ["RANK"]))
 if sys.argv[1] == "raise":
