@@ -123,17 +123,19 @@ def wait_noting_late_ranks(store: dist.Store, keys: list) -> None:
     note_at = started + LATE_NOTE_AFTER_S
     while not store.check(keys):  # a look, not a wait: a store's wait that times out logs C++ warnings
         now = time.monotonic()
+        if now - started < limit and now < note_at:
+            time.sleep(0.2)
+            continue
+        late = [rank for rank, key in enumerate(keys) if not store.check([key])]
         if now - started >= limit:  # the store's own error, as its wait would raise it
-            late = [key for key in keys if not store.check([key])]
-            raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {', '.join(late)}")
-        if now >= note_at:
-            late = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: "
+                                      f"{', '.join(keys[rank] for rank in late)}")
+        if late:
             named = ", ".join(str(rank) for rank in late[:8]) + (", ..." if len(late) > 8 else "")
             print_line(f"rank 0 has waited {now - started:.0f} s for rank{'s' if len(late) > 1 else ''} {named} "
                        f"to start ({len(keys) - len(late)} of {len(keys)} started; --startup_timeout_s "
                        f"{limit:g} ends the wait)")
-            note_at = now + LATE_NOTE_EVERY_S
-        time.sleep(0.2)
+        note_at = now + LATE_NOTE_EVERY_S
 
 
 def tasks_per_node(text: str) -> list[int]:
