@@ -177,18 +177,27 @@ def _take(listener: socket.socket, own_environment: dict, imported: dict, starte
     server: None (the pid sent, or the refusal). In the forked process: the
     request, stdin, stdout and stderr already the asker's."""
     connection, _ = listener.accept()
-    data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-    while not data.endswith(b"\n"):
-        more = connection.recv(1 << 20)
-        if not more:
-            break
-        data += more
+    try:
+        data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        while not data.endswith(b"\n"):
+            more = connection.recv(1 << 20)
+            if not more:
+                break
+            data += more
+    except OSError:  # reset by the asker's end
+        data, fds = b"", []
+    if not data.endswith(b"\n"):  # the asker went away before its request was whole: nothing to start
+        for fd in fds:
+            os.close(fd)
+        connection.close()
+        return None
     request = json.loads(data)
     differing = differing_at_import(request["env"], own_environment, imported)
     if len(fds) != 3 or differing:
         reason = "no stdin, stdout and stderr" if len(fds) != 3 else f"{differing[0]} differs"
         print(f"forkserver: refused {request['argv'][:1]}: {reason}", file=sys.stderr)
-        connection.sendall(f"refused {reason}\n".encode())
+        with contextlib.suppress(OSError):  # the asker may be gone already
+            connection.sendall(f"refused {reason}\n".encode())
         connection.close()
         for fd in fds:
             os.close(fd)
@@ -207,7 +216,10 @@ def _take(listener: socket.socket, own_environment: dict, imported: dict, starte
         os.close(fd)
     started[pid] = connection
     selector.register(connection, selectors.EVENT_READ)
-    connection.sendall(f"pid {pid}\n".encode())
+    try:
+        connection.sendall(f"pid {pid}\n".encode())
+    except OSError:  # the asker went away while its process was forked: end it (reaped as any other)
+        os.kill(pid, signal.SIGKILL)
     return None
 
 

@@ -110,9 +110,11 @@ def test_an_environment_read_at_import_is_refused_and_the_launcher_forks_itself(
 
 def test_ranks_whose_launcher_is_killed_are_killed_and_the_server_serves_on(server, tmp_path):
     """pods.py SIGKILLed (a test's time-out) while its served ranks run: the
-    server kills them, and the next launch is served as before."""
+    server kills them; an asker that goes away in the middle of its request
+    starts nothing; and the next launch is served as before."""
     import json
     import os
+    import socket
 
     process, env, _ = server
     job = probe(tmp_path, env, "wait")
@@ -131,6 +133,9 @@ def test_ranks_whose_launcher_is_killed_are_killed_and_the_server_serves_on(serv
     while any(running(pid) for pid in pids):
         assert time.monotonic() < deadline, pids
         time.sleep(0.1)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as asker:  # half a request, then gone
+        asker.connect(env["FORKSERVER_SOCKET"])
+        socket.send_fds(asker, [b'{"argv": ["probe.py"'], [0, 1, 2])
     again = probe(tmp_path, env, "run", nproc=1)
     stdout, stderr = again.communicate(timeout=120)
     assert again.returncode == 0 and lines(stdout)[0]["ppid"] == process.pid, stderr
