@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -116,13 +116,16 @@ def build_optimizer(model: torch.nn.Module, args: RecipeSettings) -> torch.optim
     return optimizer_class(parameters, lr=args.lr, weight_decay=args.weight_decay, **options)
 
 
-def lr_factor(args: RecipeSettings, steps_per_epoch: int) -> Callable[[int], float]:
+def lr_factor(args: RecipeSettings, steps_per_epoch: int, max_steps: Optional[int] = None,
+              warmup_steps: Optional[int] = None) -> Callable[[int], float]:
     """The schedule: optimizer step k (0-based) -> the factor of --lr it uses.
 
     Warm-up: linear from 1/W to 1 over the first W steps (the gradual warm-up
     of Goyal et al. 2017, "Accurate, Large Minibatch SGD"), W = --warmup_steps,
     or round(--warmup_epochs x steps_per_epoch). The run lasts T steps:
-    --max_steps, or --total_epochs x steps_per_epoch. After the warm-up,
+    --max_steps, or --total_epochs x steps_per_epoch. (``max_steps`` and
+    ``warmup_steps``, where given, stand for the flags: train.py's, counted
+    in the global batch of a resized run, ``RunConfig.max_steps_now``.) After the warm-up,
     ``constant`` 1; ``cosine`` from 1 down to m = --min_lr / --lr at step T,
     m + (1 - m)(1 + cos(pi p)) / 2 with p the fraction of the T - W steps
     after the warm-up done (Loshchilov & Hutter 2017, SGDR, without restarts;
@@ -141,8 +144,10 @@ def lr_factor(args: RecipeSettings, steps_per_epoch: int) -> Callable[[int], flo
     if args.min_lr > args.lr:
         raise ConfigError(f"--min_lr {args.min_lr} is above --lr {args.lr}: the cosine would rise; pass a "
                           f"lower --min_lr (or 0)")
-    warmup = args.warmup_steps or round(args.warmup_epochs * steps_per_epoch)
-    total = args.max_steps or args.total_epochs * steps_per_epoch
+    max_steps = args.max_steps if max_steps is None else max_steps
+    warmup_steps = args.warmup_steps if warmup_steps is None else warmup_steps
+    warmup = warmup_steps or round(args.warmup_epochs * steps_per_epoch)
+    total = max_steps or args.total_epochs * steps_per_epoch
     floor = args.min_lr / args.lr
 
     def factor(step: int) -> float:

@@ -119,7 +119,7 @@ class Trainer:
         self.recipe = train_utils.Recipe(optimizer, config, self.progress.steps_per_epoch,
                                          lambda: self.progress.step, device)
         self.evaluations = train_utils.Evaluations(
-            config.eval_every_steps, config.max_steps or config.total_epochs * self.progress.steps_per_epoch,
+            config.eval_every_steps, config.max_steps_now or config.total_epochs * self.progress.steps_per_epoch,
             config.total_epochs, device)
         parts = {"progress": self.progress, "recipe": self.recipe, "evaluations": self.evaluations,
                  "trackers": log.wandb}  # what a snapshot holds besides the weights, loaded in this order
@@ -175,9 +175,10 @@ class Trainer:
         last snapshot. Once it returns, or raises Stopped, every rank has
         passed the stop signal's last poll (``StopSignal.close``)."""
         found = self.checkpointer.find()
-        if found.path and found.epochs_run < self.config.total_epochs:
+        finished = train_utils.nothing_to_train(found, self.config)  # all epochs, or --max_steps' samples
+        if found.path and not finished:
             found = self.checkpointer.load()  # weights, optimizer, every part: where this run goes on
-        finished = train_utils.nothing_to_train(found, self.config, self.progress.step)
+            finished = train_utils.nothing_to_train(found, self.config, self.progress.step)
         if finished:
             self.stop.close()
             return dataclasses.replace(found, finished=True, line=finished)
@@ -254,7 +255,7 @@ class Trainer:
             records.append(self._evaluate())
         # A --max_steps run that ends inside this epoch stays inside it: its snapshot holds the
         # position, so a higher --max_steps goes on from there.
-        if not (self.config.max_steps and self.progress.step >= self.config.max_steps
+        if not (self.config.max_steps and self.progress.step >= self.config.max_steps_now
                 and self.progress.step < (epoch + 1) * self.progress.steps_per_epoch):
             self.progress.end_epoch(epoch)
         return records
@@ -441,9 +442,12 @@ def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) ->
     task = train_utils.downloaders_first(common.load_task, task_args, local_rank == 0)  # --data_dir is per node
     # A node's ranks (torchrun's, or srun's: train_utils.launcher_store): HSDP's default shard size.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    # --max_steps counts steps of the global batch the run started with, whatever this start's world size.
+    budget_batch = train_utils.saved_budget_batch(args.snapshot_path, train_utils.is_sharded(args.strategy))
     return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args),
                                             local_world_size, model=task_args.model,
-                                            output_flags=train_utils.output_flags(args.dataset))
+                                            output_flags=train_utils.output_flags(args.dataset),
+                                            budget_batch=budget_batch)
 
 
 def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,

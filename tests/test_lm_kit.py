@@ -176,8 +176,9 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     rank 0 prints --sample_chars characters once. Without it, stopped by SIGTERM
     before step 4 and resumed: the same losses (the held-out one; no test line: the
     task has no test split) and text, and
-    bitwise the same weights, AdamW state, schedule and RNG states. Rerun on its finished snapshot, the first prints the same text
-    again, then says nothing to train."""
+    bitwise the same weights, AdamW state, schedule and RNG states. Rerun on its finished snapshot as HSDP
+    with a loader worker, the first prints the same text again, then says nothing to train, its snapshot
+    untouched."""
     data = build_shakespeare_root(tmp_path / "data", 12_000)
     gpt = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--dropout", "0.1"]
     flags = ["--dataset", "shakespeare_char", "--data_dir", data, *gpt, "--batch_size", "8", "--max_steps", "6",
@@ -212,6 +213,10 @@ def test_an_lm_run_reports_tokens_and_writes_text_after_training_and_from_its_sn
     flops_per_token = model_flops_per_token(model)
     assert record["flops_per_s"] == pytest.approx(record["tokens_per_s"] * flops_per_token)
     assert "mfu" not in record  # a CPU
-    again = check(run(cmd + ["--snapshot_path", "ac"], tmp_path))
+    # Finished under FSDP, finished at any strategy and worker count: run again as HSDP with a loader worker.
+    saved = {path: path.read_bytes() for path in (tmp_path / "ac").rglob("*") if path.is_file()}
+    again = check(run(cmd + ["--snapshot_path", "ac", "--strategy", "hsdp", "--shard_size", "1",
+                             "--num_workers", "1"], tmp_path))
     assert f"top_k 200\n{text}" in again.stdout
-    assert "nothing to train" in again.stdout
+    assert "samples of --max_steps 6 (steps of global batch 16: 96 samples): nothing to train" in again.stdout
+    assert {path: path.read_bytes() for path in (tmp_path / "ac").rglob("*") if path.is_file()} == saved

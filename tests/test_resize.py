@@ -7,6 +7,7 @@ tests/test_fault_tolerance.py and tests/test_elastic.py)."""
 
 import math
 import shutil
+import signal
 from collections import Counter
 
 
@@ -17,7 +18,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import train_utils
 from common import ConfigError
-from helpers import FAULTY_TRAIN, REPO, PODS, check, epochs, load_task, run, snapshot_tensors, stdout_lines
+from helpers import (FAULTY_TRAIN, REPO, PODS, check, epochs, held_at_step, load_task, run, signal_when,
+                     snapshot_tensors, stdout_lines)
 
 BATCH = 64
 FLAGS = ["--total_epochs", "3", "--batch_size", str(BATCH), "--lr_schedule", "cosine",
@@ -37,6 +39,46 @@ def cosine_lr(lr: float, step: int, steps: int) -> float:
     warmup, total = round(0.5 * steps), 3 * steps
     ramp = min(1.0, (step + 1) / warmup)
     return lr * ramp * 0.5 * (1 + math.cos(math.pi * max(0, step - warmup) / (total - warmup)))
+
+
+def test_a_max_steps_run_trains_its_planned_samples_at_any_world_size(tmp_path):
+    """--max_steps counts steps of the global batch the run started with. A
+    map-style task recording the samples it serves (the synthetic one,
+    tests/train_recording_samples.py): --max_steps 60 at 2 ranks of batch 8
+    plans 960 samples. Stopped near step 20 and resumed at 1 rank, the two
+    starts serve 960 together (at 1 rank the steps are 120; before, the
+    resumed run stopped at its step 60, about 480), the resume line says
+    the budget at both sizes, and the cosine reaches --min_lr at the end.
+    The same command again at 2 ranks: nothing to train, exit 0, the
+    snapshot's bytes unchanged (before, it trained again: 480 samples are
+    30 of the 60 steps of 16)."""
+    recording = REPO / "tests" / "train_recording_samples.py"
+    flags = ["--batch_size", "8", "--max_steps", "60", "--lr", "0.05", "--lr_schedule", "cosine", "--min_lr", "0.001",
+             "--metrics_path", "metrics.jsonl"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder in (first, second):
+        folder.mkdir()
+    hold_env, held = held_at_step(21)
+    text = signal_when(PODS + ["--nproc_per_node=2", recording, *flags], tmp_path, held, signal.SIGTERM,
+                       RECORD_SAMPLES_DIR=str(first), **hold_env)
+    assert "stopped by SIGTERM" in text, text[-3000:]
+    resumed = check(run(PODS + ["--nproc_per_node=1", recording, *flags], tmp_path, RECORD_SAMPLES_DIR=str(second)))
+    assert "--max_steps 60 (steps of the first start's global batch 16) is 120 steps of 8" in resumed.stdout, \
+        resumed.stdout[-3000:]
+    served = {name: sum(len(path.read_text().splitlines()) for path in folder.glob("rank*.txt"))
+              for name, folder in (("first", first), ("second", second))}
+    assert served["first"] % 16 == 0 and 16 * 20 <= served["first"] <= 16 * 23, served
+    assert served["first"] + served["second"] == 960, served
+    # The last step's learning rate: the cosine's step 119 of 120 (0-based), just above --min_lr.
+    last = 0.001 + (0.05 - 0.001) * 0.5 * (1 + math.cos(math.pi * 119 / 120))
+    assert epochs(resumed.stdout)[-1]["lr"] == pytest.approx(last, rel=1e-4)
+
+    snapshot = tmp_path / "snapshot_train.pt"
+    saved = snapshot.read_bytes()
+    again = check(run(PODS + ["--nproc_per_node=2", REPO / "train.py", *flags], tmp_path))
+    assert "snapshot snapshot_train.pt already holds 960 samples of --max_steps 60 (steps of global batch 16: " \
+           "960 samples): nothing to train" in again.stdout, again.stdout[-3000:]
+    assert snapshot.read_bytes() == saved
 
 
 # More ranks: the new rank starts from its seed. Fewer ranks (streams dropped) run end to end

@@ -150,7 +150,7 @@ def _run_straight(build: Callable[["Recorder"], "train.Trainer"], start_streams:
     _set_global_streams(start_streams)
     recorder = Recorder()
     trainer = build(recorder)
-    total = trainer.config.max_steps or trainer.config.total_epochs * trainer.progress.steps_per_epoch
+    total = trainer.config.max_steps_now or trainer.config.total_epochs * trainer.progress.steps_per_epoch
     _check_length(total, lag)
     runs = Runs(total, stop_step=max(total // 2, lag + 1), straight=recorder)
     recorder.follow(trainer, watch_steps=(1, runs.stop_step + 1))

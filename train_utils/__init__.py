@@ -61,7 +61,7 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     eval_subset, evaluating, fewest_batches, fp32, loader_workers, nothing_to_train, rebuild_ddp_buckets, \
     report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss
 from .output import print_line
-from .snapshots import Checkpointer, Found, claim_snapshot_path
+from .snapshots import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
 
 __all__ = [
     # start-up: flags, errors, devices, the process group, the data
@@ -128,6 +128,7 @@ __all__ = [
     "rebuild_ddp_buckets",
     "Checkpointer",
     "Found",
+    "saved_budget_batch",
     # output and the end of a run
     "RunLog",
     "StepLog",

@@ -265,6 +265,10 @@ class RunConfig:
     task_flags: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     task_identity: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     task_output_flags: tuple = ()
+    # The processes of this start, and the global batch size --max_steps and --warmup_steps count in:
+    # the first start's, kept in the run's snapshots (None: this start's). No command-line flag.
+    world_size: int = 1
+    budget_batch: Optional[int] = None
 
     @property
     def sharded(self) -> bool:
@@ -284,12 +288,47 @@ class RunConfig:
             return None
         return torch.float16 if self.amp == "fp16" else torch.bfloat16
 
+    @property
+    def global_batch(self) -> int:
+        """Samples one optimizer step of this start trains over all ranks:
+        --batch_size x --grad_accum_steps x world_size."""
+        return self.batch_size * self.grad_accum_steps * self.world_size
+
+    def steps_now(self, steps: int) -> int:
+        """``steps`` optimizer steps of the run's first global batch
+        (``budget_batch``) as steps of this start's (``global_batch``): the
+        same samples, rounded up to whole steps. A run resumed at another
+        world size without --global_batch_size has another global batch;
+        its --max_steps and --warmup_steps still mean the samples (a
+        language model's tokens) the run planned, as nanoGPT's iterations
+        of a fixed number of tokens do."""
+        budget = self.budget_batch or self.global_batch
+        return -(-steps * budget // self.global_batch)  # ceil, in integers
+
+    @property
+    def max_steps_now(self) -> int:
+        """--max_steps in this start's optimizer steps (``steps_now``); 0 without --max_steps."""
+        return self.steps_now(self.max_steps)
+
+    @property
+    def warmup_steps_now(self) -> int:
+        """--warmup_steps in this start's optimizer steps (``steps_now``)."""
+        return self.steps_now(self.warmup_steps)
+
+    @property
+    def budget_samples(self) -> int:
+        """The samples --max_steps plans: its steps x the run's first global
+        batch (``budget_batch``); 0 without --max_steps."""
+        return self.max_steps * (self.budget_batch or self.global_batch)
+
     def as_dict(self) -> dict:
         """The configuration as plain values, the task's flags among the
-        kit's and its identity under "task_identity": what snapshots, the
-        metrics file's start record and W&B store."""
+        kit's, its identity under "task_identity" and the run's first global
+        batch under "budget_batch": what snapshots, the metrics file's start
+        record and W&B store."""
         values = {f.name: getattr(self, f.name) for f in flags()}
-        return {**values, **self.task_flags, "task_identity": dict(self.task_identity)}
+        return {**values, **self.task_flags, "task_identity": dict(self.task_identity),
+                "budget_batch": self.budget_batch or self.global_batch}
 
 
 # The strategies that shard the model with FSDP2 (--strategy), whose snapshots are folders of shards.
@@ -352,7 +391,8 @@ def batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:
 
 def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optional[str],
                    task_flags: Optional[Mapping[str, Any]] = None, local_world_size: int = 1,
-                   model: Optional[str] = None, output_flags: tuple = ()) -> RunConfig:
+                   model: Optional[str] = None, output_flags: tuple = (),
+                   budget_batch: Optional[int] = None) -> RunConfig:
     """The run's configuration, from the parsed command line ``args`` and the
     task built from it (``model``: the model its task function chose, where
     --model left it to the task: ``common.choose_model``), for
@@ -360,8 +400,11 @@ def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optiona
     that the task's recipe gives, the recipe's (``recipes.recipe_values``);
     --amp as the job runs it (``amp``: ``loop.resolve_amp``'s); with
     --global_batch_size, --grad_accum_steps = it / (batch_size x world_size);
-    with --max_steps, --total_epochs = the epochs that hold its steps; the
-    task's own flags (``task_flags``: {name: value}, ``cli.task_flag_values``),
+    with --max_steps, --total_epochs = the epochs that hold its steps, counted
+    in this start's global batch (``RunConfig.max_steps_now``; ``budget_batch``:
+    the global batch the run's first start trained with, which its snapshot
+    keeps, ``snapshots.saved_budget_batch``; None for a fresh run: this
+    start's); the task's own flags (``task_flags``: {name: value}, ``cli.task_flag_values``),
     those of them that only say what the model writes (``output_flags``,
     ``cli.output_flags``) and its identity; under --strategy hsdp, --shard_size as the mesh uses it
     (``hsdp_shard_size``; 0 for the other strategies). Raises ConfigError (one
@@ -372,11 +415,14 @@ def resolve_config(args: argparse.Namespace, task, world_size: int, amp: Optiona
     values["grad_accum_steps"] = accumulation_steps(values["global_batch_size"], values["batch_size"],
                                                     values["grad_accum_steps"], world_size)
     values["shard_size"] = hsdp_shard_size(values["strategy"], values["shard_size"], world_size, local_world_size)
-    if values["max_steps"]:
-        batches = batches_per_rank(len(task.train_set), world_size, values["batch_size"])
-        values["total_epochs"] = math.ceil(values["max_steps"] / max(1, batches // values["grad_accum_steps"]))
-    return RunConfig(**values, task_flags=MappingProxyType(dict(task_flags or {})),
-                     task_identity=MappingProxyType(dict(task.identity)), task_output_flags=tuple(output_flags))
+    config = RunConfig(**values, task_flags=MappingProxyType(dict(task_flags or {})),
+                       task_identity=MappingProxyType(dict(task.identity)), task_output_flags=tuple(output_flags),
+                       world_size=world_size, budget_batch=budget_batch)
+    if not config.max_steps:
+        return config
+    batches = batches_per_rank(len(task.train_set), world_size, config.batch_size)
+    return dataclasses.replace(config, total_epochs=math.ceil(
+        config.max_steps_now / max(1, batches // config.grad_accum_steps)))
 
 
 def hsdp_shard_size(strategy: str, shard_size: int, world_size: int, local_world_size: int) -> int:

@@ -204,7 +204,11 @@ class Progress:
         Global batch size: --batch_size x --grad_accum_steps x world_size
         (--lr is not scaled with it: pass a new --lr to change it). Steps per
         epoch: optimizer steps, from ``self.loader``'s sampler at either world
-        size (``batches_per_epoch``) // --grad_accum_steps. ``config``: the
+        size (``batches_per_epoch``) // --grad_accum_steps. Under --max_steps,
+        what its steps (of the run's first global batch, ``config``'s
+        "budget_batch") make at this size (``RunConfig.max_steps_now``):
+        "--max_steps 40 (steps of the first start's global batch 32) is 80
+        steps of 16"; the schedule is then counted in samples. ``config``: the
         run's (``RunConfig.as_dict``). The schedule goes on at ``step``, counted in this
         run's steps per epoch from the epoch reached (``Recipe.load_state_dict``), so a
         schedule set in epochs (warm-up, cosine to --total_epochs, step decay
@@ -223,12 +227,18 @@ class Progress:
             return ""
         accum = (self.saved_accum, config["grad_accum_steps"])  # they differ under --global_batch_size
         steps = [batches_per_epoch(self.loader, size) // n for size, n in zip((saved, now), accum)]
-        schedule, warmup = "", config["warmup_epochs"]
-        if config["lr_schedule"] != "constant" or warmup:
-            schedule = (f"; the {config['lr_schedule']} lr schedule{' with warm-up' if warmup else ''}, "
-                        f"counted in epochs, goes on at step {self.step} of "
-                        f"{config['total_epochs'] * self.steps_per_epoch}")
         batch = config["batch_size"]
+        schedule, warmup = "", config["warmup_epochs"] or config["warmup_steps"]
+        total, budget = config["total_epochs"] * self.steps_per_epoch, ""
+        if config["max_steps"]:  # steps of the run's first global batch: the same samples at this size
+            planned, now_batch = config["budget_batch"], batch * accum[1] * now
+            total = -(-config["max_steps"] * planned // now_batch)
+            budget = (f"; --max_steps {config['max_steps']} (steps of the first start's global batch {planned}) "
+                      f"is {total} steps of {now_batch}")
+        if config["lr_schedule"] != "constant" or warmup:
+            counted = "in samples" if config["max_steps"] else "in epochs"
+            schedule = (f"; the {config['lr_schedule']} lr schedule{' with warm-up' if warmup else ''}, "
+                        f"counted {counted}, goes on at step {self.step} of {total}")
         head = f"saved by world_size {saved}, resumed by {now}:"
         if meshes is not None:
             names = ("", "") if meshes == ("FSDP", "FSDP") else tuple(f" as {mesh}" for mesh in meshes)
@@ -236,7 +246,8 @@ class Progress:
                     f"optimizer state exact;")
         return (f" ({head} global batch size "
                 f"{batch * accum[0] * saved} -> {batch * accum[1] * now} at the same --lr, "
-                f"steps per epoch {steps[0]} -> {steps[1]}{schedule}{self.epoch_note()}; {_streams_note(saved, now)})")
+                f"steps per epoch {steps[0]} -> {steps[1]}{budget}{schedule}{self.epoch_note()}; "
+                f"{_streams_note(saved, now)})")
 
     def epoch_note(self) -> str:
         """'' unless the snapshot loaded was taken inside an epoch by another

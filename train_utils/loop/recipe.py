@@ -52,26 +52,43 @@ def clip_grad_norm(parameters: list, max_norm: float) -> torch.Tensor:
 
 def batches_left(config: RunConfig, steps_per_epoch: int, epoch: int, batches_run: int) -> Optional[int]:
     """The micro-batches epoch ``epoch`` (0-based) may still train after its first
-    ``batches_run``, for --max_steps optimizer steps of ``steps_per_epoch`` per
-    epoch (--grad_accum_steps micro-batches each); None without --max_steps."""
+    ``batches_run``, for --max_steps optimizer steps (in this start's global
+    batch: ``RunConfig.max_steps_now``) of ``steps_per_epoch`` per epoch
+    (--grad_accum_steps micro-batches each); None without --max_steps."""
     if not config.max_steps:
         return None
-    return (config.max_steps - epoch * steps_per_epoch) * config.grad_accum_steps - batches_run
+    return (config.max_steps_now - epoch * steps_per_epoch) * config.grad_accum_steps - batches_run
 
 
-def nothing_to_train(found: Found, config: RunConfig, step: int) -> str:
+def nothing_to_train(found: Found, config: RunConfig, step: Optional[int] = None) -> str:
     """'' when the run ``config`` asks for has something left to train after
-    the snapshot ``found`` (``Checkpointer.find``: none, or one holding
-    fewer epochs than --total_epochs), at its optimizer step ``step`` (once
-    loaded: ``Progress.step``); else the line saying that the snapshot holds
-    every epoch, or under --max_steps every step, asked for, and what to do."""
-    longer = "--max_steps" if config.max_steps else "--total_epochs"
-    if found.path and found.epochs_run == config.total_epochs:
-        return (f"snapshot {found.path} already holds all {config.total_epochs} epochs: nothing to train (raise "
-                f"{longer} to train on, or {START_AFRESH})")
-    if found.path and config.max_steps and step >= config.max_steps:  # a run that ended inside an epoch
-        return (f"snapshot {found.path} already holds {step} optimizer steps of --max_steps {config.max_steps}: "
-                f"nothing to train (raise --max_steps to train on, or {START_AFRESH})")
+    the snapshot ``found`` (``Checkpointer.find``); else the line saying that
+    the snapshot holds every epoch of --total_epochs, or every sample of
+    --max_steps, and what to do.
+
+    Under --max_steps the run's budget is samples (``RunConfig.budget_samples``:
+    its steps of the first start's global batch), so a finished run is
+    finished at any world size: the snapshot's ``found.samples`` reach it.
+    ``step``: once the snapshot is loaded, this start's optimizer step
+    (``Progress.step``, counted in this start's steps per epoch), which
+    decides for a snapshot that does not count its samples, and where the
+    epochs' rounding at another world size puts it at the end already."""
+    if not found.path:
+        return ""
+    if not config.max_steps:
+        if found.epochs_run >= config.total_epochs:
+            return (f"snapshot {found.path} already holds all {config.total_epochs} epochs: nothing to train "
+                    f"(raise --total_epochs to train on, or {START_AFRESH})")
+        return ""
+    done = found.samples is not None and found.samples >= config.budget_samples
+    if done or (step is not None and step >= config.max_steps_now):
+        budget = config.budget_batch or config.global_batch
+        held = f"{found.samples:,} samples" if found.samples is not None else f"{step} optimizer steps"
+        size = "" if budget == config.global_batch else \
+            f", {config.max_steps_now} steps of this start's global batch {config.global_batch}"
+        return (f"snapshot {found.path} already holds {held} of --max_steps {config.max_steps} (steps of "
+                f"global batch {budget}: {config.budget_samples:,} samples{size}): nothing to train (raise "
+                f"--max_steps to train on, or {START_AFRESH})")
     return ""
 
 
@@ -113,7 +130,9 @@ class Recipe:
     def __init__(self, optimizer: torch.optim.Optimizer, config: RunConfig, steps_per_epoch: int,
                  position: Callable[[], int], device: torch.device) -> None:
         self.optimizer, self.config, self.steps_per_epoch, self.position = optimizer, config, steps_per_epoch, position
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, steps_per_epoch))
+        # --max_steps and --warmup_steps in this start's steps (another world size: another global batch).
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_factor(config, steps_per_epoch, config.max_steps_now, config.warmup_steps_now))
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.compute_dtype == torch.float16)
         # This epoch's steps the scaler skipped (inf/nan gradients): an int, or a tensor on the device
         # counting them there (read at the epoch's end and in snapshots, not at every step).

@@ -1,7 +1,9 @@
 """Snapshots: what a run writes so that any stop resumes exactly, and reads
 back. Its face is the ``Checkpointer`` (``checkpointer.py``), given the run's
 stateful parts; ``claim_snapshot_path``, the claim taken at start-up, and
-``release_claim``, which gives it back; ``position``, where a snapshot
+``release_claim``, which gives it back; ``saved_budget_batch``, the
+global batch a run's --max_steps counts in, read before the run's
+configuration is resolved; ``position``, where a snapshot
 stands in words; ``START_AFRESH``, how to start afresh.
 
   module        concern
@@ -14,9 +16,10 @@ stands in words; ``START_AFRESH``, how to start afresh.
   position      where a snapshot stands, in words
 """
 
-from .checkpointer import Checkpointer, Found, claim_snapshot_path
+from .checkpointer import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
 from .claims import release_claim
 from .file import START_AFRESH
 from .position import position
 
-__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "START_AFRESH", "position"]
+__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "saved_budget_batch", "START_AFRESH",
+           "position"]

@@ -5,6 +5,8 @@ the last write, behind a few calls (``claim_snapshot_path``; ``find``, ``load``,
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping, Optional, Protocol
@@ -19,7 +21,7 @@ from .claims import claim_snapshot
 from .file import START_AFRESH, SnapshotFile, remove_stale_temporary_files
 from .position import position, position_tag
 from .save_errors import save_failure
-from .sharded import ShardedSnapshots
+from .sharded import ShardedSnapshots, newest_complete
 from .writer import SnapshotClock, SnapshotWriter
 
 # What a snapshot holds besides its parts' keys: the weights, the optimizer's state, the run's
@@ -49,11 +51,14 @@ class Found:
     ``position`` is in this run's steps and ``note`` the resume line's end
     (another world size: what changes). The Trainer's answer for a snapshot
     that holds every epoch or step asked for: ``finished``, and ``line``
-    saying so."""
+    saying so. ``samples``: the samples the run it holds trained over all
+    its starts (``held_samples``; None for a snapshot that does not count
+    them)."""
 
     path: Optional[str] = None
     epochs_run: int = 0
     position: str = ""
+    samples: Optional[int] = None
     note: str = ""
     finished: bool = False
     line: str = ""
@@ -76,6 +81,51 @@ def claim_snapshot_path(path: str, sharded: bool) -> None:
     claim_snapshot(path)
     if rank == 0:  # claimed: a temporary file beside the snapshot is a killed writer's, on any host
         remove_stale_temporary_files(path)
+
+
+def held_samples(snapshot: Mapping) -> Optional[int]:
+    """The samples the run that saved ``snapshot`` trained over all its
+    starts, every rank's: the evaluations part's "samples_run" (up to its
+    last evaluation) plus the samples of the interval since, its global
+    totals' second entry ("interval_totals" by steps, "epoch_totals" by
+    epochs: float64 (2,) tensors, None for none). None for a snapshot
+    without "samples_run" (an older kit's)."""
+    if "samples_run" not in snapshot:
+        return None
+    totals = snapshot.get("interval_totals")
+    if totals is None:
+        totals = snapshot.get("epoch_totals")
+    return int(snapshot["samples_run"]) + (0 if totals is None else round(float(totals[1])))
+
+
+def saved_budget_batch(path: str, sharded: bool) -> Optional[int]:
+    """Collective, before the run's configuration is resolved: the global
+    batch size the run at ``path`` (--snapshot_path; ``sharded``: a folder
+    of FSDP saves, else a DDP file) started with, which --max_steps and
+    --warmup_steps count in (``RunConfig.budget_batch``): its snapshot
+    config's "budget_batch", or for a snapshot without it its --batch_size x
+    --grad_accum_steps x the world size that saved it. None where there is
+    no snapshot, or rank 0 cannot read its configuration (``find`` then
+    says why, in one line). Rank 0 reads only the configuration (a file is
+    memory-mapped, its tensors not read) and tells the others."""
+    answer = [None]
+    if dist.get_rank() == 0:
+        with contextlib.suppress(Exception):  # a damaged or foreign snapshot: find() refuses it
+            if sharded:
+                folder = newest_complete(path)
+                meta = torch.load(os.path.join(folder, ShardedSnapshots.META), map_location="cpu",
+                                  weights_only=True) if folder else None
+            else:
+                meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True) \
+                    if os.path.isfile(path) else None
+            if meta is not None:
+                config = meta["config"]
+                world_size = meta.get("world_size") or config["world_size"]
+                answer[0] = int(config.get("budget_batch") or
+                                config["batch_size"] * config["grad_accum_steps"] * world_size)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
 
 
 class Checkpointer:
@@ -153,7 +203,8 @@ class Checkpointer:
             return Found()
         self._snapshot = self.store.read(self.found, self.config)
         epochs_run = self._snapshot["epochs_run"]
-        return Found(self.found, epochs_run, position(epochs_run, self._snapshot["steps_run"]))
+        return Found(self.found, epochs_run, position(epochs_run, self._snapshot["steps_run"]),
+                     samples=held_samples(self._snapshot))
 
     def load(self) -> Found:
         """Collective: load the snapshot ``find`` found: the weights and the
@@ -180,9 +231,9 @@ class Checkpointer:
         note_snapshot(self.found, position_tag(snapshot["epochs_run"], snapshot["steps_run"]))
         progress = self.parts.get("progress")
         if progress is None:
-            return Found(self.found, snapshot["epochs_run"], where)
+            return Found(self.found, snapshot["epochs_run"], where, held_samples(snapshot))
         # Where this run goes on, in its own steps (another world size counts others), and what changed.
-        return Found(self.found, snapshot["epochs_run"], progress.position(),
+        return Found(self.found, snapshot["epochs_run"], progress.position(), held_samples(snapshot),
                      note=self.store.resume_note(snapshot, progress, self.config))
 
     def load_model(self) -> None:

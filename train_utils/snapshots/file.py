@@ -136,6 +136,8 @@ def check_same_run(snapshot: dict, path: str, config: dict) -> None:
         raise ConfigError(f"snapshot {path} comes from a different run ({', '.join(changed)}); "
                           f"resume with its settings, or {START_AFRESH}")
     trained, wanted = snapshot["epochs_run"], config["total_epochs"]
+    if config.get("max_steps"):
+        return  # the run's length is --max_steps' samples, which may fall into other epochs at another size
     if trained > wanted or (trained == wanted and snapshot["steps_run"]):
         raise ConfigError(f"--total_epochs {wanted} is below the {trained} epochs snapshot {path} "
                           f"already holds; raise --total_epochs, or {START_AFRESH}")

@@ -72,13 +72,10 @@ class ShardedSnapshots:
                 error = (f"cannot write --snapshot_path {self.root}: it is a file, where a "
                          f"snapshot folder is expected; pass another --snapshot_path")
             elif os.path.isdir(self.root):
-                complete = []
-                for name, folder, position in self._folders():
-                    if os.path.isfile(os.path.join(folder, self.META)):
-                        complete.append((position, folder))
-                    else:
+                for _name, folder, _position in self._folders():
+                    if not os.path.isfile(os.path.join(folder, self.META)):
                         shutil.rmtree(folder, ignore_errors=True)
-                found = max(complete)[1] if complete else None
+                found = newest_complete(self.root)
         message = [found, error]
         dist.broadcast_object_list(message, src=0)
         if message[1]:
@@ -196,10 +193,27 @@ class ShardedSnapshots:
 
     def _folders(self):
         """(name, path, (epochs_run, steps_run)) of each snapshot folder under ``root``."""
-        for name in os.listdir(self.root):
-            folder, position = os.path.join(self.root, name), _position(name)
-            if position is not None and os.path.isdir(folder):
-                yield name, folder, position
+        return snapshot_folders(self.root)
+
+
+def snapshot_folders(root: str):
+    """(name, path, (epochs_run, steps_run)) of each snapshot folder under ``root``
+    (named by ``position_tag``), complete or not."""
+    for name in os.listdir(root):
+        folder, position = os.path.join(root, name), _position(name)
+        if position is not None and os.path.isdir(folder):
+            yield name, folder, position
+
+
+def newest_complete(root: str) -> Optional[str]:
+    """The furthest complete snapshot folder under ``root`` (one holding
+    ``ShardedSnapshots.META``), None when there is none or ``root`` is no
+    folder. Reads only."""
+    if not os.path.isdir(root):
+        return None
+    complete = [(position, folder) for _name, folder, position in snapshot_folders(root)
+                if os.path.isfile(os.path.join(folder, ShardedSnapshots.META))]
+    return max(complete)[1] if complete else None
 
 
 class DcpStaging:
