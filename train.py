@@ -322,10 +322,14 @@ class Trainer:
 
     def _stop(self) -> None:
         """Collective, a stop signal reaching every rank at this step: the
-        snapshot of it written, every rank past the stop signal's last poll,
-        then ``train_utils.Stopped`` raised."""
+        snapshot of it written (rank 0 prints how long after the signal, or
+        the preemption notice, it was committed), every rank past the stop
+        signal's last poll, then ``train_utils.Stopped`` raised."""
         self.checkpointer.save()
         self.checkpointer.wait(together=True)
+        if self.rank == 0:  # what a cloud's notice (30 s to 2 minutes) or a pod's grace must fit
+            origin, seconds = self.stop.since_stop()
+            train_utils.print_line(f"stop: snapshot committed {seconds:.1f} s after {origin}")
         self.stop.close()
         raise train_utils.Stopped(self.stop.stopped_by)
 
@@ -521,6 +525,7 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
 def start(args: argparse.Namespace) -> tuple[int, torch.device, Optional[str]]:
     """Collective: this process's start, up to building a run: the stop
     signals caught (from here a stop signal ends start-up cleanly, at once),
+    and with --preemption_notice the cloud's notice watched (as a stop signal),
     --deterministic set (before the process group, which reads it under
     NCCL), the process group joined (``setup``), fp32's precision on GPUs
     set before the first matmul (TF32 unless --no_tf32), FSDP's backend
@@ -532,6 +537,7 @@ def start(args: argparse.Namespace) -> tuple[int, torch.device, Optional[str]]:
     train_utils.catch_stop_signals()
     train_utils.set_deterministic(args.deterministic, args.compile)
     _, local_rank, device = setup(args.startup_timeout_s, args.snapshot_path)
+    train_utils.watch_preemption_notice(args.preemption_notice, local_rank)  # a cloud's notice stops as SIGTERM
     train_utils.set_fp32_precision(device, args.no_tf32)
     if train_utils.is_sharded(args.strategy):
         train_utils.check_fsdp_backend()

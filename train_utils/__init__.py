@@ -59,7 +59,8 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, autocast, batches_for_every_rank, \
     batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, compile_model, compute_precision, \
     eval_subset, evaluating, fewest_batches, fp32, loader_workers, nothing_to_train, rebuild_ddp_buckets, \
-    report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss
+    report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss, \
+    watch_preemption_notice
 from .output import print_line
 from .snapshots import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
 
@@ -134,6 +135,7 @@ __all__ = [
     "StepLog",
     "print_line",
     "report_run_finished",
+    "watch_preemption_notice",
     "throughput_figures",
     "print_sample",
 ]

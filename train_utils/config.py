@@ -247,6 +247,11 @@ class RunConfig:
     snapshot_every_s: float = flag(
         0, "also snapshot inside an epoch once this many seconds have passed since the last snapshot, e.g. 60 "
            "(0: off) (default: 0)", group=RUN, type=non_negative_float)
+    preemption_notice: Optional[str] = flag(
+        None, "also stop as at SIGTERM when the cloud posts this instance's preemption notice on its metadata "
+              "service: aws (spot instance-action, IMDSv2) or gce (instance/preempted); one watcher per node, "
+              "every 2 s; PREEMPTION_NOTICE_URL replaces the service's address (default: off)",
+        group=RUN, per_process=True, choices=("aws", "gce"))
     snapshot_sync: bool = flag(False, "write each snapshot before training goes on (default: a CPU copy written "
                                       "in the background, one write at a time)", group=RUN, action="store_true")
     pg_timeout_s: float = flag(

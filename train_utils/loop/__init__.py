@@ -13,12 +13,14 @@ top of train_utils import it through this face only.
   speed         --amp, --compile, --activation_checkpointing
   numerics      TF32 for fp32 matmuls on GPUs (--no_tf32), --deterministic, the precision MFU divides by
   stop          SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step; start-up ends at once
+  notice        a cloud's preemption notice (AWS, GCE metadata) taken as SIGTERM (--preemption_notice)
 """
 
 from .epoch import EpochBatches, evaluating
 from .evaluation import batches_for_every_rank, eval_subset, fewest_batches
 from .evaluations import Evaluations
 from .loaders import DenseBatches, HostToDevice, SeededFetches, loader_workers
+from .notice import PreemptionNotice, watch_preemption_notice
 from .numerics import compute_precision, numerics_description, set_deterministic, set_fp32_precision
 from .progress import Progress, rebuild_ddp_buckets
 from .recipe import Recipe, batches_left, nothing_to_train
@@ -26,7 +28,7 @@ from .sampler import ResumableDistributedSampler
 from .speed import autocast, check_amp, checkpoint_activations, compile_blocks, compile_model, fp32, \
     resolve_amp, training_loss
 from .stop import StopDuringStartup, StopSignal, Stopped, catch_stop_signals, forget_stop_signal, \
-    note_stop_signals_only, received_stop_signal, report_run_finished
+    note_stop_signals_only, received_stop_signal, report_run_finished, request_stop
 
 __all__ = [
     "EpochBatches", "evaluating", "batches_for_every_rank", "eval_subset", "fewest_batches", "Evaluations",
@@ -36,5 +38,6 @@ __all__ = [
     "autocast", "check_amp", "checkpoint_activations", "compile_blocks", "compile_model", "fp32",
     "resolve_amp", "training_loss",
     "StopDuringStartup", "StopSignal", "Stopped", "catch_stop_signals", "forget_stop_signal",
-    "note_stop_signals_only", "received_stop_signal", "report_run_finished",
+    "note_stop_signals_only", "received_stop_signal", "report_run_finished", "request_stop",
+    "PreemptionNotice", "watch_preemption_notice",
 ]

@@ -70,6 +70,8 @@ class _StopState:
 
     pid = 0  # the process that installed the handler; 0: none yet
     received = 0  # number of the first stop signal this process got; 0: none
+    received_at = 0.0  # when it came (time.monotonic())
+    cause = ""  # what sent it, where this process asked for the stop itself (request_stop)
     raise_at_once = True  # start-up: the first stop signal raises StopDuringStartup; after: only noted
 
 
@@ -92,7 +94,7 @@ def _handler(signum, frame) -> None:
                 write_from_signal_handler("second stop request: quitting at once, without a snapshot\n")
             end_process(128 + signum, at_once=True)
         return  # the same stop, asked again
-    _STATE.received = signum
+    _STATE.received, _STATE.received_at = signum, time.monotonic()
     if _STATE.raise_at_once:
         raise StopDuringStartup(signum)
     if signum == signal.SIGINT and this_rank() == 0:
@@ -125,6 +127,25 @@ def note_stop_signals_only() -> None:
     never raised: for code that must run to its end, such as the report of an
     error that is ending the run anyway. A StopSignal does this too."""
     _STATE.raise_at_once = False
+
+
+def request_stop(cause: str) -> None:
+    """Stop as at SIGTERM, for ``cause`` (a cloud's preemption notice: "the
+    AWS spot interruption notice"), from any thread: the process sends
+    itself SIGTERM, whose handler takes it as any stop signal (during
+    start-up it ends start-up; after, every rank stops after the same
+    step and the snapshot is saved), and the stop's line names ``cause``."""
+    _STATE.cause = _STATE.cause or cause
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_origin() -> tuple[str, float]:
+    """What started this process's stop, in words ("SIGTERM", "the AWS spot
+    interruption notice"), and when (time.monotonic()); ("", 0.0) before
+    any stop signal."""
+    if not _STATE.received:
+        return "", 0.0
+    return _STATE.cause or signal.Signals(_STATE.received).name, _STATE.received_at
 
 
 def received_stop_signal() -> int:
@@ -198,6 +219,7 @@ class StopSignal:
         self.group = gloo_group(description="stop signal")
         self.flag = torch.zeros(2)  # (the stop signal's number, rank 0's snapshot request)
         self.requested = False  # the last poll's answer: rank 0 asked for a snapshot
+        self.known_at = 0.0  # when this rank learned of the stop (time.monotonic())
         self.work = None
         note_stop_signals_only()  # from here on a stop signal is noted and taken at a step
 
@@ -228,11 +250,23 @@ class StopSignal:
 
     def _say_stopped(self) -> None:
         """Rank 0's line once the ranks know of a stop (``stopped_by`` set)."""
+        if self.stopped_by and not self.known_at:
+            self.known_at = time.monotonic()
         if self.stopped_by and self.rank == 0:
             name = signal.Signals(self.stopped_by).name
             where = "" if self.received else " (received by another rank)"
             print_line(f"stopped by {name}{where} after this step on every rank: the snapshot below "
                        f"holds every step trained; run the same command again to resume")
+
+    def since_stop(self) -> tuple[str, float]:
+        """After a stop: what started it and the seconds since (this rank's
+        stop signal, or the notice that sent it, ``stop_origin``; for a rank
+        that got none, the step at which it learned of the stop), for the
+        line that times the stop's snapshot."""
+        origin, at = stop_origin()
+        if not origin:
+            origin, at = "this rank learned of the stop", self.known_at
+        return origin, time.monotonic() - at
 
     def close(self) -> None:
         """Collective, before the process group goes away: wait for the last
