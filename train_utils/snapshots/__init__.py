@@ -2,7 +2,8 @@
 back. Its face is the ``Checkpointer`` (``checkpointer.py``), given the run's
 stateful parts; ``claim_snapshot_path``, the claim taken at start-up, and
 ``release_claim``, which gives it back; ``position``, where a snapshot
-stands in words; ``START_AFRESH``, how to start afresh.
+stands in words; ``START_AFRESH``, how to start afresh; the two formats and
+``read_snapshot``, for a plan that reads a snapshot without a run (``plan.resume_line``).
 
   module        concern
   checkpointer  the Checkpointer: find, load, save, wait, close; the parts it is given
@@ -16,7 +17,9 @@ stands in words; ``START_AFRESH``, how to start afresh.
 
 from .checkpointer import Checkpointer, Found, claim_snapshot_path
 from .claims import release_claim
-from .file import START_AFRESH
+from .file import START_AFRESH, SnapshotFile, read_snapshot
 from .position import position
+from .sharded import ShardedSnapshots, mesh_name
 
-__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "START_AFRESH", "position"]
+__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "START_AFRESH", "position",
+           "SnapshotFile", "ShardedSnapshots", "read_snapshot", "mesh_name"]
