@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 import common
-from common import ConfigError
 from recipes import build_optimizer
 from .checks import check_loader_holds_a_step
 from .cli import output_flags, task_flag_values
@@ -149,8 +148,8 @@ def replay_step(model: torch.nn.Module, config: RunConfig, task: common.Task, so
     the Trainer steps: the optimizer built as the run builds it
     (``recipes.build_optimizer``). Returns (this rank's training state after
     the second step, ``fsdp.local_state_bytes``'s dict, exact: the shapes
-    and the optimizer's own state layout), and the peak of the second step
-    (the first creates the optimizer state) as torch's trackers count it:
+    and the optimizer's own state layout), and the peak over both steps (the
+    second's, with the optimizer state the first created) as torch's trackers count it:
     ``FSDPMemTracker`` for a sharded model, ``MemTracker`` for DDP's whole
     one (torch.distributed._tools, what torchtitan's memory estimation
     uses). The kernels are the CPU's (scaled_dot_product_attention's fused
@@ -181,12 +180,13 @@ def replay_step(model: torch.nn.Module, config: RunConfig, task: common.Task, so
                     with autocast:
                         loss = loss_fn(model(task.train_transform(source)), targets)
                     (loss / accum).backward()
+                    # The per-module figures of this forward cleared (FSDPMemTracker follows one forward a
+                    # module at a time); the peak, over every micro-batch, stays.
+                    tracker.reset_mod_stats()
                 optimizer.step()
                 if step == 1:
                     state = local_state_bytes(model, optimizer)
                 optimizer.zero_grad(set_to_none=True)
-                if step == 0:
-                    tracker.reset_mod_stats()
         peak = tracker.get_tracker_snapshot("peak")
     totals = next(iter(peak.values()), {})
     parts = {str(getattr(kind, "value", kind)): int(n) for kind, n in totals.items() if kind != "Total" and n}
