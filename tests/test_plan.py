@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 from helpers import REPO, run, stdout_lines, tiny_gpt_run
-from test_fsdp import MEMORY_LINE, expected_state_bytes, pytestmark  # noqa: F401  (FSDP on gloo: torch 2.10)
+import test_fsdp
+from test_fsdp import MEMORY_LINE, expected_state_bytes
 
 import common
 
 TRAIN = REPO / "train.py"
+pytestmark = test_fsdp.pytestmark  # FSDP on gloo: torch 2.10
 GPT2_SMALL = ["--n_layer", "12", "--n_head", "12", "--n_embd", "768", "--block_size", "1024"]
 
 

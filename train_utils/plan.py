@@ -243,6 +243,23 @@ def launch_lines(layout: Layout, argv: Sequence[str]) -> list:
             f"sbatch --nodes={layout.nodes} --gres=gpu:{layout.procs_per_node} slurm/multi_node.sh{flags}"]
 
 
+def join_fake_process_group(world_size: int) -> None:
+    """Make this process rank 0 of a fake process group of ``world_size``
+    ranks: torch's ``FakeProcessGroup`` (C++), whose collectives return at
+    once without data, given the backend name "fake" as torch's own testing
+    module registers it (torch/testing/_internal/distributed/fake_pg.py,
+    which the kit does not import), so that device meshes and FSDP2 lay out
+    every rank's shards as a real job of that size does."""
+    from torch._C._distributed_c10d import FakeProcessGroup, FakeStore
+
+    if "FAKE" not in dist.Backend._plugins:  # a name torch knows, its creator registered by the testing module
+        def create(common_opts, backend_opts):
+            return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+
+        dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
 @one_line_errors
 def check_plan(args: argparse.Namespace, layout: Layout, argv: Sequence[str],
                prepare_dataloader: Callable) -> int:
@@ -253,11 +270,9 @@ def check_plan(args: argparse.Namespace, layout: Layout, argv: Sequence[str],
     (``one_line_errors``). ``prepare_dataloader``: train.py's, which makes
     the run's loaders (the training one gives the steps per epoch). --amp
     without a dtype is taken as bf16, what it means on GPUs that have it."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     started = time.perf_counter()
     world_size = layout.world_size
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    join_fake_process_group(world_size)
     amp = None if not args.amp else ("fp16" if args.amp == "fp16" else "bf16")
     task, task_args = task_with_model_on_meta(args)
     config = resolve_config(args, task, world_size, amp, task_flag_values(args), layout.procs_per_node,
