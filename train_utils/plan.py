@@ -149,12 +149,15 @@ def replay_step(model: torch.nn.Module, config: RunConfig, task: common.Task, so
     (``recipes.build_optimizer``). Returns (this rank's training state after
     the second step, ``fsdp.local_state_bytes``'s dict, exact: the shapes
     and the optimizer's own state layout), and the peak over both steps (the
-    second's, with the optimizer state the first created) as torch's trackers count it:
-    ``FSDPMemTracker`` for a sharded model, ``MemTracker`` for DDP's whole
-    one (torch.distributed._tools, what torchtitan's memory estimation
-    uses). The kernels are the CPU's (scaled_dot_product_attention's fused
-    path saves what a GPU's flash attention saves); the CUDA context, NCCL's
-    buffers and the allocator's fragmentation are not counted."""
+    second's, with the optimizer state the first created) as torch's trackers
+    count it: ``FSDPMemTracker`` for a sharded model, ``MemTracker`` for
+    DDP's whole one (torch.distributed._tools, what torchtitan's memory
+    estimation uses). The kernels are the CPU's (scaled_dot_product_attention's
+    fused path saves what a GPU's flash attention saves); the CUDA context,
+    NCCL's buffers and the allocator's fragmentation are not counted. A
+    forward that does not run on fake tensors (a task's own code): the
+    peak's ``error`` says why, and the state comes from one optimizer step
+    on zero gradients instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -172,22 +175,30 @@ def replay_step(model: torch.nn.Module, config: RunConfig, task: common.Task, so
         autocast = torch.autocast("cpu", config.compute_dtype) if config.compute_dtype and not config.sharded \
             else contextlib.nullcontext()
         state: dict = {}
-        with tracker:
-            for step in range(2):
-                for micro in range(accum):
-                    if config.sharded and config.grad_accum_steps > 1:
-                        model.set_requires_gradient_sync(micro == accum - 1)
-                    with autocast:
-                        loss = loss_fn(model(task.train_transform(source)), targets)
-                    (loss / accum).backward()
-                    # The per-module figures of this forward cleared (FSDPMemTracker follows one forward a
-                    # module at a time); the peak, over every micro-batch, stays.
-                    tracker.reset_mod_stats()
-                optimizer.step()
-                if step == 1:
-                    state = local_state_bytes(model, optimizer)
-                optimizer.zero_grad(set_to_none=True)
-        peak = tracker.get_tracker_snapshot("peak")
+        try:
+            with tracker:
+                for step in range(2):
+                    for micro in range(accum):
+                        if config.sharded and config.grad_accum_steps > 1:
+                            model.set_requires_gradient_sync(micro == accum - 1)
+                        with autocast:
+                            loss = loss_fn(model(task.train_transform(source)), targets)
+                        (loss / accum).backward()
+                        # The per-module figures of this forward cleared (FSDPMemTracker follows one forward
+                        # a module at a time); the peak, over every micro-batch, stays.
+                        tracker.reset_mod_stats()
+                    optimizer.step()
+                    if step == 1:
+                        state = local_state_bytes(model, optimizer)
+                    optimizer.zero_grad(set_to_none=True)
+            peak = tracker.get_tracker_snapshot("peak")
+        except Exception as exc:  # noqa: BLE001  said in the plan, not fatal: the rest of it stands
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+            optimizer.step()  # the optimizer's state, laid out as its first step lays it out
+            state = local_state_bytes(model, optimizer)
+            first_line = (str(exc).splitlines() or [""])[0]
+            return state, PeakEstimate(error=f"{type(exc).__name__}: {first_line}")
     totals = next(iter(peak.values()), {})
     parts = {str(getattr(kind, "value", kind)): int(n) for kind, n in totals.items() if kind != "Total" and n}
     return state, PeakEstimate(int(totals.get("Total", 0)), parts)
@@ -288,10 +299,7 @@ def check_plan(args: argparse.Namespace, layout: Layout, argv: Sequence[str],
     if config.sharded:  # on the meta device: FSDP2 shards the shapes, its mesh from the fake process group
         model = shard_model(model, torch.device("cpu"), config.compute_dtype, config.shard_size)
     source, targets = task.collate_fn([task.train_set[0]] * config.batch_size)
-    try:
-        state, peak = replay_step(model, config, task, source, targets)
-    except Exception as exc:  # noqa: BLE001  a task whose step does not replay on fake tensors: said, not fatal
-        state, peak = {}, PeakEstimate(error=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
+    state, peak = replay_step(model, config, task, source, targets)
 
     mesh = mesh_name(config.as_dict(), world_size) if config.sharded else "DDP: every rank the whole model"
     global_batch = config.batch_size * config.grad_accum_steps * world_size
@@ -305,8 +313,7 @@ def check_plan(args: argparse.Namespace, layout: Layout, argv: Sequence[str],
         f"{length}",
         f"model: {sum(p.numel() for p in task.model.parameters()):,} parameters",
     ]
-    if state:
-        lines.append(state_line(state, world_size))
+    lines.append(state_line(state, world_size))
     if peak.error:
         lines.append(f"peak memory per rank: not estimated (the step does not replay on fake tensors: {peak.error})")
     else:
