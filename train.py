@@ -6,6 +6,7 @@ Launch:
         --rdzv-endpoint=FIRST_NODE_HOST:29500 --rdzv-id=JOB_ID train.py     # N nodes
     srun --ntasks-per-node=GPUS python train.py                             # one task per GPU
     sbatch slurm/multi_gpu.sh --dataset mnist                               # on Slurm
+    python train.py --plan 8x8 --strategy hsdp --dataset tokens ...         # check 8 nodes x 8 first
 
 It trains what the ladder's rungs train (multigpu_spawn.py ... multinode_fsdp.py),
 with the same arithmetic, and adds what a real run needs: exact resume after every
@@ -572,4 +573,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    main(train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models, snapshot_paths=SNAPSHOT_PATHS))
+    # --plan NODESxPROCS: the run these flags would make as that job, checked and printed by this one process.
+    layout, argv = train_utils.plan_request(sys.argv[1:])
+    args = train_utils.parse_args(__doc__, common.TASKS, models=train_utils.task_models,
+                                  snapshot_paths=SNAPSHOT_PATHS, argv=argv)
+    if layout:
+        train_utils.check_plan(args, layout, argv, prepare_dataloader)
+    main(args)

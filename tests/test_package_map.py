@@ -23,10 +23,10 @@ WINGS = {
     "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
     "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "writer"],
 }
-TOP = ["checks", "cli", "config", "ending", "errors", "output"]
+TOP = ["checks", "cli", "config", "ending", "errors", "output", "plan"]
 # The rooms from the ground up: a module imports only from rooms below its own (or its own wing's modules).
 ROOMS = ["config", "output", "distributed", "snapshots", "ending", "loop", "logs", "checks", "errors", "cli",
-         "__init__"]
+         "plan", "__init__"]
 
 
 def module_paths() -> dict:

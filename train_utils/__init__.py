@@ -16,6 +16,7 @@ the run's configuration and command line, the checks before training, the
 errors and the one way a process ends. Each room imports only rooms below
 it (A -> B: A imports B; none runs back up; tests/test_package_map.py):
 
+  plan         -> errors, cli, checks, loop, snapshots, distributed, config, output
   cli          -> errors, config
   checks       -> logs, loop, config, output
   errors       -> loop, ending, distributed, output
@@ -29,6 +30,7 @@ it (A -> B: A imports B; none runs back up; tests/test_package_map.py):
   module / wing      concern
   config             the run's configuration: every flag a field of one frozen RunConfig, resolved once
   cli                train.py's command line (RunConfig's flags, the task modules'); one error line under torchrun
+  plan               --plan NODESxPROCS: a job's run checked in one process (fake process group, meta model)
   checks             downloads first, checks before training
   errors             a user error, a time-out, a full disk, the unexpected: one line, exit status
   ending             how a process ends, whatever ended it: one door (end_process)
@@ -62,11 +64,14 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss, \
     watch_preemption_notice
 from .output import print_line
+from .plan import check_plan, plan_request
 from .snapshots import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
 
 __all__ = [
     # start-up: flags, errors, devices, the process group, the data
     "parse_args",
+    "plan_request",
+    "check_plan",
     "task_flag_values",
     "output_flags",
     "task_models",

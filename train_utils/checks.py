@@ -64,6 +64,17 @@ def check_same_settings(config: RunConfig) -> None:
                               f"same arguments")
 
 
+def check_loader_holds_a_step(config: RunConfig, train_data: DataLoader) -> None:
+    """Raises ConfigError (one line) where the training loader ``train_data``
+    gives each process fewer batches than one optimizer step of
+    --grad_accum_steps needs (a plan's check too: ``plan.check_plan``)."""
+    if len(train_data) < config.grad_accum_steps:
+        raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
+                          f"samples, {len(train_data)} batches of --batch_size "
+                          f"{train_data.batch_size}, fewer than one optimizer step of "
+                          f"--grad_accum_steps {config.grad_accum_steps}; lower --batch_size")
+
+
 def check_before_training(config: RunConfig, device: torch.device, train_data: DataLoader) -> None:
     """Everything that would fail later, checked before any training.
 
@@ -78,11 +89,7 @@ def check_before_training(config: RunConfig, device: torch.device, train_data: D
     """
     check_same_settings(config)
     check_amp(config.amp, device, config.model)
-    if len(train_data) < config.grad_accum_steps:
-        raise ConfigError(f"the training split gives each process {len(train_data.sampler)} "
-                          f"samples, {len(train_data)} batches of --batch_size "
-                          f"{train_data.batch_size}, fewer than one optimizer step of "
-                          f"--grad_accum_steps {config.grad_accum_steps}; lower --batch_size")
+    check_loader_holds_a_step(config, train_data)
     error = ""
     if dist.get_rank() == 0:
         for flag, folder in (("metrics_path", False), ("tensorboard_dir", True)):

@@ -14,7 +14,8 @@ face only.
 
 from .devices import OLDEST_TORCH, backend_for, device_for, enable_flight_recorder, peak_memory_mib, \
     rejoin_note, share_cpu_cores, torch_version, unusable_gpu_reason
-from .fsdp import check_fsdp_backend, contiguous_parameters, model_sharded, print_sharded_memory, shard_model
+from .fsdp import binary_size, check_fsdp_backend, contiguous_parameters, local_state_bytes, model_sharded, print_sharded_memory, \
+    shard_model, state_line
 from .hang_report import ANSWER_WAIT_S, answer_stack_requests, finish_answer, hang_requested, making_report, \
     stack_folder, stop_answering
 from .launch import barrier, broadcast_buffers, gloo_group, launcher_store, raise_open_file_limit
@@ -24,7 +25,8 @@ from .timeouts import RanksStuck, Watch, is_timeout, note_snapshot, startup_time
 __all__ = [
     "OLDEST_TORCH", "backend_for", "device_for", "enable_flight_recorder", "peak_memory_mib", "rejoin_note",
     "share_cpu_cores", "torch_version", "unusable_gpu_reason",
-    "check_fsdp_backend", "contiguous_parameters", "model_sharded", "print_sharded_memory", "shard_model",
+    "binary_size", "check_fsdp_backend", "contiguous_parameters", "local_state_bytes", "model_sharded", "print_sharded_memory",
+    "shard_model", "state_line",
     "ANSWER_WAIT_S", "answer_stack_requests", "finish_answer", "hang_requested", "making_report", "stack_folder",
     "stop_answering",
     "barrier", "broadcast_buffers", "gloo_group", "launcher_store", "raise_open_file_limit",

@@ -131,18 +131,15 @@ def _local_and_full_bytes(tensor: torch.Tensor) -> tuple[int, int]:
     return local.numel() * local.element_size(), tensor.numel() * tensor.element_size()
 
 
-def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: the bytes of training state a rank holds, and what DDP would hold.
-
-    Counts parameters, their gradients (``.grad``; None counts 0) and every
-    tensor of the optimizer's state (SGD: one momentum buffer per parameter;
-    created at the first step, so call this after one), each as this rank's
-    local shard. Returns the rank holding the most (shards of a dimension that
-    does not divide by the world size are uneven): {"params", "grads",
-    "optimizer", "total", "rank"} in bytes, plus "ddp_total", the bytes of
-    the same tensors at full size, which every DDP rank holds (DDP's gradient
-    buckets, a second copy of the gradients by default, not included).
-    """
+def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The bytes of training state this rank holds (no collective): its
+    local shards of the parameters, of their gradients (``.grad``; None
+    counts 0) and of every tensor of the optimizer's state (SGD: one
+    momentum buffer per parameter; AdamW: two moments and a 0-dim step;
+    created at the first step), each shard's numel x element size (meta
+    and fake tensors count as real ones). Returns {"params", "grads",
+    "optimizer", "total", "rank", "ddp_total"} in bytes, "ddp_total" the
+    same tensors at full size, which every DDP rank holds."""
     local = {"params": 0, "grads": 0, "optimizer": 0}
     full = 0
     for param in model.parameters():
@@ -158,17 +155,44 @@ def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimize
                 local["optimizer"] += mine
                 full += whole
     local.update(total=sum(local.values()), rank=dist.get_rank(), ddp_total=full)
+    return local
+
+
+def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: the bytes of training state a rank holds, and what DDP would hold.
+
+    Each rank's ``local_state_bytes`` (parameters, gradients, optimizer state,
+    its local shards; call it after the first optimizer step), gathered.
+    Returns the rank holding the most (shards of a dimension that does not
+    divide by the world size are uneven): {"params", "grads", "optimizer",
+    "total", "rank"} in bytes, plus "ddp_total", the bytes of the same
+    tensors at full size, which every DDP rank holds (DDP's gradient
+    buckets, a second copy of the gradients by default, not included).
+    """
+    local = local_state_bytes(model, optimizer)
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, local)
     return max(ranks, key=lambda entry: entry["total"])
 
 
-def _size(n_bytes: float) -> str:
+def binary_size(n_bytes: float) -> str:
     """Bytes in binary units: 512 B, 16.5 KiB, 4.62 MiB, 1.20 GiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n_bytes >= scale:
             return f"{n_bytes / scale:.{1 if unit == 'KiB' else 2}f} {unit}"
     return f"{n_bytes:.0f} B"
+
+
+def state_line(state: dict, world_size: int) -> str:
+    """The memory line's text of ``state`` (``training_state_bytes``' or, for
+    a plan, ``local_state_bytes``' dict) at ``world_size`` ranks: ``state per
+    rank: TOTAL = params P + grads G + optimizer O (N bytes, rank R of W);
+    DDP would hold D (M bytes), D/Nx``."""
+    return (f"state per rank: {binary_size(state['total'])} = params {binary_size(state['params'])} + grads "
+            f"{binary_size(state['grads'])} + optimizer {binary_size(state['optimizer'])} ({state['total']} "
+            f"bytes, rank {state['rank']} of {world_size}); DDP would hold "
+            f"{binary_size(state['ddp_total'])} ({state['ddp_total']} bytes), "
+            f"{state['ddp_total'] / state['total']:.2f}x")
 
 
 def print_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -180,12 +204,7 @@ def print_sharded_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
     ``training_state_bytes``; on CUDA followed by ``| peak GPU memory 123.4 MiB``
     (``torch.cuda.max_memory_allocated``, the maximum over ranks, this epoch so far)."""
     state = training_state_bytes(model, optimizer)
-    world_size = dist.get_world_size()
-    line = (f"state per rank: {_size(state['total'])} = params {_size(state['params'])} + grads "
-            f"{_size(state['grads'])} + optimizer {_size(state['optimizer'])} ({state['total']} "
-            f"bytes, rank {state['rank']} of {world_size}); DDP would hold "
-            f"{_size(state['ddp_total'])} ({state['ddp_total']} bytes), "
-            f"{state['ddp_total'] / state['total']:.2f}x")
+    line = state_line(state, dist.get_world_size())
     peak = peak_memory_mib(device)
     if peak:
         line += f" | peak GPU memory {peak['peak_gpu_memory_mib']:.1f} MiB"

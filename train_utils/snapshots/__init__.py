@@ -4,7 +4,8 @@ stateful parts; ``claim_snapshot_path``, the claim taken at start-up, and
 ``release_claim``, which gives it back; ``saved_budget_batch``, the
 global batch a run's --max_steps counts in, read before the run's
 configuration is resolved; ``position``, where a snapshot
-stands in words; ``START_AFRESH``, how to start afresh.
+stands in words; ``START_AFRESH``, how to start afresh; the two formats and
+``read_snapshot``, for a plan that reads a snapshot without a run (``plan.resume_line``).
 
   module        concern
   checkpointer  the Checkpointer: find, load, save, wait, close; the parts it is given
@@ -18,8 +19,10 @@ stands in words; ``START_AFRESH``, how to start afresh.
 
 from .checkpointer import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
 from .claims import release_claim
-from .file import START_AFRESH
+from .file import START_AFRESH, SnapshotFile, read_snapshot
 from .position import position
+from .sharded import ShardedSnapshots, mesh_name
 
 __all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "saved_budget_batch", "START_AFRESH",
-           "position"]
+           "position",
+           "SnapshotFile", "ShardedSnapshots", "read_snapshot", "mesh_name"]
