@@ -5,69 +5,15 @@ PREEMPTION_NOTICE_URL), the notice posted while the run trains."""
 
 from __future__ import annotations
 
-import http.server
-import json
 import subprocess
-import threading
 import time
 
 import pytest
 
 from helpers import FAULTY_TRAIN, PODS, error_lines, held_at_step, one_process, script_env
+from support.metadata_service import MetadataService
 
 from train_utils.loop import PreemptionNotice
-
-NOTICE = {"action": "terminate", "time": "2026-12-06T16:02:00Z"}
-
-
-class MetadataService(http.server.ThreadingHTTPServer):
-    """AWS's IMDSv2 and GCE's preempted flag, on 127.0.0.1: no notice until
-    ``post()``. A request without the service's header is refused as the
-    real ones refuse it (401 for AWS without a session token, 403 for GCE
-    without Metadata-Flavor). ``asks`` counts the notice requests."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.posted, self.asks = False, 0
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def post(self) -> None:
-        self.posted = True
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def _answer(self, status: int, body: bytes = b"") -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_PUT(self) -> None:
-        if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
-            return self._answer(200, b"session-token")
-        self._answer(400)
-
-    def do_GET(self) -> None:
-        service = self.server
-        if self.path == "/latest/meta-data/spot/instance-action":
-            if self.headers.get("X-aws-ec2-metadata-token") != "session-token":
-                return self._answer(401)
-            service.asks += 1
-            return self._answer(200, json.dumps(NOTICE).encode()) if service.posted else self._answer(404)
-        if self.path == "/computeMetadata/v1/instance/preempted":
-            if self.headers.get("Metadata-Flavor") != "Google":
-                return self._answer(403)
-            service.asks += 1
-            return self._answer(200, b"TRUE" if service.posted else b"FALSE")
-        self._answer(404)
-
 
 @pytest.fixture
 def service():

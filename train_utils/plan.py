@@ -35,12 +35,13 @@ import common
 from recipes import build_optimizer
 from .checks import check_loader_holds_a_step
 from .cli import output_flags, task_flag_values
-from .config import RunConfig, resolve_config
+from .config import RunConfig, is_sharded, resolve_config
 from .distributed import binary_size, local_state_bytes, shard_model, state_line
 from .errors import one_line_errors
 from .loop import Progress, checkpoint_activations, fp32, nothing_to_train
 from .output import print_line
-from .snapshots import Found, ShardedSnapshots, SnapshotFile, mesh_name, position, read_snapshot
+from .snapshots import Found, ShardedSnapshots, SnapshotFile, held_samples, mesh_name, position, read_snapshot, \
+    saved_budget_batch
 
 PLAN_FORMAT = re.compile(r"(\d+)x(\d+)")
 # How long a plan's one training step may replay on fake tensors (two iterations of at most two micro-batches).
@@ -230,9 +231,12 @@ def resume_line(config: RunConfig, progress: Progress) -> tuple[str, Found]:
         snapshot = read_snapshot(os.path.join(found_path, ShardedSnapshots.META), checked)
     else:
         snapshot = read_snapshot(found_path, checked)
-    found = Found(found_path, snapshot["epochs_run"], position(snapshot["epochs_run"], snapshot["steps_run"]))
-    progress.load_state_dict(snapshot)
-    finished = nothing_to_train(found, config, progress.step)
+    found = Found(found_path, snapshot["epochs_run"], position(snapshot["epochs_run"], snapshot["steps_run"]),
+                  held_samples(snapshot))
+    finished = nothing_to_train(found, config)  # the run's own two checks, before and after loading
+    if not finished:
+        progress.load_state_dict(snapshot)
+        finished = nothing_to_train(found, config, progress.step)
     if finished:
         return finished, found
     store = ShardedSnapshots if config.sharded else SnapshotFile
@@ -287,7 +291,8 @@ def check_plan(args: argparse.Namespace, layout: Layout, argv: Sequence[str],
     amp = None if not args.amp else ("fp16" if args.amp == "fp16" else "bf16")
     task, task_args = task_with_model_on_meta(args)
     config = resolve_config(args, task, world_size, amp, task_flag_values(args), layout.procs_per_node,
-                            model=task_args.model, output_flags=output_flags(args.dataset))
+                            model=task_args.model, output_flags=output_flags(args.dataset),
+                            budget_batch=saved_budget_batch(args.snapshot_path, is_sharded(args.strategy)))
     train_data = prepare_dataloader(task.train_set, config.batch_size, 0, True, config.seed, task.collate_fn)
     check_loader_holds_a_step(config, train_data)
     progress = Progress(torch.device("cpu"), train_data, 0, config.grad_accum_steps)

@@ -17,12 +17,12 @@ stands in words; ``START_AFRESH``, how to start afresh; the two formats and
   position      where a snapshot stands, in words
 """
 
-from .checkpointer import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
+from .checkpointer import Checkpointer, Found, claim_snapshot_path, held_samples, saved_budget_batch
 from .claims import release_claim
 from .file import START_AFRESH, SnapshotFile, read_snapshot
 from .position import position
 from .sharded import ShardedSnapshots, mesh_name
 
-__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "saved_budget_batch", "START_AFRESH",
+__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "held_samples", "saved_budget_batch", "START_AFRESH",
            "position",
            "SnapshotFile", "ShardedSnapshots", "read_snapshot", "mesh_name"]
