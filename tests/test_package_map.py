@@ -21,7 +21,8 @@ WINGS = {
     "loop": ["epoch", "evaluation", "evaluations", "loaders", "numerics", "progress", "recipe", "sampler", "speed",
              "stop"],
     "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
-    "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "writer"],
+    "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",
+                  "writer"],
 }
 TOP = ["checks", "cli", "config", "ending", "errors", "output", "plan"]
 # The rooms from the ground up: a module imports only from rooms below its own (or its own wing's modules).

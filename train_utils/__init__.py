@@ -65,7 +65,8 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     watch_preemption_notice
 from .output import print_line
 from .plan import check_plan, plan_request
-from .snapshots import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
+from .snapshots import START_AFRESH, Checkpointer, Found, claim_snapshot_path, load_initial_weights, \
+    saved_budget_batch, take_initial_sizes
 
 __all__ = [
     # start-up: flags, errors, devices, the process group, the data
@@ -135,6 +136,9 @@ __all__ = [
     "Checkpointer",
     "Found",
     "saved_budget_batch",
+    "take_initial_sizes",
+    "START_AFRESH",
+    "load_initial_weights",
     # output and the end of a run
     "RunLog",
     "StepLog",
