@@ -42,7 +42,8 @@ it (A -> B: A imports B; none runs back up; tests/test_package_map.py):
                      wait, close), its two formats, the background writer, the claims (snapshots/__init__.py)
 
 The programs that use the kit stand beside train.py, not in it: tools/
-(the resume check, the run's identity and a submission's snapshot name).
+(the resume check, the run's identity and a submission's snapshot name,
+the export of a GPT snapshot as a Hugging Face folder).
 Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
