@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import common
+from gpt import GPT, GPTConfig
 from helpers import PODS, REPO, check, error_lines, evaluations, one_process, run, task_args
+from train_utils.snapshots.weights import fit_to_model, read_weights
 
 transformers = pytest.importorskip("transformers")  # requirements-test.txt installs it
 
@@ -122,12 +124,34 @@ def test_the_kits_gpt_exported_loads_in_transformers_with_the_same_loss(gpt2, tm
 def test_a_ddp_snapshot_starts_an_fsdp_run(gpt2, tmp_path):
     """--init_from the DDP run's snapshot file into a 2-rank FSDP run: the
     full weights are sharded as they load, and the validation loss at --lr 0
-    is the DDP run's."""
+    is the DDP run's. The other way, the FSDP run's snapshot folder read
+    as --init_from reads it (each shard file, no process group) gives the
+    DDP snapshot's weights bitwise."""
     ddp_snapshot = gpt2["run"] / "snapshot_train.pt"
     fsdp = [*SCORE, "--data_dir", gpt2["data"], "--init_from", ddp_snapshot, "--strategy", "fsdp"]
     result = check(run(PODS + ["--nproc_per_node=2", REPO / "train.py", *fsdp], tmp_path, OMP_NUM_THREADS="1"))
     assert f"weights from --init_from {ddp_snapshot} (kit DDP snapshot)" in result.stdout
     assert val_loss(result.stdout) == pytest.approx(val_loss(gpt2["stdout"]), abs=2e-6)
+    sharded = read_weights(str(tmp_path / "snapshot_train_fsdp"))
+    ddp = torch.load(ddp_snapshot, weights_only=True)["model"]
+    assert sharded.kind == "kit FSDP snapshot" and sorted(sharded.state) == sorted(ddp)
+    assert all(torch.equal(sharded.state[name], ddp[name]) for name in ddp)
+    assert sharded.sizes == {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": BLOCK, "vocab_size": 58,
+                             "bias": True}
+
+
+def test_a_shorter_block_size_crops_the_position_embedding(gpt2):
+    """--block_size below the weights' context: the position embedding's
+    first rows, as nanoGPT's crop_block_size keeps them, and the start line
+    says so; every other weight as stored (GPT-2's Conv1D ones transposed)."""
+    weights = read_weights(str(gpt2["hf"]))
+    model = GPT(GPTConfig(block_size=8, vocab_size=58, n_layer=1, n_head=2, n_embd=32, bias=True))
+    state, note = fit_to_model(weights, {name: t.shape for name, t in model.state_dict().items()})
+    assert note == "; position embedding cropped from 16 to --block_size 8"
+    stored = transformers.GPT2LMHeadModel.from_pretrained(gpt2["hf"]).state_dict()
+    assert torch.equal(state["wpe.weight"], stored["transformer.wpe.weight"][:8])
+    assert torch.equal(state["blocks.0.attn.c_attn.weight"], stored["transformer.h.0.attn.c_attn.weight"].t())
+    model.load_state_dict(state)  # every name and shape fits
 
 
 def test_a_requeued_run_resumes_from_its_snapshot_not_from_init_from(gpt2, tmp_path):

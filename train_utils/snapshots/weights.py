@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from common import ConfigError
-from .file import _load as read_snapshot_file
+from .file import archive_damage
 from .sharded import ShardedSnapshots, _position, shard_damage
 
 # The GPT's sizes a source gives (gpt.GPTConfig's names), which a run started from it builds its model with.
@@ -89,13 +89,7 @@ def _read(path: str, tensors: bool) -> Weights:
                           f"(a sub-folder with meta.pt)")
     if not os.path.isfile(path):
         raise ConfigError(f"{_hint(path)}; there is nothing at that path")
-    if tensors:
-        loaded = read_snapshot_file(path)  # integrity checked, weights only: no code runs
-    else:  # the sizes alone: the file mapped, its tensors not read
-        try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            raise ConfigError(f"{_hint(path)}; torch.load cannot read it ({type(exc).__name__})") from None
+    loaded = _torch_file(path, path, whole=tensors)
     if not isinstance(loaded, dict) or not isinstance(loaded.get("model"), dict):
         raise ConfigError(f"{_hint(path)}; this file holds no 'model' state dict")
     if "model_args" in loaded:  # nanoGPT's train.py: model, optimizer, model_args, iter_num, best_val_loss, config
@@ -106,6 +100,25 @@ def _read(path: str, tensors: bool) -> Weights:
     config = loaded.get("config", {})
     return Weights(path, "kit DDP snapshot", dict(loaded["model"]) if tensors else {},
                    _kit_sizes(config.get("task_identity", {}), loaded["model"].keys()), config.get("dropout") or 0.0)
+
+
+def _torch_file(path: str, init_from: str, whole: bool):
+    """What ``torch.save`` wrote at ``path`` (a file of --init_from
+    ``init_from``), read on the CPU with torch's weights-only unpickler, which
+    runs no code. ``whole``: its integrity checked first (``archive_damage``:
+    every entry's CRC-32, the tensors' data included) and every tensor read;
+    else mapped (``mmap``), its tensors read only where used: for the sizes.
+    Raises ConfigError (one line) for a damaged file or one that holds more
+    than tensors and plain values."""
+    damage = archive_damage(path) if whole else ""
+    if damage:
+        raise ConfigError(f"--init_from {init_from}: cannot read {path} ({damage}); put back a good copy")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=not whole)
+    except Exception as exc:
+        detail = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(f"--init_from {init_from}: torch.load's weights-only unpickler cannot read {path} "
+                          f"({type(exc).__name__}: {detail}); {_hint(init_from).split(': ', 1)[1]}") from None
 
 
 def _without_prefix(name: str) -> str:
@@ -141,7 +154,7 @@ def _sharded_snapshot(path: str, folder: str, tensors: bool) -> Weights:
     import torch.distributed.checkpoint as dcp  # only what reads sharded saves needs DCP
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = read_snapshot_file(os.path.join(folder, ShardedSnapshots.META))
+    meta = _torch_file(os.path.join(folder, ShardedSnapshots.META), path, whole=True)
     reader = dcp.FileSystemReader(os.path.join(folder, "model"))
     shapes = {name: entry for name, entry in reader.read_metadata().state_dict_metadata.items()
               if isinstance(entry, TensorStorageMetadata)}
@@ -214,14 +227,19 @@ def _hf_tensors(path: str) -> dict:
         except ImportError:
             raise ConfigError(f"--init_from {path}: reading model.safetensors needs the safetensors package; "
                               f"{HF_PACKAGES}") from None
-        if os.path.isfile(single):
-            return load_file(single)
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return {name: tensor for file in files for name, tensor in load_file(os.path.join(path, file)).items()}
+        try:
+            if os.path.isfile(single):
+                return load_file(single)
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            return {name: tensor for file in files for name, tensor in load_file(os.path.join(path, file)).items()}
+        except Exception as exc:  # safetensors' own errors, a missing shard, a bad index
+            detail = (str(exc).strip().splitlines() or [""])[0][:160]
+            raise ConfigError(f"--init_from {path}: cannot read its weights ({type(exc).__name__}: {detail}); "
+                              f"save the model again with save_pretrained") from None
     legacy = os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(legacy):
-        return torch.load(legacy, map_location="cpu", weights_only=True)
+        return _torch_file(legacy, path, whole=True)
     raise ConfigError(f"--init_from {path}: config.json but no model.safetensors (nor pytorch_model.bin); "
                       f"save the model with save_pretrained into that folder")
 
