@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import common
 from gpt import GPT, GPTConfig
-from helpers import PODS, REPO, check, error_lines, evaluations, one_process, run, task_args
+from helpers import PODS, REPO, check, error_lines, evaluations, one_process, run, task_args, without_package
 from train_utils.snapshots.weights import fit_to_model, read_weights
 
 transformers = pytest.importorskip("transformers")  # requirements-test.txt installs it
@@ -105,7 +105,7 @@ def test_the_kits_gpt_exported_loads_in_transformers_with_the_same_loss(gpt2, tm
     folder; transformers' from_pretrained loads it and scores the held-out
     windows as the kit did (exact GELU written into its config: within
     1e-4). A second export to the same folder is refused in one line, the
-    folder left as it is."""
+    folder left as it is; so is an export without transformers installed."""
     out = tmp_path / "exported"
     check(run([sys.executable, REPO / "tools" / "export_hf.py", "--snapshot_path", gpt2["run"] / "snapshot_train.pt",
                "--out", out], tmp_path))
@@ -119,6 +119,13 @@ def test_the_kits_gpt_exported_loads_in_transformers_with_the_same_loss(gpt2, tm
         f"error: --out {out} exists and is not an empty folder: export_hf.py writes nothing over what is there; "
         f"pass a new folder"]
     assert (out / "model.safetensors").read_bytes() == written
+    missing = run([sys.executable, REPO / "tools" / "export_hf.py", "--snapshot_path",
+                   gpt2["run"] / "snapshot_train.pt", "--out", tmp_path / "new"], tmp_path,
+                  **without_package(tmp_path, "transformers"))
+    assert missing.returncode == 2 and error_lines(missing.stderr) == [
+        "error: export_hf.py writes with transformers, which is not installed: pip install transformers (it brings "
+        "safetensors)"], missing.stderr
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_ddp_snapshot_starts_an_fsdp_run(gpt2, tmp_path):
