@@ -133,7 +133,7 @@ def lr_factor(args: RecipeSettings, steps_per_epoch: int, max_steps: Optional[in
     (epoch // --lr_step_epochs), the epoch being k // steps_per_epoch (torch's
     StepLR stepped once per epoch), times the warm-up's factor. Raises
     ConfigError for a schedule name not in ``LR_SCHEDULES``, both warm-ups
-    set, or --min_lr above --lr.
+    set, or --min_lr above a --lr other than 0.
     """
     if args.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"lr_schedule {args.lr_schedule!r} (the task's recipe) is not one of "
@@ -141,14 +141,14 @@ def lr_factor(args: RecipeSettings, steps_per_epoch: int, max_steps: Optional[in
     if args.warmup_steps and args.warmup_epochs:
         raise ConfigError(f"--warmup_steps {args.warmup_steps} and --warmup_epochs {args.warmup_epochs}: give "
                           f"the warm-up in one of them, the other 0 (the task's recipe may set one)")
-    if args.min_lr > args.lr:
+    if args.lr and args.min_lr > args.lr:  # --lr 0: every step's lr is 0, whatever the schedule
         raise ConfigError(f"--min_lr {args.min_lr} is above --lr {args.lr}: the cosine would rise; pass a "
                           f"lower --min_lr (or 0)")
     max_steps = args.max_steps if max_steps is None else max_steps
     warmup_steps = args.warmup_steps if warmup_steps is None else warmup_steps
     warmup = warmup_steps or round(args.warmup_epochs * steps_per_epoch)
     total = max_steps or args.total_epochs * steps_per_epoch
-    floor = args.min_lr / args.lr
+    floor = args.min_lr / args.lr if args.lr else 0.0
 
     def factor(step: int) -> float:
         ramp = (step + 1) / warmup if step < warmup else 1.0

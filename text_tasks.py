@@ -265,8 +265,11 @@ def read_corpus(data_dir: str, download: bool) -> str:
 
 def gpt_identity(config: GPTConfig) -> dict:
     """The GPT's shape as a task's identity (``Task.identity``): its sizes and
-    vocabulary, which a snapshot's weights must have (dropout may change)."""
-    return {name: getattr(config, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    vocabulary, which a snapshot's weights must have (dropout may change),
+    and ``bias`` where the GPT has biases (a GPT-2 it started from: the
+    default, none, is left out, as snapshots saved before it hold it)."""
+    identity = {name: getattr(config, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    return {**identity, "bias": True} if config.bias else identity
 
 
 def text_sampler(args: argparse.Namespace, decode, encode):
@@ -302,11 +305,14 @@ def text_sampler(args: argparse.Namespace, decode, encode):
 
 def model_config(args: argparse.Namespace, defaults: GPTConfig = SHAKESPEARE_MODEL) -> GPTConfig:
     """The GPT's sizes: ``defaults`` (the task's) with each of ``SIZE_FLAGS``
-    that ``args`` sets (the flags) in its place; the rungs, which have no
-    such flags, get the defaults. Checked by ``GPTConfig``: raises
+    that ``args`` sets (the flags) in its place, and ``bias`` where ``args``
+    has one (no flag: the --init_from weights', ``train.build_task``); the
+    rungs, which have no such flags, get the defaults. Checked by ``GPTConfig``: raises
     ConfigError (one line) for n_embd not a multiple of n_head, a size < 1 or
     a dropout outside [0, 1)."""
     given = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name, None) is not None}
+    if getattr(args, "bias", None) is not None:  # no flag: the weights of --init_from say (GPT-2 has biases)
+        given["bias"] = args.bias
     return dataclasses.replace(defaults, **given)
 
 

@@ -362,6 +362,24 @@ def _names(files: Sequence[TokenFile]) -> str:
     return files[0].path if len(files) == 1 else f"{files[0].path} and {len(files) - 1} more"
 
 
+def weights_vocabulary(args: argparse.Namespace, vocab_size: int, model_vocab: int, vocabulary: str) -> int:
+    """The model's vocabulary: ``model_vocab`` (the corpus's ``vocab_size``,
+    GPT-2's padded to 50,304 where no meta.pkl gives one), or under
+    --init_from the weights' (``args.vocab_size``, ``train_utils.take_initial_sizes``),
+    which must be the corpus's: meta.pkl's vocab_size exactly, GPT-2's 50,257
+    or a padding of it (nanoGPT's 50,304) for a corpus of GPT-2's tokens.
+    Raises ConfigError (one line) when they disagree: the same ids would be
+    other tokens."""
+    weights = getattr(args, "vocab_size", None)
+    if weights is None:
+        return model_vocab
+    if weights == vocab_size or (model_vocab == GPT2_PADDED_VOCAB and weights >= GPT2_VOCAB):
+        return weights
+    raise ConfigError(f"--init_from {args.init_from}: its vocabulary has {weights:,} tokens, the corpus's "
+                      f"{vocab_size:,} ({vocabulary}): the same ids would be other tokens; train on token files "
+                      f"of the weights' tokenizer (and its meta.pkl), or start without --init_from")
+
+
 def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     """``--dataset tokens``: a corpus tokenized the way nanoGPT's
     ``data/<name>/prepare.py`` scripts write it, in the folder --data_dir:
@@ -373,7 +391,8 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     ``itos``/``stoi`` give ``decode``/``encode``, so --sample_chars writes
     text), else GPT-2's 50,257 tokens, the model's embedding padded to
     50,304 (nanoGPT's choice; no ``decode``: GPT-2's BPE is not part of the
-    kit). The ids are checked against it on a sample of each file
+    kit); under --init_from the weights' vocabulary, which must agree
+    (``weights_vocabulary``). The ids are checked against it on a sample of each file
     (``check_token_ids``). Samples: ``TokenWindows`` of --block_size tokens,
     the training ones at a random offset (the character task's windows, so
     an epoch visits ``train.bin`` once), the held-out ones tiling ``val.bin``
@@ -384,8 +403,8 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     evaluation every 2,000 steps over 2,400 held-out windows). Nothing is
     downloaded (``download`` is unused). Raises ConfigError (one line) for
     a missing file or folder, a file of an odd number of bytes or too short
-    for one window, a bad meta.pkl, an id outside the vocabulary, a model
-    other than ``gpt`` and bad sizes.
+    for one window, a bad meta.pkl, a vocabulary other than the weights', an
+    id outside the vocabulary, a model other than ``gpt`` and bad sizes.
     """
     choose_model(args, MODELS["token_file_task"])
     config = model_config(args, TOKEN_MODEL)
@@ -406,6 +425,7 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     else:
         vocab_size, model_vocab = GPT2_VOCAB, GPT2_PADDED_VOCAB
         vocabulary = f"GPT-2's, as no {meta_path} gives another"
+    model_vocab = weights_vocabulary(args, vocab_size, model_vocab, vocabulary)
     check_token_ids([*train_files, *val_files], vocab_size, vocabulary)
     block_size = config.block_size
     train, held_out = (TokenFileWindows(files, block_size, shift=split == "train", seed=args.seed,

@@ -180,6 +180,8 @@ class Trainer:
         if found.path and not finished:
             found = self.checkpointer.load()  # weights, optimizer, every part: where this run goes on
             finished = train_utils.nothing_to_train(found, self.config, self.progress.step)
+        if self.config.init_from:  # a new run's weights, unless it resumes (a requeued job goes on)
+            self._init_weights(found)
         if finished:
             self.stop.close()
             return dataclasses.replace(found, finished=True, line=finished)
@@ -203,6 +205,21 @@ class Trainer:
                 self.checkpointer.wait()
             raise
         return found
+
+    def _init_weights(self, found: train_utils.Found) -> None:
+        """--init_from: without a snapshot to resume from, the weights of that
+        source loaded into the model (``train_utils.load_initial_weights``;
+        every rank, collective under FSDP), rank 0 printing where from. With
+        one, the snapshot wins: it holds this run's own training (a requeued
+        or restarted job must go on, not start over), and rank 0 says that
+        --init_from was not read."""
+        if found.path:
+            line = (f"--init_from {self.config.init_from} not read: this run resumes from its snapshot "
+                    f"{found.path}; {train_utils.START_AFRESH} from --init_from")
+        else:
+            line = train_utils.load_initial_weights(self.plain_model, self.config.init_from, self.fsdp)
+        if self.rank == 0:
+            train_utils.print_line(line)
 
     def run_epoch(self, epoch: int) -> list:
         """Collective: epoch ``epoch``'s (0-based) training steps from where the
@@ -437,13 +454,16 @@ def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) ->
     the task (``train_utils.resolve_config``; ``amp``: --amp as the job runs
     it). The model comes from --seed, the same on every rank. ``args``
     stays as parsed: the task function gets a copy, in which it names the
-    model it chose (``common.choose_model``). Raises ConfigError (one line,
-    on every rank) when the task cannot load, or for a task flag the task
-    does not read."""
+    model it chose (``common.choose_model``) and, under --init_from, the
+    sizes of the weights (``train_utils.take_initial_sizes``). Raises
+    ConfigError (one line, on every rank) when the task cannot load, or for
+    a task flag the task does not read."""
     # One seed for the initial weights on every rank (DDP copies rank 0's to all anyway;
     # FSDP keeps each rank's slice of its own copy).
     torch.manual_seed(args.seed)
     task_args = argparse.Namespace(**vars(args))
+    if getattr(args, "init_from", None):  # the GPT's sizes of the weights it starts from, where no flag gives one
+        train_utils.take_initial_sizes(task_args)
     task = train_utils.downloaders_first(common.load_task, task_args, local_rank == 0)  # --data_dir is per node
     # A node's ranks (torchrun's, or srun's: train_utils.launcher_store): HSDP's default shard size.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

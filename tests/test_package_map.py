@@ -21,7 +21,8 @@ WINGS = {
     "loop": ["epoch", "evaluation", "evaluations", "loaders", "notice", "numerics", "progress", "recipe", "sampler",
              "speed", "stop"],
     "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
-    "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "writer"],
+    "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",
+                  "writer"],
 }
 TOP = ["checks", "cli", "config", "ending", "errors", "output", "plan"]
 # The rooms from the ground up: a module imports only from rooms below its own (or its own wing's modules).
@@ -129,9 +130,10 @@ def test_every_import_runs_down_the_map_and_through_a_wings_face():
 
 def test_the_programs_stand_beside_train_py_not_in_the_library():
     """The programs that use the kit (tools/: the resume check, the run's
-    identity) are files beside train.py; no module of train_utils imports
-    them, nor train.py."""
-    assert sorted(path.name for path in (REPO / "tools").glob("*.py")) == ["check_resume.py", "identity.py"]
+    identity, the export to Hugging Face) are files beside train.py; no
+    module of train_utils imports them, nor train.py."""
+    assert sorted(path.name for path in (REPO / "tools").glob("*.py")) == ["check_resume.py", "export_hf.py",
+                                                                          "identity.py"]
     importing = [module for module in MODULES for node in ast.walk(tree(module_paths()[module]))
                  if isinstance(node, (ast.Import, ast.ImportFrom))
                  and any(name.split(".")[0] in ("tools", "train") for name in

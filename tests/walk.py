@@ -45,6 +45,7 @@ COVERED_ELSEWHERE = {
         "an elastic job of several nodes: tests/test_elastic.py runs two agents, one lost and started again",
     "docker": "tests/test_container.py runs the same image with podman (no Docker engine here)",
     "apptainer": "not installable on these machines; see docs/containers.md",
+    "python tools/export_hf.py": "tests/test_init_from.py exports a run's snapshot and loads it with transformers",
     ".venv/bin/pip install -q -r requirements.txt -r requirements-test.txt && .venv/bin/python benchmarks/run.py":
         "the benchmark prints figures (docs/performance.md) and is not part of the test run",
 }
@@ -73,6 +74,9 @@ def commands(block: str) -> list:
 
 def covered_elsewhere(block: str) -> Optional[str]:
     """Why the walk does not run ``block``, naming the test that does; None when it runs it."""
+    if "--init_from" in block:
+        return ("--init_from starts from weights trained elsewhere (GPT-2's come from the Hugging Face Hub); "
+                "tests/test_init_from.py starts runs from a GPT-2 trained there, a kit snapshot and a ckpt.pt")
     if "--dataset cifar10" in block:
         return ("tests/test_recipes.py runs docs/recipes.md's --dataset cifar10 commands as written on "
                 "CIFAR-10-shaped files (CIFAR-10 cannot be downloaded here)")

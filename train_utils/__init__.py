@@ -42,7 +42,8 @@ it (A -> B: A imports B; none runs back up; tests/test_package_map.py):
                      wait, close), its two formats, the background writer, the claims (snapshots/__init__.py)
 
 The programs that use the kit stand beside train.py, not in it: tools/
-(the resume check, the run's identity and a submission's snapshot name).
+(the resume check, the run's identity and a submission's snapshot name,
+the export of a GPT snapshot as a Hugging Face folder).
 Your task (datasets, model, loss) goes in its own file: see common.py and
 docs/custom-task.md.
 """
@@ -65,7 +66,8 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     watch_preemption_notice
 from .output import print_line
 from .plan import check_plan, plan_request
-from .snapshots import Checkpointer, Found, claim_snapshot_path, saved_budget_batch
+from .snapshots import START_AFRESH, Checkpointer, Found, claim_snapshot_path, load_initial_weights, \
+    saved_budget_batch, take_initial_sizes
 
 __all__ = [
     # start-up: flags, errors, devices, the process group, the data
@@ -135,6 +137,9 @@ __all__ = [
     "Checkpointer",
     "Found",
     "saved_budget_batch",
+    "take_initial_sizes",
+    "START_AFRESH",
+    "load_initial_weights",
     # output and the end of a run
     "RunLog",
     "StepLog",

@@ -105,8 +105,10 @@ class RunConfig:
 
     # What to train, on what, for how long. The order is --help's, and the one the resume line
     # names changed flags in (--lr first) and a refusal names what differs in (--dataset first).
-    lr: float = flag(RECIPE_DEFAULTS["lr"], "peak learning rate (default: the task's; synthetic 0.05)",
-                     group=TRAINING, identity=True, changeable=True, task_default=True, type=positive(float))
+    lr: float = flag(RECIPE_DEFAULTS["lr"], "peak learning rate; 0: the weights stay as they are, every "
+                     "evaluation scores them (default: the task's; synthetic 0.05)",
+                     group=TRAINING, identity=True, changeable=True, task_default=True,
+                     type=positive(float, zero=True))
     total_epochs: int = flag(10, "epochs to train (default: 10)", group=TRAINING, changeable=True, type=positive(int))
     save_every: int = flag(5, "save every N epochs; the last epoch is always saved (default: 5)", group=TRAINING,
                            type=positive(int))
@@ -121,6 +123,13 @@ class RunConfig:
                            "samples per step *per process*; the global batch size is batch_size x "
                            "grad_accum_steps x world_size (default: the task's; 32, shakespeare_char 12)",
                            group=TRAINING, identity=True, must_match=True, task_default=True, type=positive(int))
+    init_from: Optional[str] = flag(
+        None, "start a new run (step 0, optimizer and schedule fresh) from these weights: a kit snapshot (a "
+              "DDP snapshot file, or an FSDP/HSDP snapshot folder), nanoGPT's ckpt.pt, or a Hugging Face GPT-2 "
+              "folder (save_pretrained's); the GPT's sizes are the weights' unless a flag gives them (a smaller "
+              "--block_size crops the position embedding). A snapshot at --snapshot_path wins: the run resumes "
+              "from it and reads no --init_from (default: the task's own initialisation)",
+        group=TRAINING, identity=True)
     num_workers: int = flag(0, "DataLoader worker processes per training process (default: 0)", group=TRAINING,
                             per_process=True, type=non_negative_int)
 

@@ -4,7 +4,8 @@ stateful parts; ``claim_snapshot_path``, the claim taken at start-up, and
 ``release_claim``, which gives it back; ``saved_budget_batch``, the
 global batch a run's --max_steps counts in, read before the run's
 configuration is resolved; ``position``, where a snapshot
-stands in words; ``START_AFRESH``, how to start afresh; the two formats and
+stands in words; ``START_AFRESH``, how to start afresh; ``take_initial_sizes``
+and ``load_initial_weights``, a new run's weights from elsewhere (--init_from); the two formats and
 ``read_snapshot``, for a plan that reads a snapshot without a run (``plan.resume_line``).
 
   module        concern
@@ -15,6 +16,7 @@ stands in words; ``START_AFRESH``, how to start afresh; the two formats and
   claims        one live run per snapshot: its claim file, whether a holder lives
   save_errors   a save the system refused: one line naming the intact snapshot
   position      where a snapshot stands, in words
+  weights       a new run's starting weights (--init_from): kit snapshots, nanoGPT's ckpt.pt, Hugging Face GPT-2
 """
 
 from .checkpointer import Checkpointer, Found, claim_snapshot_path, held_samples, saved_budget_batch
@@ -22,7 +24,8 @@ from .claims import release_claim
 from .file import START_AFRESH, SnapshotFile, read_snapshot
 from .position import position
 from .sharded import ShardedSnapshots, mesh_name
+from .weights import load_initial_weights, take_initial_sizes
 
-__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "held_samples", "saved_budget_batch", "START_AFRESH",
-           "position",
+__all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "held_samples", "saved_budget_batch",
+           "START_AFRESH", "position", "load_initial_weights", "take_initial_sizes",
            "SnapshotFile", "ShardedSnapshots", "read_snapshot", "mesh_name"]
