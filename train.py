@@ -177,6 +177,8 @@ class Trainer:
         passed the stop signal's last poll (``StopSignal.close``)."""
         found = self.checkpointer.find()
         finished = train_utils.nothing_to_train(found, self.config)  # all epochs, or --max_steps' samples
+        if found.mismatch and not finished:  # the other strategy's snapshot: finished, or not this run's to resume
+            raise common.ConfigError(found.mismatch)
         if found.path and not finished:
             found = self.checkpointer.load()  # weights, optimizer, every part: where this run goes on
             finished = train_utils.nothing_to_train(found, self.config, self.progress.step)
@@ -468,7 +470,7 @@ def build_task(args: argparse.Namespace, local_rank: int, amp: Optional[str]) ->
     # A node's ranks (torchrun's, or srun's: train_utils.launcher_store): HSDP's default shard size.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     # --max_steps counts steps of the global batch the run started with, whatever this start's world size.
-    budget_batch = train_utils.saved_budget_batch(args.snapshot_path, train_utils.is_sharded(args.strategy))
+    budget_batch = train_utils.saved_budget_batch(args.snapshot_path)
     return task, train_utils.resolve_config(args, task, dist.get_world_size(), amp, train_utils.task_flag_values(args),
                                             local_world_size, model=task_args.model,
                                             output_flags=train_utils.output_flags(args.dataset),

@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import train_utils
 from common import ConfigError
-from helpers import (FAULTY_TRAIN, REPO, PODS, check, epochs, held_at_step, load_task, run, signal_when,
+from helpers import (FAULTY_TRAIN, REPO, PODS, check, epochs, error_lines, held_at_step, load_task, run, signal_when,
                      snapshot_tensors, stdout_lines)
 
 BATCH = 64
@@ -51,7 +51,8 @@ def test_a_max_steps_run_trains_its_planned_samples_at_any_world_size(tmp_path):
     the budget at both sizes, and the cosine reaches --min_lr at the end.
     The same command again at 2 ranks: nothing to train, exit 0, the
     snapshot's bytes unchanged (before, it trained again: 480 samples are
-    30 of the 60 steps of 16)."""
+    30 of the 60 steps of 16); and so under FSDP, whose snapshots are
+    folders, where a longer --max_steps is one line."""
     recording = REPO / "tests" / "train_recording_samples.py"
     flags = ["--batch_size", "8", "--max_steps", "60", "--lr", "0.05", "--lr_schedule", "cosine", "--min_lr", "0.001",
              "--metrics_path", "metrics.jsonl"]
@@ -78,6 +79,16 @@ def test_a_max_steps_run_trains_its_planned_samples_at_any_world_size(tmp_path):
     again = check(run(PODS + ["--nproc_per_node=2", REPO / "train.py", *flags], tmp_path))
     assert "snapshot snapshot_train.pt already holds 960 samples of --max_steps 60 (steps of global batch 16: " \
            "960 samples): nothing to train" in again.stdout, again.stdout[-3000:]
+    assert snapshot.read_bytes() == saved
+    # At another strategy, whose snapshots are folders: finished still; a longer run is not its to go on.
+    fsdp = [*flags, "--strategy", "fsdp", "--snapshot_path", "snapshot_train.pt"]
+    again = check(run(PODS + ["--nproc_per_node=1", REPO / "train.py", *fsdp], tmp_path))
+    assert "already holds 960 samples of --max_steps 60" in again.stdout, again.stdout[-3000:]
+    longer = run(PODS + ["--nproc_per_node=1", REPO / "train.py", *fsdp, "--max_steps", "61"], tmp_path)
+    assert longer.returncode == 2 and error_lines(longer.stderr) == [
+        "error: --snapshot_path snapshot_train.pt holds a DDP snapshot (one file), where --strategy fsdp and hsdp "
+        "keep a folder of sharded saves: resume it with --strategy ddp, or start a new run from its weights with "
+        "--init_from snapshot_train.pt and another --snapshot_path"], longer.stderr[-3000:]
     assert snapshot.read_bytes() == saved
 
 

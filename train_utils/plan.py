@@ -35,7 +35,7 @@ import common
 from recipes import build_optimizer
 from .checks import check_loader_holds_a_step
 from .cli import output_flags, task_flag_values
-from .config import RunConfig, is_sharded, resolve_config
+from .config import RunConfig, resolve_config
 from .distributed import binary_size, local_state_bytes, shard_model, state_line
 from .errors import one_line_errors
 from .loop import Progress, checkpoint_activations, fp32, nothing_to_train
@@ -292,7 +292,7 @@ def check_plan(args: argparse.Namespace, layout: Layout, argv: Sequence[str],
     task, task_args = task_with_model_on_meta(args)
     config = resolve_config(args, task, world_size, amp, task_flag_values(args), layout.procs_per_node,
                             model=task_args.model, output_flags=output_flags(args.dataset),
-                            budget_batch=saved_budget_batch(args.snapshot_path, is_sharded(args.strategy)))
+                            budget_batch=saved_budget_batch(args.snapshot_path))
     train_data = prepare_dataloader(task.train_set, config.batch_size, 0, True, config.seed, task.collate_fn)
     check_loader_holds_a_step(config, train_data)
     progress = Progress(torch.device("cpu"), train_data, 0, config.grad_accum_steps)

@@ -18,10 +18,11 @@ from common import ConfigError
 from ..distributed import gloo_group, note_snapshot
 from ..output import first_error, output_path_error
 from .claims import claim_snapshot
-from .file import START_AFRESH, SnapshotFile, remove_stale_temporary_files
+from .file import START_AFRESH, SnapshotFile, read_snapshot, remove_stale_temporary_files
 from .position import position, position_tag
 from .save_errors import save_failure
 from .sharded import ShardedSnapshots, newest_complete
+from .weights import load_initial_weights
 from .writer import SnapshotClock, SnapshotWriter
 
 # What a snapshot holds besides its parts' keys: the weights, the optimizer's state, the run's
@@ -53,12 +54,15 @@ class Found:
     that holds every epoch or step asked for: ``finished``, and ``line``
     saying so. ``samples``: the samples the run it holds trained over all
     its starts (``held_samples``; None for a snapshot that does not count
-    them)."""
+    them). ``mismatch``: for a snapshot of the other strategy's format
+    (``other_format``), which this run can find finished but not resume,
+    the line that says so (``format_mismatch``); '' otherwise."""
 
     path: Optional[str] = None
     epochs_run: int = 0
     position: str = ""
     samples: Optional[int] = None
+    mismatch: str = ""
     note: str = ""
     finished: bool = False
     line: str = ""
@@ -74,13 +78,30 @@ def claim_snapshot_path(path: str, sharded: bool) -> None:
     ConfigError (one line, on every rank) when the path cannot be written
     or another live run holds it. ``ending.end_process`` gives the claim back."""
     rank = dist.get_rank()
-    writes = sharded or rank == 0
+    writes = (sharded or rank == 0) and not other_format(path, sharded)  # that one: ``Checkpointer.find``
     error = first_error(output_path_error("snapshot_path", path, folder=sharded) if writes else "")
     if error:
         raise ConfigError(error)
     claim_snapshot(path)
     if rank == 0:  # claimed: a temporary file beside the snapshot is a killed writer's, on any host
         remove_stale_temporary_files(path)
+
+
+def other_format(path: str, sharded: bool) -> bool:
+    """Whether ``path`` holds the other strategy's snapshot: a file (DDP's)
+    where a sharded run keeps a folder, or a folder (FSDP's, HSDP's) where
+    a DDP run keeps a file."""
+    return os.path.isfile(path) if sharded else os.path.isdir(path)
+
+
+def format_mismatch(path: str, sharded: bool) -> str:
+    """The one line for a snapshot of the other format (``other_format``) that
+    this run would have to train on: what it is, and the two ways on."""
+    held, wanted = (("a DDP snapshot (one file)", "--strategy fsdp and hsdp keep a folder of sharded saves")
+                    if sharded else ("FSDP/HSDP snapshots (a folder of sharded saves)", "--strategy ddp keeps one file"))
+    resume = "--strategy ddp" if sharded else "--strategy fsdp (or hsdp)"
+    return (f"--snapshot_path {path} holds {held}, where {wanted}: resume it with {resume}, or start a new run "
+            f"from its weights with --init_from {path} and another --snapshot_path")
 
 
 def held_samples(snapshot: Mapping) -> Optional[int]:
@@ -98,10 +119,10 @@ def held_samples(snapshot: Mapping) -> Optional[int]:
     return int(snapshot["samples_run"]) + (0 if totals is None else round(float(totals[1])))
 
 
-def saved_budget_batch(path: str, sharded: bool) -> Optional[int]:
+def saved_budget_batch(path: str) -> Optional[int]:
     """Collective, before the run's configuration is resolved: the global
-    batch size the run at ``path`` (--snapshot_path; ``sharded``: a folder
-    of FSDP saves, else a DDP file) started with, which --max_steps and
+    batch size the run at ``path`` (--snapshot_path: a folder of FSDP or
+    HSDP saves, or a DDP file, whatever this run's strategy) started with, which --max_steps and
     --warmup_steps count in (``RunConfig.budget_batch``): its snapshot
     config's "budget_batch", or for a snapshot without it its --batch_size x
     --grad_accum_steps x the world size that saved it. None where there is
@@ -111,7 +132,7 @@ def saved_budget_batch(path: str, sharded: bool) -> Optional[int]:
     answer = [None]
     if dist.get_rank() == 0:
         with contextlib.suppress(Exception):  # a damaged or foreign snapshot: find() refuses it
-            if sharded:
+            if os.path.isdir(path):  # sharded saves (this run's format, or the other strategy's: other_format)
                 folder = newest_complete(path)
                 meta = torch.load(os.path.join(folder, ShardedSnapshots.META), map_location="cpu",
                                   weights_only=True) if folder else None
@@ -198,6 +219,8 @@ class Checkpointer:
         where it stands; ``Found()`` where there is none. Raises ConfigError
         (one line, the snapshot kept) for a damaged snapshot or another
         run's (``file.check_same_run``), or one seen on some nodes only."""
+        if other_format(self.path, self.sharded):  # the other strategy's: finished, or refused by the Trainer
+            return self._find_other_format()
         self.found = self.store.latest()
         if self.found is None:
             return Found()
@@ -205,6 +228,24 @@ class Checkpointer:
         epochs_run = self._snapshot["epochs_run"]
         return Found(self.found, epochs_run, position(epochs_run, self._snapshot["steps_run"]),
                      samples=held_samples(self._snapshot))
+
+    def _find_other_format(self) -> Found:
+        """``find`` where ``path`` holds the other format's snapshot: it read
+        and checked as that format's store reads it (a folder's newest
+        complete save), for the Trainer to see whether it is finished;
+        ``Found.mismatch`` set. Raises ConfigError (``format_mismatch``) for a
+        folder that holds no complete save."""
+        mismatch = format_mismatch(self.path, self.sharded)
+        if self.sharded:
+            self.found = self.path
+            snapshot = read_snapshot(self.path, dict(self.config, world_size=dist.get_world_size()))
+        else:
+            self.found = newest_complete(self.path)
+            if self.found is None:
+                raise ConfigError(mismatch)
+            snapshot = read_snapshot(os.path.join(self.found, ShardedSnapshots.META), dict(self.config, world_size=None))
+        return Found(self.found, snapshot["epochs_run"], position(snapshot["epochs_run"], snapshot["steps_run"]),
+                     held_samples(snapshot), mismatch=mismatch)
 
     def load(self) -> Found:
         """Collective: load the snapshot ``find`` found: the weights and the
@@ -239,8 +280,12 @@ class Checkpointer:
     def load_model(self) -> None:
         """Collective under FSDP: the weights alone of the snapshot ``find``
         found (a finished run's, to sample from), checked as ``load`` checks
-        them, into the model."""
-        self.store.load_model(self.found, self.model)
+        them, into the model; one of the other format as --init_from reads
+        it (``weights.load_initial_weights``)."""
+        if other_format(self.path, self.sharded):
+            load_initial_weights(self.model, self.path, self.sharded)
+        else:
+            self.store.load_model(self.found, self.model)
 
     def request(self) -> bool:
         """Rank 0's clock: whether to ask for a snapshot at this optimizer step
