@@ -89,9 +89,9 @@ def claim_snapshot_path(path: str, sharded: bool) -> None:
 
 def other_format(path: str, sharded: bool) -> bool:
     """Whether ``path`` holds the other strategy's snapshot: a file (DDP's)
-    where a sharded run keeps a folder, or a folder (FSDP's, HSDP's) where
-    a DDP run keeps a file."""
-    return os.path.isfile(path) if sharded else os.path.isdir(path)
+    where a sharded run keeps a folder, or a folder with a complete sharded
+    save (FSDP's, HSDP's) where a DDP run keeps a file."""
+    return os.path.isfile(path) if sharded else newest_complete(path) is not None
 
 
 def format_mismatch(path: str, sharded: bool) -> str:
@@ -233,16 +233,13 @@ class Checkpointer:
         """``find`` where ``path`` holds the other format's snapshot: it read
         and checked as that format's store reads it (a folder's newest
         complete save), for the Trainer to see whether it is finished;
-        ``Found.mismatch`` set. Raises ConfigError (``format_mismatch``) for a
-        folder that holds no complete save."""
+        ``Found.mismatch`` set. Raises ConfigError as ``read_snapshot`` does."""
         mismatch = format_mismatch(self.path, self.sharded)
         if self.sharded:
             self.found = self.path
             snapshot = read_snapshot(self.path, dict(self.config, world_size=dist.get_world_size()))
         else:
             self.found = newest_complete(self.path)
-            if self.found is None:
-                raise ConfigError(mismatch)
             snapshot = read_snapshot(os.path.join(self.found, ShardedSnapshots.META), dict(self.config, world_size=None))
         return Found(self.found, snapshot["epochs_run"], position(snapshot["epochs_run"], snapshot["steps_run"]),
                      held_samples(snapshot), mismatch=mismatch)
