@@ -10,11 +10,13 @@ face only.
   timeouts      start-up vs training time-out, which ranks did not arrive, what a restart resumes; the loop's Watch
   hang_report   on a time-out every live rank's stack on disk, its host, file:line and collectives
   fsdp          FSDP2 and HSDP sharding, the backend check, the state each rank holds
+  meta_build    a model built on the meta device, each rank's shards then materialised with their initial values
 """
 
 from .devices import OLDEST_TORCH, backend_for, device_for, enable_flight_recorder, peak_memory_mib, \
     rejoin_note, share_cpu_cores, torch_version, unusable_gpu_reason
 from .fsdp import check_fsdp_backend, contiguous_parameters, model_sharded, print_sharded_memory, shard_model
+from .meta_build import InitRecord, build_on_meta, materialize_shards
 from .hang_report import ANSWER_WAIT_S, answer_stack_requests, finish_answer, hang_requested, making_report, \
     stack_folder, stop_answering
 from .launch import barrier, broadcast_buffers, gloo_group, launcher_store, raise_open_file_limit
@@ -25,6 +27,7 @@ __all__ = [
     "OLDEST_TORCH", "backend_for", "device_for", "enable_flight_recorder", "peak_memory_mib", "rejoin_note",
     "share_cpu_cores", "torch_version", "unusable_gpu_reason",
     "check_fsdp_backend", "contiguous_parameters", "model_sharded", "print_sharded_memory", "shard_model",
+    "InitRecord", "build_on_meta", "materialize_shards",
     "ANSWER_WAIT_S", "answer_stack_requests", "finish_answer", "hang_requested", "making_report", "stack_folder",
     "stop_answering",
     "barrier", "broadcast_buffers", "gloo_group", "launcher_store", "raise_open_file_limit",
