@@ -65,20 +65,22 @@ class _ModelOrFactory:
     function of no arguments that builds one (its model factory, kept as
     ``Task.model_factory``). Reading ``task.model`` gives the module, a
     factory's built at the first read, from the global RNG as it stands
-    then; setting it to a module replaces the module. A dataclass field
+    then; setting it to a module replaces the model (and the factory: wrap
+    a factory's model in a factory, ``lambda: Wrapper(factory())``, to keep
+    the meta-device build). A dataclass field
     whose descriptor raises AttributeError when read on the class has no
     default (Python's dataclasses docs, "Descriptor-typed fields")."""
 
     def __get__(self, task: Optional["Task"], owner: type = None) -> nn.Module:
         if task is None:
             raise AttributeError("model")  # on the class: no default, a Task must be given one
-        if task.__dict__.get("_model") is None:
+        if task.__dict__.get("_model") is None and task.model_factory is not None:
             task.__dict__["_model"] = task.model_factory()
-        return task.__dict__["_model"]
+        return task.__dict__.get("_model")
 
     def __set__(self, task: "Task", value) -> None:
-        if isinstance(value, nn.Module):
-            task.__dict__["_model"] = value
+        if value is None or isinstance(value, nn.Module):  # None: a Task of no model, for tools and tests
+            task.__dict__.update(_model=value, _factory=None)  # the module replaces a factory's
         elif callable(value):
             task.__dict__.update(_model=None, _factory=value)
         else:

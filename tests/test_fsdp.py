@@ -275,9 +275,10 @@ def _initial_weights_worker(rank, world_size, port, data_dir, out_dir):
     for name, flags in runs.items():
         args = train_utils.parse_args(None, common.TASKS, argv=[*TINY_GPT, "--data_dir", data_dir, *flags])
         task, config = train.build_task(args, rank, None)
+        factory = task.model_factory is not None
         train.build_model(task, config, rank, torch.device("cpu"))
         full = get_model_state_dict(task.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        out[name] = {"factory": getattr(task, "model_factory", None) is not None, "weights": full}
+        out[name] = {"factory": factory, "weights": full}
     args = train_utils.parse_args(None, common.TASKS, argv=[*TINY_GPT, *WIDE_GPT, "--data_dir", data_dir,
                                                             "--strategy", "fsdp"])
     gc.collect()
