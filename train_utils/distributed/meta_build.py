@@ -15,7 +15,7 @@ places it) is copied into the sharded parameter and the CPU tensor is freed.
 A value that a later call overwrites whole without reading it (a
 constructor's default init, redrawn by the model's own) is freed at once.
 The extra memory at any moment is the tensors whose values are still to be
-read: for ``gpt.GPT``, one parameter (the largest: the token embedding). The
+read: for ``gpt.GPT``, one parameter at most (its largest). The
 weights come out bitwise those of the eager build: the same at every world
 size, and DDP's (which builds the model whole on every rank).
 
@@ -41,7 +41,7 @@ from common import ConfigError
 # Calls that write every element of their target (when the target covers its whole storage) without reading
 # it: the value before them is dead. Tensor methods and torch.nn.init functions of these names both.
 _PURE_WRITES = frozenset({
-    "normal_", "uniform_", "zero_", "fill_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+    "normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
     "bernoulli_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_", "xavier_normal_",
     "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_"})
 # In-place calls that change a tensor's metadata, not its values: nothing to replay (each recorded call keeps
