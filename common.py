@@ -60,6 +60,34 @@ def collate(batch):
                           f"by padding (docs/custom-task.md)") from None
 
 
+class _ModelOrFactory:
+    """``Task.model``'s descriptor: a task gives an ``nn.Module``, or a
+    function of no arguments that builds one (its model factory, kept as
+    ``Task.model_factory``). Reading ``task.model`` gives the module, a
+    factory's built at the first read, from the global RNG as it stands
+    then; setting it to a module replaces the model (and the factory: wrap
+    a factory's model in a factory, ``lambda: Wrapper(factory())``, to keep
+    the meta-device build). A dataclass field
+    whose descriptor raises AttributeError when read on the class has no
+    default (Python's dataclasses docs, "Descriptor-typed fields")."""
+
+    def __get__(self, task: Optional["Task"], owner: type = None) -> nn.Module:
+        if task is None:
+            raise AttributeError("model")  # on the class: no default, a Task must be given one
+        if task.__dict__.get("_model") is None and task.model_factory is not None:
+            task.__dict__["_model"] = task.model_factory()
+        return task.__dict__.get("_model")
+
+    def __set__(self, task: "Task", value) -> None:
+        if value is None or isinstance(value, nn.Module):  # None: a Task of no model, for tools and tests
+            task.__dict__.update(_model=value, _factory=None)  # the module replaces a factory's
+        elif callable(value):
+            task.__dict__.update(_model=None, _factory=value)
+        else:
+            raise ConfigError(f"Task.model must be an nn.Module or a function of no arguments that builds one, "
+                            f"not {type(value).__name__}")
+
+
 @dataclass
 class Task:
     """Everything a script needs to train one dataset.
@@ -71,7 +99,12 @@ class Task:
     ``test_set`` None: the task has no test split, and no test line is printed.
     ``loss_fn(output, targets, reduction="mean"|"sum")``: the mean (training)
     or the sum (evaluation) of the per-sample losses, as ``F.mse_loss`` and
-    ``F.cross_entropy`` do. ``classification``: the model outputs (N, classes)
+    ``F.cross_entropy`` do. ``model``: an ``nn.Module``, or a model factory,
+    a function of no arguments that builds one from the global RNG
+    (``model_factory``): a factory lets train.py build the model under FSDP
+    and HSDP on the meta device, with no memory, and give each rank only
+    its shards (``train_utils.build_on_meta``), while ``task.model`` builds
+    it whole where the model is read (DDP, the rungs). ``classification``: the model outputs (N, classes)
     logits and the targets are int64 (N,) class indices; evaluation then
     reports accuracy too. ``train_transform``/``eval_transform``: a batch's
     inputs, on the device -> the model's input (e.g.
@@ -92,7 +125,7 @@ class Task:
     train_set: Dataset
     val_set: Dataset
     test_set: Optional[Dataset]
-    model: nn.Module
+    model: nn.Module = _ModelOrFactory()
     loss_fn: Callable[..., torch.Tensor]
     classification: bool
     train_transform: Callable[[torch.Tensor], torch.Tensor] = field(default=identity)
@@ -106,6 +139,12 @@ class Task:
     identity: dict = field(default_factory=dict)
     sample_text: Optional[Callable[[nn.Module, torch.device], str]] = None
     corpus: str = ""
+
+    @property
+    def model_factory(self) -> Optional[Callable[[], nn.Module]]:
+        """The function of no arguments the task gave as its model, which
+        builds it (None: the task gave a built ``nn.Module``)."""
+        return self.__dict__.get("_factory")
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

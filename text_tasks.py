@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import os
 import socket
@@ -327,7 +328,7 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     none: a test line over the same text would repeat the last validation
     loss. Samples: ``TokenWindows`` of --block_size characters (training: each
     shifted by a random 0..block_size-1 characters; held out: tiling the text);
-    int64 (B, block_size) contexts and next characters. Model: ``gpt.GPT``
+    int64 (B, block_size) contexts and next characters. Model: a factory of ``gpt.GPT``
     of the --n_layer --n_head --n_embd --block_size --dropout flags
     (``SHAKESPEARE_MODEL``'s where unset; checked before the
     corpus is read) and the vocabulary's size; loss ``lm_loss`` (nats per
@@ -347,10 +348,11 @@ def shakespeare_char_task(args: argparse.Namespace, download: bool) -> Task:
     block_size = config.block_size
     train = TokenWindows(tokens[:split], block_size, shift=True, name="the training text", seed=args.seed)
     held_out = TokenWindows(tokens[split:], block_size, name="the held-out text")
-    model = GPT(dataclasses.replace(config, vocab_size=len(vocabulary)))
-    return Task(train, held_out, None, model, lm_loss, classification=False,
+    gpt_config = dataclasses.replace(config, vocab_size=len(vocabulary))
+    # A model factory: under FSDP train.py builds it on the meta device, each rank materialising its shards.
+    return Task(train, held_out, None, functools.partial(GPT, gpt_config), lm_loss, classification=False,
                 recipe=dict(SHAKESPEARE_RECIPE), tokens_per_sample=block_size,
-                decode=vocabulary.decode, encode=vocabulary.encode, identity=gpt_identity(model.config),
+                decode=vocabulary.decode, encode=vocabulary.encode, identity=gpt_identity(gpt_config),
                 sample_text=text_sampler(args, vocabulary.decode, vocabulary.encode),
                 corpus=f"Tiny Shakespeare, {split:,} tokens to train and {len(tokens) - split:,} held out, "
                        f"vocabulary {len(vocabulary)} (its characters)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import hashlib
 import os
@@ -396,7 +397,7 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     (``check_token_ids``). Samples: ``TokenWindows`` of --block_size tokens,
     the training ones at a random offset (the character task's windows, so
     an epoch visits ``train.bin`` once), the held-out ones tiling ``val.bin``
-    (the validation set; no test set). Model: ``gpt.GPT`` of the
+    (the validation set; no test set). Model: a factory of ``gpt.GPT`` of the
     --n_layer --n_head --n_embd --block_size --dropout flags
     (``TOKEN_MODEL``'s where unset: GPT-2 small); loss ``lm_loss`` (nats per
     token); recipe ``TOKEN_RECIPE`` (nanoGPT's train.py defaults, with an
@@ -431,14 +432,16 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     train, held_out = (TokenFileWindows(files, block_size, shift=split == "train", seed=args.seed,
                                         name=f"--dataset tokens: {_names(files)}")
                        for files, split in ((train_files, "train"), (val_files, "val")))
-    model = GPT(dataclasses.replace(config, vocab_size=model_vocab))
+    gpt_config = dataclasses.replace(config, vocab_size=model_vocab)
     if getattr(args, "sample_chars", 0) and decode is None:
         raise ConfigError(f"--sample_chars: --dataset tokens writes text only with a vocabulary to decode, a "
                           f"meta.pkl holding itos and stoi beside the token files (GPT-2's BPE is not part of "
                           f"the kit); leave the flag out, or {TOKEN_FILES_HINT}")
-    return Task(train, held_out, None, model, lm_loss, classification=False, recipe=dict(TOKEN_RECIPE),
+    # A model factory: under FSDP train.py builds it on the meta device, each rank materialising its shards.
+    return Task(train, held_out, None, functools.partial(GPT, gpt_config), lm_loss, classification=False,
+                recipe=dict(TOKEN_RECIPE),
                 tokens_per_sample=block_size, decode=decode, encode=encode,
-                identity={**gpt_identity(model.config), "train_files": corpus_identity(train_files),
+                identity={**gpt_identity(gpt_config), "train_files": corpus_identity(train_files),
                           "val_files": corpus_identity(val_files)},
                 sample_text=text_sampler(args, decode, encode) if decode else None,
                 corpus=f"train {corpus_size(train_files)}, val {corpus_size(val_files)}, vocabulary "

@@ -68,7 +68,10 @@ def setup(timeout_s: float, snapshot_path: str) -> tuple[int, int, torch.device]
     train_utils.share_cpu_cores(device, world_size)
     train_utils.raise_open_file_limit()  # gloo groups hold a socket to every other rank: 5 x world_size files
     backend = train_utils.backend_for(device)  # nccl on CUDA, gloo on the CPU
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # device_id on CUDA: the group is bound to this rank's GPU (NCCL connects at once, and no collective
+    # has to guess the device); gloo on the CPU takes none.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
     train_utils.watch_collectives(timeout_s)  # a side group that names the stuck ranks on a time-out
     train_utils.answer_stack_requests(train_utils.stack_folder(snapshot_path))  # where each rank is, then
     return rank, local_rank, device
@@ -481,19 +484,31 @@ def build_model(task: common.Task, config: train_utils.RunConfig, rank: int,
                 device: torch.device) -> torch.optim.Optimizer:
     """The task's model on ``device`` (``task.model``; checkpointed, and sharded
     under FSDP), and the optimizer over it (--optimizer, --lr,
-    --weight_decay). After it each rank draws from its own random stream
-    (--seed + rank), or all would draw the same dropout masks."""
-    task.model = task.model.to(device)
+    --weight_decay). Under FSDP and HSDP a task that gives a model factory
+    (``common.Task.model_factory``) has it built on the meta device, sharded,
+    and only this rank's shards materialised, with the initial weights of
+    the model built whole (``train_utils.build_on_meta``). After it each
+    rank draws from its own random stream (--seed + rank), or all would
+    draw the same dropout masks."""
+    init_record = None  # a meta-device build's record, replayed into this rank's shards once sharded
+    if config.sharded and task.model_factory is not None:  # no rank ever holds the whole model
+        task.model, init_record = train_utils.build_on_meta(task.model_factory)
+    else:
+        task.model = task.model.to(device)
     # The model's FLOPs per sample, counted on the plain model (before checkpointing and sharding wrap it),
-    # by rank 0 alone: it logs the figures, and torch's FLOP counter costs 0.1 s of start-up.
+    # by rank 0 alone: it logs the figures, and torch's FLOP counter costs 0.1 s of start-up. A meta
+    # model's are counted on the meta device: shapes alone.
     if task.flops_per_sample is None and rank == 0:
-        task.flops_per_sample = train_utils.flops_per_sample(task, device)
+        task.flops_per_sample = train_utils.flops_per_sample(task, device if init_record is None
+                                                             else torch.device("meta"))
     if config.activation_checkpointing:  # before DDP and FSDP wrap the blocks
         train_utils.checkpoint_activations(task.model)
     if config.sharded:  # before the optimizer: fully_shard replaces the parameters
         if config.compile:  # torchtitan's order: each FSDP unit compiled, then sharded
             train_utils.compile_blocks(common.fsdp_units(task.model))
         task.model = train_utils.shard_model(task.model, device, config.compute_dtype, config.shard_size)
+        if init_record is not None:  # memory for this rank's shards, and their initial values
+            train_utils.materialize_shards(task.model, init_record, device)
     torch.manual_seed(config.seed + rank)
     return train_utils.build_optimizer(task.model, config)  # --optimizer, --lr, --weight_decay
 

@@ -5,6 +5,7 @@ HSDP to FSDP and back), the gathered snapshot as a plain checkpoint of the
 task's model, memory per rank, HSDP's mesh on two torchrun agents as two nodes.
 (The FSDP rung, multinode_fsdp.py, is tested with the other rungs.)"""
 
+import gc
 import json
 import os
 import re
@@ -229,6 +230,94 @@ def test_shard_model_takes_a_channels_last_resnet(sharded_resnets):
         result, expected = outcome["channels_last"]["result"], outcome["channels_last"]["expected"]
         assert isinstance(result, float), result
         assert abs(result - expected) <= 1e-4 * abs(expected)
+
+
+# --------------------------------------------------------------------------
+# The model built on the meta device: each rank materialises its shards only
+# --------------------------------------------------------------------------
+
+TINY_GPT = ["--dataset", "shakespeare_char", "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "16"]
+# A GPT of 12.6 MB of fp32 parameters (4 blocks of 256 wide; 3 MiB a block): built whole, a rank's peak
+# resident memory grows by all of it; built on the meta device, by its shard and the largest parameter.
+WIDE_GPT = ["--n_layer", "4", "--n_head", "4", "--n_embd", "256"]
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory since the last ``_reset_peak_rss`` (VmHWM, Linux)."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def _reset_peak_rss() -> None:
+    """Reset VmHWM to the current resident memory (Linux's /proc/PID/clear_refs, value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _initial_weights_worker(rank, world_size, port, data_dir, out_dir):
+    """train.py's ``build_task`` and ``build_model`` for the tiny GPT at ``world_size``
+    ranks: --strategy fsdp; at 1 rank also ddp (the model built whole); at 4 also
+    hsdp over 2 x 2 with --activation_checkpointing. Saves rank 0's gathered full
+    weights of each; then, the wide GPT under fsdp, each rank's peak resident
+    memory across ``build_task`` and ``build_model`` beside its parameter bytes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    runs = {"fsdp": ["--strategy", "fsdp"]}
+    if world_size == 1:
+        runs["ddp"] = ["--strategy", "ddp"]
+    if world_size == 4:
+        runs["hsdp"] = ["--strategy", "hsdp", "--shard_size", "2", "--activation_checkpointing"]
+    out = {}
+    for name, flags in runs.items():
+        args = train_utils.parse_args(None, common.TASKS, argv=[*TINY_GPT, "--data_dir", data_dir, *flags])
+        task, config = train.build_task(args, rank, None)
+        factory = task.model_factory is not None
+        train.build_model(task, config, rank, torch.device("cpu"))
+        full = get_model_state_dict(task.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        out[name] = {"factory": factory, "weights": full}
+    args = train_utils.parse_args(None, common.TASKS, argv=[*TINY_GPT, *WIDE_GPT, "--data_dir", data_dir,
+                                                            "--strategy", "fsdp"])
+    gc.collect()
+    _reset_peak_rss()
+    before = _peak_rss_bytes()
+    task, config = train.build_task(args, rank, None)  # a task that gives a built model builds it here
+    train.build_model(task, config, rank, torch.device("cpu"))
+    growth = _peak_rss_bytes() - before
+    whole = sum(p.numel() * p.element_size() for p in task.model.parameters())
+    ranks: list = [None] * world_size
+    torch.distributed.all_gather_object(ranks, growth)
+    out["wide"] = {"peak_growth": ranks, "param_bytes": whole}
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, f"{world_size}.pt"))
+    end_process(0)  # as train.py's runs end: the process group destroyed; FSDP: no interpreter teardown
+
+
+def test_sharded_gpt_is_built_on_meta_with_the_weights_of_the_model_built_whole(tiny_corpus, tmp_path):
+    """The built-in GPT task gives a model factory, so under FSDP and HSDP
+    train.py's ``build_model`` builds it on the meta device and each rank
+    materialises its shards only: the gathered initial weights are bitwise
+    the same at 1, 2 and 4 ranks, under HSDP (2 x 2, activation checkpointing)
+    and as DDP's (the model built whole from the same --seed); and at 4 ranks
+    no rank's peak resident memory grows across ``build_task`` and ``build_model`` by the
+    model's parameter bytes (a GPT of 12.6 MB: its shard, 3.2 MB, and the
+    largest parameter, 1 MiB, are what it holds)."""
+    results = {}
+    for world_size in (1, 2, 4):
+        mp.spawn(_initial_weights_worker, args=(world_size, free_port(), str(tiny_corpus["shakespeare_char"]),
+                                                str(tmp_path)), nprocs=world_size)
+        results[world_size] = torch.load(tmp_path / f"{world_size}.pt")
+    reference = results[1]["ddp"]["weights"]
+    assert results[1]["ddp"]["factory"] and len(reference) == 2 + 2 * 6 + 2  # wte, wpe, 6 a block, ln_f, lm_head
+    for world_size, name in ((1, "fsdp"), (2, "fsdp"), (4, "fsdp"), (4, "hsdp")):
+        assert_bitwise(results[world_size][name]["weights"], reference)
+    wide = results[4]["wide"]
+    print(f"peak resident memory growth across build_task and build_model at 4 ranks: {wide['peak_growth']} bytes; "
+          f"parameters {wide['param_bytes']} bytes")
+    assert max(wide["peak_growth"]) < 0.6 * wide["param_bytes"], wide
 
 
 # --------------------------------------------------------------------------

@@ -52,9 +52,9 @@ from recipes import build_optimizer  # the recipe's meaning, which the rungs sha
 from .checks import check_before_training, downloaders_first
 from .cli import output_flags, parse_args, task_flag_values, task_models
 from .config import RunConfig, is_sharded, resolve_config
-from .distributed import Watch, answer_stack_requests, backend_for, broadcast_buffers, check_fsdp_backend, \
-    device_for, enable_flight_recorder, launcher_store, print_sharded_memory, raise_open_file_limit, shard_model, \
-    share_cpu_cores, stack_folder, watch_collectives
+from .distributed import Watch, answer_stack_requests, backend_for, broadcast_buffers, build_on_meta, \
+    check_fsdp_backend, device_for, enable_flight_recorder, launcher_store, materialize_shards, \
+    print_sharded_memory, raise_open_file_limit, shard_model, share_cpu_cores, stack_folder, watch_collectives
 from .errors import one_line_errors
 from .logs import RunLog, StepLog, StepProfiler, describe_run, describe_task, flops_per_sample, print_sample, \
     throughput_figures
@@ -119,6 +119,8 @@ __all__ = [
     "check_fsdp_backend",
     "checkpoint_activations",
     "shard_model",
+    "build_on_meta",
+    "materialize_shards",
     # the loop: steps, time-outs, stops, evaluation, snapshots
     "EpochBatches",
     "evaluating",

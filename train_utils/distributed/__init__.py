@@ -10,12 +10,14 @@ face only.
   timeouts      start-up vs training time-out, which ranks did not arrive, what a restart resumes; the loop's Watch
   hang_report   on a time-out every live rank's stack on disk, its host, file:line and collectives
   fsdp          FSDP2 and HSDP sharding, the backend check, the state each rank holds
+  meta_build    a model built on the meta device, each rank's shards then materialised with their initial values
 """
 
 from .devices import OLDEST_TORCH, backend_for, device_for, enable_flight_recorder, peak_memory_mib, \
     rejoin_note, share_cpu_cores, torch_version, unusable_gpu_reason
-from .fsdp import binary_size, check_fsdp_backend, contiguous_parameters, local_state_bytes, model_sharded, print_sharded_memory, \
-    shard_model, state_line
+from .fsdp import binary_size, check_fsdp_backend, contiguous_parameters, local_state_bytes, model_sharded, \
+    print_sharded_memory, shard_model, state_line
+from .meta_build import InitRecord, build_on_meta, materialize_shards
 from .hang_report import ANSWER_WAIT_S, answer_stack_requests, finish_answer, hang_requested, making_report, \
     stack_folder, stop_answering
 from .launch import barrier, broadcast_buffers, gloo_group, launcher_store, raise_open_file_limit
@@ -25,8 +27,9 @@ from .timeouts import RanksStuck, Watch, is_timeout, note_snapshot, startup_time
 __all__ = [
     "OLDEST_TORCH", "backend_for", "device_for", "enable_flight_recorder", "peak_memory_mib", "rejoin_note",
     "share_cpu_cores", "torch_version", "unusable_gpu_reason",
-    "binary_size", "check_fsdp_backend", "contiguous_parameters", "local_state_bytes", "model_sharded", "print_sharded_memory",
-    "shard_model", "state_line",
+    "binary_size", "check_fsdp_backend", "contiguous_parameters", "local_state_bytes", "model_sharded",
+    "print_sharded_memory", "shard_model", "state_line",
+    "InitRecord", "build_on_meta", "materialize_shards",
     "ANSWER_WAIT_S", "answer_stack_requests", "finish_answer", "hang_requested", "making_report", "stack_folder",
     "stop_answering",
     "barrier", "broadcast_buffers", "gloo_group", "launcher_store", "raise_open_file_limit",

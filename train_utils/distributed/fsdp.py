@@ -44,7 +44,9 @@ def check_fsdp_backend() -> None:
 
 def shard_model(model: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype],
                 shard_size: int = 0) -> torch.nn.Module:
-    """Shard ``model`` (already on ``device``) in place with FSDP2; return it.
+    """Shard ``model`` (already on ``device``, or on the meta device:
+    ``meta_build.build_on_meta``, then ``materialize_shards`` gives it this
+    rank's shards) in place with FSDP2; return it.
 
     Each of ``common.fsdp_units`` becomes one FSDP unit, then the root takes the
     parameters left; a unit's are all-gathered just before its forward and backward.
