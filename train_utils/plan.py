@@ -36,7 +36,7 @@ from recipes import build_optimizer
 from .checks import check_loader_holds_a_step
 from .cli import output_flags, task_flag_values
 from .config import RunConfig, resolve_config
-from .distributed import binary_size, local_state_bytes, shard_model, state_line
+from .distributed import binary_size, build_on_meta, local_state_bytes, shard_model, state_line
 from .errors import one_line_errors
 from .loop import Progress, checkpoint_activations, fp32, nothing_to_train
 from .output import print_line
@@ -118,13 +118,16 @@ def parameters_on_meta():
 def task_with_model_on_meta(args: argparse.Namespace) -> tuple[common.Task, argparse.Namespace]:
     """The task ``args`` names, built by its task function as a run builds it
     (``common.load_task``, nothing downloaded), its model on the meta device
-    (``parameters_on_meta``); and the copy of ``args`` the task function
+    (``parameters_on_meta``; a task's model factory: ``build_on_meta``, as an
+    FSDP run builds it); and the copy of ``args`` the task function
     named its model in. Raises ConfigError as the task function does (data
     missing, bad sizes)."""
     torch.manual_seed(args.seed)
     task_args = argparse.Namespace(**vars(args))
     with parameters_on_meta():
         task = common.load_task(task_args, False)
+    if task.model_factory is not None:  # a factory builds at the first read: on meta, as FSDP builds it
+        task.model, _ = build_on_meta(task.model_factory)
     return task, task_args
 
 
