@@ -247,9 +247,14 @@ class Trainer:
         records = []
         if self.evaluations.due(self.progress.step, epoch_end=False):  # a stop came before or during it
             records.append(self._evaluate())
-        host = socket.gethostname()  # every rank reports, so the split across nodes and GPUs shows
-        train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {host}] epoch {epoch + 1} "
-                               f"| batch_size {self.train_data.batch_size} | steps {batches.total}")
+        # One line per epoch, rank 0's (every rank runs as many steps of as many samples; where each runs
+        # is the start-up placement line); --rank_lines: every rank's, naming it, as the ladder's rungs print.
+        line = f"epoch {epoch + 1} | batch_size {self.train_data.batch_size} | steps {batches.total}"
+        if self.config.rank_lines:
+            train_utils.print_line(f"[rank {self.rank} | local_rank {self.local_rank} | host {socket.gethostname()}] "
+                                   + line)
+        elif self.rank == 0:
+            train_utils.print_line(line)
         for source, targets in batches:
             self.watch.step(epoch, batches.done)  # where this rank is; until training runs, every rank's batch
             step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
@@ -542,7 +547,8 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
     """Collective: a run of ``args`` built from scratch: the task and the
     configuration (``build_task``; ``amp``: --amp as the job runs it), the
     model and optimizer (``build_model``), the loaders, the checks before
-    training; rank 0 prints the start-up line and the task line. Returns the ``Trainer``
+    training; rank 0 prints the start-up line, the placement line (where
+    each rank runs: ``train_utils.describe_placement``) and the task line. Returns the ``Trainer``
     (``log`` its outputs, ``hook`` its ``StepHook``) and the test split's
     loader (None: no test split). Raises ConfigError (one line) as
     ``build_task`` and ``check_before_training`` do."""
@@ -554,8 +560,10 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
                                        for data, train in ((task.train_set, True), (val_set, False),
                                                            (task.test_set, False)))
     train_utils.check_before_training(config, device, train_data)
+    placement = train_utils.gather_placement(local_rank, device)  # where each rank runs, said once by rank 0
     if dist.get_rank() == 0:
         train_utils.print_line(train_utils.describe_run(device, config))
+        train_utils.print_line(train_utils.describe_placement(placement))
         train_utils.print_line(train_utils.describe_task(args.dataset, task))
     return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config, hook), test_data
 

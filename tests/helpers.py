@@ -104,6 +104,41 @@ def evaluations(stdout: str) -> list[dict]:
     return [m.groupdict() for m in STEP_LINE.finditer(stdout)]
 
 
+# train.py's start-up line of where each rank runs (train_utils.describe_placement), one per start.
+PLACEMENT_LINE = re.compile(r"^placement: (.*)$", re.M)
+PLACEMENT_HOST = re.compile(r"^host (\S+): ranks? ([\d,-]+) \(local_rank ([\d,-]+), ([^)]+)\)$")
+
+
+def _numbers(ranges: str) -> list[int]:
+    """``0-3,8`` as [0, 1, 2, 3, 8] (train_utils.logs.startup.number_ranges, read back)."""
+    numbers = []
+    for part in ranges.split(","):
+        first, _, last = part.partition("-")
+        numbers += range(int(first), int(last or first) + 1)
+    return numbers
+
+
+def placements(stdout: str) -> list[set]:
+    """Each placement line of ``stdout`` (one per start of train.py) as the
+    set of (rank, local_rank, host) it names, its ranks and local ranks read
+    back from their ranges, pairwise in order."""
+    found = []
+    for line in PLACEMENT_LINE.findall(stdout):
+        seen = set()
+        for part in line.split(" | "):
+            host, ranks, locals_, _ = PLACEMENT_HOST.match(part).groups()
+            ranks, locals_ = _numbers(ranks), _numbers(locals_)
+            assert len(ranks) == len(locals_), line
+            seen |= {(rank, local, host) for rank, local in zip(ranks, locals_)}
+        found.append(seen)
+    return found
+
+
+def placement(stdout: str) -> set:
+    """Every (rank, local_rank, host) that ``stdout``'s placement lines name (``placements``), all starts together."""
+    return set().union(*placements(stdout))
+
+
 def parse_test(stdout: str) -> dict:
     m = TEST_LINE.search(stdout)
     assert m, f"no test line in:\n{stdout[-2000:]}"

@@ -46,14 +46,13 @@ import pytest
 from container_image import PREBUILT_VAR, RUN_TIMEOUT_S, Image, Podman, _checked, build, prebuilt, unavailable_reason
 from dataset_files import build_mnist_root
 from helpers import FAULTY_TRAIN_JOB_ENV, IN_CI, REPO, assert_same_snapshot, check, epochs, free_port, parse_test, \
-    run, run_together, wrapper_snapshot
+    placement, run, run_together, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 from slurm_jobs import SCENARIO_TIMEOUT_S, Scenario, check_resumes_exactly, drive, preempt, runs, \
     scontrol_requeue, show
 
 # tests/standins/apptainer: `apptainer exec` for a sandbox image (unshare, chroot).
 STANDINS = REPO / "tests" / "standins"
-RANK_LINE = re.compile(r"^\[rank (\d+) \| local_rank (\d+) \| host (\S+)\] epoch (\d+)", re.M)
 
 
 @pytest.fixture(scope="session")
@@ -146,9 +145,9 @@ def test_two_containers_as_two_nodes_learn_real_mnist(image, tmp_path):
     assert len(re.findall(r"^test \| loss", everything, re.M)) == 1
     assert parse_test(summaries[0])["acc"] >= 0.9  # one epoch (0.956 outside the container); chance is 0.1
     print("\n".join(line for line in summaries[0].splitlines() if line.startswith(("epoch", "test"))))
-    # Each container ran one process: global ranks 0 and 1, local rank 0 on both.
-    ranks = [(int(rank), int(local)) for rank, local, _, _ in RANK_LINE.findall(everything)]
-    assert sorted(set(ranks)) == [(0, 0), (1, 0)] and len(ranks) == 2  # 2 ranks x 1 epoch
+    # Each container ran one process: global ranks 0 and 1, local rank 0 on both (rank 0's placement line).
+    assert sorted((rank, local) for rank, local, _ in placement(everything)) == [(0, 0), (1, 0)], everything
+    assert len(re.findall(r"^epoch 1 \| batch_size 32 \| steps \d+$", everything, re.M)) == 1  # one line, rank 0's
     assert (shared / "snapshot_train.pt").is_file()  # train.py's default --snapshot_path
     records = [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("event") or ("epoch" if "epoch" in r else "test") for r in records] == [
@@ -203,7 +202,7 @@ def test_multi_node_wrapper_runs_each_node_in_the_container(image, cluster, tmp_
         image, cluster, tmp_path, "multi_node.sh", ["--total_epochs", "2"], ["--partition=multi", "--gres=gpu:1"],
         volumes={REPO: f"{REPO}:ro", tmp_path: str(tmp_path)}, env={"GLOO_SOCKET_IFNAME": NODE_IFACE})
     assert f"| 2 nodes (ddp-node[1-2]) x 1 processes | rendezvous ddp-node1:{15000 + job % 15000} |" in log
-    seen = {(int(rank), host) for rank, _, host, _ in RANK_LINE.findall(log)}
+    seen = {(rank, host) for rank, _, host in placement(log)}
     assert {rank for rank, _ in seen} == {0, 1} and {host for _, host in seen} == set(NETNS_NODES), log
     assert [e["epoch"] for e in epochs(log)] == [1, 2]  # global rank 0 alone prints the summary
     assert parse_test(log)["loss"] < 0.2

@@ -362,7 +362,7 @@ def test_resume_with_another_world_size(newcomer_walk, tmp_path):
             "seed)") in stdout_lines(more), more
     first, second = epochs(block.stdout)
     assert (first["epoch"], second["epoch"]) == (1, 2) and second["train_loss"] < first["train_loss"]
-    assert "] epoch 2 | batch_size 32 | steps 19" in more
+    assert "epoch 2 | batch_size 32 | steps 19" in stdout_lines(more)
     saved = newcomer_walk.saved("docs/fsdp.md", number, SNAPSHOT)
     assert sorted(os.listdir(saved)) == ["epoch-2"]
     weights, tensors = full_state(snapshot_folder(saved), tmp_path / "gathered")

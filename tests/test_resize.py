@@ -6,6 +6,7 @@ new ranks (the sampler's index sets here, in process; train.py end to end in
 tests/test_fault_tolerance.py and tests/test_elastic.py)."""
 
 import math
+import re
 import shutil
 import signal
 from collections import Counter
@@ -18,8 +19,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import train_utils
 from common import ConfigError
-from helpers import (FAULTY_TRAIN, REPO, PODS, check, epochs, error_lines, held_at_step, load_task, run, signal_when,
-                     snapshot_tensors, stdout_lines)
+from helpers import (FAULTY_TRAIN, REPO, PODS, check, epochs, error_lines, held_at_step, load_task, placements, run,
+                     signal_when, snapshot_tensors, stdout_lines)
 
 BATCH = 64
 FLAGS = ["--total_epochs", "3", "--batch_size", str(BATCH), "--lr_schedule", "cosine",
@@ -123,7 +124,7 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(saved, resu
     snapshot["rng_states"] = snapshot["rng_states"][:resumed]
     torch.save(snapshot, tmp_path / "reference" / name)
 
-    resized = check(run(launch, tmp_path / "resized"))
+    resized = check(run(launch + ["--rank_lines"], tmp_path / "resized"))  # every rank's epoch line
     reference = check(run(launch, tmp_path / "reference"))
 
     streams = f"random streams restored on ranks 0-{saved - 1}, rank {saved} starts from its seed"
@@ -132,9 +133,16 @@ def test_a_snapshot_from_an_epochs_end_resumes_at_another_world_size(saved, resu
             f"{steps[saved]} -> {steps[resumed]}; the cosine lr schedule with warm-up, counted in epochs, "
             f"goes on at step {steps[resumed]} of {3 * steps[resumed]}; {streams})") in stdout_lines(resized.stdout)
     assert f"resuming from snapshot {name} after epoch 1" in stdout_lines(reference.stdout)  # no note
-    # Each rank prints its epoch's steps.
-    assert "[rank 1 | local_rank 1 | host " in resized.stdout
-    assert f"] epoch 2 | batch_size {BATCH} | steps {steps[resumed]}" in resized.stdout
+    # Rank 0 says once where the resized world's ranks run; the epoch line is rank 0's alone, and
+    # every rank's, naming it, under --rank_lines.
+    assert {(rank, local) for rank, local, _ in placements(resized.stdout)[-1]} == \
+        {(rank, rank) for rank in range(resumed)}, resized.stdout
+    epoch_2 = f"epoch 2 | batch_size {BATCH} | steps {steps[resumed]}"
+    assert [line for line in stdout_lines(reference.stdout) if line.startswith("epoch 2 | batch_size")] == [epoch_2]
+    assert "[rank " not in reference.stdout
+    assert sorted(re.findall(rf"^\[rank (\d) \| local_rank (\d) \| host \S+\] {re.escape(epoch_2)}$",
+                             resized.stdout, re.M)) == [(str(rank), str(rank)) for rank in range(resumed)]
+    assert epoch_2 not in stdout_lines(resized.stdout)
 
     # Bitwise the run resumed without the resize path.
     epochs_a, a = snapshot_tensors(tmp_path / "resized" / name, rng=True)

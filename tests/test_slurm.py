@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, epochs, parse_test, script_env, wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, epochs, parse_test, placement, placements, script_env, \
+    wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 
@@ -32,7 +33,6 @@ from slurm_cluster import NETNS_NODES, NODE_IFACE
 SMALL = ["--mem=1G", "--cpus-per-task=1", "--time=15"]
 MULTI = ["--partition=multi"]
 JOB_TIMEOUT_S = 300
-RANK_LINE = re.compile(r"^\[rank (\d+) \| local_rank (\d+) \| host (\S+)\] epoch (\d+)", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_multi_node_wrapper_two_hosts_four_ranks_hsdp(cluster, jobs):
     assert info["NodeList"] == "ddp-node[1-2]"
     # The rendezvous: on the job's first host, at the port derived from the job id.
     assert f"| 2 nodes (ddp-node[1-2]) x 2 processes | rendezvous ddp-node1:{15000 + job % 15000} |" in log
-    seen = {(int(rank), int(local), host) for rank, local, host, _ in RANK_LINE.findall(log)}
+    seen = placement(log)
     assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")} \
         or seen == {(0, 0, "ddp-node2"), (1, 1, "ddp-node2"), (2, 0, "ddp-node1"), (3, 1, "ddp-node1")}, log
     assert "| world_size 4 | " in log and "| HSDP mesh replicate 2 x shard 2 |" in log, log
@@ -184,7 +184,7 @@ def test_srun_wrapper_one_task_per_gpu_on_two_hosts_each_in_the_container(cluste
     assert {(host, int(task)) for host, task in ran} >= {("ddp-node1", 0), ("ddp-node1", 1),
                                                          ("ddp-node2", 2), ("ddp-node2", 3)}, log
     assert "| 2 nodes (ddp-node[1-2]) x 2 tasks |" in log, log
-    seen = {(int(rank), int(local), host) for rank, local, host, _ in RANK_LINE.findall(log)}
+    seen = placement(log)
     # srun's default block distribution: ranks 0, 1 on the first host, 2, 3 on the second
     assert seen == {(0, 0, "ddp-node1"), (1, 1, "ddp-node1"), (2, 0, "ddp-node2"), (3, 1, "ddp-node2")}, log
     assert "| HSDP mesh replicate 2 x shard 2 |" in log, log
@@ -214,7 +214,7 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
         outputs.append((agent.returncode, (folder / f"{node}.out").read_text(), (folder / f"{node}.err").read_text()))
     for code, stdout, stderr in outputs:
         assert code == 0, stderr[-3000:]
-    seen = {(int(rank), host) for _, stdout, _ in outputs for rank, _, host, _ in RANK_LINE.findall(stdout)}
+    seen = {(rank, host) for _, stdout, _ in outputs for rank, _, host in placement(stdout)}
     assert {rank for rank, _ in seen} == {0, 1, 2, 3}
     assert {host for _, host in seen} == set(NETNS_NODES)
     summary = [stdout for _, stdout, _ in outputs if epochs(stdout)]
@@ -248,8 +248,7 @@ def test_pods_with_the_plain_environment_train_and_resume(cluster, tmp_path):
     first = pods(cluster, tmp_path, flags)
     for code, _, stderr in first:
         assert code == 0, stderr[-3000:]
-    seen = {(int(rank), int(local), host) for _, stdout, _ in first
-            for rank, local, host, _ in RANK_LINE.findall(stdout)}
+    seen = {where for _, stdout, _ in first for where in placement(stdout)}
     assert seen == {(0, 0, "ddp-node1"), (1, 0, "ddp-node2")}
     again = pods(cluster, tmp_path, flags[:-1] + ["2"])
     for code, _, stderr in again:
@@ -291,7 +290,7 @@ def test_the_skypilot_task_files_run_commands_train_on_two_nodes(cluster, tmp_pa
     first = launch("--dataset synthetic --total_epochs 1")
     for code, _, stderr in first:
         assert code == 0, stderr[-3000:]
-    hosts = {host for _, stdout, _ in first for _, _, host, _ in RANK_LINE.findall(stdout)}
+    hosts = {host for _, stdout, _ in first for _, _, host in placement(stdout)}
     assert hosts == set(NETNS_NODES)
     again = launch("--dataset synthetic --total_epochs 2")
     summary = "".join(stdout for _, stdout, _ in again)
@@ -342,7 +341,7 @@ def elastic_job_loses_a_host(cluster, folder) -> tuple[int, Path]:
         assert time.monotonic() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), log
         time.sleep(0.5)
         log = log_path.read_text() if log_path.exists() else ""
-    hosts = {int(rank): host for rank, _, host, _ in RANK_LINE.findall(log)}
+    hosts = {rank: host for rank, _, host in placement(log)}
     assert hosts == {0: "ddp-node1", 1: "ddp-node2"}, log  # the rendezvous (and batch) host survives
     try:
         with cluster.configured(f"SlurmdTimeout={ELASTIC_SLURMD_TIMEOUT_S}"):
@@ -377,8 +376,8 @@ def test_elastic_multi_node_goes_on_without_a_dead_node_and_completes(cluster, t
     resumed = re.findall(r"^resuming from snapshot \S+ in epoch 1 after step 40 \(saved by world_size 2, "
                          r"resumed by 1: .*; epoch 1 goes on after 1280 of its 2048 samples \(step 20 by "
                          r"world_size 2\) at step 40, the rest split over 1 rank\b.*$", log, re.M)
-    assert len(resumed) == 1 and "[rank 0 | local_rank 0 | host ddp-node1] epoch 1 | batch_size 32 | steps 24" \
-        in log, log
+    assert len(resumed) == 1 and placements(log)[-1] == {(0, 0, "ddp-node1")}, log
+    assert "\nepoch 1 | batch_size 32 | steps 24\n" in log, log
     assert [e["epoch"] for e in epochs(log)] == [1], log  # summarised once, by the world of one
     assert epoch_samples(tmp_path) == [ELASTIC_TRAINED]  # every digit of the epoch once
     assert parse_test(log)

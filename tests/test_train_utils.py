@@ -184,6 +184,31 @@ def test_gpus_torch_cannot_use_are_reported_with_torchs_reason(monkeypatch, one_
     assert start.startswith("device cpu | backend gloo | world_size 1 | global batch size 32")
 
 
+def test_placement_line_groups_ranks_by_host_and_reads_back():
+    """describe_placement: one part per host, in the order of its first rank,
+    its ranks, local ranks and devices as ranges in the ranks' order; the
+    tests' reader (helpers.placements, which the Slurm and container tests
+    use) gives back every (rank, local_rank, host)."""
+    from helpers import placements
+    from train_utils.logs.startup import number_ranges
+
+    assert number_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11" and number_ranges([0, 0]) == "0,0"
+    eight = [(rank, rank % 4, f"gpu{rank // 4 + 1}", f"cuda:{rank % 4}") for rank in range(8)]
+    line = train_utils.describe_placement(list(reversed(eight)))  # any order in: by rank out
+    assert line == ("placement: host gpu1: ranks 0-3 (local_rank 0-3, cuda:0-3) | "
+                    "host gpu2: ranks 4-7 (local_rank 0-3, cuda:0-3)")
+    # srun's cyclic distribution; two containers that share a host name; one rank alone
+    cyclic = [(rank, rank // 2, f"n{rank % 2}", "cpu") for rank in range(4)]
+    assert train_utils.describe_placement(cyclic) == ("placement: host n0: ranks 0,2 (local_rank 0-1, cpu) | "
+                                                      "host n1: ranks 1,3 (local_rank 0-1, cpu)")
+    shared = [(0, 0, "box", "cpu"), (1, 0, "box", "cpu"), (2, 0, "solo", "cpu")]
+    assert train_utils.describe_placement(shared) == ("placement: host box: ranks 0-1 (local_rank 0,0, cpu) | "
+                                                      "host solo: rank 2 (local_rank 0, cpu)")
+    for where in (eight, cyclic, shared):
+        text = "device cpu | ...\n" + train_utils.describe_placement(where) + "\ntask ...\n"
+        assert placements(text) == [{(rank, local, host) for rank, local, host, _ in where}]
+
+
 def test_torchs_reason_survives_its_warning_being_given_once(monkeypatch):
     """torch warns about an unusable driver once per process, at the first
     is_available() call, which the scripts make in device_for, before the start-up

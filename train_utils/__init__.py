@@ -56,8 +56,8 @@ from .distributed import Watch, answer_stack_requests, backend_for, broadcast_bu
     check_fsdp_backend, device_for, enable_flight_recorder, launcher_store, materialize_shards, \
     print_sharded_memory, raise_open_file_limit, shard_model, share_cpu_cores, stack_folder, watch_collectives
 from .errors import one_line_errors
-from .logs import RunLog, StepLog, StepProfiler, describe_run, describe_task, flops_per_sample, print_sample, \
-    throughput_figures
+from .logs import RunLog, StepLog, StepProfiler, describe_placement, describe_run, describe_task, flops_per_sample, \
+    gather_placement, print_sample, throughput_figures
 from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progress, Recipe, \
     ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, autocast, batches_for_every_rank, \
     batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, compile_model, compute_precision, \
@@ -89,6 +89,8 @@ __all__ = [
     "stack_folder",
     "answer_stack_requests",
     "describe_run",
+    "gather_placement",
+    "describe_placement",
     "describe_task",
     "downloaders_first",
     "claim_snapshot_path",

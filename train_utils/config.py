@@ -161,6 +161,10 @@ class RunConfig:
         "--seed, the same in every evaluation and every run (nanoGPT's eval_iters x batch_size); 0: all "
         f"(default: the task's; tokens 2400, else {RECIPE_DEFAULTS['eval_windows']})",
         group=OUTPUT, task_default=True, type=non_negative_int)
+    rank_lines: bool = flag(
+        False, "every rank prints its own line at each epoch's start, naming its rank, local_rank and host "
+               "(default: one line, from rank 0; where each rank runs is the start-up placement line)",
+        group=OUTPUT, action="store_true")
     profile_dir: Optional[str] = flag(
         None, "trace training steps 3-7 with torch.profiler on every rank, one trace file per rank here, for "
               "Perfetto or chrome://tracing (default: no profiler)", group=OUTPUT)

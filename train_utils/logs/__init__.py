@@ -2,7 +2,7 @@
 train_utils import it through this face only.
 
   module        concern
-  startup       the start-up line: what runs where, the global batch size, the notes before it
+  startup       the start-up line: what runs where, the global batch size, the notes before it; the placement line
   metrics       the epoch line, JSON lines, TensorBoard, W&B: one RunLog per run; rank 0's progress line
   wandb_run     Weights & Biases: one run per training, its id kept in snapshots (reached through RunLog only)
   profiling     torch.profiler over a few steps, one trace per rank
@@ -12,9 +12,9 @@ train_utils import it through this face only.
 
 from .metrics import RunLog, StepLog, tensorboard_missing
 from .profiling import StepProfiler
-from .startup import describe_run, describe_task
+from .startup import describe_placement, describe_run, describe_task, gather_placement
 from .text_out import print_sample
 from .throughput import flops_per_sample, throughput_figures
 
-__all__ = ["RunLog", "StepLog", "tensorboard_missing", "StepProfiler", "describe_run", "describe_task", "print_sample",
+__all__ = ["RunLog", "StepLog", "tensorboard_missing", "StepProfiler", "describe_placement", "describe_run", "describe_task", "gather_placement", "print_sample",
            "flops_per_sample", "throughput_figures"]

@@ -1,13 +1,14 @@
 """The start-up line: what runs where (device, backend, world size, the
 device mesh, CPU threads, the precision), the global batch size, and the
 notes that go before it (unusable GPUs, an old torch, a torchrun whose
-restarted nodes cannot rejoin); and the task line after it: what trains on
-what.
+restarted nodes cannot rejoin); the placement line after it: which ranks
+run on which host and device; and the task line: what trains on what.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,60 @@ def describe_run(device: torch.device, config: RunConfig) -> str:
         line = (f"note: torch {torch.__version__} is untested here (oldest tested: torch "
                 f"{'.'.join(map(str, OLDEST_TORCH))}); older ones can hang at exit, see docs/install.md\n" + line)
     return line
+
+
+def gather_placement(local_rank: int, device: torch.device) -> list:
+    """Collective (one ``all_gather_object``): where every rank runs, a list
+    indexed by rank of ``(rank, local_rank, host, device)``, ``host`` the
+    rank's ``socket.gethostname()`` and ``device`` its torch device as a
+    string (``"cuda:3"``, ``"cpu"``). Every rank gets the whole list."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), local_rank, socket.gethostname(), str(device)))
+    return everyone
+
+
+def number_ranges(numbers) -> str:
+    """``numbers`` (ints) in their order, each run of consecutive ascending
+    ones as ``first-last``: ``[0, 1, 2, 3, 8, 10, 11]`` gives ``0-3,8,10-11``."""
+    runs: list = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+
+
+def _devices(devices: list) -> str:
+    """Devices as strings (``"cuda:0"``, ``"cpu"``), one per rank, in one
+    short text: each type once, with the indices of its devices as ranges
+    in the ranks' order (``cuda:0-3``; ``cpu``)."""
+    by_type: dict = {}
+    for device in devices:
+        kind, _, index = device.partition(":")
+        by_type.setdefault(kind, [])
+        if index:
+            by_type[kind].append(int(index))
+    return ",".join(f"{kind}:{number_ranges(indices)}" if indices else kind for kind, indices in by_type.items())
+
+
+def describe_placement(placement: list) -> str:
+    """The placement line, one per run whatever the world size: where the
+    ranks of ``placement`` (``gather_placement``'s list) run, grouped by
+    host in the order of each host's first rank, each host's ranks and, in
+    the same order, their local ranks and devices as ranges
+    (``number_ranges``). E.g. ``placement: host a: ranks 0-3 (local_rank
+    0-3, cuda:0-3) | host b: ranks 4-7 (local_rank 0-3, cuda:0-3)``; one
+    rank on a host: ``host a: rank 0 (local_rank 0, cpu)``."""
+    hosts: dict = {}
+    for rank, local_rank, host, device in sorted(placement):
+        hosts.setdefault(host, []).append((rank, local_rank, device))
+    parts = []
+    for host, ranks in hosts.items():
+        numbers = number_ranges(rank for rank, _, _ in ranks)
+        parts.append(f"host {host}: rank{'s' if len(ranks) > 1 else ''} {numbers} (local_rank "
+                     f"{number_ranges(local for _, local, _ in ranks)}, {_devices([d for _, _, d in ranks])})")
+    return "placement: " + " | ".join(parts)
 
 
 def restart_note(env=None) -> str:
