@@ -33,6 +33,9 @@ from slurm_cluster import NETNS_NODES, NODE_IFACE
 SMALL = ["--mem=1G", "--cpus-per-task=1", "--time=15"]
 MULTI = ["--partition=multi"]
 JOB_TIMEOUT_S = 300
+# The ladder's rungs (multinode.py) print a line per rank and epoch; train.py says where each rank
+# runs in rank 0's placement line (helpers.placement).
+RUNG_RANK_LINE = re.compile(r"^\[rank (\d+) \| local_rank (\d+) \| host (\S+)\] epoch (\d+)", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +217,7 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
         outputs.append((agent.returncode, (folder / f"{node}.out").read_text(), (folder / f"{node}.err").read_text()))
     for code, stdout, stderr in outputs:
         assert code == 0, stderr[-3000:]
-    seen = {(rank, host) for _, stdout, _ in outputs for rank, _, host in placement(stdout)}
+    seen = {(int(rank), host) for _, stdout, _ in outputs for rank, _, host, _ in RUNG_RANK_LINE.findall(stdout)}
     assert {rank for rank, _ in seen} == {0, 1, 2, 3}
     assert {host for _, host in seen} == set(NETNS_NODES)
     summary = [stdout for _, stdout, _ in outputs if epochs(stdout)]
