@@ -34,8 +34,8 @@ def test_snapshot_visible_on_one_node_only_is_refused(finished_run, tmp_path):
     not on node 1 would resume one and restart the other. The kit refuses, and
     the existing snapshot is left as it was. Under TORCH_CPP_LOG_LEVEL=ERROR
     (docs/runs.md) the second node's torchrun, which comes to the rendezvous
-    store after the first has exited with it, prints no C++ stack, while the
-    run's error line still shows."""
+    store after the first has exited with it (on most runs: a race), prints
+    no C++ stack, while the run's error line still shows."""
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node0.mkdir()
     node1.mkdir()
@@ -46,7 +46,9 @@ def test_snapshot_visible_on_one_node_only_is_refused(finished_run, tmp_path):
     errors = [line for _, _, err in outputs for line in error_lines(err)]
     assert errors == ["error: snapshot snapshot_train.pt is missing on ranks [1] but present on others; "
                       "--snapshot_path must be on storage that every node shares"]
-    assert "has failed to shutdown the rendezvous" in outputs[1][2], outputs[1][2][-3000:]  # the store was gone
+    # Whether the second agent reaches the store after it is gone ("has failed to shutdown the
+    # rendezvous") depends on the machine's load; the 3 s look makes it likely, not certain. Either
+    # way no C++ stack shows (without the setting, 29 lines when it happens).
     stacks = [line for _, _, err in outputs for line in cpp_stack_lines(err)]
     assert stacks == [], "\n".join(stacks)
     assert (node0 / "snapshot_train.pt").read_bytes() == before
