@@ -320,8 +320,7 @@ class RunConfig:
         its --max_steps and --warmup_steps still mean the samples (a
         language model's tokens) the run planned, as nanoGPT's iterations
         of a fixed number of tokens do."""
-        budget = self.budget_batch or self.global_batch
-        return -(-steps * budget // self.global_batch)  # ceil, in integers
+        return steps_in_batch(steps, self.budget_batch or self.global_batch, self.global_batch)
 
     @property
     def max_steps_now(self) -> int:
@@ -397,6 +396,13 @@ def task_defaults() -> tuple:
 def per_process() -> tuple:
     """Flags that may differ between the processes of one job: node-local paths, CPU counts, what rank 0 writes."""
     return _having("per_process")
+
+
+def steps_in_batch(steps: int, planned_batch: int, batch: int) -> int:
+    """``steps`` optimizer steps of a global batch of ``planned_batch``
+    samples as steps of ``batch``: the same samples, rounded up to whole
+    steps (``RunConfig.steps_now``)."""
+    return -(-steps * planned_batch // batch)  # ceil, in integers
 
 
 def batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:

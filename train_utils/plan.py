@@ -40,8 +40,8 @@ from .distributed import binary_size, build_on_meta, local_state_bytes, shard_mo
 from .errors import one_line_errors
 from .loop import Progress, checkpoint_activations, fp32, nothing_to_train
 from .output import print_line
-from .snapshots import Found, ShardedSnapshots, SnapshotFile, held_samples, mesh_name, position, read_snapshot, \
-    saved_budget_batch
+from .snapshots import Found, ShardedSnapshots, SnapshotFile, held_samples, mesh_name, newest_complete, position, \
+    read_snapshot, saved_budget_batch
 
 PLAN_FORMAT = re.compile(r"(\d+)x(\d+)")
 # How long a plan's one training step may replay on fake tensors (two iterations of at most two micro-batches).
@@ -211,9 +211,9 @@ def replay_step(model: torch.nn.Module, config: RunConfig, task: common.Task, so
 def newest_snapshot(path: str, sharded: bool) -> Optional[str]:
     """The snapshot a run of ``path`` (--snapshot_path) would resume, read only:
     the file itself (DDP), or the newest complete folder (FSDP, HSDP:
-    ``ShardedSnapshots.newest``); None where there is none."""
+    ``newest_complete``, read only); None where there is none."""
     if sharded:
-        return ShardedSnapshots(path).newest() if os.path.isdir(path) else None
+        return newest_complete(path)
     return path if os.path.isfile(path) else None
 
 

@@ -28,6 +28,7 @@ import json
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Optional
@@ -101,12 +102,9 @@ def watch_preemption_notice(cloud: Optional[str], local_rank: int) -> Optional[t
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--preemption_notice {cloud}: the instance metadata service at {notice.base} does not "
                           f"answer ({exc}); run on a {cloud.upper()} instance, or drop --preemption_notice") from None
-    stopped = threading.Event()
-
     def watch(posted: Optional[str]) -> None:
         while posted is None:
-            if stopped.wait(POLL_S):
-                return
+            time.sleep(POLL_S)
             try:
                 posted = notice.ask()
             except (OSError, ValueError):
@@ -115,6 +113,5 @@ def watch_preemption_notice(cloud: Optional[str], local_rank: int) -> Optional[t
         request_stop(f"the {NAMES[cloud]}")
 
     thread = threading.Thread(target=watch, args=(first,), name="preemption notice", daemon=True)
-    thread.stopped = stopped
     thread.start()
     return thread

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .sampler import batches_per_epoch
+from ..config import steps_in_batch
 from ..snapshots import position
 
 
@@ -232,7 +233,7 @@ class Progress:
         total, budget = config["total_epochs"] * self.steps_per_epoch, ""
         if config["max_steps"]:  # steps of the run's first global batch: the same samples at this size
             planned, now_batch = config["budget_batch"], batch * accum[1] * now
-            total = -(-config["max_steps"] * planned // now_batch)
+            total = steps_in_batch(config["max_steps"], planned, now_batch)
             budget = (f"; --max_steps {config['max_steps']} (steps of the first start's global batch {planned}) "
                       f"is {total} steps of {now_batch}")
         if config["lr_schedule"] != "constant" or warmup:

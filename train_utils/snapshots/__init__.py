@@ -23,9 +23,9 @@ from .checkpointer import Checkpointer, Found, claim_snapshot_path, held_samples
 from .claims import release_claim
 from .file import START_AFRESH, SnapshotFile, read_snapshot
 from .position import position
-from .sharded import ShardedSnapshots, mesh_name
+from .sharded import ShardedSnapshots, mesh_name, newest_complete
 from .weights import load_initial_weights, take_initial_sizes
 
 __all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "held_samples", "saved_budget_batch",
            "START_AFRESH", "position", "load_initial_weights", "take_initial_sizes",
-           "SnapshotFile", "ShardedSnapshots", "read_snapshot", "mesh_name"]
+           "SnapshotFile", "ShardedSnapshots", "read_snapshot", "mesh_name", "newest_complete"]

@@ -84,12 +84,6 @@ class ShardedSnapshots:
             return message[0]
         return None
 
-    def newest(self) -> Optional[str]:
-        """The newest complete folder in ``root`` (the furthest position of the
-        folder names, ``meta.pt`` in it), None where there is none; read only,
-        no collective (what ``latest`` would return, for a plan: ``plan.newest_snapshot``)."""
-        return newest_complete(self.root)
-
     def read(self, folder: str, config: dict) -> dict:
         """Collective: ``read_snapshot`` of ``folder``'s META (the weights are
         in its DCP shards), then every rank checks its share of the shards
