@@ -157,6 +157,18 @@ def tiny_corpus(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (support/s3_server.py), one per test
+    process: each test makes its own bucket (``s3_server.create_bucket``) and
+    gives its runs ``s3_server.env()``."""
+    from support.s3_server import S3Server
+
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def finished_run(kit_run):
     """Puts a finished run's snapshot in a folder: what ``torchrun --standalone
     --nproc_per_node=2 train.py --total_epochs TOTAL_EPOCHS --strategy
