@@ -31,13 +31,31 @@ def _os_error(exc: BaseException) -> Optional[OSError]:
     return None
 
 
+def _bucket_cause(exc: BaseException) -> str:
+    """What a store's failure ``exc`` (a ``bucket.BucketError``, or an
+    exception it caused) was, in a few words; '' for another exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "bucket_cause", ""):
+            return exc.bucket_cause
+        exc = exc.__cause__ or exc.__context__
+    return ""
+
+
 def save_failure(exc: BaseException, target: str, intact: str) -> Optional[RunFailed]:
     """The one line for a save of ``target`` that failed with ``exc`` when
-    the system refused a write (an OSError: a full disk, a quota), as a
+    the system refused a write (an OSError: a full disk, a quota), or a
+    bucket's store failed (``bucket.BucketError``), as a
     RunFailed naming the cause, which snapshot is intact (``intact``: its path
     and position, '' when none was saved yet) and what to do; None for any
     other exception. A DCP CheckpointException (a sharded save, raised on
     every rank) gives ``every_rank``."""
+    cause = _bucket_cause(exc)
+    if cause:  # a store that failed or refused (bucket.BucketError): the previous generation is intact
+        kept = (f"snapshot {intact} is intact: fix that, then run the same command to resume from it" if intact
+                else "no snapshot was saved before: fix that, or pass another --snapshot_path")
+        return RunFailed(f"cannot save snapshot {target}: {cause}; {kept}")
     error = _os_error(exc)
     if error is None:
         return None
