@@ -21,7 +21,7 @@ WINGS = {
     "loop": ["epoch", "evaluation", "evaluations", "loaders", "notice", "numerics", "progress", "recipe", "sampler",
              "speed", "stop"],
     "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
-    "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",
+    "snapshots": ["bucket", "checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",
                   "writer"],
 }
 TOP = ["checks", "cli", "config", "ending", "errors", "output", "plan"]

@@ -10,6 +10,7 @@ and ``load_initial_weights``, a new run's weights from elsewhere (--init_from); 
 
   module        concern
   checkpointer  the Checkpointer: find, load, save, wait, close; the parts it is given
+  bucket        snapshots in a bucket (s3://): generations committed by a manifest; the claim as a lease
   file          the file format (DDP): atomic save; reading one, "same run?" checks
   sharded       the sharded format (FSDP): a folder of DCP shards per save, complete when meta.pt is
   writer        snapshots written in the background, one at a time; the CPU staging; the clock
