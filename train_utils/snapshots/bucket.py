@@ -107,7 +107,7 @@ def client(path: str):
 
 def error_code(exc: BaseException) -> str:
     """The S3 error code of a botocore ClientError ("NoSuchBucket", "412"...), '' for another exception."""
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+    return str(((getattr(exc, "response", None) or {}).get("Error") or {}).get("Code", ""))
 
 
 def describe(exc: BaseException, path: str) -> str:
@@ -117,14 +117,15 @@ def describe(exc: BaseException, path: str) -> str:
     bucket = path[len(SCHEME):].split("/", 1)[0]
     endpoint = getattr(getattr(_CLIENT.get("client"), "meta", None), "endpoint_url", "the store")
     code, name = error_code(exc), type(exc).__name__
-    if code in ("NoSuchBucket", "404") and "Key" not in str(getattr(exc, "response", {}).get("Error", {})):
+    if code in ("NoSuchBucket", "404") and "Key" not in str((getattr(exc, "response", None) or {}).get("Error")):
         return f"bucket {bucket} does not exist at {endpoint}: create it, or pass another --snapshot_path"
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                 "InvalidToken") or name in ("NoCredentialsError", "PartialCredentialsError"):
         return (f"{endpoint} denies access to bucket {bucket} ({code or name}): check the credentials "
                 f"(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and the bucket's policy")
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-                "ProxyConnectionError", "ResponseStreamingError", "IncompleteReadError"):
+    if isinstance(exc, OSError) or name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                                             "ConnectionClosedError", "ProxyConnectionError",
+                                             "ResponseStreamingError", "IncompleteReadError"):
         return (f"the store at {endpoint} does not answer ({name} after {MAX_ATTEMPTS} attempts): check "
                 f"AWS_ENDPOINT_URL and that the store is up")
     detail = str(exc).splitlines()[0][:200] if str(exc) else name
@@ -136,8 +137,9 @@ def _request(path: str, call: Callable, *args, **kwargs):
     BucketError that says what is wrong (``describe``)."""
     try:
         return call(*args, **kwargs)
-    except Exception as exc:
-        if type(exc).__module__.startswith(("botocore", "boto3", "s3transfer", "urllib3")):
+    except Exception as exc:  # botocore's errors, or a connection's (OSError) that s3transfer passes on
+        if isinstance(exc, OSError) or type(exc).__module__.startswith(("botocore", "boto3", "s3transfer",
+                                                                         "urllib3")):
             raise BucketError(describe(exc, path)) from exc
         raise
 
