@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -200,3 +201,95 @@ def test_an_upload_cut_mid_stream_keeps_the_previous_snapshot_which_the_resume_c
     assert_same_snapshot(reference_path, bucket_snapshot(s3_server, "cuts", "snap.pt", tmp_path))
     assert s3_server.keys("cuts") == ["snap.pt/00000003/manifest.json", "snap.pt/00000003/snapshot.pt"]
     assert local_files(cut_folder, resume_folder) == []
+
+
+@pytest.fixture
+def store_env(monkeypatch):
+    """Point this process's bucket client at a store: ``store_env(variables)``
+    sets them (and drops the client made for another store)."""
+    def point(variables: dict) -> None:
+        for key, value in variables.items():
+            monkeypatch.setenv(key, value)
+        bucket._CLIENT.clear()
+    yield point
+    bucket._CLIENT.clear()
+
+
+def test_bad_places_get_one_line_each_within_90_s(s3_server, store_env, monkeypatch, tmp_path):
+    """A bucket that does not exist (a real run: exit 2, one line, nothing
+    written), an endpoint that does not answer (connections refused, tried
+    3 times), denied credentials (a store that checks them: moto's with
+    its IAM checks on): one line each, in well under 90 s; and where boto3
+    is not installed, the line says what to install."""
+    from support.ports import free_port
+    from support.s3_server import S3Server
+
+    started = time.monotonic()
+    missing = run(ONE_RANK + [REPO / "train.py", "--snapshot_path", "s3://no-such-bucket/a/snap.pt"], tmp_path,
+                  **s3_server.env())
+    assert missing.returncode == 2 and error_lines(missing.stderr) == [
+        f"error: cannot use --snapshot_path s3://no-such-bucket/a/snap.pt: bucket no-such-bucket does not exist at "
+        f"{s3_server.url}: create it, or pass another --snapshot_path"], missing.stderr
+    assert local_files(tmp_path) == []
+
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    store_env(dict(s3_server.env(), AWS_ENDPOINT_URL=down))
+    assert bucket.check_bucket("s3://runs/a/snap.pt") == (
+        f"cannot use --snapshot_path s3://runs/a/snap.pt: the store at {down} does not answer "
+        f"(EndpointConnectionError after 3 attempts): check AWS_ENDPOINT_URL and that the store is up")
+
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # moto checks every request's credentials
+    strict = S3Server()
+    try:
+        store_env(strict.env())
+        assert bucket.check_bucket("s3://runs/a/snap.pt") == (
+            f"cannot use --snapshot_path s3://runs/a/snap.pt: {strict.url} denies access to bucket runs (403): "
+            f"check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and the "
+            f"bucket's policy")
+    finally:
+        strict.stop()
+    assert time.monotonic() - started < 90
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as where boto3 is not installed: its import fails
+    bucket._CLIENT.clear()
+    assert bucket.check_bucket("s3://runs/a/snap.pt") == (
+        "--snapshot_path s3://runs/a/snap.pt is in a bucket, which needs boto3 and s3fs: pip install boto3 s3fs")
+
+
+def test_the_resume_chooses_the_newest_generation_its_manifest_commits(s3_server, store_env):
+    """``choose_generation``: the newest generation whose manifest exists and
+    whose objects match it, never one without a manifest (an upload never
+    committed) or one whose object is short of its manifest's size (torn);
+    a multipart upload (parts of 5 MiB) is committed and read back whole,
+    and the claim holder's clean-up removes the uncommitted generations and
+    aborts a multipart upload never completed, keeping the committed one."""
+    def manifest(size: int) -> dict:
+        return {"objects": {"snapshot.pt": {"size": size, "sha256": "0"}}}
+
+    manifests = {"r/00000002/manifest.json": manifest(10), "r/00000004/manifest.json": manifest(10)}
+    sizes = {"r/00000002/snapshot.pt": 10, "r/00000002/manifest.json": 1,
+             "r/00000003/snapshot.pt": 10,  # no manifest: never committed
+             "r/00000004/snapshot.pt": 7, "r/00000004/manifest.json": 1,  # torn: shorter than its manifest says
+             "r2/00000009/manifest.json": 1, "r/00000005": 3}  # another snapshot's; not a generation's object
+    chosen = bucket.choose_generation("r", sizes, manifests.get)
+    assert (chosen.number, chosen.prefix) == (2, "r/00000002")
+    assert bucket.choose_generation("r", {"r/00000003/snapshot.pt": 10}, manifests.get) is None
+
+    s3_server.create_bucket("parts")
+    store_env(s3_server.env())
+    path = "s3://parts/big/snap.pt"
+    store = bucket.SnapshotBucket(path, part_bytes=5 * 2**20)
+    data = os.urandom(6 * 2**20)  # two parts
+    store.write_generation(1, data, "epoch 1", 32)
+    s3 = s3_server.client()
+    s3.put_object(Bucket="parts", Key="big/snap.pt/00000002/snapshot.pt", Body=b"never committed")
+    upload = s3.create_multipart_upload(Bucket="parts", Key="big/snap.pt/00000003/snapshot.pt")
+    s3.upload_part(Bucket="parts", Key="big/snap.pt/00000003/snapshot.pt", UploadId=upload["UploadId"],
+                   PartNumber=1, Body=os.urandom(5 * 2**20))
+    assert bucket.remove_uncommitted(path) == ["big/snap.pt/00000002/snapshot.pt"]
+    assert s3.list_multipart_uploads(Bucket="parts").get("Uploads", []) == []
+    assert s3_server.keys("parts") == ["big/snap.pt/00000001/manifest.json", "big/snap.pt/00000001/snapshot.pt"]
+    generation = bucket.newest_generation(path)
+    assert generation.number == 1 and generation.manifest["budget_batch"] == 32
+    store.chosen = generation
+    assert store._download().getvalue() == data
