@@ -272,7 +272,7 @@ def test_the_resume_chooses_the_newest_generation_its_manifest_commits(s3_server
              "r/00000004/snapshot.pt": 7, "r/00000004/manifest.json": 1,  # torn: shorter than its manifest says
              "r2/00000009/manifest.json": 1, "r/00000005": 3}  # another snapshot's; not a generation's object
     chosen = bucket.choose_generation("r", sizes, manifests.get)
-    assert (chosen.number, chosen.prefix) == (2, "r/00000002")
+    assert (chosen.name, chosen.prefix) == ("00000002", "r/00000002")
     assert bucket.choose_generation("r", {"r/00000003/snapshot.pt": 10}, manifests.get) is None
 
     s3_server.create_bucket("parts")
@@ -290,6 +290,6 @@ def test_the_resume_chooses_the_newest_generation_its_manifest_commits(s3_server
     assert s3.list_multipart_uploads(Bucket="parts").get("Uploads", []) == []
     assert s3_server.keys("parts") == ["big/snap.pt/00000001/manifest.json", "big/snap.pt/00000001/snapshot.pt"]
     generation = bucket.newest_generation(path)
-    assert generation.number == 1 and generation.manifest["budget_batch"] == 32
+    assert generation.name == "00000001" and generation.manifest["budget_batch"] == 32
     store.chosen = generation
     assert store._download().getvalue() == data

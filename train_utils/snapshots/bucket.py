@@ -43,7 +43,7 @@ from common import ConfigError
 from ..distributed import note_snapshot
 from ..output import first_error, print_line
 from .claims import _HELD, live_holder, this_run
-from .position import position_tag
+from .position import position_tag, tag_position
 from .writer import CpuStaging
 
 SCHEME = "s3://"
@@ -150,40 +150,52 @@ def _request(path: str, call: Callable, *args, **kwargs):
 
 @dataclass(frozen=True)
 class Generation:
-    """A committed generation: its number, its key prefix (``K/<number>``)
-    and its manifest (a dict: "objects" {name: {"size": bytes, "sha256":
-    hex}}, "position", "budget_batch")."""
+    """A committed generation: its name (a DDP snapshot's number, 8 digits;
+    a sharded save's position tag, "epoch-3-step-40"), its key prefix
+    (``K/<name>``) and its manifest (a dict: "format", "objects" {name
+    relative to the prefix: {"size": bytes, and "sha256" (hex) or "etag"}},
+    "position", "budget_batch")."""
 
-    number: int
+    name: str
     prefix: str
     manifest: dict
 
 
-def generation_number(key: str, root: str) -> Optional[int]:
-    """The generation of object ``key`` under ``root`` (``root/00000007/...``), None for another key."""
+def generation_order(name: str) -> Optional[tuple]:
+    """Where generation ``name`` stands among others (the larger, the newer):
+    (n,) for a DDP snapshot's number, (epochs_run, steps_run) for a sharded
+    save's position tag; None for a name that is neither."""
+    if name.isdigit():
+        return (int(name),)
+    return tag_position(name)
+
+
+def generation_name(key: str, root: str) -> Optional[str]:
+    """The generation of object ``key`` under ``root`` (``root/<name>/...``), None for another key."""
     rest = key[len(root) + 1:] if key.startswith(root + "/") else ""
-    number = rest.split("/", 1)[0]
-    return int(number) if number.isdigit() and "/" in rest else None
+    name = rest.split("/", 1)[0]
+    return name if "/" in rest and generation_order(name) is not None else None
 
 
 def choose_generation(root: str, sizes: dict, read_manifest: Callable[[str], Optional[dict]]) -> Optional[Generation]:
-    """The newest complete generation under ``root``: ``sizes`` is every
-    object under it, {key: size in bytes}; ``read_manifest(key)`` the parsed
-    manifest at ``key`` (None where it cannot be read). Complete: its
-    manifest exists and every object it names exists with the size it
-    gives. None when no generation is complete. (Digests are checked when
-    the object is read: ``SnapshotBucket.read``.)"""
-    numbers = sorted({n for key in sizes for n in [generation_number(key, root)] if n is not None}, reverse=True)
-    for number in numbers:
-        prefix = f"{root}/{number:08d}"
+    """The newest complete generation under ``root`` (``generation_order``):
+    ``sizes`` is every object under it, {key: size in bytes};
+    ``read_manifest(key)`` the parsed manifest at ``key`` (None where it
+    cannot be read). Complete: its manifest exists and every object it names
+    exists with the size it gives. None when no generation is complete.
+    (Contents are checked when read: a DDP snapshot's SHA-256,
+    ``SnapshotBucket.read``; a sharded save's CRC-32s, ``sharded.shard_damage``.)"""
+    names = {name for key in sizes for name in [generation_name(key, root)] if name is not None}
+    for name in sorted(names, key=generation_order, reverse=True):
+        prefix = f"{root}/{name}"
         if f"{prefix}/{MANIFEST}" not in sizes:
             continue
         manifest = read_manifest(f"{prefix}/{MANIFEST}")
         objects = (manifest or {}).get("objects")
         if not isinstance(objects, dict) or not objects:
             continue
-        if all(sizes.get(f"{prefix}/{name}") == entry.get("size") for name, entry in objects.items()):
-            return Generation(number, prefix, manifest)
+        if all(sizes.get(f"{prefix}/{obj}") == entry.get("size") for obj, entry in objects.items()):
+            return Generation(name, prefix, manifest)
     return None
 
 
@@ -225,13 +237,54 @@ def remove_uncommitted(path: str) -> list:
     abort_uploads(s3, bucket, root, path)
     sizes = list_sizes(s3, bucket, root, path)
     chosen = choose_generation(root, sizes, lambda key: read_json(s3, bucket, key, path))
-    committed = {n for key in sizes for n in [generation_number(key, root)] if n is not None
-                 and f"{root}/{n:08d}/{MANIFEST}" in sizes and (chosen is None or n <= chosen.number)}
-    if chosen is not None:
-        committed.add(chosen.number)
-    stale = [key for key in sizes if generation_number(key, root) not in committed]
+    names = {generation_name(key, root) for key in sizes} - {None}
+    kept = {name for name in names if chosen is not None and f"{root}/{name}/{MANIFEST}" in sizes
+            and generation_order(name) <= generation_order(chosen.name)}
+    stale = [key for key in sizes if generation_name(key, root) in names - kept]
     delete_keys(s3, bucket, stale, path)
     return stale
+
+
+def remove_others(s3, path: str, bucket: str, root: str, name: str) -> None:
+    """Remove every generation under ``root`` but ``name`` (the one just committed): retention,
+    one snapshot, as on a disk. Other objects under ``root`` stay."""
+    sizes = list_sizes(s3, bucket, root, path)
+    delete_keys(s3, bucket, [key for key in sizes if generation_name(key, root) not in (None, name)], path)
+
+
+def read_object(path: str, url: str) -> io.BytesIO:
+    """The object at ``url`` (s3://bucket/key), read whole into memory. Raises
+    ConfigError (one line) naming --snapshot_path ``path`` when the store fails."""
+    bucket, key = url[len(SCHEME):].split("/", 1)
+    try:
+        return io.BytesIO(_request(path, lambda: client(path).get_object(Bucket=bucket, Key=key)["Body"].read()))
+    except BucketError as exc:
+        raise ConfigError(f"cannot read snapshot {path}: {exc.bucket_cause}") from None
+
+
+def commit_sharded(path: str, folder: str, meta: dict, tag: str) -> None:
+    """Complete a sharded save (every rank's DCP shards and index written
+    under ``folder``, s3://BUCKET/ROOT/<tag>): ``meta`` written there as
+    ``META`` (serialized in memory), then the manifest naming every object of
+    the save with its size and ETag, written only if absent (the commit);
+    then every other generation removed. Raises BucketError as
+    ``SnapshotBucket.write_generation`` does."""
+    from .sharded import ShardedSnapshots
+
+    s3, (bucket, root) = client(path), split_path(path)
+    prefix, name = folder[len(SCHEME) + len(bucket) + 1:], folder.rstrip("/").rsplit("/", 1)[1]
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    put_object(s3, path, bucket, f"{prefix}/{ShardedSnapshots.META}", buffer.getbuffer(), 64 * 2**20)
+    pages = _request(path, lambda: list(s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                                     Prefix=prefix + "/")))
+    objects = {item["Key"][len(prefix) + 1:]: {"size": item["Size"], "etag": item["ETag"].strip('"')}
+               for page in pages for item in page.get("Contents", []) if not item["Key"].endswith("/" + MANIFEST)}
+    manifest = {"format": "sharded", "generation": name, "position": tag,
+                "budget_batch": budget_batch_of(dict(meta["config"], world_size=meta.get("world_size"))),
+                "objects": objects}
+    commit(s3, path, bucket, f"{prefix}/{MANIFEST}", manifest)
+    remove_others(s3, path, bucket, root, name)
 
 
 def read_json(s3, bucket: str, key: str, path: str) -> Optional[dict]:
@@ -320,8 +373,8 @@ class SnapshotBucket:
             try:
                 s3 = client(self.path)
                 sizes = list_sizes(s3, self.bucket, self.root, self.path)
-                self.generation = max([n for key in sizes for n in [generation_number(key, self.root)]
-                                       if n is not None], default=0)
+                self.generation = max([int(name) for key in sizes for name in [generation_name(key, self.root)]
+                                       if name and name.isdigit()], default=0)
                 message[0] = choose_generation(self.root, sizes,
                                                lambda key: read_json(s3, self.bucket, key, self.path))
             except BucketError as exc:
@@ -332,7 +385,7 @@ class SnapshotBucket:
         if error:
             raise ConfigError(error)
         self.chosen = message[0]
-        if self.chosen is not None and self.chosen.manifest.get("format", "file") != "file":
+        if self.chosen is not None and self.chosen.manifest.get("format") != "file":
             raise ConfigError(f"--snapshot_path {self.path} holds FSDP/HSDP snapshots (sharded saves), where "
                               f"--strategy ddp keeps one object: resume it with --strategy fsdp (or hsdp), or "
                               f"pass another --snapshot_path")
@@ -422,9 +475,7 @@ class SnapshotBucket:
         manifest = {"format": "file", "generation": number, "position": tag, "budget_batch": budget,
                     "objects": {SNAPSHOT_OBJECT: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
         commit(s3, self.path, self.bucket, f"{prefix}/{MANIFEST}", manifest)
-        sizes = list_sizes(s3, self.bucket, self.root, self.path)
-        delete_keys(s3, self.bucket, [key for key in sizes if generation_number(key, self.root) != number],
-                    self.path)
+        remove_others(s3, self.path, self.bucket, self.root, f"{number:08d}")
 
     def close(self) -> None:
         """The run's end, its last save written: the staging buffers freed."""

@@ -82,9 +82,6 @@ def claim_snapshot_path(path: str, sharded: bool) -> None:
     A path in a bucket (``s3://``) is checked, claimed and cleaned there
     (``bucket.claim_bucket_snapshot``)."""
     if in_bucket(path):
-        if sharded:
-            raise ConfigError(f"--snapshot_path {path}: FSDP and HSDP snapshots in a bucket are not built yet; "
-                              f"use --strategy ddp, or a --snapshot_path on shared storage")
         claim_bucket_snapshot(path)
         return
     rank = dist.get_rank()
