@@ -293,3 +293,58 @@ def test_the_resume_chooses_the_newest_generation_its_manifest_commits(s3_server
     assert generation.name == "00000001" and generation.manifest["budget_batch"] == 32
     store.chosen = generation
     assert store._download().getvalue() == data
+
+
+def test_fsdp_stopped_by_sigterm_and_sigkill_resumes_from_the_bucket_bitwise(s3_server, kit_run, tmp_path):
+    """FSDP's DCP saves in a bucket: 2 ranks stopped by SIGTERM mid-epoch
+    (the save committed by its manifest); from another empty folder 1 rank
+    resumes it (DCP reshards it from the bucket) and is SIGKILLed before its
+    next save; from a third 2 ranks resume the same save and finish:
+    bitwise the uninterrupted run's with local snapshots; no working folder
+    holds a snapshot; the bucket keeps one save."""
+    from helpers import assert_bitwise, full_state, snapshot_folder
+
+    flags = ["--strategy", "fsdp", "--total_epochs", "2", "--save_every", "1"]  # 29 steps an epoch at 2 ranks
+    reference, reference_stdout = kit_run("fsdp", *flags[2:])
+    s3_server.create_bucket("sharded")
+    path = "s3://sharded/runs/fsdp"
+    env = dict(s3_server.env(), OMP_NUM_THREADS="1")
+    folders = [tmp_path / name for name in ("first", "second", "third", "saved")]
+    for folder in folders:
+        folder.mkdir()
+    two_ranks = PODS + ["--nproc_per_node=2"]
+    hold, line = held_at_step(10)
+    held = subprocess.Popen([str(part) for part in two_ranks + [FAULTY_TRAIN, *flags, "--snapshot_path", path]],
+                            cwd=folders[0], env=script_env(**hold, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_line(held, line)
+        held.send_signal(signal.SIGTERM)
+        log = held.communicate(timeout=120)[0]
+    finally:
+        if held.poll() is None:
+            held.kill()
+    saved = re.search(r"^epoch 1 step (\d+) \| snapshot saved at (s3://sharded/runs/fsdp/epoch-1-step-\d+)$", log,
+                      re.M)
+    assert saved, log[-3000:]
+    step, folder = saved.groups()
+
+    killed = run(ONE_RANK + [FAULTY_TRAIN, *flags, "--snapshot_path", path], folders[1],
+                 DDP_TEST_FAULT="step:0:3:kill", **env)
+    assert (f"resuming from snapshot {folder} in epoch 1 after step {2 * int(step)} (saved by world_size 2, "
+            f"resharded to 1: weights and optimizer state exact;") in killed.stdout, killed.stdout[-3000:]
+    assert killed.returncode != 0 and "test | loss" not in killed.stdout
+
+    resumed = check(run(two_ranks + [REPO / "train.py", *flags, "--snapshot_path", path], folders[2], **env))
+    assert f"resuming from snapshot {folder} in epoch 1 after step {step}\n" in resumed.stdout, resumed.stdout[-3000:]
+    assert parse_test(resumed.stdout) == parse_test(reference_stdout)
+    assert local_files(*folders[:3]) == []
+    keys = s3_server.keys("sharded")
+    assert {key.split("/")[2] for key in keys} == {"epoch-2"}, keys
+    for key in keys:  # the committed save, fetched for DCP's converter
+        target = folders[3] / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(s3_server.client().get_object(Bucket="sharded", Key=key)["Body"].read())
+    _, in_bucket = full_state(folders[3] / "runs" / "fsdp" / "epoch-2", tmp_path / "gathered-bucket")
+    _, local = full_state(snapshot_folder(reference / "snapshot_train_fsdp"), tmp_path / "gathered-local")
+    assert_bitwise(in_bucket, local)
