@@ -84,6 +84,7 @@ class BucketError(Exception):
 
 
 _CLIENT: dict = {}
+_LEASES: dict = {}  # --snapshot_path -> the Lease this process holds on it (rank 0's)
 
 
 def client(path: str):
@@ -130,6 +131,18 @@ def describe(exc: BaseException, path: str) -> str:
                 f"AWS_ENDPOINT_URL and that the store is up")
     detail = str(exc).splitlines()[0][:200] if str(exc) else name
     return f"the store at {endpoint} failed ({detail})"
+
+
+def configure_fsspec() -> None:
+    """Give s3fs (through which DCP writes and reads sharded saves) the
+    bounds of this module's boto3 client (``client``), where the user's
+    fsspec configuration sets none: time-outs and attempts. Its endpoint and
+    credentials come from the same AWS variables and files."""
+    import fsspec
+
+    conf = fsspec.config.conf.setdefault("s3", {})
+    conf.setdefault("config_kwargs", {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                                      "retries": {"max_attempts": MAX_ATTEMPTS, "mode": "standard"}})
 
 
 def _request(path: str, call: Callable, *args, **kwargs):
@@ -262,20 +275,18 @@ def read_object(path: str, url: str) -> io.BytesIO:
         raise ConfigError(f"cannot read snapshot {path}: {exc.bucket_cause}") from None
 
 
-def commit_sharded(path: str, folder: str, meta: dict, tag: str) -> None:
+def commit_sharded(path: str, folder: str, meta: dict, tag: str, meta_name: str) -> None:
     """Complete a sharded save (every rank's DCP shards and index written
     under ``folder``, s3://BUCKET/ROOT/<tag>): ``meta`` written there as
-    ``META`` (serialized in memory), then the manifest naming every object of
+    ``meta_name`` (``ShardedSnapshots.META``, serialized in memory), then the manifest naming every object of
     the save with its size and ETag, written only if absent (the commit);
     then every other generation removed. Raises BucketError as
     ``SnapshotBucket.write_generation`` does."""
-    from .sharded import ShardedSnapshots
-
     s3, (bucket, root) = client(path), split_path(path)
     prefix, name = folder[len(SCHEME) + len(bucket) + 1:], folder.rstrip("/").rsplit("/", 1)[1]
     buffer = io.BytesIO()
     torch.save(meta, buffer)
-    put_object(s3, path, bucket, f"{prefix}/{ShardedSnapshots.META}", buffer.getbuffer(), 64 * 2**20)
+    put_object(s3, path, bucket, f"{prefix}/{meta_name}", buffer.getbuffer(), 64 * 2**20)
     pages = _request(path, lambda: list(s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
                                                                                      Prefix=prefix + "/")))
     objects = {item["Key"][len(prefix) + 1:]: {"size": item["Size"], "etag": item["ETag"].strip('"')}
@@ -304,6 +315,37 @@ def newest_generation(path: str) -> Optional[Generation]:
     return choose_generation(root, list_sizes(s3, bucket, root, path), lambda key: read_json(s3, bucket, key, path))
 
 
+def newest_snapshot_url(path: str, sharded: bool) -> Optional[str]:
+    """What a run of --snapshot_path ``path`` would resume, read only and in
+    this process alone: ``path`` for a DDP snapshot, the save's s3:// folder
+    for a sharded one; None where no generation is complete."""
+    generation = newest_generation(path)
+    if generation is None:
+        return None
+    return f"{SCHEME}{split_path(path)[0]}/{generation.prefix}" if sharded else path
+
+
+def read_newest(path: str, sharded: bool, config: dict, meta_name: str = "meta.pt") -> dict:
+    """The newest complete snapshot at ``path`` read and checked as a run
+    reads it (a DDP snapshot's SHA-256, then the file's checks; a sharded
+    save's ``meta_name``, ``ShardedSnapshots.META``), in this process alone,
+    for a plan. Raises ConfigError as ``SnapshotBucket.read`` does, or when
+    there is none."""
+    from .file import check_same_run, load_snapshot
+
+    generation = newest_generation(path)
+    if generation is None:
+        raise ConfigError(f"no snapshot at --snapshot_path {path}")
+    if sharded:
+        folder = newest_snapshot_url(path, True)
+        snapshot = load_snapshot(read_object(path, f"{folder}/{meta_name}"), folder)
+        check_same_run(snapshot, folder, config)
+        return snapshot
+    store = SnapshotBucket(path)
+    store.chosen = generation
+    return store.read(path, config)
+
+
 def saved_budget_batch(path: str) -> Optional[int]:
     """The global batch size the run at ``path`` started with, as its newest
     complete generation's manifest records it; None where there is none."""
@@ -325,7 +367,12 @@ def put_object(s3, path: str, bucket: str, key: str, data, part_bytes: int) -> N
 def commit(s3, path: str, bucket: str, key: str, manifest: dict) -> None:
     """Write ``manifest`` at ``key`` if no object is there (If-None-Match: *):
     the commit. Raises BucketError when the store refuses (another writer
-    committed that generation: precondition failed)."""
+    committed that generation: precondition failed), or when this process's
+    lease on ``path`` was taken over by another run (``Lease.lost``)."""
+    lease = _LEASES.get(path)
+    if lease is not None and lease.lost:
+        raise BucketError(f"the lease {lease.bucket}/{lease.key} was taken over by another run (this one could not "
+                          f"renew it within {LEASE_TTL_S:.0f} s): two runs must not write one snapshot")
     try:
         s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(manifest, indent=1).encode(), IfNoneMatch="*",
                       ContentType="application/json")
@@ -605,7 +652,8 @@ def claim_bucket_snapshot(path: str) -> None:
         if not error:
             error, etag = take_lease(path, me, {(run["host"], run["pid"], run.get("pidns", "")) for run in runs})
             if not error:
-                _HELD.update(release=Lease(path, me, etag).release)
+                _LEASES[path] = Lease(path, me, etag)
+                _HELD.update(release=_LEASES[path].release)
                 try:
                     remove_uncommitted(path)
                 except BucketError as exc:

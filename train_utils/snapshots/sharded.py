@@ -56,6 +56,7 @@ class ShardedSnapshots:
         if bucket.in_bucket(root):  # DCP writes through fsspec (s3fs), whose files have no fsync: the manifest,
             # written once every object is stored, is what commits a save there
             warnings.filterwarnings("ignore", message="fsync not supported for this stream")
+            bucket.configure_fsspec()
 
     def folder(self, tag: str) -> str:
         """The folder of a new snapshot at position ``tag`` ("epoch 3 step 40")."""
@@ -225,7 +226,8 @@ class ShardedSnapshots:
         now, it was the one a restart resumed from). In a bucket: the same,
         the manifest written last (``bucket.commit_sharded``)."""
         if bucket.in_bucket(folder):
-            bucket.commit_sharded(self.root, folder, meta, position_tag(meta["epochs_run"], meta["steps_run"]))
+            bucket.commit_sharded(self.root, folder, meta, position_tag(meta["epochs_run"], meta["steps_run"]),
+                                  self.META)
             return
         atomic_save(meta, os.path.join(folder, self.META))
         for _name, other, _where in self._folders():
