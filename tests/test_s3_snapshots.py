@@ -120,41 +120,29 @@ def test_stopped_by_sigterm_and_sigkill_resumes_from_the_bucket_in_another_empty
     assert len(keys) == 2 and keys[0].endswith(bucket.MANIFEST) and keys[1].endswith(bucket.SNAPSHOT_OBJECT), keys
 
 
-def test_a_second_live_run_is_refused_by_the_lease_and_a_dead_runs_lease_is_taken_over(s3_server):
+def test_a_second_live_run_is_refused_by_the_lease_and_a_dead_runs_lease_is_taken_over(s3_server, store_env):
     """The claim in the bucket: a lease of a live run on another host
     (renewed just now) refuses this run in the one line a local claim gives;
     a lease of a dead process on this host is taken over (If-Match), and
-    released at the end if still this run's."""
+    released at the end if still this run's. (A live run of this host
+    refused by its lease: the SIGTERM test above.)"""
     s3_server.create_bucket("leases")
-    env = s3_server.env()
-    for key, value in env.items():
-        os.environ[key] = value
-    bucket._CLIENT.clear()
-    try:
-        path = "s3://leases/a/snap.pt"
-        me = {"host": "this-host", "pid": str(os.getpid()), "start": "1"}
-        other = {"host": "elsewhere", "pid": "7"}
-        s3 = s3_server.client()
-        s3.put_object(Bucket="leases", Key="a/snap.pt.lease", Body=json.dumps(other).encode())
-        error, etag = bucket.take_lease(path, me, set())
-        assert error.startswith("snapshot s3://leases/a/snap.pt is in use by pid 7 on host elsewhere, whose lease "
-                                "leases/a/snap.pt.lease was renewed ") and "two live runs must not write" in error
-        assert etag == ""
-        dead = {"host": os.uname().nodename, "pid": str(2**22 + 17)}  # beyond pid_max: no such process
-        import socket
-        dead["host"] = socket.gethostname()
-        s3.put_object(Bucket="leases", Key="a/snap.pt.lease", Body=json.dumps(dead).encode())
-        me = dict(me, host=socket.gethostname())
-        error, etag = bucket.take_lease(path, me, set())
-        assert error == "" and etag
-        assert json.loads(s3.get_object(Bucket="leases", Key="a/snap.pt.lease")["Body"].read()) == me
-        lease = bucket.Lease(path, me, etag)
-        lease.release()
-        assert s3_server.keys("leases") == []
-    finally:
-        for key in env:
-            os.environ.pop(key, None)
-        bucket._CLIENT.clear()
+    store_env(s3_server.env())
+    path, host = "s3://leases/a/snap.pt", socket.gethostname()
+    me = {"host": host, "pid": str(os.getpid()), "start": "1"}
+    s3 = s3_server.client()
+    s3.put_object(Bucket="leases", Key="a/snap.pt.lease", Body=json.dumps({"host": "elsewhere", "pid": "7"}).encode())
+    error, etag = bucket.take_lease(path, me, set())
+    assert error.startswith("snapshot s3://leases/a/snap.pt is in use by pid 7 on host elsewhere, whose lease "
+                            "leases/a/snap.pt.lease was renewed ") and "two live runs must not write" in error
+    assert etag == ""
+    dead = {"host": host, "pid": str(2**22 + 17)}  # beyond Linux's largest pid: no such process
+    s3.put_object(Bucket="leases", Key="a/snap.pt.lease", Body=json.dumps(dead).encode())
+    error, etag = bucket.take_lease(path, me, set())
+    assert error == "" and etag
+    assert json.loads(s3.get_object(Bucket="leases", Key="a/snap.pt.lease")["Body"].read()) == me
+    bucket.Lease(path, me, etag).release()
+    assert s3_server.keys("leases") == []
 
 
 def test_an_upload_cut_mid_stream_keeps_the_previous_snapshot_which_the_resume_chooses(

@@ -383,6 +383,12 @@ def commit(s3, path: str, bucket: str, key: str, manifest: dict) -> None:
         raise BucketError(describe(exc, path)) from exc
 
 
+def newest_number(sizes: dict, root: str) -> int:
+    """The largest DDP generation number among the keys of ``sizes`` under ``root``, committed or not; 0 for none."""
+    return max([int(name) for key in sizes for name in [generation_name(key, root)] if name and name.isdigit()],
+               default=0)
+
+
 def budget_batch_of(config: dict) -> Optional[int]:
     """The global batch size --max_steps counts in, of a run's ``config``
     (``RunConfig.as_dict`` with its world size): "budget_batch", else
@@ -408,7 +414,7 @@ class SnapshotBucket:
         self.bucket, self.root = split_path(path)
         self.staging = CpuStaging()  # the background write's CPU buffers, reused by every snapshot
         self.chosen: Optional[Generation] = None  # the generation ``latest`` found
-        self.generation = 0  # rank 0: the newest generation number seen or written
+        self.generation: Optional[int] = None  # rank 0: the newest generation number seen or written
 
     def latest(self) -> Optional[str]:
         """Collective: ``path`` when it holds a complete generation (rank 0
@@ -420,8 +426,7 @@ class SnapshotBucket:
             try:
                 s3 = client(self.path)
                 sizes = list_sizes(s3, self.bucket, self.root, self.path)
-                self.generation = max([int(name) for key in sizes for name in [generation_name(key, self.root)]
-                                       if name and name.isdigit()], default=0)
+                self.generation = newest_number(sizes, self.root)
                 message[0] = choose_generation(self.root, sizes,
                                                lambda key: read_json(s3, self.bucket, key, self.path))
             except BucketError as exc:
@@ -498,6 +503,9 @@ class SnapshotBucket:
         state = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict())
         state = self.staging.copy(state) if asynchronous else state
         tag = position_tag(state["epochs_run"], state["steps_run"])
+        if self.generation is None:  # no ``latest`` before: a new number must still pass every one in the bucket
+            self.generation = newest_number(list_sizes(client(self.path), self.bucket, self.root, self.path),
+                                            self.root)
         self.generation += 1
         number, budget = self.generation, budget_batch_of(state["config"])
 
