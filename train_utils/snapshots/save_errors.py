@@ -52,11 +52,13 @@ def save_failure(exc: BaseException, target: str, intact: str) -> Optional[RunFa
     other exception. A DCP CheckpointException (a sharded save, raised on
     every rank) gives ``every_rank``."""
     cause = _bucket_cause(exc)
+    error = _os_error(exc)
+    if not cause and error is not None and target.startswith("s3://"):  # s3fs's failure inside a sharded save
+        cause = f"the store failed ({error.strerror or type(error).__name__}: {str(error)[:160]})"
     if cause:  # a store that failed or refused (bucket.BucketError): the previous generation is intact
         kept = (f"snapshot {intact} is intact: fix that, then run the same command to resume from it" if intact
                 else "no snapshot was saved before: fix that, or pass another --snapshot_path")
-        return RunFailed(f"cannot save snapshot {target}: {cause}; {kept}")
-    error = _os_error(exc)
+        return RunFailed(f"cannot save snapshot {target}: {cause}; {kept}", every_rank=hasattr(exc, "failures"))
     if error is None:
         return None
     cause = error.strerror or type(error).__name__
