@@ -15,20 +15,35 @@ _SAVE_FIX = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space 
              errno.EROFS: "make that file system writable", errno.EACCES: "make that folder writable"}
 
 
-def _os_error(exc: BaseException) -> Optional[OSError]:
-    """The OSError ``exc`` is or wraps (its cause or context, or one rank's
-    failure inside a DCP CheckpointException), else None."""
+def _wrapped(exc: BaseException, wanted) -> Optional[BaseException]:
+    """The first exception for which ``wanted(exception)`` is true among
+    ``exc``, its causes and contexts, and each rank's failure inside a DCP
+    CheckpointException; else None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError):
+        if wanted(exc):
             return exc
         for failure in getattr(exc, "failures", {}).values():  # DCP: rank -> (exception, stack)
-            found = _os_error(failure[0] if isinstance(failure, tuple) else failure)
+            found = _wrapped(failure[0] if isinstance(failure, tuple) else failure, wanted)
             if found:
                 return found
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _os_error(exc: BaseException) -> Optional[OSError]:
+    """The OSError ``exc`` is or wraps (its cause or context, or one rank's
+    failure inside a DCP CheckpointException), else None."""
+    return _wrapped(exc, lambda e: isinstance(e, OSError))
+
+
+def _store_error(exc: BaseException) -> Optional[BaseException]:
+    """The failure of a request to an object store that ``exc`` is or wraps
+    (botocore's, aiobotocore's, aiohttp's or s3transfer's, as s3fs and boto3
+    raise them, or a connection's OSError), else None."""
+    return _wrapped(exc, lambda e: isinstance(e, OSError) or type(e).__module__.split(".")[0] in (
+        "botocore", "aiobotocore", "aiohttp", "s3transfer", "urllib3"))
 
 
 def _bucket_cause(exc: BaseException) -> str:
@@ -52,9 +67,13 @@ def save_failure(exc: BaseException, target: str, intact: str) -> Optional[RunFa
     other exception. A DCP CheckpointException (a sharded save, raised on
     every rank) gives ``every_rank``."""
     cause = _bucket_cause(exc)
+    if not cause and target.startswith("s3://"):  # s3fs's failure inside a sharded save (DCP's)
+        failure = _store_error(exc)
+        if failure is not None:
+            from .bucket import describe  # a bucket's snapshots alone need it
+
+            cause = describe(failure, target)
     error = _os_error(exc)
-    if not cause and error is not None and target.startswith("s3://"):  # s3fs's failure inside a sharded save
-        cause = f"the store failed ({error.strerror or type(error).__name__}: {str(error)[:160]})"
     if cause:  # a store that failed or refused (bucket.BucketError): the previous generation is intact
         kept = (f"snapshot {intact} is intact: fix that, then run the same command to resume from it" if intact
                 else "no snapshot was saved before: fix that, or pass another --snapshot_path")
