@@ -20,7 +20,7 @@ WINGS = {
     "distributed": ["devices", "fsdp", "hang_report", "kernels", "launch", "meta_build", "rendezvous", "timeouts"],
     "loop": ["epoch", "evaluation", "evaluations", "loaders", "notice", "numerics", "progress", "recipe", "sampler",
              "speed", "stop"],
-    "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
+    "logs": ["goodput", "metrics", "profiling", "startup", "text_out", "throughput", "timeline", "wandb_run"],
     "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",
                   "writer"],
 }
