@@ -155,6 +155,10 @@ class Trainer:
         # The loss in fp32, compiled as a graph of its own under --compile (DDP and FSDP alike).
         self.loss_fn = train_utils.training_loss(task.loss_fn, config.compile)
         self.to_device = train_utils.HostToDevice(device, self.rank)  # queued, not waited for
+        # Each step's time by phase on this rank (data, compute, collective, snapshot), no device sync;
+        # under DDP the wait for slower ranks in the gradient all-reduce counts as collective, not compute.
+        self.phases = train_utils.StepPhases(device)
+        train_utils.time_gradient_sync(self.model, self.phases)
         self.profiler = train_utils.StepProfiler(config.profile_dir, device)  # --profile_dir: a few steps traced
 
     @property
@@ -202,7 +206,8 @@ class Trainer:
                 # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
                 # saves after the first epoch and can skip the last one.
                 if (epoch + 1) % self.config.save_every == 0 or epoch + 1 == self.config.total_epochs:
-                    self.checkpointer.save()
+                    with self.phases.phase("snapshot"):
+                        self.checkpointer.save()
             self.checkpointer.wait(together=True)  # the last snapshot written before the run reports its end
             self.stop.close()
         except BaseException:
@@ -255,12 +260,13 @@ class Trainer:
                                    + line)
         elif self.rank == 0:
             train_utils.print_line(line)
-        for source, targets in batches:
+        for source, targets in self.phases.data(batches):  # the wait for each batch timed as "data"
             self.watch.step(epoch, batches.done)  # where this rank is; until training runs, every rank's batch
             step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
             if self.hook and self.progress.steps_run % self.config.grad_accum_steps == 0:
                 self.hook.before(step)
-            loss = self.train_step(source, targets)
+            with self.phases.phase("compute"):
+                loss = self.train_step(source, targets)
             if self.hook:
                 self.hook.after(step, loss)
             self.evaluations.add(loss, len(targets))
@@ -269,12 +275,16 @@ class Trainer:
                 continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
             self.step_log.step(self.progress.step, epoch, self.evaluations, self.recipe.last_lr)
             # Every rank learns of a stop signal, and of rank 0's snapshot clock, at the same step.
-            if self.stop.poll(request=self.checkpointer.request()):
+            with self.phases.phase("collective"):
+                stopping = self.stop.poll(request=self.checkpointer.request())
+            if stopping:
                 self._stop()
             if self.evaluations.due(self.progress.step, epoch_end=False):
                 records.append(self._evaluate())
             if self.checkpointer.due(self.progress.epoch_step, self.stop.requested) and batches.left:
-                self.checkpointer.save()  # not at the epoch's end: that snapshot comes next
+                with self.phases.phase("snapshot"):
+                    self.checkpointer.save()  # not at the epoch's end: that snapshot comes next
+            self.phases.end_step()
         self.watch.after_steps(epoch)
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
             train_utils.print_sharded_memory(self.model, self.optimizer, self.device)

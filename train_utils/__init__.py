@@ -59,9 +59,10 @@ from .errors import one_line_errors
 from .logs import RunLog, StepLog, StepProfiler, describe_placement, describe_run, describe_task, flops_per_sample, \
     gather_placement, print_sample, throughput_figures
 from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progress, Recipe, \
-    ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, autocast, batches_for_every_rank, \
+    ResumableDistributedSampler, SeededFetches, StepPhases, StopSignal, Stopped, autocast, batches_for_every_rank, \
     batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, compile_model, compute_precision, \
     eval_subset, evaluating, fewest_batches, fp32, loader_workers, nothing_to_train, rebuild_ddp_buckets, \
+    time_gradient_sync, \
     report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss, \
     watch_preemption_notice
 from .output import print_line
@@ -125,6 +126,8 @@ __all__ = [
     "materialize_shards",
     # the loop: steps, time-outs, stops, evaluation, snapshots
     "EpochBatches",
+    "StepPhases",
+    "time_gradient_sync",
     "evaluating",
     "Watch",
     "StopSignal",
