@@ -135,6 +135,10 @@ class Trainer:
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.compute_dtype)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
+        self.phases = train_utils.StepPhases(device)  # each step's time by phase on this rank, no device sync
+        # A rank slower than its peers in a phase, named by rank 0: the figures ride on the stop signal's all-reduce.
+        self.stop.watch = train_utils.StragglerWatch(self.phases, self.rank, dist.get_world_size(),
+                                                     lambda: self.progress.step, train_data.num_workers)
         self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
@@ -155,9 +159,7 @@ class Trainer:
         # The loss in fp32, compiled as a graph of its own under --compile (DDP and FSDP alike).
         self.loss_fn = train_utils.training_loss(task.loss_fn, config.compile)
         self.to_device = train_utils.HostToDevice(device, self.rank)  # queued, not waited for
-        # Each step's time by phase on this rank (data, compute, collective, snapshot), no device sync;
-        # under DDP the wait for slower ranks in the gradient all-reduce counts as collective, not compute.
-        self.phases = train_utils.StepPhases(device)
+        # Under DDP the wait for slower ranks in the gradient all-reduce counts as collective, not compute.
         train_utils.time_gradient_sync(self.model, self.phases)
         self.profiler = train_utils.StepProfiler(config.profile_dir, device)  # --profile_dir: a few steps traced
 

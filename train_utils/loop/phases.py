@@ -104,6 +104,11 @@ class StepPhases:
             listener(phase, started, seconds)
         return seconds
 
+    def in_phase(self, phase: str) -> bool:
+        """Whether ``phase`` runs now (started, not stopped): read from
+        another thread too (the loader's sampler, ``stragglers``)."""
+        return phase in self._started
+
     @contextlib.contextmanager
     def phase(self, phase: str) -> Iterator[None]:
         """``with phases.phase("snapshot"): ...``: ``start``, then ``stop``
