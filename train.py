@@ -135,6 +135,10 @@ class Trainer:
         # FSDP's mixed precision is shard_model's policy; DDP's is autocast, made once (a step stays cheap).
         self.autocast = contextlib.nullcontext() if self.fsdp else train_utils.autocast(device, config.compute_dtype)
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
+        self.phases = train_utils.StepPhases(device)  # each step's time by phase on this rank, no device sync
+        # A rank slower than its peers in a phase, named by rank 0: the figures ride on the stop signal's all-reduce.
+        self.stop.watch = train_utils.StragglerWatch(self.phases, self.rank, dist.get_world_size(),
+                                                     lambda: self.progress.step, train_data.num_workers)
         self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
@@ -155,9 +159,12 @@ class Trainer:
         # The loss in fp32, compiled as a graph of its own under --compile (DDP and FSDP alike).
         self.loss_fn = train_utils.training_loss(task.loss_fn, config.compile)
         self.to_device = train_utils.HostToDevice(device, self.rank)  # queued, not waited for
+        # Under DDP the wait for slower ranks in the gradient all-reduce counts as collective, not compute.
+        train_utils.time_gradient_sync(self.model, self.phases)
         self.profiler = train_utils.StepProfiler(config.profile_dir, device)  # --profile_dir: a few steps traced
         # Where this attempt's wall time goes (rank 0's ledger) and every rank's timeline, beside the snapshot.
-        self.goodput = train_utils.Goodput(config.snapshot_path, self.rank)
+        # "data" and "peers" are rank 0's phase totals (the phase timer's "data" and "collective").
+        self.goodput = train_utils.Goodput(config.snapshot_path, self.rank, phases=self.phases.totals)
 
     @property
     def plain_model(self) -> torch.nn.Module:
@@ -260,12 +267,13 @@ class Trainer:
                                    + line)
         elif self.rank == 0:
             train_utils.print_line(line)
-        for source, targets in batches:
+        for source, targets in self.phases.data(batches):  # the wait for each batch timed as "data"
             self.watch.step(epoch, batches.done)  # where this rank is; until training runs, every rank's batch
             step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
             if self.hook and self.progress.steps_run % self.config.grad_accum_steps == 0:
                 self.hook.before(step)
-            loss = self.train_step(source, targets)
+            with self.phases.phase("compute"):
+                loss = self.train_step(source, targets)
             if self.hook:
                 self.hook.after(step, loss)
             self.evaluations.add(loss, len(targets))
@@ -275,12 +283,15 @@ class Trainer:
             self.step_log.step(self.progress.step, epoch, self.evaluations, self.recipe.last_lr)
             self.goodput.step(self.progress.step)  # the step's time; rank 0's ledger knows the step reached
             # Every rank learns of a stop signal, and of rank 0's snapshot clock, at the same step.
-            if self.stop.poll(request=self.checkpointer.request()):
+            with self.phases.phase("collective"):
+                stopping = self.stop.poll(request=self.checkpointer.request())
+            if stopping:
                 self._stop()
             if self.evaluations.due(self.progress.step, epoch_end=False):
                 records.append(self._evaluate())
             if self.checkpointer.due(self.progress.epoch_step, self.stop.requested) and batches.left:
                 self._save()  # not at the epoch's end: that snapshot comes next
+            self.phases.end_step()
         self.watch.after_steps(epoch)
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
             train_utils.print_sharded_memory(self.model, self.optimizer, self.device)
@@ -372,7 +383,7 @@ class Trainer:
         """Collective: a snapshot now (``checkpointer.save``; ``wait``: its
         write waited for on every rank), the time it blocks training counted
         as "snapshot" and its position recorded in the goodput ledger."""
-        with self.goodput.timed("snapshot"):
+        with self.goodput.timed("snapshot"), self.phases.phase("snapshot"):
             self.checkpointer.save()
             if wait:
                 self.checkpointer.wait(together=True)

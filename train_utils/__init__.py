@@ -60,11 +60,11 @@ from .errors import one_line_errors
 from .logs import Goodput, RunLog, StepLog, StepProfiler, describe_placement, describe_run, describe_task, flops_per_sample, \
     gather_placement, print_sample, throughput_figures
 from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progress, Recipe, \
-    ResumableDistributedSampler, SeededFetches, StopSignal, Stopped, autocast, batches_for_every_rank, \
-    batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, compile_model, compute_precision, \
-    eval_subset, evaluating, fewest_batches, fp32, loader_workers, nothing_to_train, rebuild_ddp_buckets, \
-    report_run_finished, resolve_amp, set_deterministic, set_fp32_precision, training_loss, \
-    watch_preemption_notice
+    ResumableDistributedSampler, SeededFetches, StepPhases, StopSignal, Stopped, StragglerWatch, autocast, \
+    batches_for_every_rank, batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, \
+    compile_model, compute_precision, eval_subset, evaluating, fewest_batches, fp32, loader_workers, \
+    nothing_to_train, rebuild_ddp_buckets, report_run_finished, resolve_amp, set_deterministic, \
+    set_fp32_precision, time_gradient_sync, training_loss, watch_preemption_notice
 from .output import print_line
 from .plan import check_plan, plan_request
 from .snapshots import START_AFRESH, Checkpointer, Found, claim_snapshot_path, load_initial_weights, position, \
@@ -126,6 +126,9 @@ __all__ = [
     "materialize_shards",
     # the loop: steps, time-outs, stops, evaluation, snapshots
     "EpochBatches",
+    "StepPhases",
+    "StragglerWatch",
+    "time_gradient_sync",
     "evaluating",
     "Watch",
     "StopSignal",
