@@ -159,8 +159,10 @@ class Trainer:
         # The loss in fp32, compiled as a graph of its own under --compile (DDP and FSDP alike).
         self.loss_fn = train_utils.training_loss(task.loss_fn, config.compile)
         self.to_device = train_utils.HostToDevice(device, self.rank)  # queued, not waited for
-        # Under DDP the wait for slower ranks in the gradient all-reduce counts as collective, not compute.
-        train_utils.time_gradient_sync(self.model, self.phases)
+        # The wait for slower ranks in DDP's gradient all-reduce counts as collective, not compute (FSDP's
+        # gathers and reductions sit inside its forward and backward: not told apart).
+        if not self.fsdp:
+            train_utils.time_gradient_wait(self.plain_model, self.phases)
         self.profiler = train_utils.StepProfiler(config.profile_dir, device)  # --profile_dir: a few steps traced
         # Where this attempt's wall time goes (rank 0's ledger) and every rank's timeline, beside the snapshot.
         # "data" and "peers" are rank 0's phase totals (the phase timer's "data" and "collective").
@@ -322,6 +324,7 @@ class Trainer:
         # of the mean loss over the whole accumulated batch. (No division without
         # accumulation: an extra autograd op costs a small model ~10%.)
         self.recipe.backward(loss / accum if accum > 1 else loss)  # --amp fp16: the loss scaled
+        self.phases.note_backward_end()  # since this rank's own backward work ended: the gradient all-reduce's wait
         self.progress.steps_run += 1
         if last:
             self.recipe.step()  # unscale (fp16), clip, optimizer step, next lr

@@ -437,7 +437,7 @@ LONGEST_FIRST = (
     "test_init_from.py",
     # After test_fsdp.py: its 2-rank FSDP snapshot (kit_run) is made by then, not waited for.
     "test_plan.py",
-    "test_loaders.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py",
+    "test_loaders.py", "test_stragglers.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py",
     "test_gpu_speed.py",
     "test_elastic.py", "test_train_utils.py", "test_metrics.py", "test_real_data.py", "test_common.py",
     "test_claims.py", "test_goodput.py", "test_slurm_wrappers.py", "test_package_map.py", "test_task_batching.py",

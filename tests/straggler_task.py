@@ -8,8 +8,10 @@ loader fetches them), the fault KIND acts:
   sleep    each sample's fetch sleeps ARG seconds (a slow disk under that
            rank's loader)
   cgroup   at batch FIRST the rank's process moves into the cgroup v1 CPU
-           folder ARG (which the test made, with a CPU quota), at batch LAST
-           back into its parent's: a throttled node
+           folder ARG (which the test made, with a CPU quota), after batch
+           LAST back into its parent's: a throttled node (the task's MLP is
+           wider then, 20-512-512-1, on every rank: most of a step's CPU
+           time is its compute)
 
 Each fault prints ``straggler_task: KIND from batch FIRST on rank RANK`` to
 stderr when it starts and ``... ends at batch LAST ...`` when it ends.
@@ -62,6 +64,9 @@ class SlowFetches(torch.utils.data.Dataset):
 def build_task(args, download):
     task = common.synthetic_task(args, download)
     kind, rank, first, last, *arg = os.environ["STRAGGLER_FAULT"].split(":", 4)
+    if kind == "cgroup":  # a wider MLP: the step's CPU time is then mostly its compute, where the quota bites
+        task.model = torch.nn.Sequential(torch.nn.Linear(common.SYNTHETIC_FEATURES, 512), torch.nn.ReLU(),
+                                         torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
     if os.environ["RANK"] == rank:
         task.train_set = SlowFetches(task.train_set, kind, int(first), int(last), ":".join(arg), args.batch_size)
     return task

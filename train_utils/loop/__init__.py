@@ -24,7 +24,7 @@ from .evaluations import Evaluations
 from .loaders import DenseBatches, HostToDevice, SeededFetches, loader_workers
 from .notice import PreemptionNotice, watch_preemption_notice
 from .numerics import compute_precision, numerics_description, set_deterministic, set_fp32_precision
-from .phases import PHASES, StepPhases, time_gradient_sync
+from .phases import PHASES, StepPhases, time_gradient_wait
 from .progress import Progress, rebuild_ddp_buckets
 from .recipe import Recipe, batches_left, nothing_to_train
 from .sampler import ResumableDistributedSampler
@@ -38,7 +38,7 @@ __all__ = [
     "EpochBatches", "evaluating", "batches_for_every_rank", "eval_subset", "fewest_batches", "Evaluations",
     "DenseBatches", "HostToDevice", "SeededFetches", "loader_workers",
     "compute_precision", "numerics_description", "set_deterministic", "set_fp32_precision",
-    "PHASES", "StepPhases", "time_gradient_sync", "StragglerWatch",
+    "PHASES", "StepPhases", "time_gradient_wait", "StragglerWatch",
     "Progress", "rebuild_ddp_buckets", "Recipe", "batches_left", "nothing_to_train", "ResumableDistributedSampler",
     "autocast", "check_amp", "checkpoint_activations", "compile_blocks", "compile_model", "fp32",
     "resolve_amp", "training_loss",

@@ -29,7 +29,7 @@ class StepPhases:
     Phases (``PHASES``): ``"data"`` waiting for the next batch (the loader's
     ``next``); ``"compute"`` forward, backward and the optimizer step, less
     the time this rank waited in DDP's gradient all-reduce for slower ranks
-    (``time_gradient_sync``); ``"collective"`` waiting in collectives the loop
+    (``time_gradient_wait``); ``"collective"`` waiting in collectives the loop
     can time apart (that gradient wait, the stop signal's all-reduce);
     ``"snapshot"`` the time the step blocks for a snapshot.
 
@@ -51,8 +51,8 @@ class StepPhases:
     ``listeners``: callables ``(phase, start_s, seconds)`` called as each
     host-timed phase ends (``start_s``: ``time.perf_counter()`` at its
     start), e.g. a timeline's writer; none by default (then nothing is
-    called). Not thread-safe, except ``note_gradient_wait``: one training
-    loop owns it.
+    called). Not thread-safe: one training loop owns it (``in_phase`` may be
+    read from another thread).
     """
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
@@ -63,8 +63,9 @@ class StepPhases:
         self._started: dict = {}  # phase -> perf_counter() at its start (host-timed phases)
         self._events: Optional[tuple] = None  # CUDA: the compute phase's start event, while it runs
         self._pending: collections.deque = collections.deque()  # CUDA: (start, end, own end or None) to read
-        self._sync = [0.0, 0.0]  # this step's gradient all-reduce: (last launch, last completion), perf_counter
-        self._sync_event = None  # CUDA: an event at the last gradient bucket's launch (own compute done)
+        # This compute phase's end of its own backward work and the return of backward() (time_gradient_wait):
+        # perf_counter() seconds on the host, CUDA events on CUDA; None: not noted.
+        self._own_end = self._backward_end = None
         self.steps = 0  # steps closed
         self.listeners: list[Callable[[str, float, float], None]] = []
 
@@ -76,10 +77,9 @@ class StepPhases:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self._events = (start,)
-            self._sync_event = None
         self._started[phase] = time.perf_counter()
         if phase == "compute":
-            self._sync = [0.0, 0.0]
+            self._own_end = self._backward_end = None
 
     def stop(self, phase: str) -> float:
         """Phase ``phase`` ends now; returns its host seconds (the time the
@@ -90,13 +90,15 @@ class StepPhases:
         if phase == "compute" and self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((self._events[0], end, self._sync_event))
-            self._events = self._sync_event = None
+            waited = (self._own_end, self._backward_end) if None not in (self._own_end, self._backward_end) \
+                else None
+            self._pending.append((self._events[0], end, waited))
+            self._events = None
         else:
             if phase == "compute":  # less the wait for slower ranks in the gradient all-reduce
-                launched, done = self._sync
-                waited = max(0.0, done - launched) if launched and done >= launched else 0.0
-                waited = min(waited, seconds)
+                waited = 0.0
+                if self._own_end is not None and self._backward_end is not None:
+                    waited = min(max(0.0, self._backward_end - self._own_end), seconds)
                 seconds -= waited
                 self._step["collective"] += waited
             self._step[phase] += seconds
@@ -134,21 +136,30 @@ class StepPhases:
                     self.stop("data")
             yield item
 
-    def note_gradient_wait(self, launched: float, done: float) -> None:
-        """One gradient bucket's all-reduce was launched at ``launched`` and
-        completed at ``done`` (``time.perf_counter()`` seconds): kept when it
-        is the step's latest. Called from the process group's thread
-        (``time_gradient_sync``)."""
-        self._sync = [max(self._sync[0], launched), max(self._sync[1], done)]
+    def note_own_backward_end(self) -> None:
+        """This rank's own backward work reached a watched parameter now
+        (``time_gradient_wait``'s hooks): the latest call marks the end of
+        its own backward work, on the host (``time.perf_counter``) or, on
+        CUDA, by an event on the current stream."""
+        if "compute" not in self._started:
+            return  # a backward outside the timed step (DDP's bucket rebuild after a resume)
+        self._own_end = self._mark()
 
-    def note_gradient_launch_event(self) -> None:
-        """CUDA: the gradient bucket launched now is this step's latest so
-        far: an event on the current stream marks where this rank's own
-        backward work ends (``time_gradient_sync``)."""
-        if self.cuda and self._events is not None:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._sync_event = event
+    def note_backward_end(self) -> None:
+        """``backward()`` returned (the loop calls it): from the last
+        ``note_own_backward_end`` to now this rank waited for the gradient
+        all-reduce (DDP finishes it before backward returns; on CUDA the
+        stream waits for it), which counts as collective, not compute."""
+        if "compute" in self._started:
+            self._backward_end = self._mark()
+
+    def _mark(self):
+        """Now: ``time.perf_counter()``, or on CUDA an event recorded on the current stream."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def end_step(self) -> dict:
         """Close the optimizer step: its seconds per phase go to the totals
@@ -168,13 +179,13 @@ class StepPhases:
     def _read_events(self) -> None:
         """CUDA: the compute phases whose end event completed, oldest first:
         their GPU seconds (``Event.elapsed_time``, milliseconds / 1000) go to
-        the totals; from a step with a gradient bucket's event
-        (``note_gradient_launch_event``), the time from it to the end counts
+        the totals; from a step with its own backward's end and backward's
+        return noted (``time_gradient_wait``), the time between them counts
         as collective, the rest as compute. Never waits for the GPU."""
         while self._pending and self._pending[0][1].query():
-            start, end, own = self._pending.popleft()
+            start, end, marks = self._pending.popleft()
             total = start.elapsed_time(end) / 1000
-            waited = own.elapsed_time(end) / 1000 if own is not None and own.query() else 0.0
+            waited = marks[0].elapsed_time(marks[1]) / 1000 if marks is not None else 0.0
             waited = min(max(waited, 0.0), total)
             self._totals["compute"] += total - waited
             self._totals["collective"] += waited
@@ -193,42 +204,21 @@ class StepPhases:
         return dict(self._last)
 
 
-def time_gradient_sync(model: torch.nn.Module, phases: StepPhases) -> bool:
-    """Register a DDP communication hook on ``model`` (a
-    ``DistributedDataParallel``) that all-reduces each gradient bucket as
-    DDP's own does and tells ``phases`` when each was launched and when it
-    completed (``StepPhases.note_gradient_wait``; on CUDA an event at each
-    launch, ``note_gradient_launch_event``): the time a rank waits there for
-    slower ranks counts as collective, not compute. Before the first
-    backward. Returns False, registering nothing, for another model.
+def time_gradient_wait(model: torch.nn.Module, phases: StepPhases, watched: int = 2) -> list:
+    """Tell ``phases`` when this rank's own backward work ends in each step:
+    a hook on the gradients of ``model``'s first ``watched`` parameters
+    (``register_post_accumulate_grad_hook``; in registration order, the
+    last a backward pass reaches in a model that runs its layers in that
+    order) calls ``StepPhases.note_own_backward_end``. The time from the
+    last such call to ``note_backward_end`` (the loop's, once ``backward()``
+    returns) is the wait for DDP's gradient all-reduce: for a fast rank,
+    the wait for the slowest. Returns the hooks' handles (``remove()``).
 
-    The same arithmetic as DDP's built-in all-reduce: each gradient
-    multiplied by 1 / world_size (a float scalar, as
-    ``Reducer::mark_variable_ready_dense`` in
-    torch/csrc/distributed/c10d/reducer.cpp does), then summed (gloo's or
-    NCCL's all-reduce of the bucket): the same bits.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        return False
-    import torch.distributed as dist
-
-    group = model.process_group
-    scale = 1.0 / group.size()
-
-    def hook(_state, bucket):  # no annotation: DDP checks it against the real type, not a string
-        launched = time.perf_counter()
-        phases.note_gradient_launch_event()
-        buffer = bucket.buffer()
-        buffer.mul_(scale)
-        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-
-        def done(fut):
-            phases.note_gradient_wait(launched, time.perf_counter())
-            return fut.value()[0]
-
-        return future.then(done)
-
-    model.register_comm_hook(None, hook)
-    return True
+    It changes nothing DDP computes (no communication hook: DDP's own
+    all-reduce, the same bits), and costs one Python call per watched
+    parameter a backward pass. Not for a model FSDP shards: its gathers
+    and reductions sit inside the forward and backward."""
+    handles = []
+    for parameter in [p for p in model.parameters() if p.requires_grad][:watched]:
+        handles.append(parameter.register_post_accumulate_grad_hook(lambda _: phases.note_own_backward_end()))
+    return handles
