@@ -101,3 +101,94 @@ def section_overhead(reps: int = 30) -> dict:
     return {"results": results, "pairs": reps, "table": text,
             "note": "median over adjacent (bare, train.py) pairs of blocks; in a "
                     "1-process gloo group"}
+
+
+def _phase_steps(dataset: str, model_name: str, shape: tuple, out_dir: str, world_size: int = 8) -> dict:
+    """{"without": step(), "with": step()}: train.py's loop step (the next
+    batch, ``Trainer.train_step``, the stop signal's poll) on two copies of
+    one DDP model, the second with what the straggler watch adds: the phase
+    timer (``StepPhases``: the data, compute and collective phases timed,
+    ``end_step``), the gradient all-reduce's timing hook
+    (``time_gradient_wait``'s gradient hooks, registered by the Trainer; the
+    first copy's Trainer is built with them left out) and the ``StragglerWatch``'s
+    window figures and verdict as at ``world_size`` ranks (its payload,
+    compared at once, every rank's figures made equal: no line is printed;
+    its loader sampler thread runs)."""
+    import itertools
+
+    import train_utils
+    from train_utils.loop.stragglers import StragglerWatch
+
+    torch.manual_seed(0)
+    base = build_model(dataset, model_name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g)
+    if dataset == "synthetic":
+        y, loss_fn = torch.randn(shape[0], 1, generator=g), F.mse_loss
+    else:
+        y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
+    steps = {}
+    for name in ("without", "with"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        hook = train_utils.time_gradient_wait
+        if name == "without":
+            train_utils.time_gradient_wait = lambda model, phases: []  # this Trainer without the hooks
+        try:
+            trainer = kit_trainer(model, opt, loss_fn, out_dir)
+        finally:
+            train_utils.time_gradient_wait = hook
+        batches = itertools.repeat((x, y))
+        if name == "without":
+            def step(trainer=trainer, batches=batches) -> None:
+                source, targets = next(batches)
+                trainer.train_step(source, targets)
+                trainer.stop.poll()
+        else:
+            phases = trainer.phases
+            watch = StragglerWatch(phases, 0, world_size, lambda: phases.steps, num_workers=0)
+            timed_batches = phases.data(batches)
+
+            def step(trainer=trainer, phases=phases, watch=watch, timed_batches=timed_batches) -> None:
+                source, targets = next(timed_batches)
+                with phases.phase("compute"):
+                    trainer.train_step(source, targets)
+                with phases.phase("collective"):
+                    trainer.stop.poll()
+                    figures = watch.payload()
+                    if figures is not None:  # every rank's figures alike: compared, nobody named
+                        rows = figures.view(world_size, -1)
+                        rows[:] = rows[0]
+                        watch.compare(figures)
+                phases.end_step()
+        steps[name] = step
+    return steps
+
+
+def section_step_phases(reps: int = 30) -> dict:
+    """Section 1d: for each of ``OVERHEAD_CASES``, ``reps`` interleaved pairs
+    of blocks of train.py's loop step without and with the phase timer and
+    the straggler watch (``_phase_steps``), CPU time, in a 1-process gloo
+    group. Returns {"results", "pairs", "table", "note"}; the ratio is the
+    step time without over the step time with (target >= 0.99: under 1% of
+    a step)."""
+    results = []
+    with process_group(0, 1, free_port(), CPU):
+        for label, dataset, model_name, shape, steps in OVERHEAD_CASES:
+            runners = _phase_steps(dataset, model_name, shape, tempfile.mkdtemp())
+            for step in runners.values():  # warm-up
+                for _ in range(3):
+                    step()
+            pairs = _overhead_pairs(runners["without"], runners["with"], steps, reps)
+            results.append({"case": label, "batch": shape[0], **pairs,
+                            "step_ms_without": 1000 / pairs["bare_steps_per_s"],
+                            "step_ms_with": 1000 / pairs["script_steps_per_s"]})
+    rows = [[r["case"], r["batch"], f"{r['step_ms_without']:.3f}", f"{r['step_ms_with']:.3f}",
+             r["ratio_median_of_pairs"], "{:.3f}-{:.3f}".format(*r["ratio_quartiles"])] for r in results]
+    text = table(f"1d. The phase timer and straggler watch: train.py's loop step without / with, CPU time, "
+                 f"{reps} interleaved pairs of blocks (target ratio >= 0.99)",
+                 ["model", "batch", "ms/step without (best)", "ms/step with (best)", "median of pair ratios",
+                  "pair ratio quartiles"], rows)
+    return {"results": results, "pairs": reps, "table": text,
+            "note": "median over adjacent (without, with) pairs of blocks; in a 1-process gloo group, the "
+                    "watch's verdict as at 8 ranks"}

@@ -16,6 +16,9 @@ Sections:
   1c the time-out report's cost: CPU seconds a step of train.py at 2
      processes on a step so small that the loop dominates, with torch's
      flight recorder off and on (train.py's default).
+  1d the phase timer and straggler watch's cost: train.py's loop step
+     (batch, train_step, stop poll) without and with them, CPU time,
+     interleaved pairs, in a 1-process gloo group.
   1b bf16 autocast on this CPU: samples/s with and without, per model (the
      measurement behind --amp's CPU rule).
   2  input pipeline: CIFAR-10-shaped images/s, read from the real on-disk
@@ -108,7 +111,7 @@ from benchmarks.input_pipeline import section_input  # noqa: E402
 from benchmarks.keyed_draws import section_keyed_draws  # noqa: E402
 from benchmarks.language_model import section_lm, section_lm_loop, section_token_sources  # noqa: E402
 from benchmarks.node_traffic import section_node_traffic  # noqa: E402
-from benchmarks.overhead import section_overhead  # noqa: E402
+from benchmarks.overhead import section_overhead, section_step_phases  # noqa: E402
 from benchmarks.scaling import section_scaling  # noqa: E402
 from benchmarks.snapshot_cost import section_snapshot_cost  # noqa: E402
 from benchmarks.snapshot_save import section_snapshot_save  # noqa: E402
@@ -169,7 +172,7 @@ def main() -> None:
     """The command line: run the sections asked for (``--only``; all by default),
     print each one's table and write every number to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 1c 2 2b 3 4 5 6 6b 7 8 8c 8d 8e 9")
+    parser.add_argument("--only", nargs="*", default=None, help="sections to run: 1 1b 1c 1d 2 2b 3 4 5 6 6b 7 8 8c 8d 8e 9")
     parser.add_argument("--save_dir", default=None,
                         help="section 7: the folder whose storage to time (where your snapshots go); "
                              "default: a temporary folder")
@@ -189,7 +192,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"),
                         help="where to write the JSON results")
     args = parser.parse_args()
-    wanted = set(args.only) if args.only else {"1", "1b", "1c", "2", "2b", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "8e", "9"}
+    wanted = set(args.only) if args.only else {"1", "1b", "1c", "1d", "2", "2b", "3", "4", "5", "6", "6b", "7", "8", "8c", "8d", "8e", "9"}
     report = {"machine": machine(), "sections": {}}
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; "
@@ -202,7 +205,7 @@ def main() -> None:
         except Absent as exc:  # the real MNIST digits are not there
             print(f"sections 3 and 4 skipped: real MNIST digits not found ({exc})", flush=True)
     sections = [("1", "overhead", section_overhead, 1), ("1b", "amp_cpu", section_amp_cpu, 1),
-                ("1c", "hang_watch", section_hang_watch, 2),
+                ("1c", "hang_watch", section_hang_watch, 2), ("1d", "step_phases", section_step_phases, 1),
                 ("2", "input_pipeline", section_input, 1), ("2b", "keyed_draws", section_keyed_draws, 1),
                 ("3", "scaling", lambda: section_scaling(mnist) if mnist else {"skipped": "no MNIST"}, 1),
                 ("4", "time_to_accuracy",

@@ -18,8 +18,8 @@ from .devices import OLDEST_TORCH, backend_for, device_for, enable_flight_record
 from .fsdp import binary_size, check_fsdp_backend, contiguous_parameters, local_state_bytes, model_sharded, \
     print_sharded_memory, shard_model, state_line
 from .meta_build import InitRecord, build_on_meta, materialize_shards
-from .hang_report import ANSWER_WAIT_S, answer_stack_requests, finish_answer, hang_requested, making_report, \
-    stack_folder, stop_answering
+from .hang_report import ANSWER_WAIT_S, answer_stack_requests, finish_answer, frame_in_code, hang_requested, \
+    making_report, run_store, stack_folder, stop_answering
 from .launch import barrier, broadcast_buffers, gloo_group, launcher_store, raise_open_file_limit
 from .timeouts import RanksStuck, Watch, is_timeout, note_snapshot, startup_timeout_line, timeout_diagnosis, \
     watch_again, watch_collectives
@@ -30,8 +30,8 @@ __all__ = [
     "binary_size", "check_fsdp_backend", "contiguous_parameters", "local_state_bytes", "model_sharded",
     "print_sharded_memory", "shard_model", "state_line",
     "InitRecord", "build_on_meta", "materialize_shards",
-    "ANSWER_WAIT_S", "answer_stack_requests", "finish_answer", "hang_requested", "making_report", "stack_folder",
-    "stop_answering",
+    "ANSWER_WAIT_S", "answer_stack_requests", "finish_answer", "frame_in_code", "hang_requested", "making_report",
+    "run_store", "stack_folder", "stop_answering",
     "barrier", "broadcast_buffers", "gloo_group", "launcher_store", "raise_open_file_limit",
     "RanksStuck", "Watch", "is_timeout", "note_snapshot", "startup_timeout_line", "timeout_diagnosis", "watch_again",
     "watch_collectives",

@@ -52,17 +52,22 @@ class _Answering:
 _STATE = _Answering()
 
 
-def _store() -> Optional[dist.Store]:
+def run_store(name: str) -> Optional[dist.Store]:
     """A client of the launcher's store (MASTER_ADDR:MASTER_PORT), its keys under
-    this attempt's prefix and ``hang/``; None where the process group has no
-    such store (one made on a HashStore). A client of its own for each
-    caller: a TCPStore client serves one request at a time, and the
-    answering thread holds its own in a wait."""
+    this attempt's prefix and ``name``/ ("hang", "straggler"); None where the
+    process group has no such store (one made on a HashStore). A client of
+    its own for each caller: a TCPStore client serves one request at a time,
+    and the answering thread holds its own in a wait."""
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=STORE_TIMEOUT, wait_for_workers=False)
-    return dist.PrefixStore(f"{store_prefix()}/hang", store)
+    return dist.PrefixStore(f"{store_prefix()}/{name}", store)
+
+
+def _store() -> Optional[dist.Store]:
+    """``run_store`` of the hang report's keys."""
+    return run_store("hang")
 
 
 def answer_stack_requests(folder: str) -> None:
@@ -246,12 +251,39 @@ def where_in_code(frames: list) -> str:
     code, not Python's or an installed package's; the path relative to the
     working folder where it is inside it. '' when every frame is a library's."""
     for frame in reversed(frames):
-        path = os.path.realpath(frame.filename)
-        if frame.filename.startswith("<") or path.startswith(_LIBRARY_FOLDERS):
-            continue
-        shown = os.path.relpath(path) if path.startswith(os.path.join(os.getcwd(), "")) else path
-        return f"{shown}:{frame.lineno} in {frame.name}"
+        shown = _code_path(frame.filename)
+        if shown:
+            return f"{shown}:{frame.lineno} in {frame.name}"
     return ""
+
+
+def frame_in_code(frame) -> str:
+    """``where_in_code`` of a live frame (``sys._current_frames()``' value for
+    a thread) and the frames that called it: walked from the innermost out
+    without reading any source line, cheap enough for a sampling thread."""
+    while frame is not None:
+        shown = _code_path(frame.f_code.co_filename)
+        if shown:
+            return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
+def _code_path(filename: str) -> str:
+    """``filename`` as the report shows it (relative to the working folder
+    where it is inside it), or '' for Python's or an installed package's
+    file, or a frame without a file ("<string>")."""
+    if filename.startswith("<"):
+        return ""
+    path = _REAL_PATHS.get(filename)
+    if path is None:
+        path = _REAL_PATHS[filename] = os.path.realpath(filename)
+    if path.startswith(_LIBRARY_FOLDERS):
+        return ""
+    return os.path.relpath(path) if path.startswith(os.path.join(os.getcwd(), "")) else path
+
+
+_REAL_PATHS: dict = {}  # a frame's file name -> its real path: a sampler asks for the same few files again
 
 
 def recent_collectives(limit: int = 20) -> list:

@@ -221,6 +221,9 @@ class StopSignal:
         self.requested = False  # the last poll's answer: rank 0 asked for a snapshot
         self.known_at = 0.0  # when this rank learned of the stop (time.monotonic())
         self.work = None
+        # A StragglerWatch (stragglers.py) whose window figures ride along every few polls; None: none.
+        self.watch = None
+        self._flag = self.flag  # the all-reduce's tensor between the watch's windows
         note_stop_signals_only()  # from here on a stop signal is noted and taken at a step
 
     @property
@@ -234,7 +237,11 @@ class StopSignal:
         rides along: ``requested`` is True on every rank at the next call
         when some rank passed True (rank 0's ``SnapshotClock``). One process
         has no one to agree with: it answers at the same call, without the
-        all-reduce (a millisecond a step, 10% of a small GPT's GPU step)."""
+        all-reduce (a millisecond a step, 10% of a small GPT's GPU step).
+        Every ``stragglers.WINDOW_STEPS``-th call the all-reduce also
+        carries ``watch``'s window figures (``StragglerWatch.payload``),
+        compared at the next call: the ranks compare their step phases
+        without a collective of their own."""
         if self.group.size() == 1:
             self.stopped_by, self.requested = self.received, request
             self._say_stopped()
@@ -242,6 +249,10 @@ class StopSignal:
         if self.work is not None:
             self.work.wait()
             self.stopped_by, self.requested = int(self.flag[0].item()), bool(self.flag[1].item())
+            if self.flag.numel() > 2:  # a window's figures of every rank (a MAX of each rank's own)
+                self.watch.compare(self.flag[2:])
+        figures = self.watch.payload() if self.watch is not None else None
+        self.flag = self._flag if figures is None else torch.cat([self._flag, figures])
         self.flag[0], self.flag[1] = float(self.received), float(request)
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group,
                                     async_op=True)

@@ -1,0 +1,72 @@
+"""straggler_task.py: the synthetic task with one rank made slow for a span
+of its training batches, for tests/test_stragglers.py. Run it as train.py's
+``--dataset straggler_task:build_task`` with tests/ on PYTHONPATH and
+STRAGGLER_FAULT="KIND:RANK:FIRST:LAST[:ARG]" in the environment: on rank RANK,
+from its FIRST-th training batch to its LAST-th (1-based, counted as the
+loader fetches them), the fault KIND acts:
+
+  sleep    each sample's fetch sleeps ARG seconds (a slow disk under that
+           rank's loader)
+  cgroup   at batch FIRST the rank's process moves into the cgroup v1 CPU
+           folder ARG (which the test made, with a CPU quota), after batch
+           LAST back into its parent's: a throttled node (the task's MLP is
+           wider then, 20-512-512-1, on every rank: most of a step's CPU
+           time is its compute)
+
+Each fault prints ``straggler_task: KIND from batch FIRST on rank RANK`` to
+stderr when it starts and ``... ends at batch LAST ...`` when it ends.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+import common
+
+SLEEP_LINE = "time.sleep(self.seconds)  # the slow disk"
+
+
+class SlowFetches(torch.utils.data.Dataset):
+    """``dataset`` whose fetches are slow (see the module) between batch
+    ``first`` and ``last`` of ``batch_size`` samples."""
+
+    def __init__(self, dataset, kind: str, first: int, last: int, arg: str, batch_size: int) -> None:
+        self.dataset, self.kind, self.first, self.last, self.arg = dataset, kind, first, last, arg
+        self.batch_size, self.fetches = batch_size, 0
+        self.seconds = float(arg) if kind == "sleep" else 0.0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.fetches += 1
+        batch = (self.fetches - 1) // self.batch_size + 1
+        start = (self.fetches - 1) % self.batch_size == 0
+        if self.kind == "sleep" and self.first <= batch <= self.last:
+            if start and batch in (self.first, self.last):
+                self._say(batch)
+            time.sleep(self.seconds)  # the slow disk
+        elif self.kind == "cgroup" and start and batch in (self.first, self.last + 1):
+            folder = self.arg if batch == self.first else os.path.dirname(self.arg)
+            with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            self._say(batch)
+        return self.dataset[index]
+
+    def _say(self, batch: int) -> None:
+        word = "from" if batch == self.first else "ends at"
+        print(f"straggler_task: {self.kind} {word} batch {batch} on rank {os.environ['RANK']}",
+              file=sys.stderr, flush=True)
+
+
+def build_task(args, download):
+    task = common.synthetic_task(args, download)
+    kind, rank, first, last, *arg = os.environ["STRAGGLER_FAULT"].split(":", 4)
+    if kind == "cgroup":  # a wider MLP: the step's CPU time is then mostly its compute, where the quota bites
+        task.model = torch.nn.Sequential(torch.nn.Linear(common.SYNTHETIC_FEATURES, 512), torch.nn.ReLU(),
+                                         torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
+    if os.environ["RANK"] == rank:
+        task.train_set = SlowFetches(task.train_set, kind, int(first), int(last), ":".join(arg), args.batch_size)
+    return task

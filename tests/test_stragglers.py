@@ -1,0 +1,116 @@
+"""A rank slower than its peers is named by rank 0 in one line, with real
+faults on this machine: one rank's loader sleeping (a slow disk under it),
+one rank's process held by a cgroup v1 CPU quota (a throttled node). Each
+fault starts at that rank's 10th batch and is far larger than a step (tens
+of milliseconds against a fraction of one), so that its detection never
+depends on the machine's speed. That a clean run prints no such line is
+checked on every run the suite checks (helpers.check)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from helpers import IN_CI, PODS, REPO, STRAGGLER_LINE, run
+
+TASK = REPO / "tests" / "straggler_task.py"
+FIRST = 10  # the fault's first batch on rank 1
+LAST = 50  # its last: 40 slow steps, then a clean rest of the run
+WITHIN = 40  # a fault is named within this many steps of its start
+# The synthetic task at 2 ranks, 57 steps an epoch at --batch_size 16: 114 steps.
+RUN = [*PODS, "--nproc_per_node=2", REPO / "train.py", "--dataset", "straggler_task:build_task", "--batch_size", "16",
+       "--total_epochs", "2", "--snapshot_path", "snapshot.pt"]
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller
+
+
+def straggler_lines(output: str) -> list:
+    """The straggler lines of a run's output, as (rank, host, phase, first step, last step, the rest, started)."""
+    found = []
+    for line in output.splitlines():
+        match = STRAGGLER_LINE.match(line)
+        if match:
+            started = " is slow in " in line
+            found.append((int(match["rank"]), match["host"], match["phase"], int(match["first"]),
+                          int(match["last"]), match["rest"], started))
+    return found
+
+
+def assert_named(output: str, phase: str) -> list:
+    """``output`` names rank 1 on this host as slow in ``phase`` within
+    ``WITHIN`` steps of the fault's start, then as no longer slow after its
+    end, and names nothing else. Returns the start line's parts."""
+    lines = straggler_lines(output)
+    assert [(rank, host, name, started) for rank, host, name, _, _, _, started in lines] == [
+        (1, socket.gethostname(), phase, True), (1, socket.gethostname(), phase, False)], output[-3000:]
+    start, end = lines
+    assert start[4] <= FIRST + WITHIN, start  # its last step: the step at which the ranks compared
+    assert end[4] > LAST, end  # compared after the fault ended
+    return start
+
+
+def test_a_rank_whose_loader_sleeps_is_named_with_the_line_it_sleeps_at(tmp_path):
+    """Rank 1's dataset sleeps 2 ms a sample (32 ms a batch of 16) from its
+    10th batch to its 50th: rank 0 names rank 1, this host, the data phase
+    and straggler_task.py's line of the sleep in __getitem__, within 40 steps
+    of the start; and once more when it ends; rank 0 is never named."""
+    result = run(RUN, tmp_path, PYTHONPATH=str(TASK.parent), STRAGGLER_FAULT=f"sleep:1:{FIRST}:{LAST}:0.002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = assert_named(result.stdout, "data")
+    line = TASK.read_text().splitlines().index(f"            {_sleep_statement()}") + 1
+    assert start[5].endswith(f"; its loader spends the time at {TASK}:{line} in __getitem__"), start
+
+
+def _sleep_statement() -> str:
+    import straggler_task
+
+    return straggler_task.SLEEP_LINE
+
+
+def _cpu_cgroup_folder() -> Path:
+    """This process's folder in cgroup v1's cpu controller (/proc/self/cgroup's ``cpu`` line)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return CPU_CGROUP / path.lstrip("/")
+    return CPU_CGROUP
+
+
+def test_a_rank_held_by_a_cpu_quota_is_named_in_compute(tmp_path):
+    """Rank 1 moves itself into a cgroup v1 CPU folder with a quota of 1 ms
+    of CPU per 10 ms at its 10th batch and back out after its 50th: rank 0
+    names rank 1, this host and the compute phase (its forward, backward and
+    optimizer step, less the gradient all-reduce's wait, in which rank 0
+    waits for it) within 40 steps, and once more when it ends."""
+    quota = CPU_CGROUP / "cpu.cfs_quota_us"
+    if not quota.exists() or not os.access(CPU_CGROUP, os.W_OK):
+        reason = "no writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu (cgroup v2 only, or not root)"
+        assert not IN_CI, reason  # CI's machine has one: the test must run there
+        pytest.skip(reason)
+    folder = _cpu_cgroup_folder() / f"straggler_test_{os.getpid()}"
+    folder.mkdir()
+    try:
+        (folder / "cpu.cfs_period_us").write_text("10000")
+        (folder / "cpu.cfs_quota_us").write_text("1000")  # 10% of a core, in slices of 1 ms every 10 ms
+        result = run(RUN, tmp_path, PYTHONPATH=str(TASK.parent), STRAGGLER_FAULT=f"cgroup:1:{FIRST}:{LAST}:{folder}")
+    finally:
+        for pid in (folder / "cgroup.procs").read_text().split():  # a rank that did not move back (a failure)
+            (folder.parent / "cgroup.procs").write_text(pid)
+        folder.rmdir()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_named(result.stdout, "compute")
+
+
+def test_straggler_lines_read_back():
+    """STRAGGLER_LINE reads the line rank 0 prints (stragglers.straggler_line), both kinds."""
+    from train_utils.loop.stragglers import straggler_line
+
+    started = straggler_line(3, "data", (0.0523, 0.0011, 17, 40), True, {"host": "node7", "where": "its loader x"})
+    ended = straggler_line(3, "data", (0.0012, 0.0011, 81, 104), False, {"host": "node7"})
+    assert straggler_lines(f"{started}\n{ended}\n") == [(3, "node7", "data", 17, 40, "; its loader x", True),
+                                                        (3, "node7", "data", 81, 104, "", False)]
+    assert re.fullmatch(r"straggler: rank 3 \(host node7\) is slow in data: 52\.3 ms a step against 1\.1 ms on "
+                        r"the other ranks \(median\), over steps 17-40; its loader x", started)

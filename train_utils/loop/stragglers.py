@@ -1,0 +1,247 @@
+"""A rank slower than its peers, named while it is slow: by rank, host, the
+phase of the step it is slow in (``phases.PHASES``) and, for the data phase,
+the file:line where its loader spends the time.
+
+Every rank already all-reduces a few numbers once a step (the stop signal's,
+``stop.StopSignal.poll``); every ``WINDOW_STEPS``-th of those carries each
+rank's seconds per phase over the window as well, so no collective is added.
+Every rank then holds every rank's figures and reaches the same verdict; the
+rank named sends its host and loader line through the launcher's store, and
+rank 0 prints the line.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..distributed import frame_in_code, run_store
+from ..output import print_line
+from .phases import StepPhases
+
+# The verdict, one window at a time. A window is WINDOW_STEPS polls of the stop
+# signal (one an optimizer step; an evaluation's polls count too, its windows
+# hold no step and are skipped). A rank is slow in a phase in a window when its
+# seconds a step there exceed RATIO x the median of the other ranks' and exceed
+# it by FLOOR_S at least; it is named once it was slow in WINDOWS windows in a
+# row, and named no longer once it was not slow in WINDOWS windows in a row.
+# A fault is named within (WINDOWS + 1) x WINDOW_STEPS + 1 steps of its start
+# (the window it starts in, WINDOWS whole ones, the poll that reads the last).
+WINDOW_STEPS = 8
+WINDOWS = 3
+RATIO = 3.0
+FLOOR_S = 0.005
+# The phases compared. Not "collective": a rank waits there because another is
+# slow (the victims wait, the straggler does not); not "snapshot": rank 0
+# alone writes a DDP snapshot, by design.
+COMPARED = ("data", "compute")
+SAMPLE_EVERY_S = 0.01  # the loader's stack is sampled 100 times a second while this rank waits for data
+WHERE_WAIT_POLLS = 64  # rank 0 waits this many polls at most for a named rank's host and line
+
+
+class LoaderSampler:
+    """A daemon thread that, while ``phases`` is in its data phase, reads the
+    main thread's stack every ``SAMPLE_EVERY_S`` seconds
+    (``sys._current_frames``) and counts where in the kit's or the task's
+    code it is (``frame_in_code``: file:line in function). With
+    ``--num_workers 0`` the loader runs in the main thread, so the counts
+    say where the loader spends the time. ``top(since)`` gives the place
+    sampled most since the counts ``since`` (a ``snapshot``)."""
+
+    def __init__(self, phases: StepPhases) -> None:
+        self.phases = phases
+        self.counts: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()  # the counts are read in the main thread while this one adds
+        self.main = threading.main_thread().ident
+        threading.Thread(target=self._run, daemon=True, name="loader sampler").start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(SAMPLE_EVERY_S)
+            if self.phases.in_phase("data"):
+                frame = sys._current_frames().get(self.main)
+                where = frame_in_code(frame) if frame is not None else ""
+                with self.lock:
+                    self.counts[where or "no frame of the kit or the task"] += 1
+
+    def snapshot(self) -> collections.Counter:
+        """The counts so far (a copy)."""
+        with self.lock:
+            return collections.Counter(self.counts)
+
+    def top(self, since: collections.Counter) -> str:
+        """The place sampled most since ``since``; '' when none was."""
+        recent = self.snapshot() - since
+        return recent.most_common(1)[0][0] if recent else ""
+
+
+class StragglerWatch:
+    """This rank's part in naming stragglers, fed by the stop signal's
+    all-reduce (``StopSignal.watch``): ``payload()`` before each poll's
+    all-reduce (a 1-D float32 tensor of ``world_size`` x ``len(COMPARED)``
+    seconds at every ``WINDOW_STEPS``-th poll, this rank's own in its slots
+    and zeros elsewhere, so that a MAX all-reduce gathers every rank's;
+    None between), ``compare(values)`` with that all-reduce's result at the
+    next poll. On rank 0 it prints, once when a rank starts being slow::
+
+        straggler: rank 1 (host node7) is slow in data: 52.3 ms a step against 1.1 ms on the other ranks (median), over steps 17-40; its loader spends the time at my_task.py:21 in __getitem__
+
+    and once when it ends::
+
+        straggler: rank 1 (host node7) is no longer slow in data: 1.2 ms a step against 1.1 ms, over steps 81-104
+
+    ``phases``: this rank's ``StepPhases``; ``step``: () -> the run's
+    optimizer steps so far (``Progress.step``); ``num_workers``: the
+    training loader's (0: its stack is sampled, ``LoaderSampler``). The
+    threshold (``RATIO``, ``FLOOR_S``, ``WINDOWS``) and its measured
+    false-alarm rate are in docs/runs.md.
+    """
+
+    def __init__(self, phases: StepPhases, rank: int, world_size: int, step: Callable[[], int],
+                 num_workers: int = 0) -> None:
+        self.phases, self.rank, self.world_size, self.step = phases, rank, world_size, step
+        self.num_workers = num_workers
+        self.sampler = LoaderSampler(phases) if num_workers == 0 and world_size > 1 else None
+        self.polls = 0
+        self.sent: Optional[tuple] = None  # (first step, last step, steps) of the window in flight
+        self._mark = (phases.totals(), phases.steps, step(), self.sampler.snapshot() if self.sampler else None)
+        self._where_since = self._mark[3]  # the sampler's counts at the window in flight's start
+        self.slow_runs: dict = collections.defaultdict(int)  # (rank, phase) -> windows slow in a row
+        self.clear_runs: dict = collections.defaultdict(int)  # (rank, phase) -> windows not slow in a row
+        self.run_from: dict = {}  # (rank, phase) -> the first step of its current run of slow (or clear) windows
+        self.named: dict = {}  # (rank, phase) -> its host, once named
+        self.events = 0  # lines this rank has a part in so far (the store keys' numbers)
+        self.pending: list = []  # rank 0: lines waiting for a named rank's host and loader line
+        self.store = None
+
+    def payload(self) -> Optional[torch.Tensor]:
+        """Before a poll's all-reduce: this rank's window figures at every
+        ``WINDOW_STEPS``-th poll (see the class), else None. Rank 0 prints
+        the lines whose named rank has answered (``_print_pending``)."""
+        self.polls += 1
+        if self.pending:
+            self._print_pending()
+        if self.polls % WINDOW_STEPS:
+            return None
+        totals, steps, step = self.phases.totals(), self.phases.steps, self.step()
+        before, steps_before, step_before, samples = self._mark
+        self._mark = (totals, steps, step, self.sampler.snapshot() if self.sampler else None)
+        self.sent = (step_before + 1, step, steps - steps_before)
+        self._where_since = samples
+        values = torch.zeros(self.world_size, len(COMPARED))
+        values[self.rank] = torch.tensor([totals[phase] - before[phase] for phase in COMPARED])
+        return values.flatten()
+
+    def compare(self, values: torch.Tensor) -> None:
+        """With the all-reduced ``payload`` (every rank's window figures):
+        the verdict of the window (``slow_ranks``), the same on every rank;
+        a rank named or no longer named acts (``_announce``)."""
+        first, last, steps = self.sent
+        if steps <= 0:  # an evaluation's window: no step to compare
+            return
+        per_step = (values.view(self.world_size, len(COMPARED)) / steps).tolist()
+        slow = slow_ranks(per_step)
+        for column, phase in enumerate(COMPARED):
+            for rank in range(self.world_size):
+                key = (rank, phase)
+                runs, other = (self.slow_runs, self.clear_runs) if (rank, column) in slow else \
+                    (self.clear_runs, self.slow_runs)
+                runs[key] += 1
+                other[key] = 0
+                if runs[key] == 1:
+                    self.run_from[key] = first
+                peers = statistics.median(row[column] for index, row in enumerate(per_step) if index != rank)
+                figures = (per_step[rank][column], peers, self.run_from[key], last)
+                if key not in self.named and self.slow_runs[key] >= WINDOWS:
+                    self._announce(rank, phase, figures, started=True)
+                elif key in self.named and self.clear_runs[key] >= WINDOWS:
+                    self._announce(rank, phase, figures, started=False)
+
+    def _announce(self, rank: int, phase: str, figures: tuple, started: bool) -> None:
+        """``rank`` starts (``started``) or stops being slow in ``phase``:
+        the rank itself sends its host and, for data, its loader's line
+        through the store; rank 0 prints the line once it has them."""
+        self.events += 1
+        key = f"{self.events}/{rank}"
+        if started:
+            self.named[(rank, phase)] = None
+        if rank == self.rank and rank != 0:
+            store = self._store()
+            if store is not None:
+                store.set(key, json.dumps({"host": socket.gethostname(), "where": self._where(phase)}))
+        if self.rank == 0:
+            found = {"host": socket.gethostname(), "where": self._where(phase)} if rank == 0 else None
+            self.pending.append([key, rank, phase, figures, started, found, self.polls])
+            self._print_pending()
+        if not started:
+            self.named.pop((rank, phase), None)
+
+    def _where(self, phase: str) -> str:
+        """For data: where this rank's loader spent the window's time."""
+        if phase != "data":
+            return ""
+        if self.sampler is None:
+            return f"in its {self.num_workers} loader worker processes (their stacks are not sampled)"
+        top = self.sampler.top(self._where_since)
+        return f"its loader spends the time at {top}" if top else ""
+
+    def _store(self):
+        """The launcher's store, under ``straggler/`` (``run_store``); None where there is none."""
+        if self.store is None:
+            try:
+                self.store = run_store("straggler") or False
+            except Exception:  # noqa: BLE001 - no store to reach: the line names no host
+                self.store = False
+        return self.store or None
+
+    def _print_pending(self) -> None:
+        """Rank 0: print each pending line whose named rank answered (or
+        after ``WHERE_WAIT_POLLS`` polls without an answer), in order."""
+        while self.pending:
+            key, rank, phase, figures, started, found, at = self.pending[0]
+            if found is None:
+                store = self._store()
+                try:
+                    if store is not None and store.check([key]):
+                        found = json.loads(store.get(key))
+                except Exception:  # noqa: BLE001 - the store is gone: name what is known
+                    store = None
+                if found is None and store is not None and self.polls - at < WHERE_WAIT_POLLS:
+                    return
+            self.pending.pop(0)
+            print_line(straggler_line(rank, phase, figures, started, found or {}))
+
+
+def slow_ranks(per_step: list) -> set:
+    """The (rank, column) pairs of ``per_step`` (a list by rank of seconds a
+    step per phase of ``COMPARED``) where the rank is slower than ``RATIO``
+    x the median of the other ranks and by ``FLOOR_S`` at least."""
+    slow = set()
+    for column in range(len(COMPARED)):
+        for rank, row in enumerate(per_step):
+            peers = statistics.median(other[column] for index, other in enumerate(per_step) if index != rank)
+            if row[column] > RATIO * peers and row[column] - peers > FLOOR_S:
+                slow.add((rank, column))
+    return slow
+
+
+def straggler_line(rank: int, phase: str, figures: tuple, started: bool, found: dict) -> str:
+    """The line rank 0 prints (see ``StragglerWatch``): ``figures`` (this
+    rank's seconds a step, the other ranks' median, the window's first and
+    last step), ``found`` the rank's {"host", "where"}."""
+    seconds, peers, first, last = figures
+    host = found.get("host") or "unknown"
+    if not started:
+        return (f"straggler: rank {rank} (host {host}) is no longer slow in {phase}: {1000 * seconds:.1f} ms a "
+                f"step against {1000 * peers:.1f} ms, over steps {first}-{last}")
+    where = f"; {found['where']}" if found.get("where") else ""
+    return (f"straggler: rank {rank} (host {host}) is slow in {phase}: {1000 * seconds:.1f} ms a step against "
+            f"{1000 * peers:.1f} ms on the other ranks (median), over steps {first}-{last}{where}")
