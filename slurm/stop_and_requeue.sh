@@ -57,7 +57,9 @@ export TRAINING_FINISHED_FILE="$PWD/.finished-$SLURM_JOB_ID"
 # written under flock) and exits 2 with one line when another job that is
 # still queued or running holds it: two live jobs must never write one
 # snapshot. A claim of a run started without Slurm (host and pid, no job)
-# stays: train.py refuses it while that run lives.
+# stays: train.py refuses it while that run lives. A snapshot in a bucket
+# (--snapshot_path s3://...) has no claim file: train.py's lease in the bucket
+# names the job, and refuses a run of another live job in one line.
 snapshot_for() {
     local name="snapshot-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}" found line
     # Its lines ("run identity ...", a note), then the snapshot's name; a flag train.py would refuse ends
@@ -68,6 +70,9 @@ snapshot_for() {
     while IFS= read -r line; do
         case "$line" in "run identity "*|"note: "*) echo "$line" ;; esac
     done <<< "$found"
+    # A snapshot in a bucket (s3://...) is claimed by train.py itself, with a lease
+    # in the bucket that names this job: no claim file in the working folder.
+    [[ "$SNAPSHOT" == *://* ]] && return
     # The job as squeue and scontrol know it: an array task as <array job id>_<index>.
     local claim="$SNAPSHOT.job" job owner state lock
     job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"

@@ -219,6 +219,20 @@ def slurm_cluster(tmp_path_factory):
     assert cluster.leftovers() == []
 
 
+@pytest.fixture(scope="session")
+def bridge_s3_server(slurm_cluster):
+    """moto's S3 server (support/s3_server.py) on the Slurm cluster's bridge
+    address (slurm_cluster.BRIDGE_ADDR), the one address of this machine that
+    its network-namespace hosts reach: their jobs' snapshots go to a bucket
+    (``create_bucket``; the jobs' environment: ``env()``). One per test process."""
+    from slurm_cluster import BRIDGE_ADDR
+    from support.s3_server import S3Server
+
+    server = S3Server(host=BRIDGE_ADDR)
+    yield server
+    server.stop()
+
+
 # --------------------------------------------------------------------------
 # The quick tier: `python -m pytest -m quick -n 3 tests`
 # --------------------------------------------------------------------------

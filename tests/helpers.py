@@ -230,6 +230,33 @@ def wrapper_snapshot(job_name: str, args: list = (), array_index=None) -> str:
     return name + ".pt"
 
 
+def bucket_snapshot(server, bucket_name: str, root: str, folder) -> str:
+    """The newest committed generation of the DDP snapshot at
+    ``s3://bucket_name/root`` in ``server`` (support/s3_server.py's), downloaded
+    to ``folder``/s3.pt; returns that file's path."""
+    from train_utils.snapshots import bucket
+
+    keys = server.keys(bucket_name, root + "/")
+    manifests = sorted(key for key in keys if key.endswith("/" + bucket.MANIFEST))
+    body = server.client().get_object(Bucket=bucket_name, Key=manifests[-1].replace(bucket.MANIFEST,
+                                                                                    bucket.SNAPSHOT_OBJECT))
+    target = Path(folder) / "s3.pt"
+    target.write_bytes(body["Body"].read())
+    return str(target)
+
+
+def local_files(*folders) -> list:
+    """Every file or folder under ``folders`` (paths relative to its folder)
+    but the runs' logs (log.txt, stdout.txt): a snapshot, a claim, a goodput
+    ledger or an ``s3:`` folder left on disk would be here."""
+    found = []
+    for folder in folders:
+        for path, dirs, files in os.walk(folder):
+            found += [os.path.relpath(os.path.join(path, name), folder) for name in dirs + files
+                      if name not in ("log.txt", "stdout.txt")]
+    return found
+
+
 def typed_snapshot(job_name: str, args: list) -> str:
     """The name a snapshot of the wrappers has when named by a hash of the
     arguments as typed: the first 8 hex digits of the SHA-256 of the

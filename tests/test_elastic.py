@@ -1,9 +1,12 @@
 """Elastic torchrun (``--nnodes=MIN:MAX``, c10d rendezvous): a node lost mid-run
 leaves the others going at the smaller world size, and a node that joins makes
 the job grow back, without a hang. Two real torchrun agents on this host, each
-one "node" of 2 ranks under HSDP (a replica a node); the lost one is SIGKILLed
-with its workers (no stop signal, as a node that dies), then started again.
-(Slurm's node loss under DDP: tests/test_slurm.py.)"""
+one "node" of 2 ranks under HSDP (a replica a node), each in a working folder
+of its own, the snapshot in a bucket (moto's S3 server on 127.0.0.1, the
+``s3_server`` fixture) as where nodes share no filesystem; the lost one is
+SIGKILLed with its workers (no stop signal, as a node that dies), then
+started again in a new, empty folder. (Slurm's node loss under DDP:
+tests/test_slurm.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ import time
 from pathlib import Path
 
 from dataset_files import build_mnist_root
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, assert_goodput, free_port, script_env
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, free_port, local_files, script_env
+
+from train_utils.snapshots import bucket
 
 # torch's dynamic rendezvous shares its agent's store with the workers by
 # default, and that store's address is not renewed when the membership
@@ -45,16 +50,18 @@ def elastic_launch(port: int, hosts: bool, last_call_s: int = 1, nproc: int = 1)
 
 
 class Agents:
-    """torchrun agents started by a test, each logging to <folder>/<name>.log;
+    """torchrun agents started by a test, each logging to <folder>/<name>.log
+    and working in <folder>/<name>, a folder of its own, empty at its start;
     whatever is left is SIGKILLed, workers too, at the end (``close``)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.procs = folder, {}
 
     def start(self, name: str, cmd: list, **env: str) -> None:
-        """Start agent ``name`` in its own process group."""
+        """Start agent ``name`` in its own process group and its own new folder."""
+        (self.folder / name).mkdir()
         with open(self.folder / f"{name}.log", "w") as log:
-            self.procs[name] = subprocess.Popen([str(part) for part in cmd], cwd=self.folder, stdout=log,
+            self.procs[name] = subprocess.Popen([str(part) for part in cmd], cwd=self.folder / name, stdout=log,
                                                 stderr=subprocess.STDOUT, env=script_env(**env),
                                                 start_new_session=True)
 
@@ -111,7 +118,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
+def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path, s3_server):
     """The job of docs/fault-tolerance.md under HSDP, each node a replica of 2
     ranks, on real MNIST digits (1,600 to train, batch 16, a snapshot every 5
     steps): nodes a (ranks 0 and 1) and b (2 and 3) start together, one round
@@ -132,51 +139,61 @@ def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
     another world size was refused: a used up its restarts) and without the
     store keys every rank of a round agrees on (launch.store_prefix: keyed on
     each agent's restart count, a's ranks (1) and b's (0) waited for each
-    other at process-group start until the restarts ran out). The goodput
-    ledger beside the snapshot folder counts the three attempts (4, 2 and 4
-    ranks), steps 6 and 7 of the first redone (after its step-5 snapshot),
-    none of the second (its stop's snapshot), and the timeline a track per
-    rank of each."""
+    other at process-group start until the restarts ran out). The snapshot
+    lives in a bucket only, each agent working in a folder of its own (b
+    started again in a new, empty one): every save and resume names the
+    bucket, no folder holds a snapshot (nor a goodput ledger: a bucket's run
+    keeps none), and the bucket ends with the one committed save and no
+    lease. Fails where an s3:// path is taken as a local folder (the
+    saves land in a's folder, under s3:, and b's new folder resumes none)."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
     port = free_port()
+    s3_server.create_bucket("elastic")
+    path = "s3://elastic/runs/hsdp"
     flags = ["--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
-             "--strategy", "hsdp", "--snapshot_every_steps", "5", "--metrics_path", "metrics.jsonl"]
+             "--strategy", "hsdp", "--snapshot_every_steps", "5", "--metrics_path", "metrics.jsonl",
+             "--snapshot_path", path]
+    store = s3_server.env()
     # a and b held by DDP_TEST_FAULT (FAULTY_TRAIN); b started again runs train.py itself.
     host, other = (elastic_launch(port, hosts, last_call_s=10, nproc=2) + [FAULTY_TRAIN, *flags]
                    for hosts in (True, False))
     other_again = elastic_launch(port, False, last_call_s=10, nproc=2) + [REPO / "train.py", *flags]
     agents = Agents(tmp_path)
-    launched = time.time()
     try:
         # b's agent first, up to where it reaches for the rendezvous (LOGLEVEL=INFO makes torchrun
         # say so), which a's agent hosts: both then join a's first round at once, however long
         # each takes to start on a busy machine.
-        agents.start("b", other, DDP_TEST_FAULT="step:*:8:wait_signal_once", LOGLEVEL="INFO", **ELASTIC_ENV)
+        agents.start("b", other, DDP_TEST_FAULT="step:*:8:wait_signal_once", LOGLEVEL="INFO", **ELASTIC_ENV,
+                     **store)
         agents.wait_for("b", "Starting elastic_operator with launch configs")
         # a's rank 0: held before its 31st step in each process (only a process of the world
         # of 2 gets there: the first round ends at b's step 8).
-        agents.start("a", host, DDP_TEST_FAULT="step:0:31:wait_signal", **ELASTIC_ENV)
+        agents.start("a", host, DDP_TEST_FAULT="step:0:31:wait_signal", **ELASTIC_ENV, **store)
         agents.wait_for("a", "| HSDP mesh replicate 2 x shard 2 |")
-        agents.wait_for("a", "epoch 1 step 5 | snapshot saved at snapshot_train_fsdp/epoch-1-step-5")
+        agents.wait_for("a", f"epoch 1 step 5 | snapshot saved at {path}/epoch-1-step-5")
         agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 8 on rank 2")
         agents.wait_for("b", "DDP_TEST_FAULT: wait_signal_once at step 8 on rank 3")
         agents.kill("b")
         agents.wait_for("a", "| HSDP mesh replicate 1 x shard 2 |")
-        agents.wait_for("a", "resuming from snapshot snapshot_train_fsdp/epoch-1-step-5 in epoch 1 after step 10 "
+        agents.wait_for("a", f"resuming from snapshot {path}/epoch-1-step-5 in epoch 1 after step 10 "
                              "(saved by world_size 4 as HSDP replicate 2 x shard 2, resharded to 2 as HSDP "
                              "replicate 1 x shard 2: ")
         agents.wait_for("a", "DDP_TEST_FAULT: wait_signal at step 31 on rank 0")
-        agents.start("b_again", other_again, **ELASTIC_ENV)
+        agents.start("b_again", other_again, **ELASTIC_ENV, **store)
         for name in ("a", "b_again"):
             assert agents.procs[name].wait(timeout=180) == 0, agents.logs()
     finally:
         agents.close()
     text = agents.log("a") + agents.log("b_again")
-    assert "epoch 1 step 42 | snapshot saved at snapshot_train_fsdp/epoch-1-step-42" in text, agents.logs()
-    assert re.search(r"^resuming from snapshot snapshot_train_fsdp/epoch-1-step-42 in epoch 1 after step 21 "
+    assert f"epoch 1 step 42 | snapshot saved at {path}/epoch-1-step-42" in text, agents.logs()
+    assert re.search(rf"^resuming from snapshot {path}/epoch-1-step-42 in epoch 1 after step 21 "
                      r"\(saved by world_size 2 as HSDP replicate 1 x shard 2, resharded to 4 as HSDP replicate 2 x "
                      r"shard 2: .*epoch 1 goes on after 1344 of its 1600 samples", text, re.M), agents.logs()
     assert text.count("epoch 1/1 |") == 1 and text.count("test | loss") == 1, agents.logs()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in records if "epoch" in r] == [1600]
-    assert_goodput(tmp_path / "snapshot_train_fsdp", [4, 2, 4], [7 - 5, 0], text, since=launched)
+    # what each agent's folder holds: rank 0's metrics (a's), nothing else
+    assert [local_files(tmp_path / name) for name in ("a", "b", "b_again")] == [["metrics.jsonl"], [], []]
+    keys = s3_server.keys("elastic")  # the epoch's save alone, committed; the lease given back
+    assert all(key.startswith("runs/hsdp/epoch-1/") for key in keys), keys
+    assert f"runs/hsdp/epoch-1/{bucket.MANIFEST}" in keys, keys

@@ -16,25 +16,14 @@ import time
 
 import pytest
 
-from helpers import (FAULTY_TRAIN, PODS, REPO, assert_same_snapshot, check, epochs, error_lines, held_at_step,
-                     parse_test, run, script_env)
+from helpers import (FAULTY_TRAIN, PODS, REPO, assert_same_snapshot, bucket_snapshot, check, epochs, error_lines,
+                     held_at_step, local_files, parse_test, run, script_env)
 
 from train_utils.snapshots import bucket
 
 # The synthetic task at one rank: 57 steps an epoch; a snapshot after every epoch.
 FLAGS = ["--total_epochs", "3", "--save_every", "1"]
 ONE_RANK = PODS + ["--nproc_per_node=1"]
-
-
-def bucket_snapshot(server, bucket_name: str, root: str, folder) -> str:
-    """The newest complete generation's snapshot of ``s3://bucket_name/root``, downloaded to ``folder``/s3.pt."""
-    keys = server.keys(bucket_name, root + "/")
-    manifests = sorted(key for key in keys if key.endswith("/" + bucket.MANIFEST))
-    body = server.client().get_object(Bucket=bucket_name, Key=manifests[-1].replace(bucket.MANIFEST,
-                                                                                    bucket.SNAPSHOT_OBJECT))
-    target = folder / "s3.pt"
-    target.write_bytes(body["Body"].read())
-    return str(target)
 
 
 def wait_for_line(process, line: str, timeout: float = 300) -> str:
@@ -47,16 +36,6 @@ def wait_for_line(process, line: str, timeout: float = 300) -> str:
         if line in text:
             return "".join(seen)
     raise AssertionError("".join(seen))
-
-
-def local_files(*folders) -> list:
-    """Every file or folder under ``folders`` but the runs' logs: a snapshot left on disk would be here."""
-    found = []
-    for folder in folders:
-        for path, dirs, files in os.walk(folder):
-            found += [os.path.relpath(os.path.join(path, name), folder) for name in dirs + files
-                      if name not in ("log.txt", "stdout.txt")]
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -52,9 +52,11 @@ import pytest
 import torch
 
 from dataset_files import build_token_files
-from helpers import FAULTY_TRAIN_JOB_ENV, PODS, REPO, assert_bitwise, assert_goodput, assert_same_snapshot, epochs, \
-    evaluations, full_state, parse_test, script_env, snapshot_folder, wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, PODS, REPO, assert_bitwise, assert_goodput, assert_same_snapshot, \
+    bucket_snapshot, epochs, evaluations, full_state, local_files, parse_test, script_env, snapshot_folder, \
+    wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
+from train_utils.snapshots import bucket
 from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_resumes_exactly, drive, \
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
 
@@ -72,6 +74,13 @@ SHORT = ["--total_epochs", str(EPOCHS), "--batch_size", "16"]
 HOLD_AT_STEP_30 = {"DDP_TEST_FAULT": "step:*:30:wait_signal_once", **FAULTY_TRAIN_JOB_ENV}
 HELD_AT_STEP_30 = ("DDP_TEST_FAULT: wait_signal_once at step 30 on rank 0",
                    "DDP_TEST_FAULT: wait_signal_once at step 30 on rank 1")
+# The bucket as the only durable store: the srun job's snapshot in a bucket of moto's S3
+# server on the cluster's bridge (the bridge_s3_server fixture), each rank in a working
+# folder of its host's and its run's own, <host>-run<restart count>, under the job's
+# (tests/train_in_host_folder.py): no folder is shared, and the requeued run's are empty.
+BUCKET, BUCKET_ROOT = "stops", "preempt-srun/snap.pt"
+IN_BUCKET = ["--snapshot_path", f"s3://{BUCKET}/{BUCKET_ROOT}"]
+IN_HOST_FOLDERS = {**HOLD_AT_STEP_30, "SCRIPT_NAME": "tests/train_in_host_folder.py"}
 GPUS_2 = ["--gres=gpu:2"]
 # What every scenario's final snapshot is compared with: train.py, 2 ranks, SHORT, never stopped.
 REFERENCE = ("train.py", 2)
@@ -105,8 +114,8 @@ SCENARIOS = [
     Scenario("preempt-multi_node", "multi_node.sh", "ddp-stop[2-3]", ["--nodes=2", *GPUS_2], HSDP,
              preempt, HSDP_REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HSDP_HELD_AT_STEP_30),
     Scenario("preempt-srun", "multi_node_srun.sh", "ddp-stop[4-5]",
-             ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], SHORT, preempt, REFERENCE,
-             env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
+             ["--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1"], [*SHORT, *IN_BUCKET], preempt, REFERENCE,
+             env=dict(IN_HOST_FOLDERS), trigger_when=HELD_AT_STEP_30),
     Scenario("time-limit", "multi_gpu.sh", "ddp-stop6", [*GPUS_2, "--array=7"], SHORT, warn_soon,
              REFERENCE, env=dict(HOLD_AT_STEP_30), trigger_when=HELD_AT_STEP_30),
     Scenario("scontrol-requeue", "multi_gpu.sh", "ddp-stop6", GPUS_2, SHORT, scontrol_requeue,
@@ -204,15 +213,24 @@ def _reference(script: str, nproc: int, args: list, folder: Path) -> Path:
 
 
 def reference_key(scenario) -> tuple:
-    """The key of the scenario's uninterrupted run among the fixture's references."""
-    return (*scenario.reference, tuple(scenario.args))
+    """The key of the scenario's uninterrupted run among the fixture's references (where the
+    snapshot goes is no part of it)."""
+    args = list(scenario.args)
+    if "--snapshot_path" in args:
+        del args[args.index("--snapshot_path"):args.index("--snapshot_path") + 2]
+    return (*scenario.reference, tuple(args))
 
 
-def assert_same_training(scenario, folder: Path, reference: Path, scratch: Path, array_index=None) -> None:
-    """The final snapshot the scenario's job left in ``folder`` holds the
-    training of its uninterrupted ``reference``, bitwise: a file's weights,
-    optimizer, schedule and loss scale (assert_same_snapshot); a sharded
-    snapshot folder's the same, gathered (in ``scratch``), and each rank's RNG."""
+def assert_same_training(scenario, folder: Path, reference: Path, scratch: Path, array_index=None,
+                         server=None) -> None:
+    """The final snapshot the scenario's job left in ``folder`` (or, with
+    IN_BUCKET, in the bucket of ``server``) holds the training of its
+    uninterrupted ``reference``, bitwise: a file's weights, optimizer,
+    schedule and loss scale (assert_same_snapshot); a sharded snapshot
+    folder's the same, gathered (in ``scratch``), and each rank's RNG."""
+    if IN_BUCKET[1] in scenario.args:  # DDP: the bucket's object, downloaded
+        assert_same_snapshot(bucket_snapshot(server, BUCKET, BUCKET_ROOT, scratch), reference)
+        return
     snapshot = folder / wrapper_snapshot(scenario.name, scenario.args, array_index)
     if "hsdp" not in scenario.args:
         assert_same_snapshot(snapshot, reference)
@@ -230,15 +248,18 @@ def _wait_until(condition, timeout_s: float = SCENARIO_TIMEOUT_S + 60) -> None:
 
 
 @pytest.fixture(scope="module")
-def stopped(slurm_cluster, tmp_path_factory):
+def stopped(slurm_cluster, bridge_s3_server, tmp_path_factory):
     """Runs every scenario side by side (one thread each) and the uninterrupted
     reference run beside them; returns
     ({name: (scenario, its folder)}, {(script, processes, args): snapshot})."""
     root = tmp_path_factory.mktemp("stops")
     threads, folders = [], {}
+    bridge_s3_server.create_bucket(BUCKET)
     for scenario in SCENARIOS:
         folders[scenario.name] = folder = root / scenario.name
         folder.mkdir()
+        if IN_BUCKET[1] in scenario.args:  # the store's endpoint and credentials, as AWS variables
+            scenario.env.update(bridge_s3_server.env())
         if TOKEN_DATA in scenario.args:
             build_token_files(folder / TOKEN_DATA, chars=20000)
 
@@ -302,7 +323,17 @@ def stopped(slurm_cluster, tmp_path_factory):
 
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt and s.partition == "stops"
                                   and s.wrapper.endswith(".sh")])
-def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path):
+def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path, bridge_s3_server):
+    """A job of 2 hosts preempted while every rank waits at step 30: Slurm's
+    SIGTERM stops every rank after one step, rank 0 saves, the batch shell
+    requeues the job, the next run resumes there, and the job ends bitwise
+    equal to an uninterrupted run. The srun job (a rank per task) keeps its
+    snapshot in a bucket only: each rank works in a folder of its host's and
+    its run's own, the requeued run's empty, so it can resume from the
+    bucket alone, and no folder, the job's included, ever holds a snapshot,
+    a claim or a goodput ledger (there is none for a bucket); the bucket ends
+    with one generation and no lease. The HSDP job (a torchrun agent a host)
+    keeps a local one, with its goodput ledger beside it."""
     scenarios, folders, references = stopped
     scenario = scenarios[name]
     assert not scenario.error, show(scenario)
@@ -323,7 +354,11 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path
         assert "| 2 nodes (ddp-stop[4-5]) x 1 tasks |" in texts[0] and "world_size 2" in texts[0], texts[0]
     if name == "preempt-multi_node":  # 2 hosts x 2 ranks, a replica a host
         assert "| HSDP mesh replicate 2 x shard 2 |" in texts[0], texts[0]
-    assert_same_training(scenario, folders[name], references[reference_key(scenario)], tmp_path)
+    assert_same_training(scenario, folders[name], references[reference_key(scenario)], tmp_path,
+                         server=bridge_s3_server)
+    if IN_BUCKET[1] in scenario.args:
+        check_the_bucket_is_the_only_store(scenario, folders[name], texts, bridge_s3_server)
+        return
     # The goodput ledger: an attempt per run that trained (its epoch line), none of their steps redone (each
     # stop saved its last step), the requeue named; the last run's line over them all.
     snapshot = folders[name] / wrapper_snapshot(scenario.name, scenario.args)
@@ -334,6 +369,30 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path
     launches = [r["launch"] for r in records if r["record"] == "start"]
     assert len({launch["slurm_job"] for launch in launches}) == 1, launches
     assert int(launches[-1]["slurm_restart_count"]) >= 1, launches
+
+
+def check_the_bucket_is_the_only_store(scenario, folder: Path, texts: list, server) -> None:
+    """Every run of the IN_BUCKET job saved to and resumed from the bucket;
+    each rank worked in its host's and its run's own folder (made by
+    tests/train_in_host_folder.py, on both hosts for the first run and the
+    last); no folder holds anything but the job's log (no snapshot, no claim
+    file, no goodput ledger, no ``s3:`` folder); the bucket holds one
+    committed generation (its manifest and snapshot object) and no lease."""
+    path = IN_BUCKET[1]
+    assert STOP.search(texts[0]) and STOP.search(texts[0]).group(3) == path, texts[0]
+    resumed = [RESUME.search(text) for text in texts[1:] if RESUME.search(text)]
+    assert resumed and all(match.group(1) == path for match in resumed), texts
+    hosts = ("ddp-stop4", "ddp-stop5")  # the job's nodes, ddp-stop[4-5]
+    assert scenario.nodes == "ddp-stop[4-5]", scenario.nodes
+    host_folders = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+    last = int(scenario.infos[-1]["Restarts"])
+    assert {f"{host}-run{run}" for host in hosts for run in (0, last)} <= set(host_folders), host_folders
+    assert all(re.fullmatch(rf"({'|'.join(hosts)})-run\d+", name) for name in host_folders), host_folders
+    assert local_files(*(folder / name for name in host_folders)) == [], list(folder.rglob("*"))
+    logs = [entry.name for entry in folder.iterdir() if entry.is_file()]
+    assert logs == [f"{scenario.name}-{scenario.infos[-1]['JobId']}.out"], logs
+    keys = server.keys(BUCKET)
+    assert len(keys) == 2 and keys[0].endswith(bucket.MANIFEST) and keys[1].endswith(bucket.SNAPSHOT_OBJECT), keys
 
 
 def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):
