@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -48,9 +49,12 @@ class S3Server:
         if host in ("", "0.0.0.0", "::"):
             raise ValueError("S3Server listens on one address, not on every one")
         self.host, self.port = host, free_port()
+        # Its output (a line per request) goes to a file: a pipe nobody reads
+        # fills after some hundred requests, and the server then stops answering.
+        self.output = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=self.output, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
@@ -61,8 +65,10 @@ class S3Server:
                 return
             except (urllib.error.URLError, ConnectionError, socket.timeout):
                 time.sleep(0.2)
+        self.output.seek(0)
+        said = self.output.read()[-2000:]
         self.stop()
-        raise RuntimeError(f"moto's S3 server on {self.url} did not start: {self.process.stdout.read()[-2000:]}")
+        raise RuntimeError(f"moto's S3 server on {self.url} did not start: {said}")
 
     @property
     def url(self) -> str:
@@ -101,3 +107,4 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.output.close()
