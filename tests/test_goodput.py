@@ -2,9 +2,9 @@
 real attempt killed by SIGKILL keeps its last step, the next counts the steps
 after its snapshot as redone; torn lines, a new run at the same path, paths
 that are not local or cannot be written. (Real runs stopped and resumed,
-restarted by torchrun, preempted and requeued by Slurm, and resized by
-elastic torchrun assert the same through ``helpers.assert_goodput``:
-tests/test_fault_tolerance.py, tests/test_stop_paths.py, tests/test_elastic.py.)"""
+restarted by torchrun, and preempted and requeued by Slurm assert the same
+through ``helpers.assert_goodput``: tests/test_fault_tolerance.py,
+tests/test_stop_paths.py.)"""
 
 import json
 import re
