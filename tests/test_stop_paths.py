@@ -9,7 +9,8 @@ No signal is sent by hand:
   nodes of a running ``multi_node.sh`` (2 hosts: a torchrun agent per host in
   the srun step, as ``multi_gpu.sh`` has one; 2 ranks a host under HSDP, one
   replica a host) and ``multi_node_srun.sh`` (2 hosts, a rank per task, no
-  torchrun) job; Slurm sends the step SIGTERM;
+  torchrun; its snapshot in a bucket only, each rank in a folder of its
+  host's and run's own) job; Slurm sends the step SIGTERM;
   without a grace time, SIGTERM to everything and SIGKILL after KillWait
   (once with a save held past it); then, once no other job is being
   preempted, with ``SlurmctldParameters=preempt_send_user_signal`` (the job's
