@@ -116,8 +116,8 @@ class StragglerWatch:
         self.sampler = LoaderSampler(phases) if num_workers == 0 and world_size > 1 else None
         self.polls = 0
         self.sent: Optional[tuple] = None  # (first step, last step, steps) of the window in flight
-        self._mark = (phases.totals(), phases.steps, step(), self.sampler.snapshot() if self.sampler else None)
-        self._where_since = self._mark[3]  # the sampler's counts at the window in flight's start
+        self._mark = (phases.totals(), phases.steps, self.sampler.snapshot() if self.sampler else None)
+        self._where_since = self._mark[2]  # the sampler's counts at the window in flight's start
         self.slow_runs: dict = collections.defaultdict(int)  # (rank, phase) -> windows slow in a row
         self.clear_runs: dict = collections.defaultdict(int)  # (rank, phase) -> windows not slow in a row
         self.run_from: dict = {}  # (rank, phase) -> the first step of its current run of slow (or clear) windows
@@ -136,9 +136,11 @@ class StragglerWatch:
         if self.polls % WINDOW_STEPS:
             return None
         totals, steps, step = self.phases.totals(), self.phases.steps, self.step()
-        before, steps_before, step_before, samples = self._mark
-        self._mark = (totals, steps, step, self.sampler.snapshot() if self.sampler else None)
-        self.sent = (step_before + 1, step, steps - steps_before)
+        before, steps_before, samples = self._mark
+        self._mark = (totals, steps, self.sampler.snapshot() if self.sampler else None)
+        # The run's steps of the window: its last is the run's step now (a resumed run's too), its first
+        # as many steps before as this rank closed in it.
+        self.sent = (step - (steps - steps_before) + 1, step, steps - steps_before)
         self._where_since = samples
         mine = [totals[phase] - before[phase] for phase in COMPARED]
         if self.sampler is not None:  # this rank waits for data: sample where, in case it is the slow one
