@@ -297,7 +297,7 @@ class BucketTokenFile(TokenFile):
     """A ``TokenFile`` in a bucket (``s3://bucket/key``): the same formats,
     checks, ``len()``, ``rows`` and ``sample``, read by ranged GETs instead
     of a memory map. The header is one ranged read at construction. ``rows``
-    reads the file in aligned blocks of ``BUCKET_BLOCK_BYTES``: the blocks a
+    reads the file in aligned blocks of ``block_bytes``: the blocks a
     batch's rows touch that are not cached are fetched at once (concurrent
     GETs, ``fsspec``'s ``cat_ranges``), and the blocks read last are kept,
     at most ``cache_bytes`` of them (least recently used dropped first; a
@@ -310,16 +310,17 @@ class BucketTokenFile(TokenFile):
     Raises ConfigError (one line) as ``TokenFile`` does, and for a bucket
     that cannot be read (``bucket_errors``)."""
 
-    def __init__(self, path: str, size: int, cache_bytes: int) -> None:
+    def __init__(self, path: str, size: int, cache_bytes: int, block_bytes: int = BUCKET_BLOCK_BYTES) -> None:
         import io
 
-        self.size, self.cache_bytes = size, cache_bytes
+        self.size, self.cache_bytes, self.block_bytes = size, cache_bytes, block_bytes
         self._blocks: dict = {}
         [head] = bucket_read(path, [0], [min(size, 4096)])  # a .npy header is ~128 bytes, llm.c's 1 KiB
         self._read_header(path, size, io.BytesIO(head))
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "size": self.size, "cache_bytes": self.cache_bytes}
+        return {**super().__getstate__(), "size": self.size, "cache_bytes": self.cache_bytes,
+                "block_bytes": self.block_bytes}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -329,7 +330,7 @@ class BucketTokenFile(TokenFile):
         return bucket_read(self.path, starts, ends)
 
     def rows(self, starts: torch.Tensor, width: int) -> torch.Tensor:
-        itemsize, block = self.dtype.itemsize, BUCKET_BLOCK_BYTES
+        itemsize, block = self.dtype.itemsize, self.block_bytes
         firsts = ((self.offset + starts) * itemsize).tolist()  # each row's first byte
         spans = [(first // block, (first + width * itemsize - 1) // block) for first in firsts]
         missing = sorted({b for low, high in spans for b in range(low, high + 1)} - self._blocks.keys())

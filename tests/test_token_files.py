@@ -24,6 +24,7 @@ import pickle
 import re
 import shutil
 import signal
+import sys
 
 import pytest
 import torch
@@ -287,6 +288,122 @@ def test_bad_shards_are_one_line_each_and_left_as_they_are(tmp_path):
             common.load_task(lm_args("tokens", folder, **tiny(**flags)), download=False)
         assert "\n" not in str(info.value) and str(info.value).startswith("--dataset tokens: ")
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+# --------------------------------------------------------------------------
+# Token shards in a bucket (--data_dir s3://bucket/prefix), in process
+# --------------------------------------------------------------------------
+
+def upload(s3_server, folder, bucket: str, prefix: str) -> str:
+    """Every file of ``folder`` put in a new ``bucket`` of the test's S3 server
+    under ``prefix``/ (as ``aws s3 cp --recursive`` does); returns the
+    ``s3://bucket/prefix`` URL."""
+    url = s3_server.create_bucket(bucket)
+    client = s3_server.client()
+    for path in sorted(folder.iterdir()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+    return f"{url}/{prefix}"
+
+
+@pytest.fixture
+def bucket_env(s3_server, monkeypatch):
+    """The test's S3 server in the standard AWS variables, and a new client
+    for this process (token_tasks makes one a process, from the variables)."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None])
+    return s3_server
+
+
+def test_shards_in_a_bucket_give_the_disks_windows_in_the_same_keyed_order(tmp_path, bucket_env):
+    """llm.c shards uploaded to a bucket, --data_dir s3://bucket/prefix: the
+    task has the folder's shards (an object one level deeper is not
+    matched, as a glob does not match it in a folder), vocabulary and
+    identity; at 2 ranks x 2 DataLoader workers (forked from a process that
+    has read the bucket already: each makes its own client; train.py's
+    workers come from its fork server, below) each rank's batches of epoch
+    1's keyed order are the disk's,
+    bitwise, with blocks of 1,000 bytes and a cache of 3 (rows across
+    blocks, blocks dropped and fetched again); a pickled shard is its URL, and
+    the cache holds at most its bound."""
+    from torch.utils.data import DataLoader
+
+    import train_utils
+
+    good = build_token_files(tmp_path / "good", chars=CHARS)
+    train = torch.frombuffer(bytearray((good / "train.bin").read_bytes()), dtype=torch.int16).tolist()
+    val = torch.frombuffer(bytearray((good / "val.bin").read_bytes()), dtype=torch.int16).tolist()
+    shard_folder(tmp_path / "llmc", train, 3, True, val)
+    (tmp_path / "llmc" / "meta.pkl").write_bytes((good / "meta.pkl").read_bytes())
+    url = upload(bucket_env, tmp_path / "llmc", "corpus", "fineweb")
+    bucket_env.client().put_object(Bucket="corpus", Key="fineweb/old/fineweb_train_000009.bin",
+                                   Body=(tmp_path / "llmc" / "fineweb_train_000001.bin").read_bytes())
+    disk = common.load_task(lm_args("tokens", tmp_path / "llmc", **tiny()), download=False)
+    bucket = common.load_task(lm_args("tokens", url, **tiny()), download=False)
+    assert [os.path.basename(f.path) for f in bucket.train_set.shards] == [
+        f"fineweb_train_00000{k}.bin" for k in (1, 2, 3)]
+    assert all(isinstance(f, token_tasks.BucketTokenFile) for f in bucket.train_set.shards)
+    assert bucket.identity == disk.identity and bucket.decode(range(20)) == disk.decode(range(20))
+    assert bucket.corpus.endswith(f"(vocab_size of {url}/meta.pkl)")
+    for shard in bucket.train_set.shards:
+        shard.block_bytes, shard.cache_bytes = 1000, 3000
+    held_out = list(range(len(disk.val_set)))
+    assert torch.equal(bucket.val_set.windows(held_out), disk.val_set.windows(held_out))  # read before the forks
+    for task in (disk, bucket):
+        task.train_set.set_epoch(1)
+    for rank in (0, 1):
+        sampler = train_utils.ResumableDistributedSampler(bucket.train_set, 2, rank, seed=0)
+        sampler.set_epoch(1)
+        order = list(sampler)
+        expected = [torch.cat(disk.train_set.__getitems__(order[i:i + 8]), 1) for i in range(0, len(order) - 7, 8)]
+        loader = DataLoader(bucket.train_set, batch_size=8, sampler=sampler, drop_last=True,
+                            collate_fn=common.collate, num_workers=2, multiprocessing_context="fork")
+        batches = [torch.cat(batch, 1) for batch in loader]
+        assert len(batches) == len(expected) == len(disk.train_set) // 16, rank
+        assert all(torch.equal(a, b) for a, b in zip(batches, expected)), rank
+    shard = bucket.train_set.shards[1]
+    starts = torch.tensor([0, 95, 3000, 5300])
+    assert torch.equal(shard.rows(starts, 600), disk.train_set.shards[1].rows(starts, 600))  # 2 or 3 blocks a row
+    assert 0 < len(shard._blocks) <= 3
+    sent = pickle.dumps(shard)
+    assert len(sent) < 600 and f"{url}/fineweb_train_000002.bin".encode() in sent
+    assert pickle.loads(sent)._blocks == {}
+
+
+def test_bad_bucket_places_are_one_line_each(tmp_path, bucket_env, monkeypatch):
+    """--data_dir s3://...: a bucket that does not exist, a prefix with no
+    object under it, a prefix without token files, an endpoint that does not
+    answer (within 90 s: bounded time-outs and retries), and s3fs not
+    installed: one ConfigError line each, saying what to do."""
+    import time
+
+    folder = tmp_path / "small"
+    shard_folder(folder, list(range(65)) * 20, 1, True, list(range(65)) * 20)
+    url = upload(bucket_env, folder, "small", "shards")
+    cases = [("s3://no-such-bucket/shards", r"s3://no-such-bucket/shards is not there \(.*\); create the bucket "
+                                            r"and upload the shards.*AWS_ENDPOINT_URL"),
+             ("s3://small/none", r"nothing under --data_dir s3://small/none: no object has that prefix; upload "),
+             (url, r"no train token files in --data_dir s3://small/shards \(--train_files train_\*.bin matches "
+                   r"nothing\)")]
+    for data_dir, error in cases:
+        flags = {"train_files": "train_*.bin"} if data_dir == url else {}
+        with pytest.raises(common.ConfigError, match=error) as info:
+            common.load_task(lm_args("tokens", data_dir, **tiny(**flags)), download=False)
+        assert "\n" not in str(info.value) and str(info.value).startswith("--dataset tokens: ")
+    from support.ports import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None])
+    started = time.monotonic()
+    with pytest.raises(common.ConfigError, match=r"^--dataset tokens: s3://small/shards: the endpoint "
+                       r"http://127.0.0.1:\d+ does not answer \(.*\); check AWS_ENDPOINT_URL and the network"):
+        common.load_task(lm_args("tokens", url, **tiny()), download=False)
+    assert time.monotonic() - started < 90
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as where it is not installed: importing it fails
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None])
+    with pytest.raises(common.ConfigError, match=r"^--data_dir s3://\.\.\.: reading token shards from a bucket "
+                       r"needs s3fs \(fsspec's S3 client\): pip install s3fs$"):
+        common.load_task(lm_args("tokens", url, **tiny()), download=False)
 
 
 def test_gpt2_small_with_the_padded_vocabulary_takes_a_step(tmp_path):
