@@ -35,7 +35,7 @@ import token_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from support.data import write_token_shard
 from helpers import (FAULTY_TRAIN, REPO, PODS, stdout_lines, assert_bitwise, check, epochs, error_lines, evaluations,
-                     full_state, run, signal_when, snapshot_folder, snapshot_tensors, task_args, tiny_gpt_run)
+                     full_state, one_process, run, signal_when, snapshot_folder, snapshot_tensors, task_args, tiny_gpt_run)
 
 KIT = PODS + ["--nproc_per_node=2"]
 CHARS = 20000  # the corpus's first 20,000 characters: 1,124 training windows of 16, 70 steps an epoch at 2 x 8
@@ -600,6 +600,39 @@ def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwi
     steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
     assert steps_a == steps_b == 1 and a["lr_schedule.step"].item() == 80 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_a_token_run_from_a_bucket_prints_the_disks_evaluation_lines_through_a_stop(uninterrupted, tmp_path,
+                                                                                    s3_server):
+    """The token files above uploaded to a bucket of a local S3 server,
+    --data_dir s3://bucket/prefix, 2 ranks with 2 DataLoader workers each
+    (from the kit's fork server): stopped by SIGTERM at step 37 and resumed,
+    the two runs print the uninterrupted run's evaluation lines from disk
+    (0 workers) and end bitwise as it does; a bucket that does not exist
+    ends train.py in one line, exit status 2, and nothing is saved."""
+    runs, data = uninterrupted
+    straight, reference = runs["tokens"]
+    url = upload(s3_server, data["tokens"], "tokens-run", "shakespeare_char")
+    flags = [*step_flags(url), "--num_workers", "2"]
+    first = signal_when(KIT + [FAULTY_TRAIN, *flags], tmp_path, "DDP_TEST_FAULT: wait_signal_once at step 37",
+                        signal.SIGTERM, DDP_TEST_FAULT="step:0:37:wait_signal_once", **s3_server.env())
+    assert re.search(r"^epoch 1 step 3[78] \| snapshot saved", first, re.M), first[-3000:]
+    second = check(run(KIT + [REPO / "train.py", *flags], tmp_path, **s3_server.env())).stdout
+    assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 3" in second, second[-3000:]
+    assert f"vocab_size of {url}/meta.pkl" in second
+    assert evaluations(first) + evaluations(second) == evaluations(reference) != []
+    steps_a, a = snapshot_tensors(straight / "snapshot_train.pt", rng=True)
+    steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
+    assert steps_a == steps_b and a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+    (tmp_path / "missing").mkdir()
+    missing = one_process(step_flags("s3://no-such-bucket/tokens"), tmp_path / "missing", **s3_server.env())
+    assert missing.returncode == 2 and error_lines(missing.stderr)[:1] == [
+        "error: --dataset tokens: s3://no-such-bucket/tokens is not there (The specified bucket does not exist); "
+        "create the bucket and upload the shards, or pass the --data_dir they are in; the endpoint and "
+        "credentials come from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_DEFAULT_REGION)"], missing.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "missing").iterdir()) == []
 
 
 def test_another_vocabulary_at_resume_is_one_line_and_the_snapshot_is_kept(uninterrupted, tmp_path):
