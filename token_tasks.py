@@ -44,7 +44,7 @@ MODELS = {"token_file_task": ("gpt",)}
 # not a shard's worth; large next to a window (2 KiB at block_size 1,024) so that the held-out
 # windows, which tile the file, and windows close together share GETs.
 BUCKET = "s3://"
-BUCKET_BLOCK_BYTES = 256 << 10
+BUCKET_BLOCK_BYTES = 64 << 10
 BUCKET_CACHE_MIB = 64
 # botocore's client settings for the bucket: bounded time-outs and retries, so that an endpoint
 # that does not answer ends the run in about a minute instead of hanging it.
