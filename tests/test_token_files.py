@@ -311,7 +311,7 @@ def bucket_env(s3_server, monkeypatch):
     for this process (token_tasks makes one a process, from the variables)."""
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None])
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None], raising=False)
     return s3_server
 
 
@@ -393,14 +393,14 @@ def test_bad_bucket_places_are_one_line_each(tmp_path, bucket_env, monkeypatch):
     from support.ports import free_port
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None])
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None], raising=False)
     started = time.monotonic()
     with pytest.raises(common.ConfigError, match=r"^--dataset tokens: s3://small/shards: the endpoint "
                        r"http://127.0.0.1:\d+ does not answer \(.*\); check AWS_ENDPOINT_URL and the network"):
         common.load_task(lm_args("tokens", url, **tiny()), download=False)
     assert time.monotonic() - started < 90
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as where it is not installed: importing it fails
-    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None])
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None], raising=False)
     with pytest.raises(common.ConfigError, match=r"^--data_dir s3://\.\.\.: reading token shards from a bucket "
                        r"needs s3fs \(fsspec's S3 client\): pip install s3fs$"):
         common.load_task(lm_args("tokens", url, **tiny()), download=False)
