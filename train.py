@@ -164,6 +164,9 @@ class Trainer:
         if not self.fsdp:
             train_utils.time_gradient_wait(self.plain_model, self.phases)
         self.profiler = train_utils.StepProfiler(config.profile_dir, device)  # --profile_dir: a few steps traced
+        # Where this attempt's wall time goes (rank 0's ledger) and every rank's timeline, beside the snapshot.
+        # "data" and "peers" are rank 0's phase totals (the phase timer's "data" and "collective").
+        self.goodput = train_utils.Goodput(config.snapshot_path, self.rank, phases=self.phases.totals)
 
     @property
     def plain_model(self) -> torch.nn.Module:
@@ -187,6 +190,7 @@ class Trainer:
         last snapshot. Once it returns, or raises Stopped, every rank has
         passed the stop signal's last poll (``StopSignal.close``)."""
         found = self.checkpointer.find()
+        resumed_from = found.position if found.path else ""  # in its saver's steps, as the ledger names saves
         finished = train_utils.nothing_to_train(found, self.config)  # all epochs, or --max_steps' samples
         if found.mismatch and not finished:  # the other strategy's snapshot: finished, or not this run's to resume
             raise common.ConfigError(found.mismatch)
@@ -204,15 +208,16 @@ class Trainer:
             train_utils.rebuild_ddp_buckets(self.model, self.train_data, self.task.loss_fn,
                                             self.task.eval_transform, self.device, self.autocast)
         self.log.start(self.config.as_dict())  # the metrics file's start record; the W&B run (the snapshot's)
+        self.goodput.begin(resumed_from, self.progress.step, dist.get_world_size())  # start-up ends here
         try:
             for epoch in range(self.progress.epochs_run, self.config.total_epochs):
                 self.run_epoch(epoch)
                 # Save after the last epoch too: the tutorials' `epoch % save_every == 0`
                 # saves after the first epoch and can skip the last one.
                 if (epoch + 1) % self.config.save_every == 0 or epoch + 1 == self.config.total_epochs:
-                    with self.phases.phase("snapshot"):
-                        self.checkpointer.save()
-            self.checkpointer.wait(together=True)  # the last snapshot written before the run reports its end
+                    self._save()
+            with self.goodput.timed("snapshot"):
+                self.checkpointer.wait(together=True)  # the last snapshot written before the run reports its end
             self.stop.close()
         except BaseException:
             with contextlib.suppress(BaseException):  # the run's own error is the one to report
@@ -278,6 +283,7 @@ class Trainer:
             if self.progress.steps_run % self.config.grad_accum_steps:
                 continue  # no stop, no snapshot mid-accumulation: its gradients would be lost
             self.step_log.step(self.progress.step, epoch, self.evaluations, self.recipe.last_lr)
+            self.goodput.step(self.progress.step)  # the step's time; rank 0's ledger knows the step reached
             # Every rank learns of a stop signal, and of rank 0's snapshot clock, at the same step.
             with self.phases.phase("collective"):
                 stopping = self.stop.poll(request=self.checkpointer.request())
@@ -286,8 +292,7 @@ class Trainer:
             if self.evaluations.due(self.progress.step, epoch_end=False):
                 records.append(self._evaluate())
             if self.checkpointer.due(self.progress.epoch_step, self.stop.requested) and batches.left:
-                with self.phases.phase("snapshot"):
-                    self.checkpointer.save()  # not at the epoch's end: that snapshot comes next
+                self._save()  # not at the epoch's end: that snapshot comes next
             self.phases.end_step()
         self.watch.after_steps(epoch)
         if not self.memory_reported:  # the optimizer made its state at the first step: measure it now
@@ -348,7 +353,8 @@ class Trainer:
         ``_stop``: the resumed run evaluates first."""
         summary = self.evaluations.summary()
         state = torch.get_rng_state()
-        scores = evaluate(self.plain_model, self.val_data, self.task, self.device, self.fsdp, self.stop)
+        with self.goodput.timed("evaluation"):
+            scores = evaluate(self.plain_model, self.val_data, self.task, self.device, self.fsdp, self.stop)
         if scores is None:
             torch.set_rng_state(state)
             self._stop()
@@ -368,13 +374,23 @@ class Trainer:
         snapshot of it written (rank 0 prints how long after the signal, or
         the preemption notice, it was committed), every rank past the stop
         signal's last poll, then ``train_utils.Stopped`` raised."""
-        self.checkpointer.save()
-        self.checkpointer.wait(together=True)
+        self.goodput.marker("stop", {"signal": self.stop.stopped_by, "step": self.progress.step})
+        self._save(wait=True)
         if self.rank == 0:  # what a cloud's notice (30 s to 2 minutes) or a pod's grace must fit
             origin, seconds = self.stop.since_stop()
             train_utils.print_line(f"stop: snapshot committed {seconds:.1f} s after {origin}")
         self.stop.close()
         raise train_utils.Stopped(self.stop.stopped_by)
+
+    def _save(self, wait: bool = False) -> None:
+        """Collective: a snapshot now (``checkpointer.save``; ``wait``: its
+        write waited for on every rank), the time it blocks training counted
+        as "snapshot" and its position recorded in the goodput ledger."""
+        with self.goodput.timed("snapshot"), self.phases.phase("snapshot"):
+            self.checkpointer.save()
+            if wait:
+                self.checkpointer.wait(together=True)
+        self.goodput.saved(train_utils.position(self.progress.epochs_run, self.progress.steps_run))
 
     def close(self) -> None:
         """The run's end, whatever ended it (train.py's ``main`` calls it in a
@@ -389,6 +405,8 @@ class Trainer:
         process's: ``ending.end_process`` ends them."""
         failed = sys.exc_info()[0] not in (None, train_utils.Stopped)  # an exception on its way out
         self.checkpointer.close()
+        # The attempt's last ledger record, where ``finish`` did not write it: a stop, or an error.
+        self.goodput.end("failed" if failed else "stopped" if self.stop.stopped_by else "ended")
         self.log.close(failed)
         self.model = self.compiled = self.plain_model
         gc.collect()  # DDP's reducer holds reference cycles
@@ -539,21 +557,27 @@ def finish(trainer: Trainer, found: train_utils.Found, test_data: Optional[DataL
     without a test split: ``test_data`` None). Then what the model writes (a
     language model's sample: ``Task.sample_text``; a finished snapshot's
     weights loaded first), rank 0's line that nothing was left to train
-    (``found.line``, for a finished snapshot), and rank 0 tells a Slurm
+    (``found.line``, for a finished snapshot), the attempt's last goodput
+    record and rank 0's goodput line over the run's attempts (a run that
+    trained now: ``Goodput.end``), and rank 0 tells a Slurm
     wrapper that nothing is left to train, so a late stop signal does not
     requeue it."""
     task = trainer.task
     if found.finished and task.sample_text is not None:
         trainer.checkpointer.load_model()
     elif not found.finished and test_data is not None:
-        test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, task, trainer.device, trainer.fsdp)
+        with trainer.goodput.timed("evaluation"):
+            test_loss, test_accuracy = evaluate(trainer.plain_model, test_data, task, trainer.device, trainer.fsdp)
         if trainer.rank == 0:
             trainer.log.log({"test_loss": test_loss, "test_accuracy": test_accuracy})
     # FSDP: every rank runs the forwards; rank 0 prints
     train_utils.print_sample(trainer.plain_model, task, trainer.device, trainer.fsdp)
+    goodput = trainer.goodput.end("finished")  # over every attempt of the run; '' where nothing was trained now
     if trainer.rank == 0:
         if found.finished:
             train_utils.print_line(found.line)
+        if goodput:
+            train_utils.print_line(goodput)
         train_utils.report_run_finished()
 
 

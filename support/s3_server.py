@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -48,10 +49,12 @@ class S3Server:
         if host in ("", "0.0.0.0", "::"):
             raise ValueError("S3Server listens on one address, not on every one")
         self.host, self.port = host, free_port()
+        # Its log (a line a request) goes to a file, not a pipe: a pipe nobody reads fills after some
+        # hundreds of requests, and the server then blocks every request on writing its line.
+        self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -62,7 +65,9 @@ class S3Server:
             except (urllib.error.URLError, ConnectionError, socket.timeout):
                 time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"moto's S3 server on {self.url} did not start: {self.process.stdout.read()[-2000:]}")
+        self.log.seek(0)
+        raise RuntimeError(f"moto's S3 server on {self.url} did not start: "
+                           f"{self.log.read().decode(errors='replace')[-2000:]}")
 
     @property
     def url(self) -> str:

@@ -252,6 +252,9 @@ QUICK = [
     "test_docs.py::test_measured_figures_sit_in_results_tables", "test_docs.py::test_the_voice_checks_can_fail",
     "test_docs.py::test_links_between_pages_lead_somewhere", "test_docs.py::test_every_flag_has_its_row_in_flags_md",
     "test_fault_tolerance.py::test_crafted_snapshot_is_refused_and_its_code_never_runs",
+    "test_goodput.py::test_a_torn_line_is_skipped_and_a_fresh_start_after_a_finished_run_is_a_new_run",
+    "test_goodput.py::test_a_snapshot_path_that_is_not_local_or_cannot_be_written_costs_no_run",
+    "test_goodput.py::test_shares_are_whole_percents_that_sum_to_100",
     "test_keyed_draws.py::test_a_windows_offset_is_its_own_whatever_batch_fetches_it",
     "test_keyed_draws.py::test_a_task_drawing_from_torchs_generator_draws_per_sample_keys",
     "test_language_model.py::test_split_vocabulary_and_windows_are_nanogpts",
@@ -435,10 +438,11 @@ LONGEST_FIRST = (
     "test_init_from.py",
     # After test_fsdp.py: its 2-rank FSDP snapshot (kit_run) is made by then, not waited for.
     "test_plan.py",
+    "test_s3_snapshots.py",  # after test_fsdp.py too: its 1-epoch FSDP run (kit_run) is the reference
     "test_loaders.py", "test_stragglers.py", "test_profiler.py", "test_multinode.py", "test_custom_task.py", "test_progress_bar.py",
     "test_gpu_speed.py",
     "test_elastic.py", "test_train_utils.py", "test_metrics.py", "test_real_data.py", "test_common.py",
-    "test_claims.py", "test_slurm_wrappers.py", "test_package_map.py", "test_task_batching.py",
+    "test_claims.py", "test_goodput.py", "test_slurm_wrappers.py", "test_package_map.py", "test_task_batching.py",
     "test_ladder_diffs.py", "test_readme.py",
 )
 

@@ -329,3 +329,47 @@ def eval_problem():
     model.norm.running_mean.copy_(torch.randn(5, generator=g))
     model.norm.running_var.copy_(torch.rand(5, generator=g) + 0.5)
     return torch.utils.data.TensorDataset(x, y), model
+
+
+GOODPUT_LINE = re.compile(r"^goodput (?P<goodput>\d\.\d\d)(?: \((?P<rest>[^)]*)\))?$", re.M)
+
+
+def assert_goodput(snapshot, world_sizes: list, redone: list, stdout: str = "", since: float = 0.0) -> list:
+    """The goodput ledger and timeline beside ``snapshot`` (its --snapshot_path)
+    after a run of ``len(world_sizes)`` attempts, attempt i trained by
+    ``world_sizes[i - 1]`` ranks: each attempt's categories are >= 0 and sum
+    to its wall time, which starts after ``since`` (time.time() before the
+    first launch; 0: unchecked) and ends by now; attempt i's steps redone by
+    attempt i + 1 are ``redone[i - 1]``; the timeline parses as Perfetto
+    reads a JSON-array trace without its closing bracket and has a track per
+    rank per attempt (pid the attempt, tid the rank), each with its start-up
+    span; ``stdout`` (the run's last attempt), where given, ends with the
+    goodput line, the ledger's, whose shares sum to 100% +- 2. Returns the
+    ledger's records."""
+    from train_utils.logs.goodput import attempt_totals, goodput_line, goodput_paths, read_ledger
+    from train_utils.logs.timeline import read_trace
+
+    ledger, trace = goodput_paths(str(snapshot))
+    records = read_ledger(ledger)
+    totals = attempt_totals(records)
+    assert sorted(totals) == list(range(1, len(world_sizes) + 1)), records
+    for attempt, total in totals.items():
+        seconds = total["seconds"]
+        assert abs(sum(seconds.values()) - total["wall_s"]) < 1e-6, (attempt, total)
+        assert min(seconds.values()) >= -1e-3, (attempt, total)
+        last = [r for r in records if r["attempt"] == attempt and r["record"] != "redone"][-1]
+        assert since - 1 <= last["started"] <= last["time"] <= time.time(), (since, last)
+    assert [totals[attempt]["redone_steps"] for attempt in sorted(totals)[:-1]] == redone, records
+    events = read_trace(trace)
+    tracks = {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"}
+    assert tracks == {(attempt, rank) for attempt, size in enumerate(world_sizes, 1) for rank in range(size)}, tracks
+    started = {(e["pid"], e["tid"]) for e in events if e["name"] == "start-up" and e["ph"] == "X"}
+    assert started == tracks, started
+    if stdout:
+        lines = GOODPUT_LINE.findall(stdout)
+        assert len(lines) == 1, stdout[-3000:]
+        match = GOODPUT_LINE.search(stdout)
+        assert match.group(0) == goodput_line(records), (match.group(0), records)
+        rest = re.findall(r"(\S+) (\d+)%", match.group("rest") or "")
+        assert abs(float(match.group("goodput")) * 100 + sum(int(share) for _, share in rest) - 100) <= 2, match
+    return records

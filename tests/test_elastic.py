@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from dataset_files import build_mnist_root
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, free_port, script_env
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, assert_goodput, free_port, script_env
 
 # torch's dynamic rendezvous shares its agent's store with the workers by
 # default, and that store's address is not renewed when the membership
@@ -132,7 +132,11 @@ def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
     another world size was refused: a used up its restarts) and without the
     store keys every rank of a round agrees on (launch.store_prefix: keyed on
     each agent's restart count, a's ranks (1) and b's (0) waited for each
-    other at process-group start until the restarts ran out)."""
+    other at process-group start until the restarts ran out). The goodput
+    ledger beside the snapshot folder counts the three attempts (4, 2 and 4
+    ranks), steps 6 and 7 of the first redone (after its step-5 snapshot),
+    none of the second (its stop's snapshot), and the timeline a track per
+    rank of each."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
     port = free_port()
     flags = ["--dataset", "mnist", "--data_dir", data, "--batch_size", "16", "--total_epochs", "1",
@@ -142,6 +146,7 @@ def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
                    for hosts in (True, False))
     other_again = elastic_launch(port, False, last_call_s=10, nproc=2) + [REPO / "train.py", *flags]
     agents = Agents(tmp_path)
+    launched = time.time()
     try:
         # b's agent first, up to where it reaches for the rendezvous (LOGLEVEL=INFO makes torchrun
         # say so), which a's agent hosts: both then join a's first round at once, however long
@@ -174,3 +179,4 @@ def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path):
     assert text.count("epoch 1/1 |") == 1 and text.count("test | loss") == 1, agents.logs()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in records if "epoch" in r] == [1600]
+    assert_goodput(tmp_path / "snapshot_train_fsdp", [4, 2, 4], [7 - 5, 0], text, since=launched)

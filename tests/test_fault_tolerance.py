@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import (FAULTY_TRAIN, PODS, REPO, load_task, signal_when, TORCHRUN, assert_same_snapshot, check, epochs,
-                     error_lines, held_at_step, one_process, parse_test, run, script_env, stdout_lines)
+from helpers import (FAULTY_TRAIN, PODS, REPO, load_task, signal_when, TORCHRUN, assert_goodput, assert_same_snapshot,
+                     check, epochs, error_lines, held_at_step, one_process, parse_test, run, script_env, stdout_lines)
 
 import train_utils
 from common import ConfigError
@@ -54,7 +54,9 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
     because with 3 or more a resume must also lay out DDP's gradient buckets
     as the run before did (a different layout sums in another order); and
     --amp where this CPU allows it (bf16), whose cast nodes change that
-    layout (test_a_resume_under_amp_lays_out_ddps_buckets_as_the_autocast_run)."""
+    layout (test_a_resume_under_amp_lays_out_ddps_buckets_as_the_autocast_run).
+    The goodput ledger counts two attempts, the first's step after the
+    snapshot as redone, and the timeline a track per rank of each."""
     # A recipe with state of its own: the cosine schedule's step, AdamW's moments.
     flags = ["--total_epochs", "2", "--snapshot_every_steps", "3", "--dataset", "mnist", "--data_dir", small_mnist,
              "--optimizer", "adamw", "--lr", "0.003", "--lr_schedule", "cosine", "--warmup_epochs", "0.5",
@@ -64,12 +66,14 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
         flags.append("--amp")
     except ConfigError as refused:
         print(f"--amp refused on this CPU, trained without: {refused}")
-    # 5 steps an epoch a rank (540 digits, 3 ranks, batches of 32); the 9th
-    # step is epoch 2's 4th, after the epoch's step-3 snapshot.
-    kill_at = 9
+    # 5 steps an epoch a rank (540 digits, 3 ranks, batches of 32); killed before
+    # the 10th step (epoch 2's 5th), the 9th trained after the epoch's step-3
+    # snapshot (the run's step 8): one step redone.
+    kill_at = 10
     (tmp_path / "clean").mkdir()
     (tmp_path / "killed").mkdir()
     check(run(PODS + ["--nproc_per_node=3", REPO / "train.py"] + flags, tmp_path / "clean"))
+    launched = time.time()
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=3", "--max-restarts=3", FAULTY_TRAIN] + flags,
                        tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
     assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
@@ -81,6 +85,7 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
     assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 3" in killed.stdout
     assert "epoch 2/2" in killed.stdout
     assert_same_snapshot(tmp_path / "clean" / SNAPSHOT, tmp_path / "killed" / SNAPSHOT)
+    assert_goodput(tmp_path / "killed" / SNAPSHOT, [3, 3], [kill_at - 1 - 8], killed.stdout, since=launched)
 
     def losses(path):
         return [(r["epoch"], r["train_loss"], r["val_loss"], r["samples"])
@@ -107,7 +112,8 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(kit_run, tmp_path)
     assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 20" in killed.stdout
     clean, _ = kit_run("ddp", "--total_epochs", 2)
     assert_same_snapshot(clean / SNAPSHOT, tmp_path / SNAPSHOT)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_train.pt"]  # no stale temp
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # no stale temp; the goodput ledger and timeline
+        "snapshot_train.pt", "snapshot_train.pt.goodput.jsonl", "snapshot_train.pt.trace.json"]
 
 
 def test_a_snapshot_is_written_while_training_goes_on(tmp_path):
@@ -313,7 +319,10 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     the workers, which stop after the same step and snapshot it; the same command
     then finishes the run, with the weights, optimizer state, learning-rate
     schedule of a run never interrupted. With gradient accumulation the stop
-    waits for the end of an optimizer step (no half-accumulated gradients lost)."""
+    waits for the end of an optimizer step (no half-accumulated gradients lost).
+    The goodput ledger counts both attempts, none of the steps redone (the
+    stop's snapshot holds the last one), and the resumed run's goodput line
+    sums to 100%; the timeline has a track per rank of each."""
     relay = []  # torchrun relays SIGTERM and SIGINT by default; SIGUSR1 only when asked (torch 2.10+)
     if signum == signal.SIGUSR1:
         if torch_version() < (2, 10):
@@ -328,6 +337,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     reference.mkdir()
     nprocs = f"--nproc_per_node={nproc}"
     launch = TORCHRUN + ["--standalone", nprocs, *relay, str(FAULTY_TRAIN), *args]  # held by DDP_TEST_FAULT
+    launched = time.time()
     text = signal_when(launch, interrupted, held_at_step(hold)[1], signum, **held_at_step(hold)[0])
     name = signal.Signals(signum).name
     stops = re.findall(r"^epoch (\d+) step (\d+) \| snapshot saved at snapshot_train\.pt$", text, re.M)
@@ -343,6 +353,7 @@ def test_stop_signal_stops_every_rank_after_one_step_and_the_run_resumes_exactly
     resumed = check(run(PODS + [nprocs, REPO / "train.py", *args], interrupted))
     assert f"resuming from snapshot snapshot_train.pt in epoch {epoch} after step {step}" in resumed.stdout
     assert [e["epoch"] for e in epochs(resumed.stdout)] == [2]
+    assert_goodput(interrupted / "snapshot_train.pt", [nproc, nproc], [0], resumed.stdout, since=launched)
     straight = check(run(PODS + [nprocs, REPO / "train.py", *args], reference))
     assert_same_snapshot(interrupted / "snapshot_train.pt", reference / "snapshot_train.pt")
     assert parse_test(resumed.stdout) == parse_test(straight.stdout)

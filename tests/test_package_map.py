@@ -20,8 +20,8 @@ WINGS = {
     "distributed": ["devices", "fsdp", "hang_report", "kernels", "launch", "meta_build", "rendezvous", "timeouts"],
     "loop": ["epoch", "evaluation", "evaluations", "loaders", "notice", "numerics", "phases", "progress", "recipe",
              "sampler", "speed", "stop", "stragglers"],
-    "logs": ["metrics", "profiling", "startup", "text_out", "throughput", "wandb_run"],
-    "snapshots": ["checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",
+    "logs": ["goodput", "metrics", "profiling", "startup", "text_out", "throughput", "timeline", "wandb_run"],
+    "snapshots": ["bucket", "checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",
                   "writer"],
 }
 TOP = ["checks", "cli", "config", "ending", "errors", "output", "plan"]

@@ -52,8 +52,8 @@ import pytest
 import torch
 
 from dataset_files import build_token_files
-from helpers import FAULTY_TRAIN_JOB_ENV, PODS, REPO, assert_bitwise, assert_same_snapshot, epochs, evaluations, \
-    full_state, parse_test, script_env, snapshot_folder, wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, PODS, REPO, assert_bitwise, assert_goodput, assert_same_snapshot, epochs, \
+    evaluations, full_state, parse_test, script_env, snapshot_folder, wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
 from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_resumes_exactly, drive, \
     job_log, preempt, runs, scancel, scontrol_requeue, show, submit, warn_soon
@@ -324,6 +324,16 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path
     if name == "preempt-multi_node":  # 2 hosts x 2 ranks, a replica a host
         assert "| HSDP mesh replicate 2 x shard 2 |" in texts[0], texts[0]
     assert_same_training(scenario, folders[name], references[reference_key(scenario)], tmp_path)
+    # The goodput ledger: an attempt per run that trained (its epoch line), none of their steps redone (each
+    # stop saved its last step), the requeue named; the last run's line over them all.
+    snapshot = folders[name] / wrapper_snapshot(scenario.name, scenario.args)
+    trained = [text for text in texts if re.search(r"^epoch \d+ \| batch_size ", text, re.M)]
+    records = assert_goodput(snapshot.with_suffix("") if "hsdp" in scenario.args else snapshot,
+                             [4 if "hsdp" in scenario.args else 2] * len(trained), [0] * (len(trained) - 1),
+                             texts[-1])
+    launches = [r["launch"] for r in records if r["record"] == "start"]
+    assert len({launch["slurm_job"] for launch in launches}) == 1, launches
+    assert int(launches[-1]["slurm_restart_count"]) >= 1, launches
 
 
 def test_time_limit_warning_snapshots_and_requeues_until_done(stopped):

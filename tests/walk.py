@@ -86,6 +86,9 @@ def covered_elsewhere(block: str) -> Optional[str]:
     if "--dataset shakespeare_char" in block:
         return ("the language-model recipes train for minutes to hours; tests/test_language_model.py trains "
                 "the GPT with the task's recipe in train.py and in a rung on a slice of the corpus")
+    if "s3://" in block:
+        return ("snapshots in a bucket need an S3 store and boto3: tests/test_s3_snapshots.py runs train.py with "
+                "s3:// snapshots against moto's S3 server on 127.0.0.1")
     for command in commands(block):
         command = re.sub(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)+", "", command)  # VAR=value sbatch ...
         for start, reason in COVERED_ELSEWHERE.items():

@@ -37,7 +37,8 @@ it (A -> B: A imports B; none runs back up; tests/test_package_map.py):
   output             one-write lines from several processes; the first error of any rank; output paths
   distributed/       launch, rendezvous, devices, kernels, timeouts, hang report, FSDP (distributed/__init__.py)
   loop/              progress, sampler, epoch, loaders, evaluation(s), recipe, speed, numerics, stop (loop/__init__.py)
-  logs/              the start-up line, metrics, W&B, profiler, throughput, a model's text (logs/__init__.py)
+  logs/              the start-up line, metrics, W&B, profiler, throughput, a model's text, the goodput
+                     ledger and timeline (logs/__init__.py)
   snapshots/         the Checkpointer, given the run's parts: a snapshot's whole life (claim, load, save,
                      wait, close), its two formats, the background writer, the claims (snapshots/__init__.py)
 
@@ -56,7 +57,7 @@ from .distributed import Watch, answer_stack_requests, backend_for, broadcast_bu
     check_fsdp_backend, device_for, enable_flight_recorder, launcher_store, materialize_shards, \
     print_sharded_memory, raise_open_file_limit, shard_model, share_cpu_cores, stack_folder, watch_collectives
 from .errors import one_line_errors
-from .logs import RunLog, StepLog, StepProfiler, describe_placement, describe_run, describe_task, flops_per_sample, \
+from .logs import Goodput, RunLog, StepLog, StepProfiler, describe_placement, describe_run, describe_task, flops_per_sample, \
     gather_placement, print_sample, throughput_figures
 from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progress, Recipe, \
     ResumableDistributedSampler, SeededFetches, StepPhases, StopSignal, Stopped, StragglerWatch, autocast, \
@@ -66,7 +67,7 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     set_fp32_precision, time_gradient_wait, training_loss, watch_preemption_notice
 from .output import print_line
 from .plan import check_plan, plan_request
-from .snapshots import START_AFRESH, Checkpointer, Found, claim_snapshot_path, load_initial_weights, \
+from .snapshots import START_AFRESH, Checkpointer, Found, claim_snapshot_path, load_initial_weights, position, \
     saved_budget_batch, take_initial_sizes
 
 __all__ = [
@@ -143,6 +144,7 @@ __all__ = [
     "rebuild_ddp_buckets",
     "Checkpointer",
     "Found",
+    "position",
     "saved_budget_batch",
     "take_initial_sizes",
     "START_AFRESH",
@@ -150,6 +152,7 @@ __all__ = [
     # output and the end of a run
     "RunLog",
     "StepLog",
+    "Goodput",
     "print_line",
     "report_run_finished",
     "watch_preemption_notice",

@@ -40,8 +40,8 @@ from .distributed import binary_size, build_on_meta, local_state_bytes, shard_mo
 from .errors import one_line_errors
 from .loop import Progress, checkpoint_activations, fp32, nothing_to_train
 from .output import print_line
-from .snapshots import Found, ShardedSnapshots, SnapshotFile, held_samples, mesh_name, newest_complete, position, \
-    read_snapshot, saved_budget_batch
+from .snapshots import Found, ShardedSnapshots, SnapshotFile, held_samples, in_bucket, mesh_name, newest_complete, \
+    newest_snapshot_url, position, read_newest, read_snapshot, saved_budget_batch
 
 PLAN_FORMAT = re.compile(r"(\d+)x(\d+)")
 # How long a plan's one training step may replay on fake tensors (two iterations of at most two micro-batches).
@@ -211,7 +211,10 @@ def replay_step(model: torch.nn.Module, config: RunConfig, task: common.Task, so
 def newest_snapshot(path: str, sharded: bool) -> Optional[str]:
     """The snapshot a run of ``path`` (--snapshot_path) would resume, read only:
     the file itself (DDP), or the newest complete folder (FSDP, HSDP:
-    ``newest_complete``, read only); None where there is none."""
+    ``newest_complete``, read only), in a bucket its newest complete
+    generation (``bucket.newest_snapshot_url``); None where there is none."""
+    if in_bucket(path):
+        return newest_snapshot_url(path, sharded)
     if sharded:
         return newest_complete(path)
     return path if os.path.isfile(path) else None
@@ -230,7 +233,9 @@ def resume_line(config: RunConfig, progress: Progress) -> tuple[str, Found]:
         return f"starts afresh: no snapshot at --snapshot_path {config.snapshot_path}", Found()
     world_size = dist.get_world_size()
     checked = dict(config.as_dict(), world_size=None if config.sharded else world_size)
-    if config.sharded:
+    if in_bucket(found_path):
+        snapshot = read_newest(config.snapshot_path, config.sharded, checked, ShardedSnapshots.META)
+    elif config.sharded:
         snapshot = read_snapshot(os.path.join(found_path, ShardedSnapshots.META), checked)
     else:
         snapshot = read_snapshot(found_path, checked)

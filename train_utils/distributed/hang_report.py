@@ -219,7 +219,9 @@ def gather_answers(store: Optional[dist.Store], world_size: int, deadline: float
 def stack_folder(snapshot_path: str) -> str:
     """The folder of the stack files (and of NCCL's flight-recorder dumps):
     the one ``snapshot_path`` (--snapshot_path, a file or a folder) is in,
-    as an absolute path."""
+    as an absolute path; the working folder for a snapshot in a bucket (s3://)."""
+    if snapshot_path.startswith("s3://"):
+        return os.getcwd()
     return os.path.dirname(os.path.abspath(snapshot_path))
 
 

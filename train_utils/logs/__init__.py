@@ -8,13 +8,16 @@ train_utils import it through this face only.
   profiling     torch.profiler over a few steps, one trace per rank
   throughput    tokens/s, achieved FLOP/s (the model's FLOPs per sample, counted at start), MFU
   text_out      what a task's trained model writes (a language model's sample)
+  goodput       where a run's wall time goes across its attempts: the ledger, the goodput line
+  timeline      the run's Chrome-trace timeline, a track per rank per attempt
 """
 
+from .goodput import Goodput
 from .metrics import RunLog, StepLog, tensorboard_missing
 from .profiling import StepProfiler
 from .startup import describe_placement, describe_run, describe_task, gather_placement
 from .text_out import print_sample
 from .throughput import flops_per_sample, throughput_figures
 
-__all__ = ["RunLog", "StepLog", "tensorboard_missing", "StepProfiler", "describe_placement", "describe_run", "describe_task", "gather_placement", "print_sample",
+__all__ = ["Goodput", "RunLog", "StepLog", "tensorboard_missing", "StepProfiler", "describe_placement", "describe_run", "describe_task", "gather_placement", "print_sample",
            "flops_per_sample", "throughput_figures"]

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from common import ConfigError
 from ..distributed import gloo_group, note_snapshot
 from ..output import first_error, output_path_error
+from . import bucket
+from .bucket import SnapshotBucket, claim_bucket_snapshot, in_bucket
 from .claims import claim_snapshot
 from .file import START_AFRESH, SnapshotFile, read_snapshot, remove_stale_temporary_files
 from .position import position, position_tag
@@ -76,7 +78,12 @@ def claim_snapshot_path(path: str, sharded: bool) -> None:
     of the same command is refused before a download, say), and rank 0
     removes the temporary files a killed writer left beside it. Raises
     ConfigError (one line, on every rank) when the path cannot be written
-    or another live run holds it. ``ending.end_process`` gives the claim back."""
+    or another live run holds it. ``ending.end_process`` gives the claim back.
+    A path in a bucket (``s3://``) is checked, claimed and cleaned there
+    (``bucket.claim_bucket_snapshot``)."""
+    if in_bucket(path):
+        claim_bucket_snapshot(path)
+        return
     rank = dist.get_rank()
     writes = (sharded or rank == 0) and not other_format(path, sharded)  # that one: ``Checkpointer.find``
     error = first_error(output_path_error("snapshot_path", path, folder=sharded) if writes else "")
@@ -90,7 +97,10 @@ def claim_snapshot_path(path: str, sharded: bool) -> None:
 def other_format(path: str, sharded: bool) -> bool:
     """Whether ``path`` holds the other strategy's snapshot: a file (DDP's)
     where a sharded run keeps a folder, or a folder with a complete sharded
-    save (FSDP's, HSDP's) where a DDP run keeps a file."""
+    save (FSDP's, HSDP's) where a DDP run keeps a file. (In a bucket, the
+    store's ``latest`` refuses the other format.)"""
+    if in_bucket(path):
+        return False
     return os.path.isfile(path) if sharded else newest_complete(path) is not None
 
 
@@ -132,7 +142,10 @@ def saved_budget_batch(path: str) -> Optional[int]:
     answer = [None]
     if dist.get_rank() == 0:
         with contextlib.suppress(Exception):  # a damaged or foreign snapshot: find() refuses it
-            if os.path.isdir(path):  # sharded saves (this run's format, or the other strategy's: other_format)
+            if in_bucket(path):  # its manifest records it
+                answer[0] = bucket.saved_budget_batch(path)
+                meta = None
+            elif os.path.isdir(path):  # sharded saves (this run's format, or the other strategy's: other_format)
                 folder = newest_complete(path)
                 meta = torch.load(os.path.join(folder, ShardedSnapshots.META), map_location="cpu",
                                   weights_only=True) if folder else None
@@ -201,7 +214,8 @@ class Checkpointer:
         # The world size goes in a file's config (a resumed run compares it with its own);
         # a sharded snapshot's meta file holds it beside the config.
         self.config = dict(config, world_size=None if sharded else dist.get_world_size())
-        self.store = ShardedSnapshots(path, asynchronous, timeout_s) if sharded else SnapshotFile(path)
+        self.store = ShardedSnapshots(path, asynchronous, timeout_s) if sharded else \
+            SnapshotBucket(path) if in_bucket(path) else SnapshotFile(path)
         self.writer = SnapshotWriter(asynchronous)
         # The ranks leave a snapshot's write together, under the write's own time-out: else those
         # that do not write (DDP: all but rank 0) or finish first would wait for the writer in their

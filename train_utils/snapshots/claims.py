@@ -32,7 +32,7 @@ CLAIM_SUFFIX = ".job"
 # squeue's states of a job that may still write (docs: squeue, JOB STATE CODES).
 LIVE_JOB_STATES = ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                    "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD")
-_HELD: dict = {}  # the claim this process took: {"path": ..., "holder": ...}
+_HELD: dict = {}  # the claim this process took: {"path": ..., "holder": ...}, or a lease's {"release": ...}
 
 
 def claim_path(snapshot_path: str) -> str:
@@ -212,6 +212,9 @@ def claim_snapshot(snapshot_path: str) -> None:
 def release_claim() -> None:
     """Remove the claim this process took (``claim_snapshot``) if it still
     names this run; a no-op otherwise, and when called again."""
+    release = _HELD.pop("release", None)
+    if release is not None:  # a lease in a bucket (bucket.Lease)
+        release()
     path, me = _HELD.pop("path", None), _HELD.pop("holder", None)
     if not path:
         return

@@ -91,14 +91,25 @@ def read_snapshot(path: str, config: dict) -> dict:
 def _load(path: str) -> dict:
     """The snapshot file ``path``, read with torch's weights-only unpickler;
     ConfigError (one line) when it is damaged or holds more than tensors and
-    plain values."""
+    plain values (``load_snapshot``)."""
+    return load_snapshot(path, path)
+
+
+def load_snapshot(source, path: str) -> dict:
+    """The snapshot in ``source`` (a file name, or a seekable binary file
+    object: a bucket's object read into memory) named ``path`` in messages:
+    its zip archive's CRC-32s checked (``archive_damage``), then read with
+    torch's weights-only unpickler. Raises ConfigError (one line) when it is
+    damaged or holds more than tensors and plain values."""
     unreadable = ("; move it away to start afresh (or put back a good copy), or pass another "
                   "--snapshot_path")
-    damage = archive_damage(path)
+    damage = archive_damage(source)
     if damage:
         raise ConfigError(f"cannot read snapshot {path} ({damage}){unreadable}")
+    if hasattr(source, "seek"):
+        source.seek(0)
     try:
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        snapshot = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # weights_only refused an object, or not a pickle
         raise ConfigError(f"cannot read snapshot {path} (torch's weights-only unpickler, which "
                           f"runs no code, refused it: {_first_line(str(exc))}){unreadable}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Callable, Optional
@@ -19,8 +20,9 @@ import torch.distributed as dist
 from common import ConfigError
 from ..distributed import broadcast_buffers, gloo_group, note_snapshot
 from ..output import first_error, print_line
-from .position import position_tag
-from .file import archive_damage, atomic_save, read_snapshot, snapshot_on_every_node
+from .position import position_tag, tag_position as _position
+from . import bucket
+from .file import archive_damage, atomic_save, check_same_run, load_snapshot, read_snapshot, snapshot_on_every_node
 
 
 class ShardedSnapshots:
@@ -51,6 +53,10 @@ class ShardedSnapshots:
         self.groups = (gloo_group(timeout, "snapshot save"), gloo_group(timeout, "snapshot save")) \
             if asynchronous else (None, None)
         self.staging: Optional[DcpStaging] = None  # made at the first background save, by the state's device
+        if bucket.in_bucket(root):  # DCP writes through fsspec (s3fs), whose files have no fsync: the manifest,
+            # written once every object is stored, is what commits a save there
+            warnings.filterwarnings("ignore", message="fsync not supported for this stream")
+            bucket.configure_fsspec()
 
     def folder(self, tag: str) -> str:
         """The folder of a new snapshot at position ``tag`` ("epoch 3 step 40")."""
@@ -66,13 +72,15 @@ class ShardedSnapshots:
         when ``root`` is a file (another script's snapshot?), or when the
         folder is missing on some nodes (``snapshot_on_every_node``).
         """
+        if bucket.in_bucket(self.root):
+            return self._latest_in_bucket()
         found, error = None, ""
         if dist.get_rank() == 0:
             if os.path.isfile(self.root):
                 error = (f"cannot write --snapshot_path {self.root}: it is a file, where a "
                          f"snapshot folder is expected; pass another --snapshot_path")
             elif os.path.isdir(self.root):
-                for _name, folder, _position in self._folders():
+                for _name, folder, _where in self._folders():
                     if not os.path.isfile(os.path.join(folder, self.META)):
                         shutil.rmtree(folder, ignore_errors=True)
                 found = newest_complete(self.root)
@@ -84,6 +92,32 @@ class ShardedSnapshots:
             return message[0]
         return None
 
+    def _latest_in_bucket(self) -> Optional[str]:
+        """Collective ``latest`` for a ``root`` in a bucket: the newest
+        committed save (``bucket.newest_generation``: its manifest written,
+        its objects all there at the sizes it gives) as rank 0 lists it, its
+        s3:// folder on every rank; None for none. What torn saves left, the
+        claim holder removed (``bucket.remove_uncommitted``). Raises
+        ConfigError (one line, on every rank) when the store cannot be read,
+        or it holds a DDP snapshot."""
+        message: list = [None, ""]
+        if dist.get_rank() == 0:
+            try:
+                generation = bucket.newest_generation(self.root)
+            except bucket.BucketError as exc:
+                message[1] = f"cannot read snapshot {self.root}: {exc.bucket_cause}"
+            else:
+                if generation is not None and generation.manifest.get("format") != "sharded":
+                    message[1] = (f"--snapshot_path {self.root} holds a DDP snapshot (one object), where --strategy "
+                                  f"fsdp and hsdp keep sharded saves: resume it with --strategy ddp, or pass "
+                                  f"another --snapshot_path")
+                elif generation is not None:
+                    message[0] = f"{bucket.SCHEME}{bucket.split_path(self.root)[0]}/{generation.prefix}"
+        dist.broadcast_object_list(message, src=0)
+        if message[1]:
+            raise ConfigError(message[1])
+        return message[0]
+
     def read(self, folder: str, config: dict) -> dict:
         """Collective: ``read_snapshot`` of ``folder``'s META (the weights are
         in its DCP shards), then every rank checks its share of the shards
@@ -92,7 +126,11 @@ class ShardedSnapshots:
         the rest of its permutation is split over this run's ranks
         (``Progress.load_state_dict``). Raises ConfigError as ``read_snapshot``
         does, and for damaged shards."""
-        snapshot = read_snapshot(os.path.join(folder, self.META), config)
+        if bucket.in_bucket(folder):  # read into memory, checked as a file is
+            snapshot = load_snapshot(bucket.read_object(self.root, f"{folder}/{self.META}"), folder)
+            check_same_run(snapshot, folder, config)
+        else:
+            snapshot = read_snapshot(os.path.join(folder, self.META), config)
         _check_shards(folder)
         return snapshot
 
@@ -185,9 +223,14 @@ class ShardedSnapshots:
         """On rank 0, once every rank's shards are in ``folder``: write ``meta``
         there last (temp file + rename), which completes the snapshot; then
         delete every other snapshot folder, the previous one included (until
-        now, it was the one a restart resumed from)."""
+        now, it was the one a restart resumed from). In a bucket: the same,
+        the manifest written last (``bucket.commit_sharded``)."""
+        if bucket.in_bucket(folder):
+            bucket.commit_sharded(self.root, folder, meta, position_tag(meta["epochs_run"], meta["steps_run"]),
+                                  self.META)
+            return
         atomic_save(meta, os.path.join(folder, self.META))
-        for _name, other, _position in self._folders():
+        for _name, other, _where in self._folders():
             if os.path.abspath(other) != os.path.abspath(folder):
                 shutil.rmtree(other, ignore_errors=True)
 
@@ -306,12 +349,17 @@ def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:
     (none in torch 2.8-2.15) are not checked. A damaged ``.metadata`` is
     reported too. Reads the files; never writes them.
     """
-    from torch.distributed.checkpoint import FileSystemReader  # only FSDP needs DCP
-
+    if bucket.in_bucket(folder):  # read through fsspec (s3fs), as DCP reads a save in a bucket
+        import fsspec
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as Reader
+        opener = fsspec.open
+    else:
+        from torch.distributed.checkpoint import FileSystemReader as Reader  # only FSDP needs DCP
+        opener = open
     for part in ("model", "optimizer"):
         path = os.path.join(folder, part)
         try:
-            items = sorted(FileSystemReader(path).read_metadata().storage_data.items(), key=str)
+            items = sorted(Reader(path).read_metadata().storage_data.items(), key=str)
         except Exception as exc:
             return f"{part}/.metadata cannot be read: {type(exc).__name__}"
         for index, info in items[rank::ranks]:
@@ -319,7 +367,7 @@ def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:
             if getattr(info, "transform_descriptors", None):
                 continue  # stored transformed (compressed, say): no zip archive to check
             try:
-                with open(os.path.join(path, info.relative_path), "rb") as f:
+                with opener(os.path.join(path, info.relative_path), "rb") as f:
                     f.seek(info.offset)
                     data = f.read(info.length)
             except (OSError, AttributeError) as exc:
@@ -331,17 +379,6 @@ def shard_damage(folder: str, rank: int = 0, ranks: int = 1) -> str:
                 if damage:
                     return f"{name}: {damage.removeprefix('damaged: ')}"
     return ""
-
-
-def _position(name: str) -> Optional[tuple]:
-    """(epochs_run, steps_run) of a folder named by ``ShardedSnapshots.folder``, else None."""
-    parts = name.split("-")
-    if len(parts) == 2 and parts[0] == "epoch" and parts[1].isdigit():
-        return int(parts[1]), 0
-    if len(parts) == 4 and parts[0] == "epoch" and parts[2] == "step" and \
-            parts[1].isdigit() and parts[3].isdigit() and int(parts[1]) > 0:
-        return int(parts[1]) - 1, int(parts[3])
-    return None
 
 
 def mesh_name(config: dict, world_size: int) -> str:

@@ -1,0 +1,116 @@
+"""The goodput ledger and the timeline beside the snapshot, file by file: a
+real attempt killed by SIGKILL keeps its last step, the next counts the steps
+after its snapshot as redone; torn lines, a new run at the same path, paths
+that are not local or cannot be written. (Real runs stopped and resumed,
+restarted by torchrun, preempted and requeued by Slurm, and resized by
+elastic torchrun assert the same through ``helpers.assert_goodput``:
+tests/test_fault_tolerance.py, tests/test_stop_paths.py, tests/test_elastic.py.)"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+from helpers import GOODPUT_LINE, REPO
+
+from train_utils.logs.goodput import CATEGORIES, Goodput, attempt_totals, goodput_line, goodput_paths, read_ledger, \
+    shares
+from train_utils.logs.timeline import read_trace
+
+# One attempt of one rank in a process of its own: 5 steps, a snapshot after
+# step 3, then SIGKILL (no end record, no closing bracket).
+KILLED_ATTEMPT = f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from train_utils.logs.goodput import Goodput
+goodput = Goodput(sys.argv[1], 0)
+goodput.begin("", 0, 1)
+for step in range(1, 6):
+    time.sleep(0.01)
+    goodput.step(step)
+    if step == 3:
+        with goodput.timed("snapshot"):
+            time.sleep(0.01)
+        goodput.saved("in epoch 1 after step 3")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_attempt_keeps_its_last_step_and_the_next_counts_the_steps_after_its_snapshot_redone(tmp_path):
+    snapshot = str(tmp_path / "snapshot_train.pt")
+    launched = time.time()
+    killed = subprocess.run([sys.executable, "-c", KILLED_ATTEMPT, snapshot], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    ledger, trace = goodput_paths(snapshot)
+    records = read_ledger(ledger)
+    # The ledger grew by a line per record committed (the start, the snapshot), plus the step line written in place.
+    assert [(r["record"], r["step"]) for r in records] == [("start", 0), ("snapshot", 3), ("step", 5)]
+    assert launched - 1 < records[0]["started"] < records[0]["time"] < time.time()
+    resumed = Goodput(snapshot, 0)
+    resumed.begin("in epoch 1 after step 3", 3, 1)  # what a resume from that snapshot finds
+    for step in (4, 5, 6):
+        resumed.step(step)
+    line = resumed.end("finished")
+    records = read_ledger(ledger)
+    redone = [r for r in records if r["record"] == "redone"]
+    assert [(r["attempt"], r["by"], r["steps"]) for r in redone] == [(1, 2, 2)]
+    totals = attempt_totals(records)
+    assert sorted(totals) == [1, 2] and totals[1]["redone_steps"] == 2
+    first = [r for r in records if r["attempt"] == 1 and r["record"] != "redone"]
+    # Steps 4 and 5 moved from productive to redone: the productive seconds after the snapshot's record.
+    moved = first[-1]["seconds"]["productive"] - first[1]["seconds"]["productive"]
+    assert abs(totals[1]["seconds"]["redone"] - moved) < 1e-9 and moved >= 0.015
+    for total in totals.values():
+        assert abs(sum(total["seconds"].values()) - total["wall_s"]) < 1e-6
+        assert min(total["seconds"].values()) >= 0
+    match = GOODPUT_LINE.fullmatch(line)
+    assert match and line == goodput_line(records), line
+    assert int(match.group("goodput")[2:]) + sum(map(int, re.findall(r"(\d+)%", match.group("rest")))) == 100
+    events = read_trace(trace)  # no closing bracket: attempt 2 appended to attempt 1's
+    assert not open(trace).read().rstrip().endswith("]")
+    assert {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"} == {(1, 0), (2, 0)}
+    assert {e["pid"] for e in events if e["name"] == "snapshot" and e["ph"] == "i"} == {1}
+    assert [e["args"]["from"] for e in events if e["name"] == "resume"] == ["in epoch 1 after step 3"]
+    assert [e["args"]["reason"] for e in events if e["name"] == "end"] == ["finished"]
+
+
+def test_a_torn_line_is_skipped_and_a_fresh_start_after_a_finished_run_is_a_new_run(tmp_path):
+    snapshot = str(tmp_path / "snap.pt")
+    ledger, _ = goodput_paths(snapshot)
+    first = Goodput(snapshot, 0, started_at=time.time() - 1)
+    first.begin("", 0, 1)
+    first.step(1)
+    first.end("finished")
+    with open(ledger, "a") as f:
+        f.write('{"record":"step","run":1,"attempt":')  # a writer killed mid-line
+    again = Goodput(snapshot, 0)
+    again.begin("", 0, 1)  # no snapshot found (the user removed it): a new run at the same path
+    again.step(1)
+    line = again.end("finished")
+    records = read_ledger(ledger)
+    assert [(r["run"], r["attempt"], r["record"]) for r in records] == [
+        (1, 1, "start"), (1, 1, "end"), (2, 2, "start"), (2, 2, "end")]
+    assert list(attempt_totals(records)) == [2] and "redone" not in line  # the line covers the new run alone
+    assert all(json.loads(text) for text in open(ledger).read().splitlines()[:2])
+
+
+def test_a_snapshot_path_that_is_not_local_or_cannot_be_written_costs_no_run(tmp_path, capsys):
+    assert goodput_paths("s3://bucket/run/snapshot.pt") == (None, None)
+    remote = Goodput("s3://bucket/run/snapshot.pt", 0)
+    remote.begin("", 0, 1)
+    remote.step(1)
+    assert remote.end("finished") == "" and capsys.readouterr() == ("", "")
+    (tmp_path / "file").write_text("")
+    blocked = Goodput(str(tmp_path / "file" / "snap.pt"), 0)  # its folder is a file
+    blocked.begin("", 0, 1)
+    blocked.step(1)
+    assert blocked.end("finished") == ""
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: cannot write the goodput ledger beside --snapshot_path ("), err
+
+
+def test_shares_are_whole_percents_that_sum_to_100():
+    seconds = {"productive": 90.4, "start-up": 3.3, "redone": 3.3, "snapshot": 3.0}
+    assert shares(seconds) == {"productive": 91, "start-up": 3, "redone": 3, "snapshot": 3}
+    assert sum(shares(dict(zip(CATEGORIES, (1 / 3, 1 / 3, 1 / 3, 0, 0, 0, 0, 0)))).values()) == 100
