@@ -38,6 +38,19 @@ from text_tasks import TokenWindows, gpt_identity, lm_loss, model_config, text_s
 
 # --model: the models this module's task function accepts, the default first (train.py's --help lists them).
 MODELS = {"token_file_task": ("gpt",)}
+# --data_dir s3://bucket/prefix: shards read by ranged GETs of aligned blocks, kept in a bounded
+# cache per open shard (--bucket_cache_mib a process, over MOST_OPEN_SHARDS shards). A block is
+# small next to a shard (llm.c's are 200 MB) so that a random window costs one GET of a block,
+# not a shard's worth; large next to a window (2 KiB at block_size 1,024) so that the held-out
+# windows, which tile the file, and windows close together share GETs.
+BUCKET = "s3://"
+BUCKET_BLOCK_BYTES = 64 << 10
+BUCKET_CACHE_MIB = 64
+# botocore's client settings for the bucket: bounded time-outs and retries, so that an endpoint
+# that does not answer ends the run in about a minute instead of hanging it.
+BUCKET_CLIENT = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 3, "mode": "standard"}}
+BUCKET_HINT = ("the endpoint and credentials come from the standard AWS variables (AWS_ENDPOINT_URL, "
+               "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_DEFAULT_REGION)")
 # The flags this module's task reads: the GPT tasks' (text_tasks.py's), and which files to read.
 FLAGS = {
     **text_tasks.FLAGS,
@@ -46,9 +59,13 @@ FLAGS = {
                     "or build-nanogpt's .npy shards)"},
     "val_files": {"help": "--dataset tokens: a glob of the validation token files in --data_dir "
                   "(default: *val*.bin and *val*.npy)"},
+    "bucket_cache_mib": {"type": int, "default": BUCKET_CACHE_MIB,
+                         "help": "--dataset tokens with --data_dir s3://bucket/prefix: MiB of shard blocks a "
+                                 "process (each DataLoader worker too) keeps read from the bucket "
+                                 f"(default: {BUCKET_CACHE_MIB})"},
 }
-# The flags above that change only what a run prints, not what it trains (tools/identity.py).
-OUTPUT_FLAGS = text_tasks.OUTPUT_FLAGS
+# The flags above that change nothing a run trains, only what it prints or how it reads (tools/identity.py).
+OUTPUT_FLAGS = (*text_tasks.OUTPUT_FLAGS, "bucket_cache_mib")
 
 TOKEN_FILES_HINT = ("make train.bin and val.bin (and meta.pkl for a vocabulary of your own) with nanoGPT's "
                     "data/<name>/prepare.py and pass their folder as --data_dir (docs/language-model.md)")
@@ -156,15 +173,21 @@ class TokenFile:
     def __init__(self, path: str) -> None:
         if not os.path.isfile(path):
             raise ConfigError(f"--dataset tokens: no {path}; {TOKEN_FILES_HINT}")
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            head = f.read(12)
+            self._read_header(path, os.path.getsize(path), f)
+
+    def _read_header(self, path: str, size: int, f) -> None:
+        """Take the format, dtype, offset and token count of the file
+        ``path`` of ``size`` bytes from its header, read from ``f`` (a binary
+        file object at byte 0 holding at least its first bytes)."""
+        head = f.read(12)
         magic, version, count = struct.unpack("<3i", head) if len(head) == 12 else (0, 0, 0)
         self.offset = 0  # ids before the first one: llm.c's header, or a .npy file's
         self.dtype, self.mask = NPY_DTYPES["<u2"]  # uint16 ids, mapped as int16
         self.format = "bin"  # "bin" (headerless), "llm.c" or "npy"
         if head.startswith(NPY_MAGIC):
-            length = self._read_npy_header(path, size)
+            f.seek(0)
+            length = self._read_npy_header(path, size, f)
         elif magic == LLMC_MAGIC:
             self.format = "llm.c"
             if version != LLMC_VERSION:
@@ -184,18 +207,18 @@ class TokenFile:
         self.path, self.length = path, length
         self._tokens = None  # the map, made in each process at its first read
 
-    def _read_npy_header(self, path: str, size: int) -> int:
+    def _read_npy_header(self, path: str, size: int, f) -> int:
         """Take the dtype and data offset of the .npy file ``path`` (``size``
-        bytes) from its header; return its tokens. ConfigError (one line) if
-        it is not a 1-D array of uint16 or int32 ids the file holds whole."""
+        bytes) from its header, read from ``f`` (at byte 0); return its
+        tokens. ConfigError (one line) if it is not a 1-D array of uint16 or
+        int32 ids the file holds whole."""
         import numpy.lib.format as npy  # numpy comes with torchvision
 
         try:
-            with open(path, "rb") as f:
-                version = npy.read_magic(f)
-                read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}[version]
-                shape, _, dtype = read_header(f)
-                data_bytes = f.tell()
+            version = npy.read_magic(f)
+            read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}[version]
+            shape, _, dtype = read_header(f)
+            data_bytes = f.tell()
         except (ValueError, KeyError, OSError) as exc:
             raise ConfigError(f"--dataset tokens: cannot read {path}'s NumPy header ({exc}); write it again "
                               f"with np.save") from None
@@ -248,17 +271,174 @@ class TokenFile:
             return -1, -1
         step = max(1, (self.length - chunk_tokens) // max(1, chunks - 1))
         firsts = sorted({min(i * step, max(0, self.length - chunk_tokens)) for i in range(chunks)})
-        largest, where = -1, -1
         itemsize = self.dtype.itemsize
-        with open(self.path, "rb") as f:
-            for first in firsts:
-                f.seek(itemsize * (self.offset + first))
-                data = f.read(itemsize * min(chunk_tokens, self.length - first))
-                ids = self._ids(torch.frombuffer(bytearray(data), dtype=self.dtype))
-                top = int(ids.argmax())
-                if int(ids[top]) > largest:
-                    largest, where = int(ids[top]), first + top
+        starts = [itemsize * (self.offset + first) for first in firsts]
+        ends = [start + itemsize * min(chunk_tokens, self.length - first) for start, first in zip(starts, firsts)]
+        largest, where = -1, -1
+        for first, data in zip(firsts, self._read_ranges(starts, ends)):
+            ids = self._ids(torch.frombuffer(bytearray(data), dtype=self.dtype))
+            top = int(ids.argmax())
+            if int(ids[top]) > largest:
+                largest, where = int(ids[top]), first + top
         return largest, where
+
+    def _read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
+        """The file's bytes from each of ``starts`` to each of ``ends``
+        (exclusive), by plain file reads."""
+        read = []
+        with open(self.path, "rb") as f:
+            for start, end in zip(starts, ends):
+                f.seek(start)
+                read.append(f.read(end - start))
+        return read
+
+
+class BucketTokenFile(TokenFile):
+    """A ``TokenFile`` in a bucket (``s3://bucket/key``): the same formats,
+    checks, ``len()``, ``rows`` and ``sample``, read by ranged GETs instead
+    of a memory map. The header is one ranged read at construction. ``rows``
+    reads the file in aligned blocks of ``block_bytes``: the blocks a
+    batch's rows touch that are not cached are fetched at once (concurrent
+    GETs, ``fsspec``'s ``cat_ranges``), and the blocks read last are kept,
+    at most ``cache_bytes`` of them (least recently used dropped first; a
+    single batch needing more holds them until its rows are cut). Each
+    process (each DataLoader worker, forked or started by a fork server)
+    reads through its own client (``bucket_filesystem``); pickling sends
+    the URL, the size and the header's fields, never a client or a block.
+    ``close()`` drops the blocks.
+
+    Raises ConfigError (one line) as ``TokenFile`` does, and for a bucket
+    that cannot be read (``bucket_errors``)."""
+
+    def __init__(self, path: str, size: int, cache_bytes: int, block_bytes: int = BUCKET_BLOCK_BYTES) -> None:
+        import io
+
+        self.size, self.cache_bytes, self.block_bytes = size, cache_bytes, block_bytes
+        self._blocks: dict = {}
+        [head] = bucket_read(path, [0], [min(size, 4096)])  # a .npy header is ~128 bytes, llm.c's 1 KiB
+        self._read_header(path, size, io.BytesIO(head))
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "size": self.size, "cache_bytes": self.cache_bytes,
+                "block_bytes": self.block_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._blocks = {}
+
+    def _read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
+        return bucket_read(self.path, starts, ends)
+
+    def rows(self, starts: torch.Tensor, width: int) -> torch.Tensor:
+        itemsize, block = self.dtype.itemsize, self.block_bytes
+        firsts = ((self.offset + starts) * itemsize).tolist()  # each row's first byte
+        spans = [(first // block, (first + width * itemsize - 1) // block) for first in firsts]
+        missing = sorted({b for low, high in spans for b in range(low, high + 1)} - self._blocks.keys())
+        if missing:
+            ends = [min(self.size, (b + 1) * block) for b in missing]
+            self._blocks.update(zip(missing, bucket_read(self.path, [b * block for b in missing], ends)))
+        data = bytearray()
+        for first, (low, high) in zip(firsts, spans):
+            for b in range(low, high + 1):  # most recently used last: dict order is the LRU order
+                self._blocks[b] = self._blocks.pop(b)
+            joined = b"".join(self._blocks[b] for b in range(low, high + 1))
+            data += joined[first - low * block:first - low * block + width * itemsize]
+        while len(self._blocks) > max(1, self.cache_bytes // block):
+            del self._blocks[next(iter(self._blocks))]
+        return self._ids(torch.frombuffer(data, dtype=self.dtype).view(len(firsts), width))
+
+    def close(self) -> None:
+        """Drop this process's cached blocks of the file."""
+        self._blocks = {}
+
+
+_FILESYSTEM: list = [None, None]  # (the process id, its s3fs.S3FileSystem): one client a process
+
+
+def bucket_filesystem():
+    """This process's ``s3fs.S3FileSystem`` (fsspec's S3 client, over
+    aiobotocore): made at its first use in each process, never one inherited
+    across a fork (its event loop and connections belong to the parent; a
+    DataLoader worker makes its own). Endpoint, region and credentials come
+    from the standard AWS variables and files (``AWS_ENDPOINT_URL``,
+    profiles), as boto reads them; time-outs and retries ``BUCKET_CLIENT``'s.
+    Raises ConfigError (one line) where s3fs is not installed."""
+    if _FILESYSTEM[0] != os.getpid():
+        try:
+            import s3fs
+        except ImportError:
+            raise ConfigError("--data_dir s3://...: reading token shards from a bucket needs s3fs (fsspec's S3 "
+                              "client): pip install s3fs") from None
+        _FILESYSTEM[:] = [os.getpid(), s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=BUCKET_CLIENT)]
+    return _FILESYSTEM[1]
+
+
+def bucket_errors(place: str, exc: BaseException) -> Optional[ConfigError]:
+    """The one-line ConfigError for ``exc``, raised reading ``place`` (an
+    ``s3://`` URL): a bucket that does not exist, credentials refused, an
+    endpoint that does not answer (after ``BUCKET_CLIENT``'s retries); None
+    for an error of another kind."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "AWS's default endpoint")
+    if isinstance(exc, FileNotFoundError):
+        return ConfigError(f"--dataset tokens: {place} is not there ({exc}); create the bucket and upload the "
+                           f"shards, or pass the --data_dir they are in; {BUCKET_HINT}")
+    if isinstance(exc, PermissionError):
+        return ConfigError(f"--dataset tokens: {place}: the store refuses these credentials ({exc}); "
+                           f"{BUCKET_HINT}")
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:
+        return None
+    if isinstance(exc, (BotoCoreError, OSError)):
+        return ConfigError(f"--dataset tokens: {place}: the endpoint {endpoint} does not answer ("
+                           f"{type(exc).__name__}: {exc}); check AWS_ENDPOINT_URL and the network; {BUCKET_HINT}")
+    return None
+
+
+def bucket_read(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
+    """The bytes of the object ``path`` (``s3://bucket/key``) from each of
+    ``starts`` to each of ``ends`` (exclusive): ranged GETs, concurrent
+    (``cat_ranges``), each retried as ``BUCKET_CLIENT`` says. Raises
+    ConfigError (one line, ``bucket_errors``) where the bucket cannot be
+    read."""
+    try:
+        return bucket_filesystem().cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+    except Exception as exc:
+        error = bucket_errors(path, exc)
+        if error is None:
+            raise
+        raise error from None
+
+
+def bucket_listing(data_dir: str) -> dict[str, int]:
+    """{URL: bytes} of every object under the prefix ``data_dir``
+    (``s3://bucket/prefix``), one listing. Raises ConfigError (one line)
+    where there is none (``bucket_errors`` for a bucket that cannot be
+    read)."""
+    root = data_dir.rstrip("/")
+    try:
+        found = bucket_filesystem().find(root[len(BUCKET):], detail=True)
+    except Exception as exc:
+        error = bucket_errors(data_dir, exc)
+        if error is None:
+            raise
+        raise error from None
+    listing = {BUCKET + name: info["size"] for name, info in found.items() if info.get("type") == "file"}
+    if not listing:
+        raise ConfigError(f"--dataset tokens: nothing under --data_dir {data_dir}: no object has that prefix; "
+                          f"upload the token files there (aws s3 cp --recursive FOLDER {root}/), or pass the "
+                          f"prefix they are under")
+    return listing
+
+
+def _matches(listing: dict[str, int], data_dir: str, pattern: str) -> list[str]:
+    """The URLs of ``listing`` that the glob ``pattern`` matches, as
+    ``glob.glob`` matches file names in a folder: relative to ``data_dir``
+    unless it is an ``s3://`` URL itself; ``*`` never crosses a ``/``."""
+    import fnmatch
+
+    full = pattern if pattern.startswith(BUCKET) else f"{data_dir.rstrip('/')}/{pattern}"
+    return [url for url in listing if fnmatch.fnmatchcase(url, full) and url.count("/") == full.count("/")]
 
 
 class _PlainValues(pickle.Unpickler):
@@ -270,15 +450,18 @@ class _PlainValues(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain values are read")
 
 
-def read_meta(path: str) -> dict:
+def read_meta(path: str, data: Optional[bytes] = None) -> dict:
     """nanoGPT's ``meta.pkl`` at ``path`` (``prepare.py`` of a character-level
     corpus writes it): a dict with ``vocab_size`` (an int, 1..65,536: the
     ids a uint16 file holds) and, for a vocabulary that can be written out,
     ``itos`` {id: string} and ``stoi`` {string: id}. Read without running
     code (``_PlainValues``). Raises ConfigError (one line) for a file that is
-    not such a dict."""
+    not such a dict. ``data``: the file's bytes, read elsewhere (from a
+    bucket), instead of reading ``path``."""
+    import io
+
     try:
-        with open(path, "rb") as f:
+        with (io.BytesIO(data) if data is not None else open(path, "rb")) as f:
             meta = _PlainValues(f).load()
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
         raise ConfigError(f"--dataset tokens: cannot read {path} as nanoGPT's meta.pkl ({exc}); "
@@ -307,7 +490,8 @@ def check_token_ids(files: Sequence[TokenFile], vocab_size: int, vocabulary: str
                               f"tokenizer? Put the meta.pkl of its prepare.py beside it, or {TOKEN_FILES_HINT}")
 
 
-def token_files(data_dir: str, pattern: Optional[str], split: str) -> list:
+def token_files(data_dir: str, pattern: Optional[str], split: str, listing: Optional[dict] = None,
+                cache_bytes: int = BUCKET_CACHE_MIB << 20) -> list:
     """The ``TokenFile``s of one split of --dataset tokens, in name order:
     those the glob ``pattern`` matches (--train_files, --val_files; relative
     to ``data_dir`` unless absolute), else the ``*{split}*.bin`` and
@@ -318,16 +502,22 @@ def token_files(data_dir: str, pattern: Optional[str], split: str) -> list:
     file ``TokenFile`` refuses, for a set that mixes .npy files with others
     (the same corpus in two formats, perhaps), and for one that mixes
     llm.c's shards with files without its header (a damaged magic would
-    otherwise read as token ids)."""
+    otherwise read as token ids). ``listing``: for a ``data_dir`` in a
+    bucket (``s3://bucket/prefix``), its objects (``bucket_listing``), read
+    as ``BucketTokenFile``s each caching at most ``cache_bytes``."""
     given = pattern is not None
     patterns = [pattern] if given else [f"*{split}*.bin", f"*{split}*.npy"]
-    matched = sorted({path for each in patterns for path in glob.glob(os.path.join(data_dir, each))
-                      if os.path.isfile(path)})
+    if listing is not None:
+        matched = sorted({url for each in patterns for url in _matches(listing, data_dir, each)})
+    else:
+        matched = sorted({path for each in patterns for path in glob.glob(os.path.join(data_dir, each))
+                          if os.path.isfile(path)})
     if not matched:
         flag = f"--{split}_files {pattern}" if given else f"no --{split}_files, so *{split}*.bin or *{split}*.npy"
         raise ConfigError(f"--dataset tokens: no {split} token files in --data_dir {data_dir} ({flag} matches "
                           f"nothing); {TOKEN_FILES_HINT}, or name the shards with --{split}_files GLOB")
-    files = [TokenFile(path) for path in matched]
+    files = ([BucketTokenFile(url, listing[url], cache_bytes) for url in matched] if listing is not None
+             else [TokenFile(path) for path in matched])
     numpy_files = [f for f in files if f.format == "npy"]
     if numpy_files and len(numpy_files) < len(files):
         other = next(f for f in files if f.format != "npy")
@@ -409,14 +599,27 @@ def token_file_task(args: argparse.Namespace, download: bool) -> Task:
     """
     choose_model(args, MODELS["token_file_task"])
     config = model_config(args, TOKEN_MODEL)
-    if not os.path.isdir(args.data_dir):
-        raise ConfigError(f"--dataset tokens: --data_dir {args.data_dir} is not a folder; {TOKEN_FILES_HINT}")
-    train_files, val_files = (token_files(args.data_dir, getattr(args, flag, None), split)
+    data_dir = str(args.data_dir)
+    listing = cache_bytes = None
+    if data_dir.startswith(BUCKET):
+        cache_mib = getattr(args, "bucket_cache_mib", None) or BUCKET_CACHE_MIB
+        if cache_mib < 1:
+            raise ConfigError(f"--bucket_cache_mib {cache_mib}: give at least 1 (MiB of shard blocks a process keeps)")
+        listing, cache_bytes = bucket_listing(data_dir), (cache_mib << 20) // MOST_OPEN_SHARDS
+        meta_path = f"{data_dir.rstrip('/')}/meta.pkl"
+        meta_data = bucket_read(meta_path, [0], [listing[meta_path]])[0] if meta_path in listing else None
+        has_meta = meta_data is not None
+    else:
+        if not os.path.isdir(data_dir):
+            raise ConfigError(f"--dataset tokens: --data_dir {data_dir} is not a folder; {TOKEN_FILES_HINT}")
+        meta_path, meta_data = os.path.join(data_dir, "meta.pkl"), None
+        has_meta = os.path.isfile(meta_path)
+    train_files, val_files = (token_files(data_dir, getattr(args, flag, None), split, listing,
+                                          cache_bytes or BUCKET_CACHE_MIB << 20)
                               for flag, split in (("train_files", "train"), ("val_files", "val")))
-    meta_path = os.path.join(args.data_dir, "meta.pkl")
     decode = encode = None
-    if os.path.isfile(meta_path):
-        meta = read_meta(meta_path)
+    if has_meta:
+        meta = read_meta(meta_path, meta_data)
         vocab_size = model_vocab = meta["vocab_size"]
         vocabulary = f"vocab_size of {meta_path}"
         itos, stoi = meta.get("itos"), meta.get("stoi")

@@ -138,7 +138,7 @@ class Trainer:
         self.phases = train_utils.StepPhases(device)  # each step's time by phase on this rank, no device sync
         # A rank slower than its peers in a phase, named by rank 0: the figures ride on the stop signal's all-reduce.
         self.stop.watch = train_utils.StragglerWatch(self.phases, self.rank, dist.get_world_size(),
-                                                     lambda: self.progress.step, train_data.num_workers)
+                                                     lambda: self.progress.step, getattr(train_data, "num_workers", 0))
         self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps

@@ -49,13 +49,12 @@ class S3Server:
         if host in ("", "0.0.0.0", "::"):
             raise ValueError("S3Server listens on one address, not on every one")
         self.host, self.port = host, free_port()
-        # Its output (a line per request) goes to a file: a pipe nobody reads
-        # fills after some hundred requests, and the server then stops answering.
-        self.output = tempfile.TemporaryFile(mode="w+")
+        # Its log (a line a request) goes to a file, not a pipe: a pipe nobody reads fills after some
+        # hundreds of requests, and the server then blocks every request on writing its line.
+        self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
-            stdout=self.output, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -65,10 +64,10 @@ class S3Server:
                 return
             except (urllib.error.URLError, ConnectionError, socket.timeout):
                 time.sleep(0.2)
-        self.output.seek(0)
-        said = self.output.read()[-2000:]
         self.stop()
-        raise RuntimeError(f"moto's S3 server on {self.url} did not start: {said}")
+        self.log.seek(0)
+        raise RuntimeError(f"moto's S3 server on {self.url} did not start: "
+                           f"{self.log.read().decode(errors='replace')[-2000:]}")
 
     @property
     def url(self) -> str:
@@ -107,4 +106,3 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self.output.close()

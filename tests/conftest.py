@@ -249,6 +249,7 @@ QUICK = [
     "test_common.py", "test_claims.py", "test_package_map.py", "test_readme.py", "test_task_batching.py",
     "test_ladder_diffs.py", "test_train_utils.py", "test_gpu_speed.py", "test_real_data.py",
     "test_slurm_wrappers.py", "test_forkserver.py",
+    "test_stragglers.py::test_step_phases_time_each_phase_apart", "test_stragglers.py::test_straggler_lines_read_back",
     # the rungs end to end (the README's Steps 1-5), their parity with the kit, bad flags and data
     "test_ladder.py::test_rung_imports_no_training_machinery",
     "test_ladder.py::test_rung_trains_resumes_and_prints_the_kits_losses",

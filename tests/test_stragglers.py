@@ -114,3 +114,38 @@ def test_straggler_lines_read_back():
                                                         (3, "node7", "data", 81, 104, "", False)]
     assert re.fullmatch(r"straggler: rank 3 \(host node7\) is slow in data: 52\.3 ms a step against 1\.1 ms on "
                         r"the other ranks \(median\), over steps 17-40; its loader x", started)
+
+
+def test_step_phases_time_each_phase_apart():
+    """StepPhases on the CPU: the data phase is each ``next`` of the loader;
+    compute less the wait from its own backward's end to backward's return
+    counts as compute, that wait as collective; totals add up the steps,
+    last_step is the last one closed; listeners hear each host phase."""
+    import time
+
+    from train_utils.loop.phases import StepPhases
+
+    phases = StepPhases()
+    heard = []
+    phases.listeners.append(lambda phase, start, seconds: heard.append(phase))
+
+    def slow_batches():
+        for batch in range(2):
+            time.sleep(0.02)  # the loader's wait
+            yield batch
+
+    for _ in phases.data(slow_batches()):
+        with phases.phase("compute"):
+            time.sleep(0.03)  # own work
+            phases.note_own_backward_end()
+            time.sleep(0.2)  # waiting in the gradient all-reduce
+            phases.note_backward_end()
+        with phases.phase("snapshot"):
+            pass
+        last = phases.end_step()
+    totals = phases.totals()
+    assert phases.steps == 2 and last == phases.last_step()
+    # Lower bounds, and the wait kept out of compute (a sleep may overrun on a busy machine, by far less than 0.2 s).
+    assert last["data"] >= 0.02 and 0.03 <= last["compute"] < 0.2 and last["collective"] >= 0.2, last
+    assert totals["data"] >= 0.04 and 0.06 <= totals["compute"] < 0.4 and totals["collective"] >= 0.4, totals
+    assert heard == ["data", "compute", "snapshot"] * 2  # the loader's end is no data phase

@@ -24,6 +24,7 @@ import pickle
 import re
 import shutil
 import signal
+import sys
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ import token_tasks
 from dataset_files import build_shakespeare_root, build_token_files
 from support.data import write_token_shard
 from helpers import (FAULTY_TRAIN, REPO, PODS, stdout_lines, assert_bitwise, check, epochs, error_lines, evaluations,
-                     full_state, run, signal_when, snapshot_folder, snapshot_tensors, task_args, tiny_gpt_run)
+                     full_state, one_process, run, signal_when, snapshot_folder, snapshot_tensors, task_args, tiny_gpt_run)
 
 KIT = PODS + ["--nproc_per_node=2"]
 CHARS = 20000  # the corpus's first 20,000 characters: 1,124 training windows of 16, 70 steps an epoch at 2 x 8
@@ -289,6 +290,122 @@ def test_bad_shards_are_one_line_each_and_left_as_they_are(tmp_path):
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
+# --------------------------------------------------------------------------
+# Token shards in a bucket (--data_dir s3://bucket/prefix), in process
+# --------------------------------------------------------------------------
+
+def upload(s3_server, folder, bucket: str, prefix: str) -> str:
+    """Every file of ``folder`` put in a new ``bucket`` of the test's S3 server
+    under ``prefix``/ (as ``aws s3 cp --recursive`` does); returns the
+    ``s3://bucket/prefix`` URL."""
+    url = s3_server.create_bucket(bucket)
+    client = s3_server.client()
+    for path in sorted(folder.iterdir()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+    return f"{url}/{prefix}"
+
+
+@pytest.fixture
+def bucket_env(s3_server, monkeypatch):
+    """The test's S3 server in the standard AWS variables, and a new client
+    for this process (token_tasks makes one a process, from the variables)."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None], raising=False)
+    return s3_server
+
+
+def test_shards_in_a_bucket_give_the_disks_windows_in_the_same_keyed_order(tmp_path, bucket_env):
+    """llm.c shards uploaded to a bucket, --data_dir s3://bucket/prefix: the
+    task has the folder's shards (an object one level deeper is not
+    matched, as a glob does not match it in a folder), vocabulary and
+    identity; at 2 ranks x 2 DataLoader workers (forked from a process that
+    has read the bucket already: each makes its own client; train.py's
+    workers come from its fork server, below) each rank's batches of epoch
+    1's keyed order are the disk's,
+    bitwise, with blocks of 1,000 bytes and a cache of 3 (rows across
+    blocks, blocks dropped and fetched again); a pickled shard is its URL, and
+    the cache holds at most its bound."""
+    from torch.utils.data import DataLoader
+
+    import train_utils
+
+    good = build_token_files(tmp_path / "good", chars=CHARS)
+    train = torch.frombuffer(bytearray((good / "train.bin").read_bytes()), dtype=torch.int16).tolist()
+    val = torch.frombuffer(bytearray((good / "val.bin").read_bytes()), dtype=torch.int16).tolist()
+    shard_folder(tmp_path / "llmc", train, 3, True, val)
+    (tmp_path / "llmc" / "meta.pkl").write_bytes((good / "meta.pkl").read_bytes())
+    url = upload(bucket_env, tmp_path / "llmc", "corpus", "fineweb")
+    bucket_env.client().put_object(Bucket="corpus", Key="fineweb/old/fineweb_train_000009.bin",
+                                   Body=(tmp_path / "llmc" / "fineweb_train_000001.bin").read_bytes())
+    disk = common.load_task(lm_args("tokens", tmp_path / "llmc", **tiny()), download=False)
+    bucket = common.load_task(lm_args("tokens", url, **tiny()), download=False)
+    assert [os.path.basename(f.path) for f in bucket.train_set.shards] == [
+        f"fineweb_train_00000{k}.bin" for k in (1, 2, 3)]
+    assert all(isinstance(f, token_tasks.BucketTokenFile) for f in bucket.train_set.shards)
+    assert bucket.identity == disk.identity and bucket.decode(range(20)) == disk.decode(range(20))
+    assert bucket.corpus.endswith(f"(vocab_size of {url}/meta.pkl)")
+    for shard in bucket.train_set.shards:
+        shard.block_bytes, shard.cache_bytes = 1000, 3000
+    held_out = list(range(len(disk.val_set)))
+    assert torch.equal(bucket.val_set.windows(held_out), disk.val_set.windows(held_out))  # read before the forks
+    for task in (disk, bucket):
+        task.train_set.set_epoch(1)
+    for rank in (0, 1):
+        sampler = train_utils.ResumableDistributedSampler(bucket.train_set, 2, rank, seed=0)
+        sampler.set_epoch(1)
+        order = list(sampler)
+        expected = [torch.cat(disk.train_set.__getitems__(order[i:i + 8]), 1) for i in range(0, len(order) - 7, 8)]
+        loader = DataLoader(bucket.train_set, batch_size=8, sampler=sampler, drop_last=True,
+                            collate_fn=common.collate, num_workers=2, multiprocessing_context="fork")
+        batches = [torch.cat(batch, 1) for batch in loader]
+        assert len(batches) == len(expected) == len(disk.train_set) // 16, rank
+        assert all(torch.equal(a, b) for a, b in zip(batches, expected)), rank
+    shard = bucket.train_set.shards[1]
+    starts = torch.tensor([0, 95, 3000, 5300])
+    assert torch.equal(shard.rows(starts, 600), disk.train_set.shards[1].rows(starts, 600))  # 2 or 3 blocks a row
+    assert 0 < len(shard._blocks) <= 3
+    sent = pickle.dumps(shard)
+    assert len(sent) < 600 and f"{url}/fineweb_train_000002.bin".encode() in sent
+    assert pickle.loads(sent)._blocks == {}
+
+
+def test_bad_bucket_places_are_one_line_each(tmp_path, bucket_env, monkeypatch):
+    """--data_dir s3://...: a bucket that does not exist, a prefix with no
+    object under it, a prefix without token files, an endpoint that does not
+    answer (within 90 s: bounded time-outs and retries), and s3fs not
+    installed: one ConfigError line each, saying what to do."""
+    import time
+
+    folder = tmp_path / "small"
+    shard_folder(folder, list(range(65)) * 20, 1, True, list(range(65)) * 20)
+    url = upload(bucket_env, folder, "small", "shards")
+    cases = [("s3://no-such-bucket/shards", r"s3://no-such-bucket/shards is not there \(.*\); create the bucket "
+                                            r"and upload the shards.*AWS_ENDPOINT_URL"),
+             ("s3://small/none", r"nothing under --data_dir s3://small/none: no object has that prefix; upload "),
+             (url, r"no train token files in --data_dir s3://small/shards \(--train_files train_\*.bin matches "
+                   r"nothing\)")]
+    for data_dir, error in cases:
+        flags = {"train_files": "train_*.bin"} if data_dir == url else {}
+        with pytest.raises(common.ConfigError, match=error) as info:
+            common.load_task(lm_args("tokens", data_dir, **tiny(**flags)), download=False)
+        assert "\n" not in str(info.value) and str(info.value).startswith("--dataset tokens: ")
+    from support.ports import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None], raising=False)
+    started = time.monotonic()
+    with pytest.raises(common.ConfigError, match=r"^--dataset tokens: s3://small/shards: the endpoint "
+                       r"http://127.0.0.1:\d+ does not answer \(.*\); check AWS_ENDPOINT_URL and the network"):
+        common.load_task(lm_args("tokens", url, **tiny()), download=False)
+    assert time.monotonic() - started < 90
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as where it is not installed: importing it fails
+    monkeypatch.setattr(token_tasks, "_FILESYSTEM", [None, None], raising=False)
+    with pytest.raises(common.ConfigError, match=r"^--data_dir s3://\.\.\.: reading token shards from a bucket "
+                       r"needs s3fs \(fsspec's S3 client\): pip install s3fs$"):
+        common.load_task(lm_args("tokens", url, **tiny()), download=False)
+
+
 def test_gpt2_small_with_the_padded_vocabulary_takes_a_step(tmp_path):
     """Without meta.pkl, GPT-2's vocabulary: the default sizes are GPT-2
     small's (12 layers, 12 heads, 768 wide, a 1,024-token context), the
@@ -483,6 +600,39 @@ def test_a_token_run_stopped_mid_interval_and_during_an_evaluation_resumes_bitwi
     steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
     assert steps_a == steps_b == 1 and a["lr_schedule.step"].item() == 80 and a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_a_token_run_from_a_bucket_prints_the_disks_evaluation_lines_through_a_stop(uninterrupted, tmp_path,
+                                                                                    s3_server):
+    """The token files above uploaded to a bucket of a local S3 server,
+    --data_dir s3://bucket/prefix, 2 ranks with 2 DataLoader workers each
+    (from the kit's fork server): stopped by SIGTERM at step 37 and resumed,
+    the two runs print the uninterrupted run's evaluation lines from disk
+    (0 workers) and end bitwise as it does; a bucket that does not exist
+    ends train.py in one line, exit status 2, and nothing is saved."""
+    runs, data = uninterrupted
+    straight, reference = runs["tokens"]
+    url = upload(s3_server, data["tokens"], "tokens-run", "shakespeare_char")
+    flags = [*step_flags(url), "--num_workers", "2"]
+    first = signal_when(KIT + [FAULTY_TRAIN, *flags], tmp_path, "DDP_TEST_FAULT: wait_signal_once at step 37",
+                        signal.SIGTERM, DDP_TEST_FAULT="step:0:37:wait_signal_once", **s3_server.env())
+    assert re.search(r"^epoch 1 step 3[78] \| snapshot saved", first, re.M), first[-3000:]
+    second = check(run(KIT + [REPO / "train.py", *flags], tmp_path, **s3_server.env())).stdout
+    assert "resuming from snapshot snapshot_train.pt in epoch 1 after step 3" in second, second[-3000:]
+    assert f"vocab_size of {url}/meta.pkl" in second
+    assert evaluations(first) + evaluations(second) == evaluations(reference) != []
+    steps_a, a = snapshot_tensors(straight / "snapshot_train.pt", rng=True)
+    steps_b, b = snapshot_tensors(tmp_path / "snapshot_train.pt", rng=True)
+    assert steps_a == steps_b and a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+    (tmp_path / "missing").mkdir()
+    missing = one_process(step_flags("s3://no-such-bucket/tokens"), tmp_path / "missing", **s3_server.env())
+    assert missing.returncode == 2 and error_lines(missing.stderr)[:1] == [
+        "error: --dataset tokens: s3://no-such-bucket/tokens is not there (The specified bucket does not exist); "
+        "create the bucket and upload the shards, or pass the --data_dir they are in; the endpoint and "
+        "credentials come from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_DEFAULT_REGION)"], missing.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "missing").iterdir()) == []
 
 
 def test_another_vocabulary_at_resume_is_one_line_and_the_snapshot_is_kept(uninterrupted, tmp_path):

@@ -12,7 +12,6 @@ this rank's account of its time.
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -67,6 +66,7 @@ class StepPhases:
         # perf_counter() seconds on the host, CUDA events on CUDA; None: not noted.
         self._own_end = self._backward_end = None
         self.steps = 0  # steps closed
+        self._contexts: dict = {}  # phase -> its _Timed (phase)
         self.listeners: list[Callable[[str, float, float], None]] = []
 
     # Timing
@@ -111,15 +111,14 @@ class StepPhases:
         another thread too (the loader's sampler, ``stragglers``)."""
         return phase in self._started
 
-    @contextlib.contextmanager
-    def phase(self, phase: str) -> Iterator[None]:
+    def phase(self, phase: str) -> "_Timed":
         """``with phases.phase("snapshot"): ...``: ``start``, then ``stop``
-        however the block ends."""
-        self.start(phase)
-        try:
-            yield
-        finally:
-            self.stop(phase)
+        however the block ends (a context object made once per phase: a
+        step pays no generator for it)."""
+        timed = self._contexts.get(phase)
+        if timed is None:
+            timed = self._contexts[phase] = _Timed(self, phase)
+        return timed
 
     def data(self, batches: Iterable) -> Iterator:
         """``batches``' items, each ``next`` on it timed as the data phase."""
@@ -202,6 +201,21 @@ class StepPhases:
         """{phase: seconds} of the last step closed (``end_step``; on CUDA,
         compute from the latest step whose events were read)."""
         return dict(self._last)
+
+
+class _Timed:
+    """``StepPhases.phase``'s context: the phase timed around a ``with`` block."""
+
+    __slots__ = ("phases", "name")
+
+    def __init__(self, phases: StepPhases, name: str) -> None:
+        self.phases, self.name = phases, name
+
+    def __enter__(self) -> None:
+        self.phases.start(self.name)
+
+    def __exit__(self, *exc) -> None:
+        self.phases.stop(self.name)
 
 
 def time_gradient_wait(model: torch.nn.Module, phases: StepPhases, watched: int = 2) -> list:

@@ -43,6 +43,7 @@ from common import ConfigError
 from ..distributed import note_snapshot
 from ..output import first_error, print_line
 from .claims import _HELD, live_holder, this_run
+from .file import SnapshotFile, check_same_run, load_snapshot
 from .position import position_tag, tag_position
 from .writer import CpuStaging
 
@@ -331,8 +332,6 @@ def read_newest(path: str, sharded: bool, config: dict, meta_name: str = "meta.p
     save's ``meta_name``, ``ShardedSnapshots.META``), in this process alone,
     for a plan. Raises ConfigError as ``SnapshotBucket.read`` does, or when
     there is none."""
-    from .file import check_same_run, load_snapshot
-
     generation = newest_generation(path)
     if generation is None:
         raise ConfigError(f"no snapshot at --snapshot_path {path}")
@@ -399,13 +398,13 @@ def budget_batch_of(config: dict) -> Optional[int]:
     return None
 
 
-class SnapshotBucket:
+class SnapshotBucket(SnapshotFile):
     """The Checkpointer's file format (DDP) in a bucket: ``path`` is
     ``s3://BUCKET/KEY``; each save a generation of one object, committed by
     its manifest (see the module). Rank 0 writes, every rank reads.
     ``latest``, ``read``, ``load``, ``load_model``, ``resume_note``,
     ``save`` and ``close`` are the calls ``checkpointer.Checkpointer`` makes
-    of either format. ``part_bytes``: the multipart upload's part size (and
+    of either format (``load`` and ``resume_note`` are the file's own). ``part_bytes``: the multipart upload's part size (and
     the size from which an upload is multipart), at least 5 MiB (S3's least
     part but the last)."""
 
@@ -465,26 +464,12 @@ class SnapshotBucket:
         """The chosen generation's snapshot, checked as a file is
         (``file.read_snapshot``: its digest first, then the zip archive's
         CRC-32s, torch's weights-only unpickler, "same run?" against ``config``)."""
-        from .file import check_same_run, load_snapshot
-
         snapshot = load_snapshot(self._download(), path)
         check_same_run(snapshot, path, config)
         return snapshot
 
-    def load(self, path: str, snapshot: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Load ``snapshot``'s model and optimizer state into ``model`` and ``optimizer``."""
-        model.load_state_dict(snapshot.pop("model"))
-        optimizer.load_state_dict(snapshot.pop("optimizer"))
-
-    @staticmethod
-    def resume_note(snapshot: dict, progress, config: dict) -> str:
-        """The resume line's end: what changes at another world size (``Progress.resize_note``)."""
-        return progress.resize_note(config)
-
     def load_model(self, path: str, model: torch.nn.Module) -> None:
         """The model weights alone of the chosen generation (checked as ``read`` checks them)."""
-        from .file import load_snapshot
-
         model.load_state_dict(load_snapshot(self._download(), path)["model"])
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
