@@ -1,4 +1,4 @@
-"""An S3 server for the tests and benchmarks: moto's (``moto[server]``, the
+"""An S3 server for the tests and benchmarks: moto's (``moto[s3]`` with Flask, the
 S3 implementation that boto's and s3fs's own test suites run against),
 started as its own process on one address (127.0.0.1 unless told, or a
 network-namespace bridge's address) and a free port. It keeps its objects in

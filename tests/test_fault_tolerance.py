@@ -113,7 +113,7 @@ def test_kill_while_writing_a_snapshot_keeps_the_previous_one(kit_run, tmp_path)
     clean, _ = kit_run("ddp", "--total_epochs", 2)
     assert_same_snapshot(clean / SNAPSHOT, tmp_path / SNAPSHOT)
     assert sorted(p.name for p in tmp_path.iterdir()) == [  # no stale temp; the goodput ledger and timeline
-        "snapshot_train.pt", "snapshot_train.pt.goodput.jsonl", "snapshot_train.pt.trace.json"]
+        "snapshot_train.pt", "snapshot_train.pt.goodput.jsonl", "snapshot_train.pt.timeline.json"]
 
 
 def test_a_snapshot_is_written_while_training_goes_on(tmp_path):

@@ -193,7 +193,8 @@ def test_a_full_disk_at_a_save_is_one_line_naming_the_intact_snapshot(tmp_path):
     assert result.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own; none of a worker
     assert line in result.stderr.split("Root Cause")[1]
     assert snapshot_tensors(tmp_path / "kept.pt")[0] == 1
-    assert (tmp_path / "left.txt").read_text() == "two.pt\n"  # no temporary file, the claim given back
+    # No temporary file, the claim given back; the goodput ledger and timeline beside the snapshot stay.
+    assert (tmp_path / "left.txt").read_text().split() == ["two.pt", "two.pt.goodput.jsonl", "two.pt.timeline.json"]
 
 
 def test_a_claim_that_cannot_be_written_on_a_full_disk_leaves_nothing(tmp_path):

@@ -63,12 +63,12 @@ def process_start_time() -> float:
 def goodput_paths(snapshot_path: str) -> tuple[Optional[str], Optional[str]]:
     """(the ledger, the timeline) beside ``snapshot_path`` (--snapshot_path,
     a file or a folder of sharded saves): ``<snapshot_path>.goodput.jsonl``
-    and ``<snapshot_path>.trace.json``. (None, None) for a path that is not
+    and ``<snapshot_path>.timeline.json``. (None, None) for a path that is not
     on a local or mounted file system (a URL such as s3://...)."""
     if "://" in snapshot_path:
         return None, None
     base = os.path.normpath(snapshot_path)
-    return base + ".goodput.jsonl", base + ".trace.json"
+    return base + ".goodput.jsonl", base + ".timeline.json"
 
 
 def read_ledger(path: str) -> list:
