@@ -131,6 +131,8 @@ def serve(path: str, cpu_file: str) -> dict | None:
     (``preload``'s) added."""
     own_environment = import_time_environment(os.environ)
     imported = preload()
+    # The CPU file before the socket: a socket that exists means a server whose files are all there.
+    cpu = open(cpu_file, "a")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -138,7 +140,6 @@ def serve(path: str, cpu_file: str) -> dict | None:
     selector.register(listener, selectors.EVENT_READ)
     selector.register(sys.stdin, selectors.EVENT_READ)
     started: dict = {}  # pid -> the asker's connection
-    cpu = open(cpu_file, "a")
     try:
         while True:
             for key, _ in selector.select(timeout=0.05):

@@ -41,7 +41,7 @@ def server(tmp_path_factory):
     env = script_env()
     process = subprocess.Popen([sys.executable, REPO / "support" / "forkserver.py", folder / "socket",
                                 folder / "cpu"], stdin=subprocess.PIPE, env=env)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # the first tests start beside installs and an image build
     while not (folder / "socket").exists():
         assert process.poll() is None and time.monotonic() < deadline, "the fork server did not start"
         time.sleep(0.1)
@@ -71,7 +71,7 @@ def test_a_served_rank_runs_its_script_as_python_would(server, tmp_path):
     process, env, cpu_file = server
     before = len(cpu_file.read_text().split())
     job = probe(tmp_path, dict(env, PROBE_TAG="asked"), "fail", preexec_fn=lambda: __import__("os").umask(0o027))
-    stdout, stderr = job.communicate(timeout=120)
+    stdout, stderr = job.communicate(timeout=300)
     assert job.returncode == 3, stderr  # rank 0's 3 (rank 1's is 4): the first failed rank's
     ranks = lines(stdout)
     assert [rank["rank"] for rank in ranks] == [0, 1]
@@ -85,7 +85,7 @@ def test_a_served_rank_runs_its_script_as_python_would(server, tmp_path):
 
 def test_an_uncaught_exception_is_printed_and_exits_1(server, tmp_path):
     job = probe(tmp_path, server[1], "raise", nproc=1)
-    _, stderr = job.communicate(timeout=120)
+    _, stderr = job.communicate(timeout=300)
     assert job.returncode == 1 and "Traceback" in stderr and "ValueError: the probe's error" in stderr, stderr
 
 
@@ -102,7 +102,7 @@ def test_an_environment_read_at_import_is_refused_and_the_launcher_forks_itself(
     torch read the server's); pods.py imports torch and forks the ranks."""
     process, env, _ = server
     job = probe(tmp_path, dict(env, OMP_NUM_THREADS="3"), "run")
-    stdout, stderr = job.communicate(timeout=120)
+    stdout, stderr = job.communicate(timeout=300)
     assert job.returncode == 0, stderr
     ranks = lines(stdout)
     assert all(rank["ppid"] == job.pid and rank["preloaded"] for rank in ranks), ranks
