@@ -20,6 +20,7 @@ See docs/language-model.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -395,19 +396,28 @@ def bucket_errors(place: str, exc: BaseException) -> Optional[ConfigError]:
     return None
 
 
+@contextlib.contextmanager
+def bucket_access(place: str):
+    """Around a read of ``place`` (an ``s3://`` URL): a failure
+    ``bucket_errors`` knows is raised as its one-line ConfigError, any
+    other as it is."""
+    try:
+        yield
+    except Exception as exc:
+        error = bucket_errors(place, exc)
+        if error is None:
+            raise
+        raise error from None
+
+
 def bucket_read(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
     """The bytes of the object ``path`` (``s3://bucket/key``) from each of
     ``starts`` to each of ``ends`` (exclusive): ranged GETs, concurrent
     (``cat_ranges``), each retried as ``BUCKET_CLIENT`` says. Raises
     ConfigError (one line, ``bucket_errors``) where the bucket cannot be
     read."""
-    try:
+    with bucket_access(path):
         return bucket_filesystem().cat_ranges([path] * len(starts), starts, ends, on_error="raise")
-    except Exception as exc:
-        error = bucket_errors(path, exc)
-        if error is None:
-            raise
-        raise error from None
 
 
 def bucket_listing(data_dir: str) -> dict[str, int]:
@@ -416,13 +426,8 @@ def bucket_listing(data_dir: str) -> dict[str, int]:
     where there is none (``bucket_errors`` for a bucket that cannot be
     read)."""
     root = data_dir.rstrip("/")
-    try:
+    with bucket_access(data_dir):
         found = bucket_filesystem().find(root[len(BUCKET):], detail=True)
-    except Exception as exc:
-        error = bucket_errors(data_dir, exc)
-        if error is None:
-            raise
-        raise error from None
     listing = {BUCKET + name: info["size"] for name, info in found.items() if info.get("type") == "file"}
     if not listing:
         raise ConfigError(f"--dataset tokens: nothing under --data_dir {data_dir}: no object has that prefix; "

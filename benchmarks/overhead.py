@@ -43,9 +43,10 @@ OVERHEAD_CASES = [("mnist cnn", "mnist", "cnn", (64, 1, 28, 28), 8),
 OVERHEAD_SCRIPTS = [("train.py", "bare DDP")]
 
 
-def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -> dict:
-    """{name: step()} of the bare DDP loop and train.py's Trainer.train_step,
-    each on its own copy of one model, on the same batch."""
+def _model_and_batch(dataset: str, model_name: str, shape: tuple) -> tuple:
+    """(model, x, y, loss_fn): the model seeded 0 and one batch of ``shape``
+    (float32) with its targets, regression for the synthetic task, 10
+    classes otherwise: what each compared step trains on."""
     torch.manual_seed(0)
     base = build_model(dataset, model_name)
     g = torch.Generator().manual_seed(0)
@@ -54,6 +55,13 @@ def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -
         y, loss_fn = torch.randn(shape[0], 1, generator=g), F.mse_loss
     else:
         y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
+    return base, x, y, loss_fn
+
+
+def _overhead_steps(dataset: str, model_name: str, shape: tuple, out_dir: str) -> dict:
+    """{name: step()} of the bare DDP loop and train.py's Trainer.train_step,
+    each on its own copy of one model, on the same batch."""
+    base, x, y, loss_fn = _model_and_batch(dataset, model_name, shape)
     steps = {}
     for name in ("bare DDP", "train.py"):
         model = copy.deepcopy(base)
@@ -125,14 +133,7 @@ def _phase_steps(dataset: str, model_name: str, shape: tuple, out_dir: str, worl
     import train_utils
     from train_utils.loop.stragglers import StragglerWatch
 
-    torch.manual_seed(0)
-    base = build_model(dataset, model_name)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g)
-    if dataset == "synthetic":
-        y, loss_fn = torch.randn(shape[0], 1, generator=g), F.mse_loss
-    else:
-        y, loss_fn = torch.randint(0, 10, (shape[0],), generator=g), F.cross_entropy
+    base, x, y, loss_fn = _model_and_batch(dataset, model_name, shape)
     steps = {}
     for name in ("without", "with"):
         model = copy.deepcopy(base)

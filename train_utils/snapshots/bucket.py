@@ -42,7 +42,7 @@ import torch.distributed as dist
 from common import ConfigError
 from ..distributed import note_snapshot
 from ..output import first_error, print_line
-from .claims import _HELD, live_holder, this_run
+from .claims import _HELD, live_holder, this_jobs_processes
 from .file import SnapshotFile, check_same_run, load_snapshot
 from .position import position_tag, tag_position
 from .writer import CpuStaging
@@ -636,14 +636,12 @@ def claim_bucket_snapshot(path: str) -> None:
     it, removes what torn or unfinished uploads left (``remove_uncommitted``).
     Raises ConfigError (one line, on every rank) for a bucket that cannot be
     used or a snapshot another live run holds."""
-    me = this_run()
-    runs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(runs, me)
+    me, ours = this_jobs_processes()
     error = ""
     if dist.get_rank() == 0:
         error = check_bucket(path)
         if not error:
-            error, etag = take_lease(path, me, {(run["host"], run["pid"], run.get("pidns", "")) for run in runs})
+            error, etag = take_lease(path, me, ours)
             if not error:
                 _LEASES[path] = Lease(path, me, etag)
                 _HELD.update(release=_LEASES[path].release)

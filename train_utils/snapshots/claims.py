@@ -188,6 +188,15 @@ def _judge_and_write(claim, path: str, me: dict, ours: set) -> str:
     return ""
 
 
+def this_jobs_processes() -> tuple[dict, set]:
+    """Collective: (this process's ``this_run()``, the (host, pid, pidns) of
+    every rank's): a claim held by any of them is this run's own."""
+    me = this_run()
+    runs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(runs, me)
+    return me, {(run["host"], run["pid"], run.get("pidns", "")) for run in runs}
+
+
 def claim_snapshot(snapshot_path: str) -> None:
     """Collective: rank 0 claims ``snapshot_path`` for this run (``take_claim``).
     Raises ConfigError on every rank, before training, when another live run
@@ -195,13 +204,11 @@ def claim_snapshot(snapshot_path: str) -> None:
     claim is given back when the process ends (``release_claim``, called by
     ``ending.end_process``); inside a job it stays, as the wrappers' does,
     until another job takes it over."""
-    me = this_run()
-    runs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(runs, me)
+    me, ours = this_jobs_processes()
     error = ""
     if dist.get_rank() == 0:
         path = claim_path(snapshot_path)
-        error = take_claim(path, me, {(run["host"], run["pid"], run.get("pidns", "")) for run in runs})
+        error = take_claim(path, me, ours)
         if not error and "job" not in me:
             _HELD.update(path=path, holder=me)
     error = first_error(error)
