@@ -75,8 +75,8 @@ def test_killed_worker_is_restarted_and_the_result_is_bitwise_unchanged(small_mn
     check(run(PODS + ["--nproc_per_node=3", REPO / "train.py"] + flags, tmp_path / "clean"))
     launched = time.time()
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=3", "--max-restarts=3", FAULTY_TRAIN] + flags,
-                       tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill"))
-    assert f"DDP_TEST_FAULT: kill at step {kill_at} on rank 1" in killed.stderr
+                       tmp_path / "killed", DDP_TEST_FAULT=f"step:1:{kill_at}:kill_once_saved"))
+    assert f"DDP_TEST_FAULT: kill_once_saved at step {kill_at} on rank 1" in killed.stderr
     # The restart is announced once, before the start-up line (rank 0 prints).
     assert killed.stdout.count("note: torchrun started these workers again (restart 1 of at most 3, "
                                "--max-restarts) after a worker failed; the run goes on from its last "

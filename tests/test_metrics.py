@@ -22,7 +22,7 @@ def test_tensorboard_and_metrics_continue_across_a_restart(tmp_path):
     # 2 ranks x 28 steps of 32 per epoch: step 89 is the 5th of epoch 4.
     result = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
                                    FAULTY_TRAIN, *flags], tmp_path,
-                       DDP_TEST_FAULT="step:0:89:kill"))
+                       DDP_TEST_FAULT="step:0:89:kill_once_saved"))
     assert "resuming from snapshot snapshot_train.pt after epoch 2" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     starts = [r for r in records if r.get("event") == "start"]

@@ -186,7 +186,7 @@ def test_accumulation_resumes_bitwise_after_a_kill_mid_epoch(tmp_path):
     assert "peak_gpu_memory_mib" not in record and "peak_mem_mib" not in clean.stdout
     killed = check(run(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
                                    FAULTY_TRAIN] + flags, tmp_path / "killed",
-                       DDP_TEST_FAULT="step:1:39:kill"))  # epoch 2 (28 micro-batches each), its 11th
+                       DDP_TEST_FAULT="step:1:39:kill_once_saved"))  # epoch 2 (28 micro-batches each), its 11th
     assert "resuming from snapshot snapshot_train.pt in epoch 2 after step 8" in killed.stdout
     _, straight = snapshot_tensors(tmp_path / "clean" / "snapshot_train.pt")
     _, resumed = snapshot_tensors(tmp_path / "killed" / "snapshot_train.pt")

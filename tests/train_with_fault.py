@@ -26,13 +26,18 @@ Points, and the function patched for each:
   poll      the stop signal's all-reduce once a step: ``StopSignal.poll``,
             first thing (``skip`` there skips that call, and its collective)
 
-Actions: ``kill`` (SIGKILL itself), ``sigstop`` (SIGSTOP itself: frozen, as
+Actions: ``kill`` (SIGKILL itself), ``kill_once_saved`` (every rank, not
+only RANK, waits there for its snapshot write in flight to be committed and
+meets the others in a barrier; then RANK SIGKILLs itself: the job dies with
+the snapshots it started on disk, however slow the writer thread is on a loaded
+machine; only where every rank reaches the point together, as a step),
+``sigstop`` (SIGSTOP itself: frozen, as
 by a debugger or a swapped-out node), ``raise`` (RuntimeError), ``skip`` (the
 point's call is skipped), ``hang`` (sleep
 an hour; a stop signal during start-up still ends it), ``wait_signal`` (sleep
 until this process got a stop signal, at most an hour, then go on) and
 ``wait_signal_once``, and ``sleepN`` (sleep N seconds, then go on: a slow
-disk, a slow step). ``kill``, ``raise``, ``hang``, ``sleepN`` and
+disk, a slow step). ``kill``, ``kill_once_saved``, ``raise``, ``hang``, ``sleepN`` and
 ``wait_signal_once`` act in a job's first attempt only (TORCHELASTIC_RESTART_COUNT and
 SLURM_RESTART_COUNT unset or 0), so a restart or a requeued job runs clean;
 ``wait_signal`` in every attempt. Before acting, it prints
@@ -73,12 +78,16 @@ class Fault:
 
         self.reached[point] = count = self.reached.get(point, 0) + 1
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        if (point, count) != (self.point, self.count) or self.rank not in ("*", str(rank)):
+        if (point, count) != (self.point, self.count):
             return False
         if self.action != "wait_signal" and not self.first_attempt:
             return False
+        if self.action == "kill_once_saved":
+            _wait_for_snapshot_writes()
+        if self.rank not in ("*", str(rank)):
+            return False
         print_line(f"DDP_TEST_FAULT: {self.action} at {point} {count} on rank {rank}", sys.stderr)
-        if self.action == "kill":
+        if self.action in ("kill", "kill_once_saved"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "raise":
             raise RuntimeError(f"DDP_TEST_FAULT: injected failure at {point} {count} on rank {rank}")
@@ -93,6 +102,20 @@ class Fault:
             while not received_stop_signal() and time.monotonic() < deadline:
                 time.sleep(0.1)
         return self.action == "skip"
+
+
+def _wait_for_snapshot_writes() -> None:
+    """Join this process's snapshot-writer thread (``SnapshotWriter``'s, if
+    one is running: its write then committed), then a barrier of every rank."""
+    import threading
+
+    import torch.distributed as dist
+
+    for thread in threading.enumerate():
+        if thread.name == "snapshot-writer":
+            thread.join()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _first(fault: Fault, point: str, function):
