@@ -138,7 +138,8 @@ class Trainer:
         self.phases = train_utils.StepPhases(device)  # each step's time by phase on this rank, no device sync
         # A rank slower than its peers in a phase, named by rank 0: the figures ride on the stop signal's all-reduce.
         self.stop.watch = train_utils.StragglerWatch(self.phases, self.rank, dist.get_world_size(),
-                                                     lambda: self.progress.step, getattr(train_data, "num_workers", 0))
+                                                     lambda: self.progress.step, getattr(train_data, "num_workers", 0),
+                                                     train_utils.worker_stacks(train_data))
         self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
@@ -482,7 +483,9 @@ def prepare_dataloader(dataset: Optional[Dataset], batch_size: int, num_workers:
         # Workers are seeded from this generator, which snapshots save and restore.
         generator=torch.Generator().manual_seed(seed + rank) if train else None,
         drop_last=train,
-        **train_utils.loader_workers(num_workers, dataset),  # from a fork server; they ignore stop signals
+        # From a fork server; they ignore stop signals; a training loader's workers, where there are peers to
+        # compare, sample their stacks for the straggler watch (while their rank waits for data).
+        **train_utils.loader_workers(num_workers, dataset, sample_stacks=train and world_size > 1),
         pin_memory=torch.cuda.is_available(),
         # The task's batching (common.collate passes InMemoryImages' whole batches), each tensor made
         # dense: the loader pins what it returns, and only a dense pinned tensor copies without a wait.

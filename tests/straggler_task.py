@@ -3,7 +3,8 @@ of its training batches, for tests/test_stragglers.py. Run it as train.py's
 ``--dataset straggler_task:build_task`` with tests/ on PYTHONPATH and
 STRAGGLER_FAULT="KIND:RANK:FIRST:LAST[:ARG]" in the environment: on rank RANK,
 from its FIRST-th training batch to its LAST-th (1-based, counted as the
-loader fetches them), the fault KIND acts:
+loader fetches them, in the rank or in its loader workers together), the
+fault KIND acts:
 
   sleep    each sample's fetch sleeps ARG seconds (a slow disk under that
            rank's loader)
@@ -30,11 +31,16 @@ SLEEP_LINE = "time.sleep(self.seconds)  # the slow disk"
 
 class SlowFetches(torch.utils.data.Dataset):
     """``dataset`` whose fetches are slow (see the module) between batch
-    ``first`` and ``last`` of ``batch_size`` samples."""
+    ``first`` and ``last`` of ``batch_size`` samples. The fetches are
+    counted in a shared-memory tensor, which the rank's loader workers
+    share (each epoch's new workers too): with ``--num_workers`` the
+    batches count across the workers and epochs as without. Not atomic:
+    two workers' fetches in the same microsecond may count once, a shift
+    of a sample."""
 
     def __init__(self, dataset, kind: str, first: int, last: int, arg: str, batch_size: int) -> None:
         self.dataset, self.kind, self.first, self.last, self.arg = dataset, kind, first, last, arg
-        self.batch_size, self.fetches = batch_size, 0
+        self.batch_size, self.fetches = batch_size, torch.zeros((), dtype=torch.int64).share_memory_()
         self.seconds = float(arg) if kind == "sleep" else 0.0
 
     def __len__(self) -> int:
@@ -42,8 +48,9 @@ class SlowFetches(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         self.fetches += 1
-        batch = (self.fetches - 1) // self.batch_size + 1
-        start = (self.fetches - 1) % self.batch_size == 0
+        fetches = int(self.fetches)
+        batch = (fetches - 1) // self.batch_size + 1
+        start = (fetches - 1) % self.batch_size == 0
         if self.kind == "sleep" and self.first <= batch <= self.last:
             if start and batch in (self.first, self.last):
                 self._say(batch)

@@ -52,16 +52,21 @@ def assert_named(output: str, phase: str) -> list:
     return start
 
 
-def test_a_rank_whose_loader_sleeps_is_named_with_the_line_it_sleeps_at(tmp_path):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_rank_whose_loader_sleeps_is_named_with_the_line_it_sleeps_at(tmp_path, num_workers):
     """Rank 1's dataset sleeps 2 ms a sample (32 ms a batch of 16) from its
     10th batch to its 50th: rank 0 names rank 1, this host, the data phase
     and straggler_task.py's line of the sleep in __getitem__, within 40 steps
-    of the start; and once more when it ends; rank 0 is never named."""
-    result = run(RUN, tmp_path, PYTHONPATH=str(TASK.parent), STRAGGLER_FAULT=f"sleep:1:{FIRST}:{LAST}:0.002")
+    of the start; and once more when it ends; rank 0 is never named. With
+    --num_workers 0 the line is sampled from the rank's own stack, with 2
+    loader workers (which sleep in turn: 16 ms a step) from theirs."""
+    result = run([*RUN, "--num_workers", str(num_workers)], tmp_path, PYTHONPATH=str(TASK.parent),
+                 STRAGGLER_FAULT=f"sleep:1:{FIRST}:{LAST}:0.002")
     assert result.returncode == 0, result.stderr[-3000:]
     start = assert_named(result.stdout, "data")
     line = TASK.read_text().splitlines().index(f"            {_sleep_statement()}") + 1
-    assert start[5].endswith(f"; its loader spends the time at {TASK}:{line} in __getitem__"), start
+    loader = "its loader workers spend" if num_workers else "its loader spends"
+    assert start[5].endswith(f"; {loader} the time at {TASK}:{line} in __getitem__"), start
 
 
 def _sleep_statement() -> str:

@@ -64,7 +64,7 @@ from .loop import DenseBatches, EpochBatches, Evaluations, HostToDevice, Progres
     batches_for_every_rank, batches_left, catch_stop_signals, checkpoint_activations, compile_blocks, \
     compile_model, compute_precision, eval_subset, evaluating, fewest_batches, fp32, loader_workers, \
     nothing_to_train, rebuild_ddp_buckets, report_run_finished, resolve_amp, set_deterministic, \
-    set_fp32_precision, time_gradient_wait, training_loss, watch_preemption_notice
+    set_fp32_precision, time_gradient_wait, training_loss, watch_preemption_notice, worker_stacks
 from .output import print_line
 from .plan import check_plan, plan_request
 from .snapshots import START_AFRESH, Checkpointer, Found, claim_snapshot_path, load_initial_weights, position, \
@@ -100,6 +100,7 @@ __all__ = [
     "is_sharded",
     "check_before_training",
     "loader_workers",
+    "worker_stacks",
     "DenseBatches",
     "SeededFetches",
     "HostToDevice",

@@ -21,7 +21,7 @@ top of train_utils import it through this face only.
 from .epoch import EpochBatches, evaluating
 from .evaluation import batches_for_every_rank, eval_subset, fewest_batches
 from .evaluations import Evaluations
-from .loaders import DenseBatches, HostToDevice, SeededFetches, loader_workers
+from .loaders import DenseBatches, HostToDevice, SeededFetches, loader_workers, worker_stacks
 from .notice import PreemptionNotice, watch_preemption_notice
 from .numerics import compute_precision, numerics_description, set_deterministic, set_fp32_precision
 from .phases import PHASES, StepPhases, time_gradient_wait
@@ -36,7 +36,7 @@ from .stop import StopDuringStartup, StopSignal, Stopped, catch_stop_signals, fo
 
 __all__ = [
     "EpochBatches", "evaluating", "batches_for_every_rank", "eval_subset", "fewest_batches", "Evaluations",
-    "DenseBatches", "HostToDevice", "SeededFetches", "loader_workers",
+    "DenseBatches", "HostToDevice", "SeededFetches", "loader_workers", "worker_stacks",
     "compute_precision", "numerics_description", "set_deterministic", "set_fp32_precision",
     "PHASES", "StepPhases", "time_gradient_wait", "StragglerWatch",
     "Progress", "rebuild_ddp_buckets", "Recipe", "batches_left", "nothing_to_train", "ResumableDistributedSampler",

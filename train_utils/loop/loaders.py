@@ -32,6 +32,7 @@ from common import TASK_FILE_FOLDERS, ConfigError, draw_key
 from ..ending import end_process
 from ..output import print_line
 from .stop import STOP_SIGNALS, ignore_stop_signal
+from .stragglers import WorkerStacks
 
 # The project folder: where train.py, common.py and the train_utils package are.
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,12 +42,14 @@ PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file
 _CONTEXT: Optional[multiprocessing.context.BaseContext] = None
 
 
-def loader_workers(num_workers: int, dataset: Dataset) -> dict:
+def loader_workers(num_workers: int, dataset: Dataset, sample_stacks: bool = False) -> dict:
     """DataLoader keyword arguments for ``num_workers`` worker processes
     loading ``dataset``: ``num_workers``, and with workers the fork server's
     ``multiprocessing_context`` (where the platform has one: Linux, macOS;
     elsewhere the platform's own start method, spawn) and ``worker_init_fn``
-    (``worker_started``).
+    (``worker_started``; with ``sample_stacks``, ``SampledWorkerStart``:
+    each worker also samples its stack for the straggler watch, into the
+    ``WorkerStacks`` that ``worker_stacks(loader)`` returns).
 
     The first call with workers starts this process's fork server, with the
     stop signals (``STOP_SIGNALS``) blocked: they stay blocked in the server
@@ -69,7 +72,15 @@ def loader_workers(num_workers: int, dataset: Dataset) -> dict:
     if _storages(dataset) > MOST_STORAGES:
         torch.multiprocessing.set_sharing_strategy("file_system")
     return {"num_workers": num_workers, "multiprocessing_context": _fork_server(dataset),
-            "worker_init_fn": worker_started}
+            "worker_init_fn": SampledWorkerStart(WorkerStacks()) if sample_stacks else worker_started}
+
+
+def worker_stacks(loader) -> Optional[WorkerStacks]:
+    """The ``WorkerStacks`` that ``loader``'s workers sample their stacks
+    into (a DataLoader made with ``loader_workers(..., sample_stacks=True)``);
+    None for any other loader."""
+    start = getattr(loader, "worker_init_fn", None)
+    return start.stacks if isinstance(start, SampledWorkerStart) else None
 
 
 def worker_started(worker_id: int) -> None:
@@ -85,6 +96,22 @@ def worker_started(worker_id: int) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_when_ready, args=(parent.sentinel,), daemon=True).start()
+
+
+class SampledWorkerStart:
+    """DataLoader ``worker_init_fn``: ``worker_started``, then the worker
+    samples its own stack into ``stacks`` while the rank wants it
+    (``WorkerStacks.start_in_worker``). Sent to every worker with the
+    loader's other arguments (pickled under a fork server or spawn: the
+    ``WorkerStacks`` travels as its flag and pipe, ``WorkerStacks.__getstate__``);
+    what the workers load is unchanged."""
+
+    def __init__(self, stacks: WorkerStacks) -> None:
+        self.stacks = stacks
+
+    def __call__(self, worker_id: int) -> None:
+        worker_started(worker_id)
+        self.stacks.start_in_worker()
 
 
 def _exit_when_ready(sentinel: int) -> None:

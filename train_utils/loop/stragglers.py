@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
+import select
 import socket
 import sys
 import threading
@@ -43,6 +45,7 @@ FLOOR_S = 0.005
 # alone writes a DDP snapshot, by design.
 COMPARED = ("data", "compute")
 SAMPLE_EVERY_S = 0.01  # the loader's stack is sampled 100 times a second while this rank waits for data
+SEND_EVERY_S = 0.1  # a loader worker sends the rank its counts 10 times a second at most
 WHERE_WAIT_POLLS = 64  # rank 0 waits this many polls at most for a named rank's host and line
 
 
@@ -87,6 +90,125 @@ class LoaderSampler:
         return recent.most_common(1)[0][0] if recent else ""
 
 
+class PipeFlag:
+    """A flag that processes started from this one (loader workers: the
+    flag is pickled into them under a fork server or spawn, inherited under
+    fork) wait on without polling: it is set while its pipe holds one
+    message. This process ``set``s and ``clear``s it; any holder can ask
+    ``is_set()`` and ``wait(timeout)`` (a select on the pipe: the waiter
+    reads nothing). No lock or semaphore is shared: a worker terminated
+    while it waits (the DataLoader ends its workers after every epoch)
+    cannot leave anything held. A multiprocessing Event could: its
+    Condition's ``notify_all`` waits for every waiter counted as asleep to
+    wake, a terminated one never does, and ``set`` would hang (the Python
+    docs' ``Process.terminate`` warning)."""
+
+    def __init__(self) -> None:
+        self._reader, self._writer = multiprocessing.Pipe(duplex=False)
+        self._set = False  # this process's view: it alone writes and reads the message
+
+    def set(self) -> None:
+        if not self._set:
+            self._writer.send_bytes(b"1")
+            self._set = True
+
+    def clear(self) -> None:
+        if self._set:
+            self._reader.recv_bytes()
+            self._set = False
+
+    def is_set(self) -> bool:
+        return self._reader.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the flag is set, or ``timeout`` seconds (None: no
+        limit); returns whether it is set."""
+        return self._reader.poll(timeout)
+
+    def __getstate__(self) -> dict:
+        return {"_reader": self._reader, "_set": None}  # a holder only waits: no writing end
+
+
+class WorkerStacks:
+    """The stacks of a training loader's worker processes, sampled for
+    ``StragglerWatch`` as ``LoaderSampler`` samples the rank's own: with
+    ``--num_workers`` > 0 the loader spends its time in the workers.
+
+    Made in the rank before its loader (``loaders.loader_workers``) and sent
+    to each worker with the loader's ``worker_init_fn``, which calls
+    ``start_in_worker()``: a daemon thread that, while ``wanted`` (a
+    ``PipeFlag``, set by the watch once this rank waits for data
+    ``FLOOR_S`` a step or more; unset, the thread sleeps in a select and
+    the worker runs nothing of it), reads the worker's main thread's stack
+    every ``SAMPLE_EVERY_S`` seconds and counts where in the kit's or the
+    task's code it is (``frame_in_code``: file:line in function); a worker
+    idle in torch's worker loop counts nothing. The worker sends its counts
+    to the rank at most every ``SEND_EVERY_S`` seconds and when ``wanted``
+    clears, one message ``b"COUNT PLACE"`` a place through a pipe that all
+    the workers share, each message one write of at most ``select.PIPE_BUF``
+    bytes, which a pipe never interleaves with another's (POSIX write(2)).
+    A daemon thread of the rank adds them up. ``snapshot()`` and
+    ``top(since)`` are ``LoaderSampler``'s, over every worker of the loader
+    (workers restart every epoch; their counts add up in the rank)."""
+
+    def __init__(self) -> None:
+        self.wanted = PipeFlag()
+        self._reader, self._writer = multiprocessing.Pipe(duplex=False)
+        self.counts: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()  # the counts are read in the main thread while the collector adds
+        threading.Thread(target=self._collect, daemon=True, name="loader worker samples").start()
+
+    def __getstate__(self) -> dict:
+        return {"wanted": self.wanted, "_writer": self._writer}  # what a worker needs: the flag, the writing end
+
+    def _collect(self) -> None:
+        """The rank's thread: adds up the counts the workers send."""
+        while True:
+            try:
+                message = self._reader.recv_bytes()
+            except (EOFError, OSError):
+                return
+            count, _, place = message.decode(errors="replace").partition(" ")
+            with self.lock:
+                self.counts[place] += int(count)
+
+    def start_in_worker(self) -> None:
+        """In a loader worker's main thread (its ``worker_init_fn``): starts
+        the thread that samples this thread's stack."""
+        threading.Thread(target=self._sample, args=(threading.get_ident(),), daemon=True,
+                         name="loader worker sampler").start()
+
+    def _sample(self, main: int) -> None:
+        """The worker's thread: samples thread ``main`` while ``wanted``, sends the counts."""
+        counts: collections.Counter = collections.Counter()
+        sent_at = time.monotonic()
+        while True:
+            if counts and (not self.wanted.is_set() or time.monotonic() - sent_at >= SEND_EVERY_S):
+                try:
+                    for place, count in counts.items():
+                        self._writer.send_bytes(f"{count} {place}".encode()[:select.PIPE_BUF - 4])  # 4: its length
+                except OSError:  # the rank is gone: this worker ends with it (loaders.worker_started)
+                    return
+                counts.clear()
+                sent_at = time.monotonic()
+            self.wanted.wait()
+            time.sleep(SAMPLE_EVERY_S)
+            frame = sys._current_frames().get(main)
+            where = frame_in_code(frame) if frame is not None else ""
+            if where:
+                counts[where] += 1
+
+    def snapshot(self) -> collections.Counter:
+        """The counts so far, over every worker (a copy)."""
+        with self.lock:
+            return collections.Counter(self.counts)
+
+    def top(self, since: collections.Counter) -> str:
+        """The place sampled most since ``since``; '' when none was."""
+        recent = self.snapshot() - since
+        return recent.most_common(1)[0][0] if recent else ""
+
+
 class StragglerWatch:
     """This rank's part in naming stragglers, fed by the stop signal's
     all-reduce (``StopSignal.watch``): ``payload()`` before each poll's
@@ -102,18 +224,27 @@ class StragglerWatch:
 
         straggler: rank 1 (host node7) is no longer slow in data: 1.2 ms a step against 1.1 ms, over steps 81-104
 
+    With loader workers the line ends ``its loader workers spend the time
+    at my_task.py:21 in __getitem__``: the place sampled most over the
+    window across the rank's workers (``WorkerStacks``).
+
     ``phases``: this rank's ``StepPhases``; ``step``: () -> the run's
     optimizer steps so far (``Progress.step``); ``num_workers``: the
-    training loader's (0: its stack is sampled, ``LoaderSampler``). The
-    threshold (``RATIO``, ``FLOOR_S``, ``WINDOWS``) and its measured
-    false-alarm rate are in docs/runs.md.
+    training loader's (0: its stack is sampled, ``LoaderSampler``);
+    ``worker_stacks``: with workers, the ``WorkerStacks`` its workers
+    sample into (``loaders.worker_stacks``; None: a loader whose workers
+    sample nothing, and the line says so). Either sampler runs only while
+    this rank waits for data ``FLOOR_S`` a step or more, and never at one
+    rank (``world_size`` 1: no peers to compare). The threshold
+    (``RATIO``, ``FLOOR_S``, ``WINDOWS``) and its measured false-alarm rate
+    are in docs/runs.md.
     """
 
     def __init__(self, phases: StepPhases, rank: int, world_size: int, step: Callable[[], int],
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, worker_stacks: Optional[WorkerStacks] = None) -> None:
         self.phases, self.rank, self.world_size, self.step = phases, rank, world_size, step
         self.num_workers = num_workers
-        self.sampler = LoaderSampler(phases) if num_workers == 0 and world_size > 1 else None
+        self.sampler = None if world_size == 1 else LoaderSampler(phases) if num_workers == 0 else worker_stacks
         self.polls = 0
         self.sent: Optional[tuple] = None  # (first step, last step, steps) of the window in flight
         self._mark = (phases.totals(), phases.steps, self.sampler.snapshot() if self.sampler else None)
@@ -202,7 +333,8 @@ class StragglerWatch:
         if self.sampler is None:
             return f"in its {self.num_workers} loader worker processes (their stacks are not sampled)"
         top = self.sampler.top(self._where_since)
-        return f"its loader spends the time at {top}" if top else ""
+        loader = "its loader workers spend" if self.num_workers else "its loader spends"
+        return f"{loader} the time at {top}" if top else ""
 
     def _store(self):
         """The launcher's store, under ``straggler/`` (``run_store``); None where there is none."""
