@@ -250,6 +250,7 @@ QUICK = [
     "test_ladder_diffs.py", "test_train_utils.py", "test_gpu_speed.py", "test_real_data.py",
     "test_slurm_wrappers.py", "test_forkserver.py",
     "test_stragglers.py::test_step_phases_time_each_phase_apart", "test_stragglers.py::test_straggler_lines_read_back",
+    "test_stragglers.py::test_a_worker_killed_while_it_waits_for_the_sampling_flag_leaves_it_working",
     # the rungs end to end (the README's Steps 1-5), their parity with the kit, bad flags and data
     "test_ladder.py::test_rung_imports_no_training_machinery",
     "test_ladder.py::test_rung_trains_resumes_and_prints_the_kits_losses",

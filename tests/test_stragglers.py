@@ -154,3 +154,41 @@ def test_step_phases_time_each_phase_apart():
     assert last["data"] >= 0.02 and 0.03 <= last["compute"] < 0.2 and last["collective"] >= 0.2, last
     assert totals["data"] >= 0.04 and 0.06 <= totals["compute"] < 0.4 and totals["collective"] >= 0.4, totals
     assert heard == ["data", "compute", "snapshot"] * 2  # the loader's end is no data phase
+
+
+def test_a_worker_killed_while_it_waits_for_the_sampling_flag_leaves_it_working():
+    """The flag that turns the loader workers' stack sampling on
+    (stragglers.PipeFlag) is shared with processes that the DataLoader ends
+    at any moment (after every epoch): one killed (SIGKILL) while it waits
+    on it leaves nothing held. set() returns, a process started after sees
+    the flag set, clear() unsets it. (A multiprocessing Event's set() hangs
+    here: its Condition waits for the dead waiter to wake.) Forked: the
+    flag's pipe is inherited, as a fork server passes it to a worker."""
+    import multiprocessing
+    import signal
+    import threading
+    import time
+
+    from train_utils.loop.stragglers import PipeFlag
+
+    context = multiprocessing.get_context("fork")
+    flag = PipeFlag()
+    waiter = context.Process(target=flag.wait)
+    waiter.start()
+    time.sleep(0.3)  # into its select
+    os.kill(waiter.pid, signal.SIGKILL)
+    waiter.join()
+    setting = threading.Thread(target=flag.set, daemon=True)
+    setting.start()
+    setting.join(10)
+    assert not setting.is_alive(), "set() hangs after a waiter was killed"
+    reader = context.Process(target=_exit_1_unless_set, args=(flag,))
+    reader.start()
+    reader.join(30)
+    assert reader.exitcode == 0 and flag.is_set()
+    flag.clear()
+    assert not flag.is_set()
+
+
+def _exit_1_unless_set(flag) -> None:
+    os._exit(0 if flag.wait(10) else 1)
