@@ -108,12 +108,15 @@ class Trainer:
     rank makes one (the stop signal's gloo group, DDP's first broadcast)
     and calls ``train``; ``train_step`` and ``run_epoch`` are its parts,
     public for those who drive them. ``hook``: a ``StepHook`` the loop
-    calls around every training micro-batch (None: none).
+    calls around every training micro-batch (None: none). ``hosts``: every
+    rank's host name, indexed by rank (``gather_placement``'s), for the
+    straggler watch's link probe on several hosts (None: no probe).
     """
 
     def __init__(self, task: common.Task, optimizer: torch.optim.Optimizer, train_data: DataLoader,
                  val_data: DataLoader, log: train_utils.RunLog, device: torch.device, local_rank: int,
-                 config: train_utils.RunConfig, hook: Optional[StepHook] = None) -> None:
+                 config: train_utils.RunConfig, hook: Optional[StepHook] = None,
+                 hosts: Optional[list] = None) -> None:
         self.task, self.model, self.optimizer, self.config = task, task.model, optimizer, config
         self.hook = hook
         self.device, self.rank, self.local_rank = device, dist.get_rank(), local_rank
@@ -137,9 +140,10 @@ class Trainer:
         self.stop = train_utils.StopSignal()  # SIGUSR1, SIGTERM, Ctrl-C: all ranks stop after the same step
         self.phases = train_utils.StepPhases(device)  # each step's time by phase on this rank, no device sync
         # A rank slower than its peers in a phase, named by rank 0: the figures ride on the stop signal's all-reduce.
+        # On several hosts (``hosts``, every rank's) it also times each link between hosts once a window.
         self.stop.watch = train_utils.StragglerWatch(self.phases, self.rank, dist.get_world_size(),
                                                      lambda: self.progress.step, getattr(train_data, "num_workers", 0),
-                                                     train_utils.worker_stacks(train_data))
+                                                     hosts, device, worker_stacks=train_utils.worker_stacks(train_data))
         self.step_log = train_utils.StepLog(config.log_every_steps, task.tokens_per_sample)  # rank 0's progress
         self.watch = train_utils.Watch(config.pg_timeout_s, config.grad_accum_steps)  # time-outs, where each rank is
         self.memory_reported = not self.fsdp  # FSDP: the state each rank holds, after the first epoch's steps
@@ -607,7 +611,8 @@ def build_run(args: argparse.Namespace, log: train_utils.RunLog, local_rank: int
         train_utils.print_line(train_utils.describe_run(device, config))
         train_utils.print_line(train_utils.describe_placement(placement))
         train_utils.print_line(train_utils.describe_task(args.dataset, task))
-    return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config, hook), test_data
+    hosts = [host for _, _, host, _ in placement]
+    return Trainer(task, optimizer, train_data, val_data, log, device, local_rank, config, hook, hosts), test_data
 
 
 def start(args: argparse.Namespace) -> tuple[int, torch.device, Optional[str]]:

@@ -94,15 +94,20 @@ def one_process(flags: list, cwd: Path, script: Path = REPO / "train.py", timeou
 # Rank 0's line naming a rank slower than its peers (train_utils.loop.stragglers.straggler_line), both kinds.
 STRAGGLER_LINE = re.compile(r"^straggler: rank (?P<rank>\d+) \(host (?P<host>\S+)\) is (?:no longer )?slow in "
                             r"(?P<phase>\w+): .*?, over steps (?P<first>\d+)-(?P<last>\d+)(?P<rest>.*)$", re.M)
+# The straggler watch's line for a link between hosts (stragglers.link_line).
+LINK_LINE = re.compile(r"^straggler: the link from rank (?P<sender>\d+) \(host (?P<sender_host>\S+)\) to rank "
+                       r"(?P<receiver>\d+) \(host (?P<receiver_host>\S+)\) is (?P<state>slow|no longer slow): "
+                       r".*?, over steps (?P<first>\d+)-(?P<last>\d+)$", re.M)
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert exit status 0, showing the output tail when not, and that the
-    run named no straggler (``STRAGGLER_LINE``): the runs the suite checks
+    run named no straggler (``STRAGGLER_LINE``, ``LINK_LINE``): the runs the suite checks
     are clean, so a line there is a false alarm."""
     assert result.returncode == 0, (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
-    false_alarms = STRAGGLER_LINE.findall(result.stdout or "") + STRAGGLER_LINE.findall(result.stderr or "")
+    false_alarms = [line for output in (result.stdout or "", result.stderr or "") for line in output.splitlines()
+                    if STRAGGLER_LINE.match(line) or LINK_LINE.match(line)]
     assert not false_alarms, f"a clean run named a straggler:\n{result.stdout[-3000:]}"
     return result
 

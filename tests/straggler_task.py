@@ -13,12 +13,18 @@ fault KIND acts:
            LAST back into its parent's: a throttled node (the task's MLP is
            wider then, 20-512-512-1, on every rank: most of a step's CPU
            time is its compute)
+  tbf      ARG is IFACE:RATE: at batch FIRST the rank limits what its host
+           sends through the network interface IFACE to RATE (``tc qdisc
+           replace dev IFACE root tbf rate RATE ...``: a degraded link; run
+           it on a host of its own, a network namespace), after batch LAST
+           it removes the limit (``tc qdisc del``)
 
 Each fault prints ``straggler_task: KIND from batch FIRST on rank RANK`` to
 stderr when it starts and ``... ends at batch LAST ...`` when it ends.
 """
 
 import os
+import subprocess
 import sys
 import time
 
@@ -59,6 +65,12 @@ class SlowFetches(torch.utils.data.Dataset):
             folder = self.arg if batch == self.first else os.path.dirname(self.arg)
             with open(os.path.join(folder, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
+            self._say(batch)
+        elif self.kind == "tbf" and start and batch in (self.first, self.last + 1):
+            interface, rate = self.arg.split(":")
+            limit = ["replace", "dev", interface, "root", "tbf", "rate", rate, "burst", "32kb", "latency", "400ms"]
+            subprocess.run(["tc", "qdisc", *(limit if batch == self.first else ["del", "dev", interface, "root"])],
+                           check=True)
             self._say(batch)
         return self.dataset[index]
 

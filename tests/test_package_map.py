@@ -18,7 +18,7 @@ RUNGS = ["singlegpu.py", "multigpu_spawn.py", "multigpu_torchrun.py", "multinode
 # The map: each wing's modules (a wing is a folder, its face its __init__.py), and the modules at the top.
 WINGS = {
     "distributed": ["devices", "fsdp", "hang_report", "kernels", "launch", "meta_build", "rendezvous", "timeouts"],
-    "loop": ["epoch", "evaluation", "evaluations", "loaders", "notice", "numerics", "phases", "progress", "recipe",
+    "loop": ["epoch", "evaluation", "evaluations", "links", "loaders", "notice", "numerics", "phases", "progress", "recipe",
              "sampler", "speed", "stop", "stragglers"],
     "logs": ["goodput", "metrics", "profiling", "startup", "text_out", "throughput", "timeline", "wandb_run"],
     "snapshots": ["bucket", "checkpointer", "claims", "file", "position", "save_errors", "sharded", "weights",

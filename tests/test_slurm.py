@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from dataset_files import build_mnist_root
-from helpers import FAULTY_TRAIN_JOB_ENV, REPO, TORCHRUN, epochs, parse_test, placement, placements, script_env, \
-    wrapper_snapshot
+from helpers import FAULTY_TRAIN_JOB_ENV, LINK_LINE, REPO, STRAGGLER_LINE, TORCHRUN, epochs, parse_test, placement, \
+    placements, script_env, wrapper_snapshot
 from slurm_cluster import NETNS_NODES, NODE_IFACE
 
 
@@ -224,16 +224,16 @@ def test_multinode_plain_torchrun_across_two_hosts(jobs):
     assert len(summary) == 1 and [e["epoch"] for e in epochs(summary[0])] == [1, 2]
 
 
-def pods(cluster, folder: Path, flags: list) -> list[tuple[int, str, str]]:
+def pods(cluster, folder: Path, flags: list, **extra_env) -> list[tuple[int, str, str]]:
     """train.py as a launcher that starts each process itself starts it (a
     Kubernetes PyTorchJob's or JobSet's pods): one process on each host, with
     RANK, WORLD_SIZE, MASTER_ADDR (the first host's address) and MASTER_PORT
-    alone, no torchrun and no LOCAL_RANK. Returns each one's (exit status,
-    stdout, stderr)."""
+    alone, no torchrun and no LOCAL_RANK (and ``extra_env``). Returns each
+    one's (exit status, stdout, stderr)."""
     runs = []
     for rank, node in enumerate(NETNS_NODES):  # output to files, as for the agents above
         env = script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=NETNS_NODES["ddp-node1"], MASTER_PORT="29511",
-                         GLOO_SOCKET_IFNAME=NODE_IFACE)
+                         GLOO_SOCKET_IFNAME=NODE_IFACE, **extra_env)
         with open(folder / f"{node}.out", "w") as out, open(folder / f"{node}.err", "w") as err:
             runs.append(subprocess.Popen([str(part) for part in cluster.on_host(
                 node, [sys.executable, REPO / "train.py", *flags])], cwd=folder, env=env, stdout=out, stderr=err))
@@ -258,6 +258,30 @@ def test_pods_with_the_plain_environment_train_and_resume(cluster, tmp_path):
         assert code == 0, stderr[-3000:]
     assert "resuming from snapshot snapshot_train.pt after epoch 1" in again[0][1]
     assert [e["epoch"] for e in epochs(again[0][1])] == [2]
+
+
+def test_a_slow_link_between_two_hosts_is_named_by_its_two_ends(cluster, tmp_path):
+    """Two pods, one rank on each host. From its 10th batch to its 50th, rank
+    1 limits what its host sends to 16 Mbit/s (tc tbf on its network
+    interface, tests/straggler_task.py): rank 0 names the link from rank 1
+    (host ddp-node2) to rank 0 (host ddp-node1) within 40 steps, and once
+    more when the limit is gone; no rank is named, and the run trains on."""
+    from test_stragglers import FIRST, LAST, WITHIN
+
+    flags = ["--dataset", "straggler_task:build_task", "--batch_size", "16", "--total_epochs", "2"]
+    outputs = pods(cluster, tmp_path, flags, PYTHONPATH=str(REPO / "tests"),
+                   STRAGGLER_FAULT=f"tbf:1:{FIRST}:{LAST}:{NODE_IFACE}:16mbit")
+    for code, _, stderr in outputs:
+        assert code == 0, stderr[-3000:]
+    stdout = outputs[0][1]
+    assert "straggler_task: tbf from batch 10 on rank 1" in outputs[1][2]
+    lines = [match.groupdict() for match in LINK_LINE.finditer(stdout)]
+    assert [(line["sender"], line["sender_host"], line["receiver"], line["receiver_host"], line["state"])
+            for line in lines] == [("1", "ddp-node2", "0", "ddp-node1", "slow"),
+                                   ("1", "ddp-node2", "0", "ddp-node1", "no longer slow")], stdout[-3000:]
+    assert int(lines[0]["last"]) <= FIRST + WITHIN and int(lines[1]["last"]) > LAST, lines
+    assert not STRAGGLER_LINE.search(stdout), stdout[-3000:]
+    assert [e["epoch"] for e in epochs(stdout)] == [1, 2]
 
 
 def skypilot_run_block() -> str:

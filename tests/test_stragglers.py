@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import IN_CI, PODS, REPO, STRAGGLER_LINE, run
+from helpers import IN_CI, LINK_LINE, PODS, REPO, STRAGGLER_LINE, run
 
 TASK = REPO / "tests" / "straggler_task.py"
 FIRST = 10  # the fault's first batch on rank 1
@@ -119,6 +119,53 @@ def test_straggler_lines_read_back():
                                                         (3, "node7", "data", 81, 104, "", False)]
     assert re.fullmatch(r"straggler: rank 3 \(host node7\) is slow in data: 52\.3 ms a step against 1\.1 ms on "
                         r"the other ranks \(median\), over steps 17-40; its loader x", started)
+
+
+def test_a_slow_link_between_hosts_is_named_by_its_two_ends_and_again_once_it_is_not(capsys):
+    """The link verdict, in process: 4 ranks on 2 hosts (a, a, b, b) have two
+    links between hosts, 1 -> 2 and 3 -> 0 (each probed by its receiver).
+    The probe from rank 1 to rank 2 takes 40 ms against 0.3 ms for 3 windows:
+    rank 0 names that link once, by both ends, read back by LINK_LINE; 3
+    windows at 0.3 ms, and it says once that it is no longer slow. The data
+    and compute columns stay even: no rank is named. One host: no probe.
+    (The probe itself, over a link tc tbf slows: test_slurm.py's
+    test_a_slow_link_between_two_hosts_is_named_by_its_two_ends.)"""
+    import torch
+
+    from train_utils.loop.links import link_turns
+    from train_utils.loop.phases import StepPhases
+    from train_utils.loop.stragglers import WINDOW_STEPS, WINDOWS, StragglerWatch
+
+    watch = StragglerWatch(StepPhases(), 0, 4, lambda: 0, hosts=["a", "a", "b", "b"])
+    assert watch.links is not None and watch.links.links == [0, 2]
+    # The links take turns, so that no host sends and receives a probe at once: link i (into host i)
+    # and link i + 1 (out of host i) never share a turn, around the ring of hosts.
+    assert link_turns([0, 2]) == {0: 0, 2: 1}
+    for hosts in range(2, 8):
+        turns = [link_turns(list(range(hosts)))[host] for host in range(hosts)]
+        assert all(turns[host] != turns[(host + 1) % hosts] for host in range(hosts)), turns
+    assert StragglerWatch(StepPhases(), 0, 4, lambda: 0, hosts=["a"] * 4).links is None
+
+    def window(number: int, slow_link_s: float) -> None:
+        first = number * WINDOW_STEPS + 1
+        watch.sent = (first, first + WINDOW_STEPS - 1, WINDOW_STEPS)
+        table = torch.zeros(4, 3)
+        table[:, :2] = 0.01 * WINDOW_STEPS  # every rank: 10 ms a step of data and of compute
+        table[0, 2], table[2, 2] = 0.0003, slow_link_s
+        watch.compare(table.flatten())
+
+    for number in range(WINDOWS):
+        window(number, 0.040)
+    named = capsys.readouterr().out
+    for number in range(WINDOWS, 2 * WINDOWS + 2):
+        window(number, 0.0003)
+    ended = capsys.readouterr().out
+    lines = [match.groupdict() for match in LINK_LINE.finditer(named + ended)]
+    assert [(line["sender"], line["sender_host"], line["receiver"], line["receiver_host"], line["state"])
+            for line in lines] == [("1", "a", "2", "b", "slow"), ("1", "a", "2", "b", "no longer slow")], named + ended
+    assert (lines[0]["first"], lines[0]["last"]) == ("1", str(WINDOWS * WINDOW_STEPS))
+    assert "256 KiB in 40.0 ms (6.6 MB/s) against 0.3 ms on the other links between hosts (median)" in named
+    assert not STRAGGLER_LINE.search(named + ended)
 
 
 def test_step_phases_time_each_phase_apart():

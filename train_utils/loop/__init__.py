@@ -14,6 +14,7 @@ top of train_utils import it through this face only.
   numerics      TF32 for fp32 matmuls on GPUs (--no_tf32), --deterministic, the precision MFU divides by
   phases        each step's time by phase (data, compute, collective, snapshot) on this rank
   stragglers    a rank slower than its peers in a phase, named by rank, host, phase, loader line
+  links         a link between hosts slower than the others, timed by a point-to-point probe
   stop          SIGUSR1/SIGTERM/Ctrl-C: every rank stops after one step; start-up ends at once
   notice        a cloud's preemption notice (AWS, GCE metadata) taken as SIGTERM (--preemption_notice)
 """

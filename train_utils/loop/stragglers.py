@@ -7,7 +7,9 @@ Every rank already all-reduces a few numbers once a step (the stop signal's,
 rank's seconds per phase over the window as well, so no collective is added.
 Every rank then holds every rank's figures and reaches the same verdict; the
 rank named sends its host and loader line through the launcher's store, and
-rank 0 prints the line.
+rank 0 prints the line. A run on several hosts also times each link between
+hosts once a window (``links.LinkProbe``: a point-to-point transfer, the one
+exchange the watch adds) and names a link slower than the others.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from ..distributed import frame_in_code, run_store
 from ..output import print_line
+from .links import PROBE_BYTES, LinkProbe
 from .phases import StepPhases
 
 # The verdict, one window at a time. A window is WINDOW_STEPS polls of the stop
@@ -149,7 +152,10 @@ class WorkerStacks:
     bytes, which a pipe never interleaves with another's (POSIX write(2)).
     A daemon thread of the rank adds them up. ``snapshot()`` and
     ``top(since)`` are ``LoaderSampler``'s, over every worker of the loader
-    (workers restart every epoch; their counts add up in the rank)."""
+    (workers restart every epoch; their counts add up in the rank). The
+    kit starts workers by a fork server or spawn; a worker forked from the
+    rank would also hold the rank's frames below torch's worker loop, which
+    it would count while idle."""
 
     def __init__(self) -> None:
         self.wanted = PipeFlag()
@@ -228,21 +234,33 @@ class StragglerWatch:
     at my_task.py:21 in __getitem__``: the place sampled most over the
     window across the rank's workers (``WorkerStacks``).
 
+    On several hosts (``hosts`` given, two links between hosts or more), a
+    link between hosts is compared with the others the same way, by the
+    seconds its probe took (``links.LinkProbe``), and named by its two ends::
+
+        straggler: the link from rank 4 (host node2) to rank 5 (host node3) is slow: 256 KiB in 131.2 ms (2.0 MB/s) against 0.4 ms on the other links between hosts (median), over steps 17-40
+
     ``phases``: this rank's ``StepPhases``; ``step``: () -> the run's
     optimizer steps so far (``Progress.step``); ``num_workers``: the
     training loader's (0: its stack is sampled, ``LoaderSampler``);
+    ``hosts``: every rank's host, indexed by rank (None: no link probed);
+    ``device``: the training's device, where the link probe's tensors live;
     ``worker_stacks``: with workers, the ``WorkerStacks`` its workers
     sample into (``loaders.worker_stacks``; None: a loader whose workers
-    sample nothing, and the line says so). Either sampler runs only while
-    this rank waits for data ``FLOOR_S`` a step or more, and never at one
-    rank (``world_size`` 1: no peers to compare). The threshold
+    sample nothing, and the line says so). Either loader sampler runs only
+    while this rank waits for data ``FLOOR_S`` a step or more, and never at
+    one rank (``world_size`` 1: no peers to compare). The threshold
     (``RATIO``, ``FLOOR_S``, ``WINDOWS``) and its measured false-alarm rate
     are in docs/runs.md.
     """
 
     def __init__(self, phases: StepPhases, rank: int, world_size: int, step: Callable[[], int],
-                 num_workers: int = 0, worker_stacks: Optional[WorkerStacks] = None) -> None:
+                 num_workers: int = 0, hosts: Optional[list] = None,
+                 device: Optional[torch.device] = None, worker_stacks: Optional[WorkerStacks] = None) -> None:
         self.phases, self.rank, self.world_size, self.step = phases, rank, world_size, step
+        self.hosts = hosts
+        probe = LinkProbe(hosts, rank, device or torch.device("cpu")) if hosts and world_size > 1 else None
+        self.links = probe if probe is not None and probe.active else None
         self.num_workers = num_workers
         self.sampler = None if world_size == 1 else LoaderSampler(phases) if num_workers == 0 else worker_stacks
         self.polls = 0
@@ -259,8 +277,12 @@ class StragglerWatch:
 
     def payload(self) -> Optional[torch.Tensor]:
         """Before a poll's all-reduce: this rank's window figures at every
-        ``WINDOW_STEPS``-th poll (see the class), else None. Rank 0 prints
-        the lines whose named rank has answered (``_print_pending``)."""
+        ``WINDOW_STEPS``-th poll (see the class; a 1-D float32 tensor of
+        ``world_size`` x (``len(COMPARED)`` + 1), the last column the seconds
+        of this rank's link probe, 0.0 for none), else None; at those polls
+        the link probe runs first (``LinkProbe.measure``, collective among
+        the ends of the links between hosts). Rank 0 prints the lines whose
+        named rank has answered (``_print_pending``)."""
         self.polls += 1
         if self.pending:
             self._print_pending()
@@ -274,12 +296,13 @@ class StragglerWatch:
         self.sent = (step - (steps - steps_before) + 1, step, steps - steps_before)
         self._where_since = samples
         mine = [totals[phase] - before[phase] for phase in COMPARED]
+        mine.append(self.links.measure() if self.links is not None else 0.0)
         if self.sampler is not None:  # this rank waits for data: sample where, in case it is the slow one
             if self.sent[2] > 0 and mine[COMPARED.index("data")] / self.sent[2] > FLOOR_S:
                 self.sampler.wanted.set()
             elif self.sent[2] > 0:
                 self.sampler.wanted.clear()
-        values = torch.zeros(self.world_size, len(COMPARED))
+        values = torch.zeros(self.world_size, len(COMPARED) + 1)
         values[self.rank] = torch.tensor(mine)
         return values.flatten()
 
@@ -288,24 +311,58 @@ class StragglerWatch:
         the verdict of the window (``slow_ranks``), the same on every rank;
         a rank named or no longer named acts (``_announce``)."""
         first, last, steps = self.sent
+        table = values.view(self.world_size, len(COMPARED) + 1)
+        if self.links is not None:  # a probe per window, an evaluation's window too
+            self._compare_links(table[:, -1].tolist(), first, last)
         if steps <= 0:  # an evaluation's window: no step to compare
             return
-        per_step = (values.view(self.world_size, len(COMPARED)) / steps).tolist()
+        per_step = (table[:, :-1] / steps).tolist()
         medians, slow = slow_ranks(per_step)
         for column, phase in enumerate(COMPARED):
             for rank in range(self.world_size):
-                key = (rank, phase)
-                runs, other = (self.slow_runs, self.clear_runs) if (rank, column) in slow else \
-                    (self.clear_runs, self.slow_runs)
-                runs[key] += 1
-                other[key] = 0
-                if runs[key] == 1:
-                    self.run_from[key] = first
-                figures = (per_step[rank][column], medians[(rank, column)], self.run_from[key], last)
-                if key not in self.named and self.slow_runs[key] >= WINDOWS:
-                    self._announce(rank, phase, figures, started=True)
-                elif key in self.named and self.clear_runs[key] >= WINDOWS:
-                    self._announce(rank, phase, figures, started=False)
+                run_from, change = self._count(rank, phase, (rank, column) in slow, first)
+                if change is not None:
+                    figures = (per_step[rank][column], medians[(rank, column)], run_from, last)
+                    self._announce(rank, phase, figures, started=change)
+
+    def _count(self, rank: int, phase: str, slow: bool, first: int) -> tuple:
+        """Count the window for (``rank``, ``phase``): slow or not, in a row.
+        Returns (the first step of its current run of windows, True where it
+        is to be named now, False where it is to be named no longer, None
+        where nothing changes)."""
+        key = (rank, phase)
+        runs, other = (self.slow_runs, self.clear_runs) if slow else (self.clear_runs, self.slow_runs)
+        runs[key] += 1
+        other[key] = 0
+        if runs[key] == 1:
+            self.run_from[key] = first
+        if key not in self.named and self.slow_runs[key] >= WINDOWS:
+            return self.run_from[key], True
+        if key in self.named and self.clear_runs[key] >= WINDOWS:
+            return self.run_from[key], False
+        return self.run_from[key], None
+
+    def _compare_links(self, seconds: list, first: int, last: int) -> None:
+        """The links' verdict of the window: ``seconds`` by rank, each
+        rank's probe in from its previous rank (0.0: none). Rank 0 prints
+        the line of a link named or no longer named (both ends' hosts are
+        known: no store)."""
+        ranks = [rank for rank in self.links.links if seconds[rank] > 0]
+        if len(ranks) < 2:  # no figures yet (CUDA's first window)
+            return
+        medians, slow = slow_ranks([[seconds[rank]] for rank in ranks])
+        for place, rank in enumerate(ranks):
+            run_from, change = self._count(rank, "link", (place, 0) in slow, first)
+            if change is None:
+                continue
+            if change:
+                self.named[(rank, "link")] = self.hosts[rank]
+            else:
+                self.named.pop((rank, "link"), None)
+            if self.rank == 0:
+                previous = (rank - 1) % self.world_size
+                print_line(link_line(previous, self.hosts[previous], rank, self.hosts[rank],
+                                     (seconds[rank], medians[(place, 0)], run_from, last), change))
 
     def _announce(self, rank: int, phase: str, figures: tuple, started: bool) -> None:
         """``rank`` starts (``started``) or stops being slow in ``phase``:
@@ -364,14 +421,14 @@ class StragglerWatch:
 
 
 def slow_ranks(per_step: list) -> tuple:
-    """``medians``, {(rank, column): the median of the other ranks}, for each column of
-    ``per_step`` (a list by rank of seconds a step per phase of
-    ``COMPARED``) and each rank, with ``slow``: the set of the pairs where
-    the rank is slower than ``RATIO`` x that median and by ``FLOOR_S`` at
-    least. Returns (medians, slow). Each median in O(1) from the column
+    """``medians``, {(rank, column): the median of the other ranks}, for
+    each column of ``per_step`` (a list by rank of seconds a step per phase
+    of ``COMPARED``, or of other seconds, as many for each rank) and each
+    rank, with ``slow``: the set of the pairs where the rank is slower than
+    ``RATIO`` x that median and by ``FLOOR_S`` at least. Returns (medians, slow). Each median in O(1) from the column
     sorted once (``_median_without``): O(n log n) a column for n ranks."""
     medians, slow = {}, set()
-    for column in range(len(COMPARED)):
+    for column in range(len(per_step[0]) if per_step else 0):
         order = sorted(range(len(per_step)), key=lambda rank: per_step[rank][column])
         values = [per_step[rank][column] for rank in order]
         for place, rank in enumerate(order):
@@ -392,6 +449,22 @@ def _median_without(values: list, place: int) -> float:
     if left % 2:
         return at(left // 2)
     return (at(left // 2 - 1) + at(left // 2)) / 2
+
+
+def link_line(sender: int, sender_host: str, receiver: int, receiver_host: str, figures: tuple,
+              started: bool) -> str:
+    """The line rank 0 prints for the link from rank ``sender`` to rank
+    ``receiver`` (see ``StragglerWatch``): ``figures`` (the seconds its
+    probe of ``PROBE_BYTES`` took, the other links' median, the window's
+    first and last step). MB/s: 10^6 bytes a second."""
+    seconds, peers, first, last = figures
+    link = f"straggler: the link from rank {sender} (host {sender_host}) to rank {receiver} (host {receiver_host})"
+    size = f"{PROBE_BYTES // 1024} KiB"
+    if not started:
+        return (f"{link} is no longer slow: {size} in {1000 * seconds:.1f} ms against {1000 * peers:.1f} ms, "
+                f"over steps {first}-{last}")
+    return (f"{link} is slow: {size} in {1000 * seconds:.1f} ms ({PROBE_BYTES / seconds / 1e6:.1f} MB/s) against "
+            f"{1000 * peers:.1f} ms on the other links between hosts (median), over steps {first}-{last}")
 
 
 def straggler_line(rank: int, phase: str, figures: tuple, started: bool, found: dict) -> str:
