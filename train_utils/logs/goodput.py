@@ -319,6 +319,7 @@ class Goodput:
             self.timeline.span("start-up", self.started_at, now - self.started_at)
             if resumed_from:
                 self.timeline.marker("resume", now, {"from": resumed_from, "step": step})
+            self.timeline.flush(now=True)  # in a bucket, a track of an attempt killed soon after still shows it
             self._say_timeline_error()
         self.window = None
 
@@ -394,17 +395,17 @@ class Goodput:
         """A snapshot of the run at ``position`` (its save line's, in this
         run's steps: ``snapshots.position``) was taken: rank 0 commits a
         ledger record naming it (a later resume from it finds the steps
-        redone after it; the record's write counted as "snapshot"), every
-        rank marks it and flushes its track."""
+        redone after it), every rank marks it and flushes its track (in a
+        bucket, PUT now); these writes count as "snapshot"."""
         now = time.time()
         if self.ledger is not None:
             self._record("snapshot", commit=True, now=now, position=position)
-            # The record's write held the loop too (in a bucket a PUT, tens of ms): counted as "snapshot".
-            self.mark = time.time()
-            self.seconds["snapshot"] += self.mark - now
         if self.timeline is not None:
             self.timeline.marker("snapshot", now, {"position": position, "step": self.step_now})
-            self.timeline.flush()
+            self.timeline.flush(now=True)
+        # These writes held the loop too (in a bucket a PUT each, tens of ms): counted as "snapshot".
+        self.mark = time.time()
+        self.seconds["snapshot"] += self.mark - now
 
     def marker(self, name: str, args: Optional[dict] = None) -> None:
         """An instant marker on this rank's track now (a stop)."""

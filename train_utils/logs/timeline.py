@@ -74,11 +74,12 @@ class Timeline:
 
     ``path`` an ``s3://`` URL (``KEY.timeline`` beside a snapshot in a
     bucket): the track is this rank's objects there (``track_url``), kept
-    in memory and PUT whole by a ``snapshots.BucketWriter``: the first
-    events at once (a track exists from its attempt's start), each later
-    ``flush`` within ``snapshots.bucket.PUT_EVERY_S`` (its background
-    thread), ``close`` at once. A rank killed outright loses at most the
-    events of its last ``PUT_EVERY_S``."""
+    in memory and PUT whole by a ``snapshots.BucketWriter`` at each
+    ``flush``: at once where ``now`` (``Goodput`` flushes so at the
+    attempt's start, so that a track exists from then, at each snapshot
+    and at ``close``), else within ``snapshots.bucket.PUT_EVERY_S`` (its
+    background thread: a window of steps). A rank killed outright loses at
+    most the events of its last ``PUT_EVERY_S``."""
 
     def __init__(self, path: Optional[str], attempt: int, rank: int, host: str) -> None:
         self.path, self.attempt, self.rank = path, attempt, rank
@@ -92,7 +93,6 @@ class Timeline:
         if in_bucket(path):
             self.writer = BucketWriter()
             self._track_events(host)
-            self.flush(now=True)
             return
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -556,13 +556,14 @@ class BucketWriter:
     it changes (``put``): in the caller's thread when ``now``, else by a
     daemon thread at most every ``every_s`` seconds (the latest contents
     only), so that a caller that changes an object at every training step
-    costs a PUT per ``every_s``, not one per step. A process killed outright
-    loses what changed after the last PUT: at most ``every_s`` seconds of it.
+    costs a PUT per ``every_s`` (``PUT_EVERY_S`` unless given), not one per
+    step. A process killed outright loses what changed after the last PUT:
+    at most ``every_s`` seconds of it.
     The first failure (``describe``'s cause, in ``error``) stops every
     write after it; ``put`` and ``close`` then raise it as BucketError."""
 
-    def __init__(self, every_s: float = PUT_EVERY_S) -> None:
-        self.every_s = every_s
+    def __init__(self, every_s: Optional[float] = None) -> None:
+        self.every_s = PUT_EVERY_S if every_s is None else every_s
         self.error = ""
         self._pending: dict = {}  # url -> the parts (bytes) of its newest contents, not yet PUT
         self._state = threading.Lock()  # guards _pending
