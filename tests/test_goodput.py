@@ -106,7 +106,8 @@ def test_a_torn_line_is_skipped_and_a_fresh_start_after_a_finished_run_is_a_new_
     assert all(json.loads(text) for text in open(ledger).read().splitlines()[:2])
 
 
-def test_a_snapshot_in_a_bucket_keeps_its_ledger_and_timeline_beside_it(s3_server, store_env, monkeypatch):
+def test_a_snapshot_in_a_bucket_keeps_its_ledger_and_timeline_beside_it(s3_server, store_env, monkeypatch,
+                                                                          capsys):
     """--snapshot_path s3://goodput/runs/snap.pt: the ledger the object
     runs/snap.pt.goodput.jsonl, the timeline an object per rank per attempt
     under runs/snap.pt.timeline/. A real attempt SIGKILLed after its step 5
@@ -115,7 +116,8 @@ def test_a_snapshot_in_a_bucket_keeps_its_ledger_and_timeline_beside_it(s3_serve
     steps not at each (the bucket's ledger still ends at its start after
     three of them), its end at once; its track goes on in a second part
     once the first is full (parts of 200 bytes here). The reader merges
-    the tracks; each object is a whole JSON array."""
+    the tracks; each object is a whole JSON array. A bucket that does not
+    exist costs one warning line and the ledger, not the run."""
     s3_server.create_bucket("goodput")
     store_env(s3_server.env())
     snapshot = "s3://goodput/runs/snap.pt"
@@ -158,24 +160,24 @@ def test_a_snapshot_in_a_bucket_keeps_its_ledger_and_timeline_beside_it(s3_serve
     assert [e["args"]["from"] for e in events if e["name"] == "resume"] == ["in epoch 1 after step 3"]
     assert [(e["pid"], e["args"]["reason"]) for e in events if e["name"] == "end"] == [(2, "finished")]
 
-
-def test_a_snapshot_path_that_cannot_be_written_costs_no_run(tmp_path, capsys, s3_server, store_env):
-    """A URL of a scheme the kit keeps no logs at: none, silently; a bucket
-    that does not exist, and a folder that is a file: one warning line each,
-    and the run goes on."""
-    assert goodput_paths("gs://bucket/run/snapshot.pt") == (None, None)
-    remote = Goodput("gs://bucket/run/snapshot.pt", 0)
-    remote.begin("", 0, 1)
-    remote.step(1)
-    assert remote.end("finished") == "" and capsys.readouterr() == ("", "")
-    store_env(s3_server.env())
-    missing = Goodput("s3://no-such-bucket/run/snapshot.pt", 0)
+    missing = Goodput("s3://no-such-bucket/run/snapshot.pt", 0)  # a bucket that refuses: one line, no ledger
     missing.begin("", 0, 1)
     missing.step(1)
     assert missing.end("finished") == ""
     assert capsys.readouterr().err.splitlines() == [
         f"warning: cannot write the goodput ledger beside --snapshot_path (bucket no-such-bucket does not exist at "
         f"{s3_server.url}: create it, or pass another --snapshot_path); the run goes on without it"]
+
+
+def test_a_snapshot_path_that_is_not_local_or_cannot_be_written_costs_no_run(tmp_path, capsys):
+    """A URL of a scheme the kit keeps no logs at: none, silently; a folder
+    that is a file: one warning line, and the run goes on. (A bucket that
+    does not exist: the bucket's test above.)"""
+    assert goodput_paths("gs://bucket/run/snapshot.pt") == (None, None)
+    remote = Goodput("gs://bucket/run/snapshot.pt", 0)
+    remote.begin("", 0, 1)
+    remote.step(1)
+    assert remote.end("finished") == "" and capsys.readouterr() == ("", "")
     (tmp_path / "file").write_text("")
     blocked = Goodput(str(tmp_path / "file" / "snap.pt"), 0)  # its folder is a file
     blocked.begin("", 0, 1)
