@@ -43,7 +43,7 @@ for step in range(1, 6):
             time.sleep(0.01)
         goodput.saved("in epoch 1 after step 3")
 if len(sys.argv) > 2:
-    time.sleep(3 * bucket.PUT_EVERY_S)
+    time.sleep(5 * bucket.PUT_EVERY_S)  # a few background PUTs: the last holds step 5
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
