@@ -21,6 +21,7 @@ from train_utils.logs.goodput import CATEGORIES, Goodput, attempt_totals, goodpu
     shares
 from train_utils.logs import timeline
 from train_utils.logs.timeline import read_trace
+from train_utils.snapshots import bucket
 
 # One attempt of one rank in a process of its own: 5 steps, a snapshot after
 # step 3, then SIGKILL (no end record, no closing bracket). Its snapshot path
@@ -114,7 +115,7 @@ def test_a_snapshot_in_a_bucket_keeps_its_ledger_and_timeline_beside_it(s3_serve
     keeps what its background PUT wrote (its step 5); the next one, in this
     process, counts steps 4 and 5 redone, PUTs its start at once and its
     steps not at each (the bucket's ledger still ends at its start after
-    three of them), its end at once; its track goes on in a second part
+    three of them, its background PUT an hour away), its end at once; its track goes on in a second part
     once the first is full (parts of 200 bytes here). The reader merges
     the tracks; each object is a whole JSON array. A bucket that does not
     exist costs one warning line and the ledger, not the run."""
@@ -132,6 +133,7 @@ def test_a_snapshot_in_a_bucket_keeps_its_ledger_and_timeline_beside_it(s3_serve
                                          "runs/snap.pt.timeline/attempt-0001.rank-00000.part-0000.json"]
 
     monkeypatch.setattr(timeline, "TRACK_PART_BYTES", 200)
+    monkeypatch.setattr(bucket, "PUT_EVERY_S", 3600.0)  # no background PUT comes during the steps, however slow
     resumed = Goodput(snapshot, 0)
     resumed.begin("in epoch 1 after step 3", 3, 1)
     for step in (4, 5, 6):
