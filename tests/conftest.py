@@ -168,6 +168,21 @@ def s3_server():
     server.stop()
 
 
+@pytest.fixture
+def store_env(monkeypatch):
+    """Point this process's bucket client (train_utils/snapshots/bucket.py's)
+    at a store: ``store_env(variables)`` sets them (``s3_server.env()``) and
+    drops the client made for another store; the test's end drops this one."""
+    from train_utils.snapshots import bucket
+
+    def point(variables: dict) -> None:
+        for key, value in variables.items():
+            monkeypatch.setenv(key, value)
+        bucket._CLIENT.clear()
+    yield point
+    bucket._CLIENT.clear()
+
+
 @pytest.fixture(scope="session")
 def finished_run(kit_run):
     """Puts a finished run's snapshot in a folder: what ``torchrun --standalone

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from dataset_files import build_mnist_root
-from helpers import FAULTY_TRAIN, REPO, TORCHRUN, free_port, local_files, script_env
+from helpers import FAULTY_TRAIN, REPO, TORCHRUN, assert_goodput, free_port, local_files, script_env, snapshot_keys
 
 from train_utils.snapshots import bucket
 
@@ -118,7 +118,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path, s3_server):
+def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path, s3_server, store_env):
     """The job of docs/fault-tolerance.md under HSDP, each node a replica of 2
     ranks, on real MNIST digits (1,600 to train, batch 16, a snapshot every 5
     steps): nodes a (ranks 0 and 1) and b (2 and 3) start together, one round
@@ -142,10 +142,15 @@ def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path, s3_server):
     other at process-group start until the restarts ran out). The snapshot
     lives in a bucket only, each agent working in a folder of its own (b
     started again in a new, empty one): every save and resume names the
-    bucket, no folder holds a snapshot (nor a goodput ledger: a bucket's run
-    keeps none), and the bucket ends with the one committed save and no
-    lease. Fails where an s3:// path is taken as a local folder (the
-    saves land in a's folder, under s3:, and b's new folder resumes none)."""
+    bucket, no folder holds a snapshot (nor a goodput ledger), and the
+    bucket ends with the one committed save and no lease. Fails where an
+    s3:// path is taken as a local folder (the saves land in a's folder,
+    under s3:, and b's new folder resumes none). The goodput ledger beside
+    the snapshot in the bucket counts the three attempts (4, 2 and 4
+    ranks), steps 6 and 7 of the first redone (after its step-5 snapshot:
+    its ranks on a fail on b's loss and commit their last record), none of
+    the second (its stop's snapshot), and the timeline in the bucket has a
+    track per rank of each, b's lost ranks' included."""
     data = build_mnist_root(tmp_path / "data", n_train=1777, n_test=100)  # 1,600 train, 177 validation
     port = free_port()
     s3_server.create_bucket("elastic")
@@ -159,6 +164,7 @@ def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path, s3_server):
                    for hosts in (True, False))
     other_again = elastic_launch(port, False, last_call_s=10, nproc=2) + [REPO / "train.py", *flags]
     agents = Agents(tmp_path)
+    launched = time.time()
     try:
         # b's agent first, up to where it reaches for the rendezvous (LOGLEVEL=INFO makes torchrun
         # say so), which a's agent hosts: both then join a's first round at once, however long
@@ -195,5 +201,9 @@ def test_hsdp_shrinks_to_one_node_mid_epoch_and_grows_back(tmp_path, s3_server):
     # what each agent's folder holds: rank 0's metrics (a's), nothing else
     assert [local_files(tmp_path / name) for name in ("a", "b", "b_again")] == [["metrics.jsonl"], [], []]
     keys = s3_server.keys("elastic")  # the epoch's save alone, committed; the lease given back
-    assert all(key.startswith("runs/hsdp/epoch-1/") for key in keys), keys
+    assert all(key.startswith("runs/hsdp/epoch-1/") for key in snapshot_keys(keys)), keys
     assert f"runs/hsdp/epoch-1/{bucket.MANIFEST}" in keys, keys
+    assert all(key.startswith(("runs/hsdp.goodput.jsonl", "runs/hsdp.timeline/"))
+               for key in set(keys) - set(snapshot_keys(keys))), keys
+    store_env(s3_server.env())
+    assert_goodput(path, [4, 2, 4], [7 - 5, 0], text, since=launched)

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from helpers import (FAULTY_TRAIN, PODS, REPO, assert_same_snapshot, bucket_snapshot, check, epochs, error_lines,
-                     held_at_step, local_files, parse_test, run, script_env)
+from helpers import (FAULTY_TRAIN, PODS, REPO, assert_goodput, assert_same_snapshot, bucket_snapshot, check, epochs,
+                     error_lines, held_at_step, local_files, parse_test, run, script_env, snapshot_keys)
 
 from train_utils.snapshots import bucket
 
@@ -46,14 +46,17 @@ def reference(kit_run):
 
 
 def test_stopped_by_sigterm_and_sigkill_resumes_from_the_bucket_in_another_empty_folder(
-        s3_server, reference, tmp_path):
+        s3_server, store_env, reference, tmp_path):
     """SIGTERM mid-epoch (the snapshot committed in the bucket), then a
     second run from another empty folder SIGKILLed (every process: the one
     rank kills itself) right after its epoch-end save started, then a third
     from a third empty folder: the result is bitwise the uninterrupted local
     run's, no working folder ever holds a snapshot, and the bucket keeps one
     generation, as a disk keeps one file. While the first run is held, a
-    second run of the same path is refused by the lease in one line."""
+    second run of the same path is refused by the lease in one line. The
+    goodput ledger and timeline beside the snapshot in the bucket count the
+    three attempts, none of the first's steps redone (its stop saved its
+    last step), the last run's goodput line theirs."""
     s3_server.create_bucket("stops")
     path = "s3://stops/runs/a/snap.pt"
     env = s3_server.env()
@@ -61,6 +64,7 @@ def test_stopped_by_sigterm_and_sigkill_resumes_from_the_bucket_in_another_empty
     for folder in folders:
         folder.mkdir()
     hold, line = held_at_step(70)  # epoch 2's 13th step
+    launched = time.time()
     held = subprocess.Popen([str(part) for part in ONE_RANK + [FAULTY_TRAIN, *FLAGS, "--snapshot_path", path]],
                             cwd=folders[0], env=script_env(**hold, **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -94,9 +98,12 @@ def test_stopped_by_sigterm_and_sigkill_resumes_from_the_bucket_in_another_empty
     assert parse_test(resumed.stdout) == parse_test(reference_stdout)
     assert epochs(resumed.stdout)[-1]["val_loss"] == epochs(reference_stdout)[-1]["val_loss"]
     assert_same_snapshot(reference_path, bucket_snapshot(s3_server, "stops", "runs/a/snap.pt", folders[3]))
-    assert local_files(*folders[:3]) == []  # no snapshot, no "s3:" folder, on disk
-    keys = s3_server.keys("stops")
+    assert local_files(*folders[:3]) == []  # no snapshot, no "s3:" folder, no ledger, on disk
+    keys = snapshot_keys(s3_server.keys("stops"))
     assert len(keys) == 2 and keys[0].endswith(bucket.MANIFEST) and keys[1].endswith(bucket.SNAPSHOT_OBJECT), keys
+    # The second attempt was killed outright: its steps redone depend on which snapshot the third found.
+    store_env(env)
+    assert_goodput(path, [1, 1, 1], [0, None], resumed.stdout, since=launched)
 
 
 def test_a_second_live_run_is_refused_by_the_lease_and_a_dead_runs_lease_is_taken_over(s3_server, store_env):
@@ -157,7 +164,7 @@ def test_an_upload_cut_mid_stream_keeps_the_previous_snapshot_which_the_resume_c
         rf"that, then run the same command to resume from it", lines[0]), failed.stderr
     # The torn upload left nothing a resume could take; the lease stays (the store was down at the end):
     # the next run, on this host, sees its holder dead and takes it over.
-    keys = s3_server.keys("cuts")
+    keys = snapshot_keys(s3_server.keys("cuts"))
     assert keys == ["snap.pt.lease", "snap.pt/00000001/manifest.json", "snap.pt/00000001/snapshot.pt"], keys
 
     resumed = check(run(ONE_RANK + [REPO / "train.py", *FLAGS, "--snapshot_path", path], resume_folder,
@@ -166,20 +173,9 @@ def test_an_upload_cut_mid_stream_keeps_the_previous_snapshot_which_the_resume_c
     reference_path, reference_stdout = reference
     assert parse_test(resumed.stdout) == parse_test(reference_stdout)
     assert_same_snapshot(reference_path, bucket_snapshot(s3_server, "cuts", "snap.pt", tmp_path))
-    assert s3_server.keys("cuts") == ["snap.pt/00000003/manifest.json", "snap.pt/00000003/snapshot.pt"]
+    assert snapshot_keys(s3_server.keys("cuts")) == ["snap.pt/00000003/manifest.json",
+                                                     "snap.pt/00000003/snapshot.pt"]
     assert local_files(cut_folder, resume_folder) == []
-
-
-@pytest.fixture
-def store_env(monkeypatch):
-    """Point this process's bucket client at a store: ``store_env(variables)``
-    sets them (and drops the client made for another store)."""
-    def point(variables: dict) -> None:
-        for key, value in variables.items():
-            monkeypatch.setenv(key, value)
-        bucket._CLIENT.clear()
-    yield point
-    bucket._CLIENT.clear()
 
 
 def test_bad_places_get_one_line_each_within_90_s(s3_server, store_env, monkeypatch, tmp_path):
@@ -306,7 +302,7 @@ def test_fsdp_stopped_by_sigterm_and_sigkill_resumes_from_the_bucket_bitwise(s3_
     assert f"resuming from snapshot {folder} in epoch 1 after step {step}\n" in resumed.stdout, resumed.stdout[-3000:]
     assert parse_test(resumed.stdout) == parse_test(reference_stdout)
     assert local_files(*folders[:3]) == []
-    keys = s3_server.keys("sharded")
+    keys = snapshot_keys(s3_server.keys("sharded"))
     assert {key.split("/")[2] for key in keys} == {"epoch-1"}, keys
     for key in keys:  # the committed save, fetched for DCP's converter
         target = folders[3] / key

@@ -55,7 +55,7 @@ import torch
 from dataset_files import build_token_files
 from helpers import FAULTY_TRAIN_JOB_ENV, PODS, REPO, assert_bitwise, assert_goodput, assert_same_snapshot, \
     bucket_snapshot, epochs, evaluations, full_state, local_files, parse_test, script_env, snapshot_folder, \
-    wrapper_snapshot
+    snapshot_keys, wrapper_snapshot
 from slurm_cluster import KILL_WAIT_S
 from train_utils.snapshots import bucket
 from slurm_jobs import RESUME, SAVED, SCENARIO_TIMEOUT_S, STOP, Scenario, check_resumes_exactly, drive, \
@@ -324,7 +324,7 @@ def stopped(slurm_cluster, bridge_s3_server, tmp_path_factory):
 
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.trigger is preempt and s.partition == "stops"
                                   and s.wrapper.endswith(".sh")])
-def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path, bridge_s3_server):
+def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path, bridge_s3_server, store_env):
     """A job of 2 hosts preempted while every rank waits at step 30: Slurm's
     SIGTERM stops every rank after one step, rank 0 saves, the batch shell
     requeues the job, the next run resumes there, and the job ends bitwise
@@ -332,9 +332,10 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path
     snapshot in a bucket only: each rank works in a folder of its host's and
     its run's own, the requeued run's empty, so it can resume from the
     bucket alone, and no folder, the job's included, ever holds a snapshot,
-    a claim or a goodput ledger (there is none for a bucket); the bucket ends
-    with one generation and no lease. The HSDP job (a torchrun agent a host)
-    keeps a local one, with its goodput ledger beside it."""
+    a claim or a goodput ledger; the bucket ends with one generation, no
+    lease, and the goodput ledger and timeline beside the snapshot. The HSDP
+    job (a torchrun agent a host) keeps a local one, with its goodput ledger
+    beside it."""
     scenarios, folders, references = stopped
     scenario = scenarios[name]
     assert not scenario.error, show(scenario)
@@ -359,12 +360,14 @@ def test_preempted_job_snapshots_is_requeued_and_resumes(stopped, name, tmp_path
                          server=bridge_s3_server)
     if IN_BUCKET[1] in scenario.args:
         check_the_bucket_is_the_only_store(scenario, folders[name], texts, bridge_s3_server)
-        return
+        store_env(bridge_s3_server.env())  # the ledger and timeline are read from the bucket
+        snapshot = IN_BUCKET[1]
+    else:
+        snapshot = folders[name] / wrapper_snapshot(scenario.name, scenario.args)
     # The goodput ledger: an attempt per run that trained (its epoch line), none of their steps redone (each
     # stop saved its last step), the requeue named; the last run's line over them all.
-    snapshot = folders[name] / wrapper_snapshot(scenario.name, scenario.args)
     trained = [text for text in texts if re.search(r"^epoch \d+ \| batch_size ", text, re.M)]
-    records = assert_goodput(snapshot.with_suffix("") if "hsdp" in scenario.args else snapshot,
+    records = assert_goodput(Path(snapshot).with_suffix("") if "hsdp" in scenario.args else snapshot,
                              [4 if "hsdp" in scenario.args else 2] * len(trained), [0] * (len(trained) - 1),
                              texts[-1])
     launches = [r["launch"] for r in records if r["record"] == "start"]
@@ -378,7 +381,8 @@ def check_the_bucket_is_the_only_store(scenario, folder: Path, texts: list, serv
     tests/train_in_host_folder.py, on both hosts for the first run and the
     last); no folder holds anything but the job's log (no snapshot, no claim
     file, no goodput ledger, no ``s3:`` folder); the bucket holds one
-    committed generation (its manifest and snapshot object) and no lease."""
+    committed generation (its manifest and snapshot object) and no lease
+    (and beside the snapshot its goodput ledger and timeline: ``assert_goodput``)."""
     path = IN_BUCKET[1]
     assert STOP.search(texts[0]) and STOP.search(texts[0]).group(3) == path, texts[0]
     resumed = [RESUME.search(text) for text in texts[1:] if RESUME.search(text)]
@@ -392,7 +396,7 @@ def check_the_bucket_is_the_only_store(scenario, folder: Path, texts: list, serv
     assert local_files(*(folder / name for name in host_folders)) == [], list(folder.rglob("*"))
     logs = [entry.name for entry in folder.iterdir() if entry.is_file()]
     assert logs == [f"{scenario.name}-{scenario.infos[-1]['JobId']}.out"], logs
-    keys = server.keys(BUCKET)
+    keys = snapshot_keys(server.keys(BUCKET))
     assert len(keys) == 2 and keys[0].endswith(bucket.MANIFEST) and keys[1].endswith(bucket.SNAPSHOT_OBJECT), keys
 
 

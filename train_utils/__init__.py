@@ -20,7 +20,7 @@ it (A -> B: A imports B; none runs back up; tests/test_package_map.py):
   cli          -> errors, config
   checks       -> logs, loop, config, output
   errors       -> loop, ending, distributed, output
-  logs/        -> loop, distributed, config, output
+  logs/        -> loop, snapshots, distributed, config, output
   loop/        -> ending, snapshots, distributed, config, output
   ending       -> snapshots, distributed, output
   snapshots/   -> distributed, config, output

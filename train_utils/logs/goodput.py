@@ -6,6 +6,11 @@ An attempt is one start of the run's processes: the first start, a torchrun
 restart, a requeued Slurm job, a resize. Its wall time runs from its
 process's start (``process_start_time``) to its last record; the ledger
 splits it into ``CATEGORIES``, which sum to it.
+
+Beside a snapshot in a bucket (``s3://bucket/KEY``) the ledger is the
+object ``KEY.goodput.jsonl`` (``BucketLedger``) and the timeline the
+objects under ``KEY.timeline/`` (``timeline.Timeline``), both PUT whole
+from memory: an object store has no append and no in-place write.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch.distributed as dist
 
 from ..output import print_line
+from ..snapshots import BucketError, BucketWriter, in_bucket, read_bytes
 from .timeline import Timeline
 
 # The categories of an attempt's wall time (docs/goodput.md defines each):
@@ -63,25 +69,46 @@ def process_start_time() -> float:
 def goodput_paths(snapshot_path: str) -> tuple[Optional[str], Optional[str]]:
     """(the ledger, the timeline) beside ``snapshot_path`` (--snapshot_path,
     a file or a folder of sharded saves): ``<snapshot_path>.goodput.jsonl``
-    and ``<snapshot_path>.timeline.json``. (None, None) for a path that is not
-    on a local or mounted file system (a URL such as s3://...)."""
+    and ``<snapshot_path>.timeline.json``; for ``s3://bucket/KEY`` the
+    objects ``s3://bucket/KEY.goodput.jsonl`` and the folder of track objects
+    ``s3://bucket/KEY.timeline`` (``timeline.track_url``). (None, None) for
+    another URL (a scheme the kit does not write logs to)."""
+    if in_bucket(snapshot_path):
+        base = snapshot_path.rstrip("/")
+        return base + ".goodput.jsonl", base + ".timeline"
     if "://" in snapshot_path:
         return None, None
     base = os.path.normpath(snapshot_path)
     return base + ".goodput.jsonl", base + ".timeline.json"
 
 
-def read_ledger(path: str) -> list:
-    """The records of the ledger at ``path``, in order ([] where there is
-    none); a line a killed writer left torn is skipped."""
+def ledger_text(path: str) -> str:
+    """The ledger at ``path`` as text: a file, or an ``s3://`` object; ''
+    where there is none. Raises OSError for a file that cannot be read,
+    ``snapshots.BucketError`` for a store that fails."""
+    if in_bucket(path):
+        return (read_bytes(path) or b"").decode(errors="replace")
+    with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
+        return f.read()
+    return ""
+
+
+def parse_ledger(text: str) -> list:
+    """The records of a ledger's ``text``, in order; a line a killed writer left torn is skipped."""
     records = []
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
-        for line in f:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and "attempt" in record:
-                    records.append(record)
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and "attempt" in record:
+                records.append(record)
     return records
+
+
+def read_ledger(path: str) -> list:
+    """The records of the ledger at ``path`` (a file, or an ``s3://``
+    object: ``goodput_paths``), in order ([] where there is none); a line a
+    killed writer left torn is skipped. Raises as ``ledger_text`` does."""
+    return parse_ledger(ledger_text(path))
 
 
 def attempt_totals(records: list) -> dict:
@@ -175,8 +202,51 @@ class Ledger:
         else:
             self.slot_len = len(data)
 
+    def read(self) -> list:
+        """Every record of the ledger (``read_ledger``)."""
+        return read_ledger(self.path)
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+class BucketLedger:
+    """Rank 0's goodput ledger as the object ``url`` (``s3://bucket/KEY.goodput.jsonl``),
+    one writer at a time (the snapshot's lease), its records as ``Ledger``'s.
+    An object store has no append and no in-place rewrite, so the ledger
+    lives in memory, from ``text`` (the object as ``Goodput.begin`` read
+    it), and the object is PUT whole (``snapshots.BucketWriter``): at each
+    committed record (an attempt's start, a snapshot, its end) before
+    ``write`` returns, and after the others (a step's) at most every
+    ``snapshots.bucket.PUT_EVERY_S`` from a background thread: a PUT per step
+    would cost more than the step. An attempt killed outright (SIGKILL, a
+    lost node) loses at most that many seconds of its last record, so the
+    steps it trained in them are missing from its "redone" steps. Raises
+    ``snapshots.BucketError`` (``write``, ``close``) when the store refuses."""
+
+    def __init__(self, url: str, text: str) -> None:
+        self.url = url
+        self.committed = text.encode() if not text or text.endswith("\n") else (text + "\n").encode()
+        self.uncommitted = b""  # the line after the committed ones: the attempt's latest step
+        self.writer = BucketWriter()
+
+    def write(self, record: dict, commit: bool) -> None:
+        """``record`` as the line after the last committed one; ``commit``: it
+        stays, and the object is PUT now, else within ``PUT_EVERY_S``."""
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        if commit:
+            self.committed, self.uncommitted = self.committed + line, b""
+        else:
+            self.uncommitted = line
+        self.writer.put(self.url, [self.committed, self.uncommitted], now=commit)
+
+    def read(self) -> list:
+        """Every record of the ledger, as this attempt last wrote it."""
+        return parse_ledger((self.committed + self.uncommitted).decode(errors="replace"))
+
+    def close(self) -> None:
+        """PUT what is not yet in the store, now; stop the writer."""
+        self.writer.close()
 
 
 class Goodput:
@@ -191,8 +261,9 @@ class Goodput:
     seconds per step phase since its start (the phase timer's ``totals``),
     None where there is none ("data" and "peers" then stay 0 and count as
     productive). ``started_at``: the attempt's start, a Unix time
-    (``process_start_time`` by default). A path that cannot be written
-    costs one warning line and the ledger, never the run."""
+    (``process_start_time`` by default). A path that cannot be written,
+    or a bucket that refuses, costs one warning line and the ledger, never
+    the run. Beside a snapshot in a bucket the ledger is a ``BucketLedger``."""
 
     def __init__(self, snapshot_path: str, rank: int, phases: Optional[Callable[[], Mapping[str, float]]] = None,
                  started_at: Optional[float] = None) -> None:
@@ -200,7 +271,7 @@ class Goodput:
         self.rank, self.phases = rank, phases
         self.started_at = process_start_time() if started_at is None else started_at
         self.attempt, self.run = 0, 0
-        self.ledger: Optional[Ledger] = None
+        self.ledger = None  # a Ledger (a file) or a BucketLedger (an s3:// object)
         self.timeline: Optional[Timeline] = None
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.loop_s = 0.0  # training-step seconds of this attempt (productive + data + peers)
@@ -225,14 +296,17 @@ class Goodput:
         facts = [0, 0]
         if self.rank == 0 and self.ledger_path:
             try:
-                records = read_ledger(self.ledger_path)
-                self.attempt, self.run, redone = self._place(records, resumed_from, step)
-                self.ledger = Ledger(self.ledger_path)
+                text = ledger_text(self.ledger_path)
+                self.attempt, self.run, redone = self._place(parse_ledger(text), resumed_from, step)
+                if in_bucket(self.ledger_path):
+                    self.ledger = BucketLedger(self.ledger_path, text)
+                else:
+                    self.ledger = Ledger(self.ledger_path)
                 if redone:
                     self.ledger.write(redone, commit=True)
                 self._record("start", commit=True, resumed_from=resumed_from or None, start_step=step,
                              world_size=world_size, host=socket.gethostname(), launch=launch_info())
-            except OSError as exc:
+            except (OSError, BucketError) as exc:
                 self._drop_ledger(exc)
             facts = [self.attempt, self.run]
             self._open_timeline()  # rank 0 first: it starts the file, which the others append to
@@ -245,6 +319,7 @@ class Goodput:
             self.timeline.span("start-up", self.started_at, now - self.started_at)
             if resumed_from:
                 self.timeline.marker("resume", now, {"from": resumed_from, "step": step})
+            self.timeline.flush(now=True)  # in a bucket, a track of an attempt killed soon after still shows it
             self._say_timeline_error()
         self.window = None
 
@@ -320,13 +395,17 @@ class Goodput:
         """A snapshot of the run at ``position`` (its save line's, in this
         run's steps: ``snapshots.position``) was taken: rank 0 commits a
         ledger record naming it (a later resume from it finds the steps
-        redone after it), every rank marks it and flushes its track."""
+        redone after it), every rank marks it and flushes its track (in a
+        bucket, PUT now); these writes count as "snapshot"."""
         now = time.time()
         if self.ledger is not None:
             self._record("snapshot", commit=True, now=now, position=position)
         if self.timeline is not None:
             self.timeline.marker("snapshot", now, {"position": position, "step": self.step_now})
-            self.timeline.flush()
+            self.timeline.flush(now=True)
+        # These writes held the loop too (in a bucket a PUT each, tens of ms): counted as "snapshot".
+        self.mark = time.time()
+        self.seconds["snapshot"] += self.mark - now
 
     def marker(self, name: str, args: Optional[dict] = None) -> None:
         """An instant marker on this rank's track now (a stop)."""
@@ -347,12 +426,12 @@ class Goodput:
         if self.ledger is not None:
             try:
                 self._record("end", commit=True, now=now, reason=reason)
-                line = goodput_line(read_ledger(self.ledger_path))
-            except OSError as exc:
+                if self.ledger is not None:
+                    line = goodput_line(self.ledger.read())
+                    self.ledger.close()
+                    self.ledger = None
+            except (OSError, BucketError) as exc:
                 self._drop_ledger(exc)
-            else:
-                self.ledger.close()
-                self.ledger = None
         if self.timeline is not None:
             self.timeline.marker("end", now, {"reason": reason, "step": self.step_now})
             self.timeline.close()
@@ -405,16 +484,20 @@ class Goodput:
                   "seconds": seconds, **extra}
         try:
             self.ledger.write(record, commit)
-        except OSError as exc:
+        except (OSError, BucketError) as exc:
             self._drop_ledger(exc)
 
-    def _drop_ledger(self, exc: OSError) -> None:
-        """The ledger cannot be written: one warning line, and the run goes on without it."""
-        if self.ledger is not None:
+    def _drop_ledger(self, exc: Exception) -> None:
+        """The ledger cannot be written (``exc``: an OSError, or the store's
+        BucketError): one warning line, and the run goes on without it."""
+        if isinstance(self.ledger, BucketLedger):
+            self.ledger.writer.stop()
+        elif self.ledger is not None:
             with contextlib.suppress(OSError):
                 self.ledger.close()
         self.ledger, self.ledger_path = None, None
-        print_line(f"warning: cannot write the goodput ledger beside --snapshot_path ({exc.strerror or exc}); "
+        cause = exc.bucket_cause if isinstance(exc, BucketError) else getattr(exc, "strerror", None) or exc
+        print_line(f"warning: cannot write the goodput ledger beside --snapshot_path ({cause}); "
                    f"the run goes on without it", sys.stderr)
 
     def _say_timeline_error(self) -> None:

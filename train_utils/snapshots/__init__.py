@@ -7,11 +7,14 @@ configuration is resolved; ``position``, where a snapshot
 stands in words; ``START_AFRESH``, how to start afresh; ``take_initial_sizes``
 and ``load_initial_weights``, a new run's weights from elsewhere (--init_from); the two formats and
 ``read_snapshot``, for a plan that reads a snapshot without a run (``plan.resume_line``), and
-for one in a bucket ``in_bucket``, ``newest_snapshot_url`` and ``read_newest``.
+for one in a bucket ``in_bucket``, ``newest_snapshot_url`` and ``read_newest``; and for the logs kept
+beside a snapshot in a bucket (the goodput ledger, the timeline) ``BucketWriter``, ``read_bytes``,
+``list_urls`` and their ``BucketError``.
 
   module        concern
   checkpointer  the Checkpointer: find, load, save, wait, close; the parts it is given
-  bucket        snapshots in a bucket (s3://): generations committed by a manifest; the claim as a lease
+  bucket        snapshots in a bucket (s3://): generations committed by a manifest; the claim as a lease;
+                objects PUT whole from memory (the logs beside the snapshot)
   file          the file format (DDP): atomic save; reading one, "same run?" checks
   sharded       the sharded format (FSDP): a folder of DCP shards per save, complete when meta.pt is
   writer        snapshots written in the background, one at a time; the CPU staging; the clock
@@ -21,7 +24,7 @@ for one in a bucket ``in_bucket``, ``newest_snapshot_url`` and ``read_newest``.
   weights       a new run's starting weights (--init_from): kit snapshots, nanoGPT's ckpt.pt, Hugging Face GPT-2
 """
 
-from .bucket import in_bucket, newest_snapshot_url, read_newest
+from .bucket import BucketError, BucketWriter, in_bucket, list_urls, newest_snapshot_url, read_bytes, read_newest
 from .checkpointer import Checkpointer, Found, claim_snapshot_path, held_samples, saved_budget_batch
 from .claims import release_claim
 from .file import START_AFRESH, SnapshotFile, read_snapshot
@@ -32,4 +35,5 @@ from .weights import load_initial_weights, take_initial_sizes
 __all__ = ["Checkpointer", "Found", "claim_snapshot_path", "release_claim", "held_samples", "saved_budget_batch",
            "START_AFRESH", "position", "load_initial_weights", "take_initial_sizes",
            "SnapshotFile", "ShardedSnapshots", "read_snapshot", "mesh_name", "newest_complete",
-           "in_bucket", "newest_snapshot_url", "read_newest"]
+           "in_bucket", "newest_snapshot_url", "read_newest", "BucketError", "BucketWriter", "list_urls",
+           "read_bytes"]

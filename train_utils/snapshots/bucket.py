@@ -523,6 +523,101 @@ class SnapshotBucket(SnapshotFile):
 
 
 # --------------------------------------------------------------------------
+# Objects beside the snapshot: the goodput ledger, the timeline's tracks
+# --------------------------------------------------------------------------
+
+# How often a ``BucketWriter`` PUTs what changed since its last PUT, at most (seconds): an object store has
+# no append and no in-place write, so a log kept there is PUT whole; once a training step would cost more.
+PUT_EVERY_S = 10.0
+
+
+def read_bytes(url: str) -> Optional[bytes]:
+    """The object at ``url`` (``s3://bucket/key``) whole, None where there is
+    none. Raises BucketError (``describe``) when the store fails, and
+    ConfigError (one line) when boto3 is not installed."""
+    bucket, key = split_path(url)
+    try:
+        return _request(url, lambda: client(url).get_object(Bucket=bucket, Key=key)["Body"].read())
+    except BucketError as exc:
+        if error_code(exc.__cause__) in ("NoSuchKey", "404"):
+            return None
+        raise
+
+
+def list_urls(url: str) -> list:
+    """The ``s3://`` URLs of every object under ``url`` (its key followed by
+    "/"), sorted. Raises BucketError as ``read_bytes`` does."""
+    bucket, key = split_path(url)
+    return [f"{SCHEME}{bucket}/{name}" for name in sorted(list_sizes(client(url), bucket, key, url))]
+
+
+class BucketWriter:
+    """Objects that this process keeps in memory and PUTs whole, each time
+    it changes (``put``): in the caller's thread when ``now``, else by a
+    daemon thread at most every ``every_s`` seconds (the latest contents
+    only), so that a caller that changes an object at every training step
+    costs a PUT per ``every_s`` (``PUT_EVERY_S`` unless given), not one per
+    step. A process killed outright loses what changed after the last PUT:
+    at most ``every_s`` seconds of it.
+    The first failure (``describe``'s cause, in ``error``) stops every
+    write after it; ``put`` and ``close`` then raise it as BucketError."""
+
+    def __init__(self, every_s: Optional[float] = None) -> None:
+        self.every_s = PUT_EVERY_S if every_s is None else every_s
+        self.error = ""
+        self._pending: dict = {}  # url -> the parts (bytes) of its newest contents, not yet PUT
+        self._state = threading.Lock()  # guards _pending
+        self._putting = threading.Lock()  # one PUT round at a time, so that older contents never land last
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bucket-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, url: str, parts: Iterable[bytes], now: bool = False) -> None:
+        """``url``'s contents are now ``parts`` joined; PUT before returning
+        when ``now``, else within ``every_s``. Raises BucketError when the
+        store refused this or an earlier PUT."""
+        with self._state:
+            self._pending[url] = tuple(parts)
+        if now:
+            self.flush()
+        elif self.error:
+            raise BucketError(self.error)
+
+    def flush(self) -> None:
+        """PUT every object changed since its last PUT, now. Raises BucketError
+        as ``put`` does."""
+        with self._putting:
+            with self._state:
+                pending, self._pending = self._pending, {}
+            for url, parts in pending.items():
+                if self.error:
+                    break
+                bucket, key = split_path(url)
+                try:
+                    _request(url, client(url).put_object, Bucket=bucket, Key=key, Body=b"".join(parts))
+                except BucketError as exc:
+                    self.error = exc.bucket_cause
+        if self.error:
+            raise BucketError(self.error)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with contextlib.suppress(BucketError):  # kept in ``error``: the caller's next put raises it
+                self.flush()
+
+    def close(self) -> None:
+        """PUT what changed, now, and stop the thread. Raises BucketError as ``put`` does."""
+        self._stop.set()
+        self.flush()
+
+    def stop(self) -> None:
+        """Stop the thread, dropping what changed since the last PUT (its owner gave up writing)."""
+        self._stop.set()
+        with self._state:
+            self._pending.clear()
+
+
+# --------------------------------------------------------------------------
 # The claim: a lease object in the bucket
 # --------------------------------------------------------------------------
 
