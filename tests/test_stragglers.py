@@ -86,7 +86,7 @@ def _cpu_cgroup_folder() -> Path:
 
 def test_a_rank_held_by_a_cpu_quota_is_named_in_compute(tmp_path):
     """Rank 1 moves itself into a cgroup v1 CPU folder with a quota of 1 ms
-    of CPU per 10 ms at its 10th batch and back out after its 50th: rank 0
+    of CPU per 50 ms at its 10th batch and back out after its 50th: rank 0
     names rank 1, this host and the compute phase (its forward, backward and
     optimizer step, less the gradient all-reduce's wait, in which rank 0
     waits for it) within 40 steps, and once more when it ends."""
@@ -98,8 +98,11 @@ def test_a_rank_held_by_a_cpu_quota_is_named_in_compute(tmp_path):
     folder = _cpu_cgroup_folder() / f"straggler_test_{os.getpid()}"
     folder.mkdir()
     try:
-        (folder / "cpu.cfs_period_us").write_text("10000")
-        (folder / "cpu.cfs_quota_us").write_text("1000")  # 10% of a core, in slices of 1 ms every 10 ms
+        # 2% of a core, in slices of 1 ms every 50 ms: far below what a process gets on a loaded machine
+        # (with 10%, a CI run of 4 test processes on 2 cores gave rank 0 too little more than rank 1:
+        # not 3 times its speed, and nothing was named).
+        (folder / "cpu.cfs_period_us").write_text("50000")
+        (folder / "cpu.cfs_quota_us").write_text("1000")
         result = run(RUN, tmp_path, PYTHONPATH=str(TASK.parent), STRAGGLER_FAULT=f"cgroup:1:{FIRST}:{LAST}:{folder}")
     finally:
         for pid in (folder / "cgroup.procs").read_text().split():  # a rank that did not move back (a failure)
