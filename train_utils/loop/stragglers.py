@@ -52,7 +52,27 @@ SEND_EVERY_S = 0.1  # a loader worker sends the rank its counts 10 times a secon
 WHERE_WAIT_POLLS = 64  # rank 0 waits this many polls at most for a named rank's host and line
 
 
-class LoaderSampler:
+class PlaceCounts:
+    """Samples of where a loader spends its time: ``counts`` {file:line in
+    function: samples}, added to by a thread under ``lock`` while the
+    training loop reads them (``snapshot``, ``top``)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> collections.Counter:
+        """The counts so far (a copy)."""
+        with self.lock:
+            return collections.Counter(self.counts)
+
+    def top(self, since: collections.Counter) -> str:
+        """The place sampled most since the counts ``since`` (a ``snapshot``); '' when none was."""
+        recent = self.snapshot() - since
+        return recent.most_common(1)[0][0] if recent else ""
+
+
+class LoaderSampler(PlaceCounts):
     """A daemon thread that, while it is ``wanted`` (an Event: set by the
     watch once this rank waits for data ``FLOOR_S`` a step or more) and
     ``phases`` is in its data phase, reads the main thread's stack every
@@ -66,8 +86,7 @@ class LoaderSampler:
 
     def __init__(self, phases: StepPhases) -> None:
         self.phases = phases
-        self.counts: collections.Counter = collections.Counter()
-        self.lock = threading.Lock()  # the counts are read in the main thread while this one adds
+        super().__init__()
         self.wanted = threading.Event()
         self.main = threading.main_thread().ident
         threading.Thread(target=self._run, daemon=True, name="loader sampler").start()
@@ -81,16 +100,6 @@ class LoaderSampler:
                 where = frame_in_code(frame) if frame is not None else ""
                 with self.lock:
                     self.counts[where or "no frame of the kit or the task"] += 1
-
-    def snapshot(self) -> collections.Counter:
-        """The counts so far (a copy)."""
-        with self.lock:
-            return collections.Counter(self.counts)
-
-    def top(self, since: collections.Counter) -> str:
-        """The place sampled most since ``since``; '' when none was."""
-        recent = self.snapshot() - since
-        return recent.most_common(1)[0][0] if recent else ""
 
 
 class PipeFlag:
@@ -132,7 +141,7 @@ class PipeFlag:
         return {"_reader": self._reader, "_set": None}  # a holder only waits: no writing end
 
 
-class WorkerStacks:
+class WorkerStacks(PlaceCounts):
     """The stacks of a training loader's worker processes, sampled for
     ``StragglerWatch`` as ``LoaderSampler`` samples the rank's own: with
     ``--num_workers`` > 0 the loader spends its time in the workers.
@@ -160,8 +169,7 @@ class WorkerStacks:
     def __init__(self) -> None:
         self.wanted = PipeFlag()
         self._reader, self._writer = multiprocessing.Pipe(duplex=False)
-        self.counts: collections.Counter = collections.Counter()
-        self.lock = threading.Lock()  # the counts are read in the main thread while the collector adds
+        super().__init__()
         threading.Thread(target=self._collect, daemon=True, name="loader worker samples").start()
 
     def __getstate__(self) -> dict:
@@ -203,16 +211,6 @@ class WorkerStacks:
             where = frame_in_code(frame) if frame is not None else ""
             if where:
                 counts[where] += 1
-
-    def snapshot(self) -> collections.Counter:
-        """The counts so far, over every worker (a copy)."""
-        with self.lock:
-            return collections.Counter(self.counts)
-
-    def top(self, since: collections.Counter) -> str:
-        """The place sampled most since ``since``; '' when none was."""
-        recent = self.snapshot() - since
-        return recent.most_common(1)[0][0] if recent else ""
 
 
 class StragglerWatch:
