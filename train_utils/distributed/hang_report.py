@@ -204,14 +204,20 @@ def collect_answers(store: Optional[dist.Store], world_size: int, deadline: floa
     return found
 
 
+# How long the report waits for a rank it continued (SIGCONT) to write its stack and answer: a
+# process continued on a busy machine waits for a core first (2 s were too few on a loaded 2-core
+# CI machine, and the report said "where unknown"). Only a report with a stopped rank waits.
+CONTINUED_ANSWER_S = 15.0
+
+
 def gather_answers(store: Optional[dist.Store], world_size: int, deadline: float) -> dict:
     """``collect_answers``, then each rank found stopped on this host
     continued (``continue_stopped``) and its answer read once it runs again
-    (2 s at most), marked ``"continued"``."""
+    (``CONTINUED_ANSWER_S`` at most), marked ``"continued"``."""
     answers = collect_answers(store, world_size, deadline)
     continued = continue_stopped(answers)
     if continued:
-        later = collect_answers(store, world_size, time.monotonic() + 2)
+        later = collect_answers(store, world_size, time.monotonic() + CONTINUED_ANSWER_S)
         answers.update({rank: later[rank] | {"continued": True} for rank in continued if rank in later})
     return answers
 
