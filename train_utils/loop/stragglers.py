@@ -268,7 +268,7 @@ class StragglerWatch:
         self.slow_runs: dict = collections.defaultdict(int)  # (rank, phase) -> windows slow in a row
         self.clear_runs: dict = collections.defaultdict(int)  # (rank, phase) -> windows not slow in a row
         self.run_from: dict = {}  # (rank, phase) -> the first step of its current run of slow (or clear) windows
-        self.named: dict = {}  # (rank, phase) -> its host, once named
+        self.named: set = set()  # the (rank, phase) pairs named slow now ("link": the link into that rank)
         self.events = 0  # lines this rank has a part in so far (the store keys' numbers)
         self.pending: list = []  # rank 0: lines waiting for a named rank's host and loader line
         self.store = None
@@ -324,10 +324,10 @@ class StragglerWatch:
                     self._announce(rank, phase, figures, started=change)
 
     def _count(self, rank: int, phase: str, slow: bool, first: int) -> tuple:
-        """Count the window for (``rank``, ``phase``): slow or not, in a row.
-        Returns (the first step of its current run of windows, True where it
-        is to be named now, False where it is to be named no longer, None
-        where nothing changes)."""
+        """Count the window for (``rank``, ``phase``): slow or not, in a row,
+        and mark it named (``named``) or no longer. Returns (the first step
+        of its current run of windows, True where it is to be named now,
+        False where it is to be named no longer, None where nothing changes)."""
         key = (rank, phase)
         runs, other = (self.slow_runs, self.clear_runs) if slow else (self.clear_runs, self.slow_runs)
         runs[key] += 1
@@ -335,8 +335,10 @@ class StragglerWatch:
         if runs[key] == 1:
             self.run_from[key] = first
         if key not in self.named and self.slow_runs[key] >= WINDOWS:
+            self.named.add(key)
             return self.run_from[key], True
         if key in self.named and self.clear_runs[key] >= WINDOWS:
+            self.named.discard(key)
             return self.run_from[key], False
         return self.run_from[key], None
 
@@ -351,13 +353,7 @@ class StragglerWatch:
         medians, slow = slow_ranks([[seconds[rank]] for rank in ranks])
         for place, rank in enumerate(ranks):
             run_from, change = self._count(rank, "link", (place, 0) in slow, first)
-            if change is None:
-                continue
-            if change:
-                self.named[(rank, "link")] = self.hosts[rank]
-            else:
-                self.named.pop((rank, "link"), None)
-            if self.rank == 0:
+            if change is not None and self.rank == 0:
                 previous = (rank - 1) % self.world_size
                 print_line(link_line(previous, self.hosts[previous], rank, self.hosts[rank],
                                      (seconds[rank], medians[(place, 0)], run_from, last), change))
@@ -368,8 +364,6 @@ class StragglerWatch:
         through the store; rank 0 prints the line once it has them."""
         self.events += 1
         key = f"{self.events}/{rank}"
-        if started:
-            self.named[(rank, phase)] = None
         if rank == self.rank and rank != 0:
             store = self._store()
             if store is not None:
@@ -378,8 +372,6 @@ class StragglerWatch:
             found = {"host": socket.gethostname(), "where": self._where(phase)} if rank == 0 else None
             self.pending.append([key, rank, phase, figures, started, found, self.polls])
             self._print_pending()
-        if not started:
-            self.named.pop((rank, phase), None)
 
     def _where(self, phase: str) -> str:
         """For data: where this rank's loader spent the window's time."""
